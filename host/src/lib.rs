@@ -1,0 +1,11 @@
+//! relayhost: a transactional-outbox event bus for MongoDB whose handlers are sandboxed
+//! WebAssembly components.
+//!
+//! Data flows one way: applications [`publish`] events in their own transactions; the
+//! [`store`] fans them out into deliveries, leases lanes to claimers and fences every outcome.
+
+pub mod event;
+pub mod lane;
+pub mod mongod;
+pub mod publish;
+pub mod store;

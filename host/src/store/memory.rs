@@ -1,0 +1,806 @@
+//! The in-memory store: the same semantics as the MongoDB store, in process.
+//!
+//! For plugin authors' tests and fast unit tests. It keeps the same documents (events as BSON
+//! documents written the way any driver writes them), the same lanes, leases, claim
+//! generations, parking and fencing, and shares the claim algorithm with the MongoDB store.
+//! Transactions are serializable: a transaction holds the whole state until it commits or
+//! aborts, so never claim from inside one. Nothing here survives the process.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Instant;
+
+use bson::oid::ObjectId;
+use bson::{Bson, DateTime, Document};
+use tokio::sync::{Mutex, OwnedMutexGuard};
+
+use super::claim::{Candidate, ClaimBackend, Claimer, HandlerKey, Holder, InFlight, LaneRecord, LaneState};
+use super::fan_out::{self, NewDelivery, id_text, string_key};
+use super::retention::event_expired;
+use super::{
+    ClaimedDelivery, DeliveryFilter, DeliveryId, DeliveryPage, DeliveryStatus, DeliveryView, FanOutReport,
+    HandlerStatistics, Lease, PurgeOptions, PurgeReport, Published, Settlement, Store, StoreError, StoreOptions,
+    StoreTransaction, Subscriptions, page_limit,
+};
+use crate::event::{NewEvent, field};
+use crate::lane::{LANE_COUNT, LaneId};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LaneKind {
+    Ready,
+    Parked,
+    Dead,
+}
+
+impl LaneKind {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Ready => "ready",
+            Self::Parked => "parked",
+            Self::Dead => "dead",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Delivery {
+    event_id: Bson,
+    event_type: String,
+    handler: String,
+    key: Option<String>,
+    sequence: Option<i64>,
+    lane_id: LaneId,
+    lane: LaneKind,
+    status: DeliveryStatus,
+    attempts: u32,
+    claims: i64,
+    due_at: DateTime,
+    created_at: DateTime,
+    updated_at: Option<DateTime>,
+    last_error: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+struct HistoryRecord {
+    event_id: Bson,
+    handler: String,
+    completed_at: DateTime,
+}
+
+#[derive(Debug, Clone)]
+struct State {
+    /// Raw event documents by `id_text` of their `_id`.
+    events: BTreeMap<String, Document>,
+    key_sequences: HashMap<String, i64>,
+    deliveries: BTreeMap<DeliveryId, Delivery>,
+    lanes: Vec<LaneState>,
+    history: BTreeMap<DeliveryId, HistoryRecord>,
+}
+
+impl State {
+    fn new() -> Self {
+        let lanes = (0..LANE_COUNT)
+            .map(|id| LaneState {
+                id: id as LaneId,
+                owner: None,
+                instance: None,
+                lease_expires_at: DateTime::from_millis(0),
+                epoch: 0,
+                in_flight: Vec::new(),
+            })
+            .collect();
+        Self {
+            events: BTreeMap::new(),
+            key_sequences: HashMap::new(),
+            deliveries: BTreeMap::new(),
+            lanes,
+            history: BTreeMap::new(),
+        }
+    }
+
+    /// The lease is current: its lane still has that epoch and the delivery that generation.
+    fn current(&self, lease: &Lease) -> bool {
+        self.lanes[usize::from(lease.lane)].epoch == lease.epoch
+            && self.deliveries.get(&lease.delivery).is_some_and(|d| {
+                d.claims == lease.claims && d.status == DeliveryStatus::Pending && d.lane_id == lease.lane
+            })
+    }
+
+    fn complete(&mut self, lease: &Lease, now: DateTime, history: bool) -> Settlement {
+        if !self.current(lease) {
+            return Settlement::LeaseLost;
+        }
+        let delivery = self.deliveries.remove(&lease.delivery).expect("checked above");
+        if let Some(event) = self.events.get_mut(&id_text(&delivery.event_id)) {
+            let later = match event.get(field::COMPLETED_AT) {
+                Some(Bson::DateTime(at)) => *at < now,
+                _ => true,
+            };
+            if later {
+                event.insert(field::COMPLETED_AT, now);
+            }
+        }
+        if history {
+            self.history.insert(
+                lease.delivery,
+                HistoryRecord { event_id: delivery.event_id, handler: delivery.handler, completed_at: now },
+            );
+        }
+        Settlement::Completed
+    }
+
+    fn bury(&mut self, lease: &Lease, reason: &str, charge_attempt: bool, now: DateTime) -> Settlement {
+        if !self.current(lease) {
+            return Settlement::LeaseLost;
+        }
+        let delivery = self.deliveries.get_mut(&lease.delivery).expect("checked above");
+        delivery.status = DeliveryStatus::Dead;
+        delivery.lane = LaneKind::Dead;
+        delivery.claims += 1;
+        delivery.attempts += u32::from(charge_attempt);
+        delivery.last_error = Some(reason.to_string());
+        delivery.updated_at = Some(now);
+        Settlement::Completed
+    }
+
+    fn publish(&mut self, event: &NewEvent, max_payload_bytes: usize) -> Result<Published, StoreError> {
+        event.validate(max_payload_bytes)?;
+        if self.events.contains_key(&event.id) {
+            return Ok(Published::Duplicate);
+        }
+        let sequence = event.key.as_ref().map(|key| {
+            let counter = self.key_sequences.entry(key.clone()).or_insert(0);
+            *counter += 1;
+            *counter
+        });
+        self.events.insert(event.id.clone(), event.to_document(sequence, DateTime::now()));
+        Ok(Published::New { sequence })
+    }
+
+    fn running(&self, now: DateTime) -> HashSet<DeliveryId> {
+        self.lanes
+            .iter()
+            .filter(|lane| lane.owner.is_some() && lane.lease_expires_at >= now)
+            .flat_map(|lane| lane.in_flight.iter())
+            .filter(|entry| self.deliveries.get(&entry.delivery).is_some_and(|d| d.claims == entry.claims))
+            .map(|entry| entry.delivery)
+            .collect()
+    }
+}
+
+/// An in-process outbox. Clones of the data are made with [`MemoryStore::instance`].
+pub struct MemoryStore {
+    state: Arc<Mutex<State>>,
+    claimer: Claimer,
+    options: StoreOptions,
+}
+
+impl MemoryStore {
+    pub fn new(options: StoreOptions) -> Self {
+        let claimer = Claimer::new(&options.owner, options.lease_duration);
+        Self { state: Arc::new(Mutex::new(State::new())), claimer, options }
+    }
+
+    /// Another worker on the same data, with its own lanes and leases (like a second host).
+    pub fn instance(&self, owner: &str) -> Self {
+        let options = StoreOptions { owner: owner.to_string(), ..self.options.clone() };
+        Self { state: self.state.clone(), claimer: Claimer::new(owner, options.lease_duration), options }
+    }
+
+    /// Inserts an event document exactly as given, the way another driver would.
+    pub async fn insert_event_document(&self, document: Document) -> Result<(), StoreError> {
+        let id = id_text(document.get(field::ID).unwrap_or(&Bson::Null));
+        let mut state = self.state.lock().await;
+        if state.events.contains_key(&id) {
+            return Err(StoreError::InvalidArgument(format!("an event with _id {id:?} exists already")));
+        }
+        state.events.insert(id, document);
+        Ok(())
+    }
+
+    /// The stored document of an event, if it exists.
+    pub async fn event_document(&self, id: &str) -> Option<Document> {
+        self.state.lock().await.events.get(id).cloned()
+    }
+}
+
+/// A serializable transaction over the whole in-memory state.
+pub struct MemoryTx {
+    state: OwnedMutexGuard<State>,
+    backup: Option<State>,
+    started: Instant,
+    budget: std::time::Duration,
+}
+
+impl MemoryTx {
+    /// Publishes a follow-up event in this transaction.
+    pub fn publish(&mut self, event: &NewEvent, max_payload_bytes: usize) -> Result<Published, StoreError> {
+        self.state.publish(event, max_payload_bytes)
+    }
+}
+
+impl StoreTransaction for MemoryTx {
+    async fn commit(mut self) -> Result<(), StoreError> {
+        if self.started.elapsed() > self.budget {
+            let budget = self.budget;
+            self.abort_in_place();
+            return Err(StoreError::TransactionTimeout(budget));
+        }
+        self.backup = None;
+        Ok(())
+    }
+
+    async fn abort(mut self) -> Result<(), StoreError> {
+        self.abort_in_place();
+        Ok(())
+    }
+}
+
+impl MemoryTx {
+    fn abort_in_place(&mut self) {
+        if let Some(backup) = self.backup.take() {
+            *self.state = backup;
+        }
+    }
+}
+
+impl Drop for MemoryTx {
+    fn drop(&mut self) {
+        // A transaction dropped without commit aborts, as a MongoDB session does.
+        self.abort_in_place();
+    }
+}
+
+fn to_view(id: &DeliveryId, d: &Delivery) -> DeliveryView {
+    DeliveryView {
+        id: id.to_hex(),
+        event_id: id_text(&d.event_id),
+        event_type: d.event_type.clone(),
+        handler: d.handler.clone(),
+        key: d.key.clone(),
+        sequence: d.sequence,
+        status: d.status,
+        lane: d.lane.as_str().to_string(),
+        lane_id: d.lane_id,
+        attempts: d.attempts,
+        due_at: d.due_at,
+        created_at: d.created_at,
+        updated_at: d.updated_at,
+        last_error: d.last_error.clone(),
+    }
+}
+
+fn stats_for<'m>(map: &'m mut BTreeMap<String, HandlerStatistics>, handler: &str) -> &'m mut HandlerStatistics {
+    map.entry(handler.to_string())
+        .or_insert_with(|| HandlerStatistics { handler: handler.to_string(), ..Default::default() })
+}
+
+fn created_at_of(doc: &Document) -> Option<DateTime> {
+    doc.get_datetime(field::CREATED_AT).ok().copied()
+}
+
+impl Store for MemoryStore {
+    type Tx = MemoryTx;
+
+    async fn setup(&self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    async fn begin(&self) -> Result<MemoryTx, StoreError> {
+        let state = self.state.clone().lock_owned().await;
+        let backup = Some(state.clone());
+        Ok(MemoryTx { state, backup, started: Instant::now(), budget: self.options.transaction_budget })
+    }
+
+    async fn publish(&self, tx: &mut MemoryTx, event: &NewEvent) -> Result<Published, StoreError> {
+        tx.publish(event, self.options.max_payload_bytes)
+    }
+
+    async fn fan_out(&self, subscriptions: &Subscriptions, limit: usize, now: DateTime) -> Result<FanOutReport, StoreError> {
+        let mut state = self.state.lock().await;
+        let mut unfanned: Vec<&Document> =
+            state.events.values().filter(|doc| !doc.contains_key(field::FANNED_OUT_AT)).collect();
+        unfanned.sort_by_key(|doc| (created_at_of(doc), id_text(doc.get(field::ID).unwrap_or(&Bson::Null))));
+        let first: Vec<Document> = unfanned.iter().take(limit).map(|doc| (*doc).clone()).collect();
+        let keys = fan_out::keys_of(&first);
+        let mut prefixes: Vec<&Document> =
+            unfanned.iter().copied().filter(|doc| string_key(doc).is_some_and(|k| keys.iter().any(|x| x == k))).collect();
+        prefixes.sort_by_key(|doc| (string_key(doc).map(str::to_string), doc.get_i64(field::SEQUENCE).ok()));
+        let prefixes: Vec<Document> = prefixes.into_iter().take(limit.saturating_mul(4)).cloned().collect();
+        let batch = fan_out::assemble(first, prefixes);
+        let plan = fan_out::plan(&batch, subscriptions);
+
+        for NewDelivery { id, event_id, event_type, handler, key, sequence, lane, dead_reason } in &plan.deliveries {
+            let dead = dead_reason.is_some();
+            state.deliveries.insert(
+                *id,
+                Delivery {
+                    event_id: event_id.clone(),
+                    event_type: event_type.clone(),
+                    handler: handler.clone(),
+                    key: key.clone(),
+                    sequence: *sequence,
+                    lane_id: *lane,
+                    lane: if dead { LaneKind::Dead } else { LaneKind::Ready },
+                    status: if dead { DeliveryStatus::Dead } else { DeliveryStatus::Pending },
+                    attempts: 0,
+                    claims: 0,
+                    due_at: now,
+                    created_at: now,
+                    updated_at: dead.then_some(now),
+                    last_error: dead_reason.clone(),
+                },
+            );
+        }
+        for fanned in &plan.events {
+            if let Some(event) = state.events.get_mut(&id_text(&fanned.id)) {
+                event.insert(field::FANNED_OUT_AT, now);
+                let mut handlers: Vec<Bson> = match event.get(field::HANDLERS) {
+                    Some(Bson::Array(list)) => list.clone(),
+                    _ => Vec::new(),
+                };
+                handlers.extend(fanned.new_handlers.iter().cloned().map(Bson::String));
+                event.insert(field::HANDLERS, handlers);
+            }
+        }
+        Ok(FanOutReport { events: plan.events.len(), deliveries: plan.deliveries.len(), malformed: plan.malformed })
+    }
+
+    async fn claim(&self, handlers: &[String], limit: usize, now: DateTime) -> Result<Vec<ClaimedDelivery>, StoreError> {
+        self.claimer.claim(&Backend(&self.state), handlers, limit, now).await
+    }
+
+    async fn complete_many(&self, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {
+        let mut state = self.state.lock().await;
+        let results = leases
+            .iter()
+            .map(|lease| {
+                if self.claimer.issued(lease) {
+                    state.complete(lease, now, self.options.completion_history)
+                } else {
+                    Settlement::LeaseLost
+                }
+            })
+            .collect();
+        self.claimer.settled(leases);
+        Ok(results)
+    }
+
+    async fn complete_in(&self, tx: &mut MemoryTx, lease: &Lease, now: DateTime) -> Result<(), StoreError> {
+        if !self.claimer.issued(lease) || tx.state.complete(lease, now, self.options.completion_history) != Settlement::Completed {
+            return Err(StoreError::LeaseLost(lease.to_string()));
+        }
+        Ok(())
+    }
+
+    async fn reschedule(&self, lease: &Lease, due_at: DateTime, error: &str, now: DateTime) -> Result<Settlement, StoreError> {
+        let mut state = self.state.lock().await;
+        if !self.claimer.issued(lease) || !state.current(lease) {
+            return Ok(Settlement::LeaseLost);
+        }
+        let delivery = state.deliveries.get_mut(&lease.delivery).expect("current");
+        delivery.attempts += 1;
+        delivery.claims += 1;
+        delivery.due_at = due_at;
+        delivery.last_error = Some(error.to_string());
+        delivery.updated_at = Some(now);
+        self.claimer.settled([lease]);
+        Ok(Settlement::Completed)
+    }
+
+    async fn release(&self, leases: &[Lease], now: DateTime) -> Result<usize, StoreError> {
+        let mut state = self.state.lock().await;
+        let mut released = 0;
+        for lease in leases {
+            if self.claimer.issued(lease) && state.current(lease) {
+                let delivery = state.deliveries.get_mut(&lease.delivery).expect("current");
+                delivery.claims += 1;
+                delivery.updated_at = Some(now);
+                released += 1;
+            }
+        }
+        self.claimer.settled(leases);
+        Ok(released)
+    }
+
+    async fn bury(&self, lease: &Lease, reason: &str, charge_attempt: bool, now: DateTime) -> Result<Settlement, StoreError> {
+        let mut state = self.state.lock().await;
+        if !self.claimer.issued(lease) {
+            return Ok(Settlement::LeaseLost);
+        }
+        let settlement = state.bury(lease, reason, charge_attempt, now);
+        self.claimer.settled([lease]);
+        Ok(settlement)
+    }
+
+    async fn bury_in(&self, tx: &mut MemoryTx, lease: &Lease, reason: &str, charge_attempt: bool, now: DateTime) -> Result<(), StoreError> {
+        if !self.claimer.issued(lease) || tx.state.bury(lease, reason, charge_attempt, now) != Settlement::Completed {
+            return Err(StoreError::LeaseLost(lease.to_string()));
+        }
+        Ok(())
+    }
+
+    async fn extend_lease(&self, leases: &[Lease], now: DateTime) -> Result<Vec<bool>, StoreError> {
+        let mut state = self.state.lock().await;
+        let until = self.claimer.lease_until(now);
+        let mut results = Vec::with_capacity(leases.len());
+        for lease in leases {
+            let ok = self.claimer.issued(lease) && state.current(lease);
+            if ok {
+                let lane = &mut state.lanes[usize::from(lease.lane)];
+                lane.lease_expires_at = lane.lease_expires_at.max(until);
+            }
+            results.push(ok);
+        }
+        Ok(results)
+    }
+
+    async fn relinquish(&self) -> Result<(), StoreError> {
+        let held = self.claimer.take_held().await;
+        let mut state = self.state.lock().await;
+        for (lane, epoch) in held {
+            let lane = &mut state.lanes[usize::from(lane)];
+            if lane.epoch == epoch && lane.held_by(&self.claimer.holder) {
+                lane.owner = None;
+                lane.instance = None;
+            }
+        }
+        Ok(())
+    }
+
+    async fn requeue(&self, delivery_id: &str, now: DateTime) -> Result<(), StoreError> {
+        let not_found = || StoreError::DeliveryNotFound(delivery_id.to_string());
+        let id = ObjectId::parse_str(delivery_id).map_err(|_| not_found())?;
+        let mut state = self.state.lock().await;
+        let delivery = state.deliveries.get_mut(&id).ok_or_else(not_found)?;
+        if delivery.status != DeliveryStatus::Dead {
+            return Err(StoreError::NotDead(delivery_id.to_string()));
+        }
+        delivery.status = DeliveryStatus::Pending;
+        delivery.lane = LaneKind::Ready;
+        delivery.attempts = 0;
+        delivery.claims += 1;
+        delivery.due_at = now;
+        delivery.updated_at = Some(now);
+        Ok(())
+    }
+
+    async fn purge(&self, options: &PurgeOptions, _now: DateTime) -> Result<PurgeReport, StoreError> {
+        let mut state = self.state.lock().await;
+        let mut report = PurgeReport::default();
+        if let Some(cutoff) = options.dead_before {
+            let before = state.deliveries.len();
+            state.deliveries.retain(|_, d| {
+                !(d.status == DeliveryStatus::Dead && d.updated_at.unwrap_or(d.created_at) < cutoff)
+            });
+            report.dead_deliveries = (before - state.deliveries.len()) as u64;
+        }
+        if let Some(cutoff) = options.completed_before {
+            let before = state.history.len();
+            state.history.retain(|_, record| record.completed_at >= cutoff);
+            report.history_records = (before - state.history.len()) as u64;
+        }
+        let referenced: HashSet<String> = state
+            .deliveries
+            .values()
+            .map(|d| id_text(&d.event_id))
+            .chain(state.history.values().map(|r| id_text(&r.event_id)))
+            .collect();
+        let before = state.events.len();
+        state.events.retain(|id, event| referenced.contains(id) || !event_expired(event, options));
+        report.events = (before - state.events.len()) as u64;
+        Ok(report)
+    }
+
+    async fn statistics(&self, now: DateTime) -> Result<Vec<HandlerStatistics>, StoreError> {
+        let state = self.state.lock().await;
+        let running = state.running(now);
+        let mut by_handler: BTreeMap<String, HandlerStatistics> = BTreeMap::new();
+        for (id, d) in &state.deliveries {
+            let stats = stats_for(&mut by_handler, &d.handler);
+            match d.status {
+                DeliveryStatus::Dead => stats.dead += 1,
+                DeliveryStatus::Pending => {
+                    if running.contains(id) {
+                        stats.running += 1;
+                    } else {
+                        stats.pending += 1;
+                    }
+                    if d.lane == LaneKind::Parked {
+                        stats.parked += 1;
+                    }
+                    stats.oldest_due_at = Some(stats.oldest_due_at.map_or(d.due_at, |at| at.min(d.due_at)));
+                }
+            }
+        }
+        if self.options.completion_history {
+            for record in state.history.values() {
+                *stats_for(&mut by_handler, &record.handler).completed.get_or_insert(0) += 1;
+            }
+            for stats in by_handler.values_mut() {
+                stats.completed.get_or_insert(0);
+            }
+        }
+        Ok(by_handler.into_values().collect())
+    }
+
+    async fn list_deliveries(&self, filter: &DeliveryFilter) -> Result<DeliveryPage, StoreError> {
+        let after = match &filter.after {
+            Some(after) => Some(
+                ObjectId::parse_str(after)
+                    .map_err(|_| StoreError::InvalidArgument(format!("`after` {after:?} is not a delivery id")))?,
+            ),
+            None => None,
+        };
+        let limit = page_limit(filter.limit);
+        let state = self.state.lock().await;
+        let matches = |d: &Delivery| {
+            filter.status.is_none_or(|s| d.status == s)
+                && filter.handler.as_ref().is_none_or(|h| &d.handler == h)
+                && filter.event_type.as_ref().is_none_or(|t| &d.event_type == t)
+                && filter.event_id.as_ref().is_none_or(|e| id_text(&d.event_id) == *e)
+                && filter.key.as_ref().is_none_or(|k| d.key.as_ref() == Some(k))
+        };
+        let range = match after {
+            Some(after) => state.deliveries.range((std::ops::Bound::Excluded(after), std::ops::Bound::Unbounded)),
+            None => state.deliveries.range(..),
+        };
+        let mut deliveries: Vec<DeliveryView> =
+            range.filter(|(_, d)| matches(d)).take(limit + 1).map(|(id, d)| to_view(id, d)).collect();
+        let next = if deliveries.len() > limit {
+            deliveries.truncate(limit);
+            deliveries.last().map(|d| d.id.clone())
+        } else {
+            None
+        };
+        Ok(DeliveryPage { deliveries, next })
+    }
+}
+
+/// The claim primitives over the in-memory state.
+struct Backend<'a>(&'a Arc<Mutex<State>>);
+
+impl ClaimBackend for Backend<'_> {
+    async fn unpark(&self, handlers: &[String]) -> Result<(), StoreError> {
+        let mut state = self.0.lock().await;
+        let mut lowest: HashMap<HandlerKey, (i64, DeliveryId, LaneKind)> = HashMap::new();
+        for (id, d) in &state.deliveries {
+            if d.status != DeliveryStatus::Pending || !handlers.contains(&d.handler) {
+                continue;
+            }
+            let (Some(key), Some(sequence)) = (&d.key, d.sequence) else { continue };
+            let slot = lowest.entry((d.handler.clone(), key.clone())).or_insert((sequence, *id, d.lane));
+            if sequence < slot.0 {
+                *slot = (sequence, *id, d.lane);
+            }
+        }
+        for (_, id, lane) in lowest.into_values() {
+            if lane == LaneKind::Parked {
+                state.deliveries.get_mut(&id).expect("exists").lane = LaneKind::Ready;
+            }
+        }
+        Ok(())
+    }
+
+    async fn lanes(&self, ids: &[LaneId]) -> Result<Vec<LaneState>, StoreError> {
+        let state = self.0.lock().await;
+        Ok(ids.iter().map(|id| state.lanes[usize::from(*id)].clone()).collect())
+    }
+
+    async fn free_lanes_with_due_work(
+        &self,
+        handlers: &[String],
+        exclude: &std::collections::BTreeSet<LaneId>,
+        count: usize,
+        now: DateTime,
+    ) -> Result<Vec<LaneId>, StoreError> {
+        let state = self.0.lock().await;
+        let free: HashSet<LaneId> = state
+            .lanes
+            .iter()
+            .filter(|lane| (lane.owner.is_none() || lane.lease_expires_at < now) && !exclude.contains(&lane.id))
+            .map(|lane| lane.id)
+            .collect();
+        let mut oldest: BTreeMap<LaneId, DateTime> = BTreeMap::new();
+        for d in state.deliveries.values() {
+            if d.lane == LaneKind::Ready && d.due_at <= now && free.contains(&d.lane_id) && handlers.contains(&d.handler) {
+                let at = oldest.entry(d.lane_id).or_insert(d.due_at);
+                *at = (*at).min(d.due_at);
+            }
+        }
+        let mut lanes: Vec<(DateTime, LaneId)> = oldest.into_iter().map(|(lane, at)| (at, lane)).collect();
+        lanes.sort();
+        Ok(lanes.into_iter().take(count).map(|(_, lane)| lane).collect())
+    }
+
+    async fn take_lane(&self, lane: LaneId, holder: &Holder, now: DateTime, until: DateTime) -> Result<Option<LaneState>, StoreError> {
+        let mut state = self.0.lock().await;
+        let lane = &mut state.lanes[usize::from(lane)];
+        if lane.owner.is_some() && lane.lease_expires_at >= now {
+            return Ok(None);
+        }
+        lane.owner = Some(holder.owner.clone());
+        lane.instance = Some(holder.instance.clone());
+        lane.lease_expires_at = until;
+        lane.epoch += 1;
+        Ok(Some(lane.clone()))
+    }
+
+    async fn charge_lost(&self, entries: &[InFlight], now: DateTime) -> Result<(), StoreError> {
+        let mut state = self.0.lock().await;
+        for entry in entries {
+            if let Some(d) = state.deliveries.get_mut(&entry.delivery) {
+                if d.claims == entry.claims && d.status == DeliveryStatus::Pending {
+                    d.claims += 1;
+                    d.attempts += 1;
+                    d.last_error = Some("lease lost: the worker running it stopped renewing its lane".to_string());
+                    d.updated_at = Some(now);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn current(&self, entries: &[InFlight]) -> Result<HashSet<DeliveryId>, StoreError> {
+        let state = self.0.lock().await;
+        Ok(entries
+            .iter()
+            .filter(|e| {
+                state.deliveries.get(&e.delivery).is_some_and(|d| d.claims == e.claims && d.status == DeliveryStatus::Pending)
+            })
+            .map(|e| e.delivery)
+            .collect())
+    }
+
+    async fn candidates(
+        &self,
+        lanes: &[LaneId],
+        handlers: &[String],
+        now: DateTime,
+        after: Option<(DateTime, DeliveryId)>,
+        limit: usize,
+    ) -> Result<Vec<Candidate>, StoreError> {
+        let state = self.0.lock().await;
+        let mut rows: Vec<Candidate> = state
+            .deliveries
+            .iter()
+            .filter(|(id, d)| {
+                d.lane == LaneKind::Ready
+                    && d.due_at <= now
+                    && lanes.contains(&d.lane_id)
+                    && handlers.contains(&d.handler)
+                    && after.is_none_or(|cursor| (d.due_at, **id) > cursor)
+            })
+            .map(|(id, d)| Candidate {
+                id: *id,
+                event_id: id_text(&d.event_id),
+                handler: d.handler.clone(),
+                key: d.key.clone(),
+                lane: d.lane_id,
+                due_at: d.due_at,
+                claims: d.claims,
+                attempts: d.attempts,
+            })
+            .collect();
+        rows.sort_by_key(|row| (row.due_at, row.id));
+        rows.truncate(limit);
+        Ok(rows)
+    }
+
+    async fn key_heads(&self, keys: &[HandlerKey]) -> Result<HashMap<HandlerKey, DeliveryId>, StoreError> {
+        let state = self.0.lock().await;
+        let wanted: HashSet<&HandlerKey> = keys.iter().collect();
+        let mut heads: HashMap<HandlerKey, (i64, DeliveryId)> = HashMap::new();
+        for (id, d) in &state.deliveries {
+            let (Some(key), Some(sequence)) = (&d.key, d.sequence) else { continue };
+            if d.status != DeliveryStatus::Pending {
+                continue;
+            }
+            let handler_key = (d.handler.clone(), key.clone());
+            if wanted.contains(&handler_key) {
+                let head = heads.entry(handler_key).or_insert((sequence, *id));
+                if sequence < head.0 {
+                    *head = (sequence, *id);
+                }
+            }
+        }
+        Ok(heads.into_iter().map(|(key, (_, id))| (key, id)).collect())
+    }
+
+    async fn park(&self, ids: &[DeliveryId]) -> Result<(), StoreError> {
+        let mut state = self.0.lock().await;
+        for id in ids {
+            if let Some(d) = state.deliveries.get_mut(id) {
+                if d.lane == LaneKind::Ready {
+                    d.lane = LaneKind::Parked;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn record(&self, holder: &Holder, records: &[LaneRecord]) -> Result<Vec<bool>, StoreError> {
+        let mut state = self.0.lock().await;
+        Ok(records
+            .iter()
+            .map(|record| {
+                let lane = &mut state.lanes[usize::from(record.lane)];
+                let ok = lane.epoch == record.epoch && lane.held_by(holder);
+                if ok {
+                    lane.in_flight = record.in_flight.clone();
+                    lane.lease_expires_at = lane.lease_expires_at.max(record.lease_until);
+                }
+                ok
+            })
+            .collect())
+    }
+
+    async fn hand_back(&self, holder: &Holder, lanes: &[(LaneId, i64)], _now: DateTime) -> Result<(), StoreError> {
+        let mut state = self.0.lock().await;
+        for (lane, epoch) in lanes {
+            let lane = &mut state.lanes[usize::from(*lane)];
+            if lane.epoch == *epoch && lane.held_by(holder) {
+                lane.owner = None;
+                lane.instance = None;
+                lane.in_flight.clear();
+            }
+        }
+        Ok(())
+    }
+
+    async fn events(&self, ids: &[String]) -> Result<HashMap<String, Document>, StoreError> {
+        let state = self.0.lock().await;
+        Ok(ids.iter().filter_map(|id| state.events.get(id).map(|doc| (id.clone(), doc.clone()))).collect())
+    }
+
+    async fn bury_unrunnable(&self, doomed: &[(DeliveryId, i64, String)], now: DateTime) -> Result<(), StoreError> {
+        let mut state = self.0.lock().await;
+        for (id, claims, reason) in doomed {
+            if let Some(d) = state.deliveries.get_mut(id) {
+                if d.claims == *claims && d.status == DeliveryStatus::Pending {
+                    d.status = DeliveryStatus::Dead;
+                    d.lane = LaneKind::Dead;
+                    d.claims += 1;
+                    d.last_error = Some(reason.clone());
+                    d.updated_at = Some(now);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn reconcile(&self, holder: &Holder, issued: &HashSet<Lease>) -> Result<(), StoreError> {
+        let mut state = self.0.lock().await;
+        let State { lanes, deliveries, .. } = &mut *state;
+        for lane in lanes.iter_mut().filter(|lane| lane.held_by(holder)) {
+            let (lane_id, epoch) = (lane.id, lane.epoch);
+            lane.in_flight.retain(|entry| {
+                let keep = issued.contains(&Lease { delivery: entry.delivery, lane: lane_id, epoch, claims: entry.claims });
+                if !keep {
+                    if let Some(d) = deliveries.get_mut(&entry.delivery) {
+                        if d.claims == entry.claims {
+                            d.claims += 1;
+                        }
+                    }
+                }
+                keep
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_dropped_transaction_aborts() {
+        let store = MemoryStore::new(StoreOptions::default());
+        {
+            let mut tx = store.begin().await.unwrap();
+            store.publish(&mut tx, &NewEvent::new("e-1", "t", bson::doc! {})).await.unwrap();
+        }
+        assert!(store.event_document("e-1").await.is_none());
+    }
+}

@@ -1,0 +1,374 @@
+//! The outbox store: events, their per-handler deliveries, lanes and leases.
+//!
+//! This module owns the [`Store`] trait and the types that cross it. Two implementations
+//! keep the same semantics: [`mongo::MongoStore`] (the product) and [`memory::MemoryStore`]
+//! (in process, for plugin authors' tests and fast unit tests); one contract suite
+//! (`host/tests/store_contract.rs`) runs against both. The store must never know about
+//! WebAssembly, plugins or the dispatcher's policies (backoff, attempt limits): callers pass
+//! decisions in, the store applies them atomically and fenced.
+
+mod claim;
+mod error;
+mod fan_out;
+mod lease;
+pub mod memory;
+pub mod mongo;
+mod retention;
+mod transaction;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::time::Duration;
+
+use bson::DateTime;
+use bson::oid::ObjectId;
+
+pub use error::StoreError;
+pub use lease::Lease;
+pub use transaction::{Retrying, TRANSACTION_RETRY_LIMIT, run_in_transaction};
+
+use crate::event::{EventRecord, NewEvent};
+
+/// A delivery's id: the `_id` of its document.
+pub type DeliveryId = ObjectId;
+
+/// Handler name under which an event is dead-lettered when its `type` cannot be read, so
+/// no subscription can be chosen for it.
+pub const MALFORMED_EVENT_HANDLER: &str = "relayhost.malformed";
+
+/// Followers of a key waiting behind an unfinished predecessor that make one claim move
+/// them out of the claim index.
+pub const PARK_THRESHOLD: usize = 32;
+
+/// Longest handler id, in characters.
+pub const MAX_HANDLER_CHARS: usize = 128;
+
+/// Settings shared by both stores.
+#[derive(Debug, Clone)]
+pub struct StoreOptions {
+    /// Identifies the worker in lane documents (`owner`). Several store instances may share
+    /// it; lanes are still held per instance.
+    pub owner: String,
+    /// How long a lane stays leased without a claim or renewal.
+    pub lease_duration: Duration,
+    /// Keep a record of every completed delivery (`<prefix>completed_deliveries`).
+    pub completion_history: bool,
+    /// Documents deleted per purge step.
+    pub purge_batch_size: usize,
+    /// Largest accepted event payload (BSON bytes).
+    pub max_payload_bytes: usize,
+    /// Time a transaction may take from start to commit before it is aborted.
+    pub transaction_budget: Duration,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        Self {
+            owner: default_owner(),
+            lease_duration: Duration::from_secs(30),
+            completion_history: false,
+            purge_batch_size: 500,
+            max_payload_bytes: crate::event::DEFAULT_MAX_PAYLOAD_BYTES,
+            transaction_budget: Duration::from_secs(5),
+        }
+    }
+}
+
+fn default_owner() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "host".to_string());
+    format!("{host}:{}", std::process::id())
+}
+
+/// One handler's interest in event types.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Subscription {
+    pub handler: String,
+    pub event_types: BTreeSet<String>,
+}
+
+impl Subscription {
+    pub fn new<I, T>(handler: impl Into<String>, event_types: I) -> Self
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<String>,
+    {
+        Self { handler: handler.into(), event_types: event_types.into_iter().map(Into::into).collect() }
+    }
+}
+
+/// The subscriptions fan-out uses: which handlers receive which event types.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Subscriptions {
+    by_type: BTreeMap<String, BTreeSet<String>>,
+    handlers: BTreeSet<String>,
+}
+
+impl Subscriptions {
+    /// Validates handler ids (non-empty, bounded, no control characters, unique).
+    pub fn new(subscriptions: impl IntoIterator<Item = Subscription>) -> Result<Self, StoreError> {
+        let mut result = Self::default();
+        for subscription in subscriptions {
+            let handler = &subscription.handler;
+            if handler.is_empty()
+                || handler.chars().count() > MAX_HANDLER_CHARS
+                || handler.chars().any(char::is_control)
+                || handler == MALFORMED_EVENT_HANDLER
+            {
+                return Err(StoreError::InvalidArgument(format!(
+                    "handler id {handler:?} must be 1-{MAX_HANDLER_CHARS} printable characters and not {MALFORMED_EVENT_HANDLER:?}"
+                )));
+            }
+            if !result.handlers.insert(handler.clone()) {
+                return Err(StoreError::InvalidArgument(format!("handler id {handler:?} is subscribed twice")));
+            }
+            for event_type in subscription.event_types {
+                result.by_type.entry(event_type).or_default().insert(handler.clone());
+            }
+        }
+        Ok(result)
+    }
+
+    /// Handlers subscribed to `event_type`, in name order.
+    pub fn handlers_for(&self, event_type: &str) -> impl Iterator<Item = &String> {
+        self.by_type.get(event_type).into_iter().flatten()
+    }
+
+    /// Every subscribed handler, in name order.
+    pub fn handlers(&self) -> Vec<String> {
+        self.handlers.iter().cloned().collect()
+    }
+}
+
+/// A delivery handed to a worker by [`Store::claim`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClaimedDelivery {
+    pub lease: Lease,
+    pub handler: String,
+    /// Attempts already charged before this one (failed runs and lost leases).
+    pub attempts: u32,
+    pub event: EventRecord,
+}
+
+/// The result of settling one lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settlement {
+    Completed,
+    /// The lease was no longer current: another worker took the lane over, or the delivery
+    /// was settled already. Nothing was changed.
+    LeaseLost,
+}
+
+/// What one fan-out step did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FanOutReport {
+    /// Events marked fanned out (malformed ones included).
+    pub events: usize,
+    /// Deliveries created, dead letters of malformed events included.
+    pub deliveries: usize,
+    /// Malformed event documents dead-lettered.
+    pub malformed: usize,
+}
+
+/// Retention cutoffs for [`Store::purge`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PurgeOptions {
+    /// Delete dead deliveries whose last change is older.
+    pub dead_before: Option<DateTime>,
+    /// Delete completion history older than this, and let events whose latest completion is
+    /// older go (they are kept as deduplication records until then).
+    pub completed_before: Option<DateTime>,
+}
+
+/// What a purge deleted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PurgeReport {
+    pub dead_deliveries: u64,
+    pub history_records: u64,
+    pub events: u64,
+}
+
+/// Counts of one handler's deliveries.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HandlerStatistics {
+    pub handler: String,
+    /// Unfinished and not running (parked ones included).
+    pub pending: u64,
+    /// Listed by a live lease.
+    pub running: u64,
+    /// Waiting in the parked lane behind an unfinished predecessor.
+    pub parked: u64,
+    pub dead: u64,
+    /// Known only with completion history.
+    pub completed: Option<u64>,
+    /// Earliest due time of an unfinished delivery.
+    pub oldest_due_at: Option<DateTime>,
+}
+
+/// State of a stored delivery (a completed one is deleted).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeliveryStatus {
+    Pending,
+    Dead,
+}
+
+impl DeliveryStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Dead => "dead",
+        }
+    }
+}
+
+/// Filters for [`Store::list_deliveries`]. Every field is matched as a literal string.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeliveryFilter {
+    pub status: Option<DeliveryStatus>,
+    pub handler: Option<String>,
+    pub event_type: Option<String>,
+    pub event_id: Option<String>,
+    pub key: Option<String>,
+    /// Continue after this delivery id (the `next` of the previous page).
+    pub after: Option<String>,
+    /// Page size; 0 means 100. At most 1,000.
+    pub limit: usize,
+}
+
+/// A delivery as operators see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeliveryView {
+    pub id: String,
+    pub event_id: String,
+    pub event_type: String,
+    pub handler: String,
+    pub key: Option<String>,
+    pub sequence: Option<i64>,
+    pub status: DeliveryStatus,
+    /// `ready`, `parked` or `dead`.
+    pub lane: String,
+    pub lane_id: u8,
+    pub attempts: u32,
+    pub due_at: DateTime,
+    pub created_at: DateTime,
+    pub updated_at: Option<DateTime>,
+    pub last_error: Option<String>,
+}
+
+/// One page of deliveries.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeliveryPage {
+    pub deliveries: Vec<DeliveryView>,
+    /// Pass as `after` to read the next page; `None` at the end.
+    pub next: Option<String>,
+}
+
+/// Result of publishing one event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Published {
+    /// Written, with its key's sequence when keyed.
+    New { sequence: Option<i64> },
+    /// An event with this id exists already; nothing was written.
+    Duplicate,
+}
+
+pub(crate) fn page_limit(limit: usize) -> usize {
+    match limit {
+        0 => 100,
+        n => n.min(1_000),
+    }
+}
+
+/// A transaction of a store: writes made through it commit or abort together.
+pub trait StoreTransaction: Send {
+    fn commit(self) -> impl Future<Output = Result<(), StoreError>> + Send;
+    fn abort(self) -> impl Future<Output = Result<(), StoreError>> + Send;
+}
+
+/// The outbox. Every method that changes a delivery takes the lease it was claimed with and
+/// changes nothing when that lease is no longer current.
+pub trait Store: Send + Sync + 'static {
+    type Tx: StoreTransaction;
+
+    /// Creates collections, indexes and lane documents; idempotent, safe to run from several
+    /// hosts at once.
+    fn setup(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Starts a transaction (snapshot reads, majority commit, bounded by the time budget).
+    fn begin(&self) -> impl Future<Output = Result<Self::Tx, StoreError>> + Send;
+
+    /// Writes `event` in `tx`; a keyed event takes its key's next sequence.
+    fn publish(&self, tx: &mut Self::Tx, event: &NewEvent)
+    -> impl Future<Output = Result<Published, StoreError>> + Send;
+
+    /// Turns up to `limit` committed events into one delivery per subscribed handler.
+    fn fan_out(&self, subscriptions: &Subscriptions, limit: usize, now: DateTime)
+    -> impl Future<Output = Result<FanOutReport, StoreError>> + Send;
+
+    /// Claims up to `limit` due deliveries of `handlers` through lane leases.
+    fn claim(&self, handlers: &[String], limit: usize, now: DateTime)
+    -> impl Future<Output = Result<Vec<ClaimedDelivery>, StoreError>> + Send;
+
+    /// Completes a batch in a fixed number of commands; one result per lease, in order.
+    fn complete_many(&self, leases: &[Lease], now: DateTime)
+    -> impl Future<Output = Result<Vec<Settlement>, StoreError>> + Send;
+
+    /// Completes inside the caller's transaction, so the caller's writes and the completion
+    /// commit together. Fails with [`StoreError::LeaseLost`] (abort the transaction then).
+    fn complete_in(&self, tx: &mut Self::Tx, lease: &Lease, now: DateTime)
+    -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Ends an attempt as failed: charges it and makes the delivery due again at `due_at`.
+    fn reschedule(&self, lease: &Lease, due_at: DateTime, error: &str, now: DateTime)
+    -> impl Future<Output = Result<Settlement, StoreError>> + Send;
+
+    /// Hands claimed deliveries back without charging an attempt (graceful stop).
+    fn release(&self, leases: &[Lease], now: DateTime) -> impl Future<Output = Result<usize, StoreError>> + Send;
+
+    /// Makes the delivery dead with `reason`; `charge_attempt` counts the attempt that failed.
+    fn bury(&self, lease: &Lease, reason: &str, charge_attempt: bool, now: DateTime)
+    -> impl Future<Output = Result<Settlement, StoreError>> + Send;
+
+    /// [`Store::bury`] inside the caller's transaction (for a dead-letter event published in
+    /// the same transaction). Fails with [`StoreError::LeaseLost`].
+    fn bury_in(&self, tx: &mut Self::Tx, lease: &Lease, reason: &str, charge_attempt: bool, now: DateTime)
+    -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Extends the lanes of still-current leases to `now + lease_duration`; one flag per lease.
+    fn extend_lease(&self, leases: &[Lease], now: DateTime)
+    -> impl Future<Output = Result<Vec<bool>, StoreError>> + Send;
+
+    /// Hands every lane this instance holds back at once (graceful stop).
+    fn relinquish(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Operator action: makes a dead delivery pending and due now, with its attempts reset.
+    fn requeue(&self, delivery_id: &str, now: DateTime) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Deletes dead deliveries, history and events nothing references, in batches.
+    fn purge(&self, options: &PurgeOptions, now: DateTime)
+    -> impl Future<Output = Result<PurgeReport, StoreError>> + Send;
+
+    /// Per-handler counts.
+    fn statistics(&self, now: DateTime) -> impl Future<Output = Result<Vec<HandlerStatistics>, StoreError>> + Send;
+
+    /// Deliveries matching `filter`, in id order.
+    fn list_deliveries(&self, filter: &DeliveryFilter)
+    -> impl Future<Output = Result<DeliveryPage, StoreError>> + Send;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn subscriptions_refuse_bad_and_duplicate_handlers() {
+        assert!(Subscriptions::new([Subscription::new("", ["a"])]).is_err());
+        assert!(Subscriptions::new([Subscription::new(MALFORMED_EVENT_HANDLER, ["a"])]).is_err());
+        assert!(Subscriptions::new([Subscription::new("h", ["a"]), Subscription::new("h", ["b"])]).is_err());
+        let subscriptions =
+            Subscriptions::new([Subscription::new("b", ["x"]), Subscription::new("a", ["x", "y"])]).unwrap();
+        assert_eq!(subscriptions.handlers_for("x").collect::<Vec<_>>(), ["a", "b"]);
+        assert_eq!(subscriptions.handlers_for("z").count(), 0);
+    }
+}

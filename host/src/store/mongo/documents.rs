@@ -1,0 +1,182 @@
+//! Field names and conversions of the store's own MongoDB documents (deliveries, lanes,
+//! completion history). Event documents belong to [`crate::event`].
+
+use bson::oid::ObjectId;
+use bson::{Bson, DateTime, Document, doc};
+
+use super::super::claim::{Candidate, InFlight, LaneState};
+use super::super::fan_out::{NewDelivery, id_text};
+use super::super::{DeliveryStatus, DeliveryView, StoreError};
+use crate::lane::LaneId;
+
+pub(super) mod delivery {
+    pub const ID: &str = "_id";
+    pub const EVENT_ID: &str = "eventId";
+    pub const EVENT_TYPE: &str = "eventType";
+    pub const HANDLER: &str = "handler";
+    pub const KEY: &str = "key";
+    pub const SEQUENCE: &str = "sequence";
+    pub const LANE_ID: &str = "laneId";
+    /// The claim lane: `ready` (in the claim index), `parked` or `dead`.
+    pub const LANE: &str = "lane";
+    pub const STATUS: &str = "status";
+    pub const ATTEMPTS: &str = "attempts";
+    /// The claim generation; see [`crate::store::Lease`].
+    pub const CLAIMS: &str = "claims";
+    pub const DUE_AT: &str = "dueAt";
+    pub const CREATED_AT: &str = "createdAt";
+    pub const UPDATED_AT: &str = "updatedAt";
+    pub const LAST_ERROR: &str = "lastError";
+
+    pub const READY: &str = "ready";
+    pub const PARKED: &str = "parked";
+    pub const DEAD: &str = "dead";
+    pub const PENDING: &str = "pending";
+}
+
+pub(super) mod lane {
+    pub const ID: &str = "_id";
+    pub const OWNER: &str = "owner";
+    pub const INSTANCE: &str = "instance";
+    pub const LEASE_EXPIRES_AT: &str = "leaseExpiresAt";
+    pub const EPOCH: &str = "epoch";
+    pub const IN_FLIGHT: &str = "inFlight";
+}
+
+pub(super) mod history {
+    pub const COMPLETED_AT: &str = "completedAt";
+}
+
+fn corrupt(what: &str, document: &Document) -> StoreError {
+    StoreError::Corrupt(format!("{what}: {document}"))
+}
+
+fn integer(document: &Document, field: &str) -> Option<i64> {
+    match document.get(field)? {
+        Bson::Int32(n) => Some(i64::from(*n)),
+        Bson::Int64(n) => Some(*n),
+        Bson::Double(n) if n.fract() == 0.0 => Some(*n as i64),
+        _ => None,
+    }
+}
+
+fn optional_string(document: &Document, field: &str) -> Option<String> {
+    document.get_str(field).ok().map(str::to_string)
+}
+
+pub(super) fn new_delivery_document(new: &NewDelivery, now: DateTime) -> Document {
+    let dead = new.dead_reason.is_some();
+    let mut document = doc! {
+        delivery::ID: new.id,
+        delivery::EVENT_ID: new.event_id.clone(),
+        delivery::EVENT_TYPE: &new.event_type,
+        delivery::HANDLER: &new.handler,
+        delivery::LANE_ID: i32::from(new.lane),
+        delivery::LANE: if dead { delivery::DEAD } else { delivery::READY },
+        delivery::STATUS: if dead { delivery::DEAD } else { delivery::PENDING },
+        delivery::ATTEMPTS: 0_i32,
+        delivery::CLAIMS: 0_i64,
+        delivery::DUE_AT: now,
+        delivery::CREATED_AT: now,
+    };
+    if let Some(key) = &new.key {
+        document.insert(delivery::KEY, key);
+    }
+    if let Some(sequence) = new.sequence {
+        document.insert(delivery::SEQUENCE, sequence);
+    }
+    if let Some(reason) = &new.dead_reason {
+        document.insert(delivery::LAST_ERROR, reason);
+        document.insert(delivery::UPDATED_AT, now);
+    }
+    document
+}
+
+pub(super) fn lane_id(document: &Document, field: &str) -> Result<LaneId, StoreError> {
+    integer(document, field)
+        .and_then(|n| LaneId::try_from(n).ok())
+        .ok_or_else(|| corrupt("lane id out of range", document))
+}
+
+pub(super) fn candidate(document: &Document) -> Result<Candidate, StoreError> {
+    Ok(Candidate {
+        id: document.get_object_id(delivery::ID).map_err(|_| corrupt("delivery without ObjectId", document))?,
+        event_id: id_text(document.get(delivery::EVENT_ID).unwrap_or(&Bson::Null)),
+        handler: optional_string(document, delivery::HANDLER).ok_or_else(|| corrupt("delivery without handler", document))?,
+        key: optional_string(document, delivery::KEY),
+        lane: lane_id(document, delivery::LANE_ID)?,
+        due_at: *document.get_datetime(delivery::DUE_AT).map_err(|_| corrupt("delivery without dueAt", document))?,
+        claims: integer(document, delivery::CLAIMS).unwrap_or(0),
+        attempts: integer(document, delivery::ATTEMPTS).unwrap_or(0).clamp(0, i64::from(u32::MAX)) as u32,
+    })
+}
+
+pub(super) fn in_flight_document(entry: &InFlight) -> Document {
+    let mut document = doc! { "d": entry.delivery, "c": entry.claims, "h": &entry.handler };
+    if let Some(key) = &entry.key {
+        document.insert("k", key);
+    }
+    document
+}
+
+pub(super) fn lane_state(document: &Document) -> Result<LaneState, StoreError> {
+    let in_flight = match document.get(lane::IN_FLIGHT) {
+        Some(Bson::Array(entries)) => entries
+            .iter()
+            .filter_map(Bson::as_document)
+            .map(|entry| {
+                Ok(InFlight {
+                    delivery: entry.get_object_id("d").map_err(|_| corrupt("in-flight entry without id", document))?,
+                    claims: integer(entry, "c").unwrap_or(0),
+                    handler: optional_string(entry, "h").unwrap_or_default(),
+                    key: optional_string(entry, "k"),
+                })
+            })
+            .collect::<Result<Vec<_>, StoreError>>()?,
+        _ => Vec::new(),
+    };
+    Ok(LaneState {
+        id: lane_id(document, lane::ID)?,
+        owner: optional_string(document, lane::OWNER),
+        instance: optional_string(document, lane::INSTANCE),
+        lease_expires_at: document.get_datetime(lane::LEASE_EXPIRES_AT).copied().unwrap_or(DateTime::from_millis(0)),
+        epoch: integer(document, lane::EPOCH).unwrap_or(0),
+        in_flight,
+    })
+}
+
+pub(super) fn view(document: &Document) -> Result<DeliveryView, StoreError> {
+    let id = document.get_object_id(delivery::ID).map_err(|_| corrupt("delivery without ObjectId", document))?;
+    let status = match document.get_str(delivery::STATUS) {
+        Ok(delivery::DEAD) => DeliveryStatus::Dead,
+        _ => DeliveryStatus::Pending,
+    };
+    Ok(DeliveryView {
+        id: id.to_hex(),
+        event_id: id_text(document.get(delivery::EVENT_ID).unwrap_or(&Bson::Null)),
+        event_type: optional_string(document, delivery::EVENT_TYPE).unwrap_or_default(),
+        handler: optional_string(document, delivery::HANDLER).unwrap_or_default(),
+        key: optional_string(document, delivery::KEY),
+        sequence: integer(document, delivery::SEQUENCE),
+        status,
+        lane: optional_string(document, delivery::LANE).unwrap_or_default(),
+        lane_id: lane_id(document, delivery::LANE_ID)?,
+        attempts: integer(document, delivery::ATTEMPTS).unwrap_or(0).clamp(0, i64::from(u32::MAX)) as u32,
+        due_at: document.get_datetime(delivery::DUE_AT).copied().unwrap_or(DateTime::from_millis(0)),
+        created_at: document.get_datetime(delivery::CREATED_AT).copied().unwrap_or(DateTime::from_millis(0)),
+        updated_at: document.get_datetime(delivery::UPDATED_AT).ok().copied(),
+        last_error: optional_string(document, delivery::LAST_ERROR),
+    })
+}
+
+/// `{ $or: [{ _id, claims }, ...] }` for deliveries still at the given claim generations.
+pub(super) fn at_generations(pairs: impl IntoIterator<Item = (ObjectId, i64)>) -> Document {
+    let alternatives: Vec<Document> =
+        pairs.into_iter().map(|(id, claims)| generation_filter(id, claims)).collect();
+    doc! { "$or": alternatives, delivery::STATUS: delivery::PENDING }
+}
+
+/// A delivery at one claim generation.
+pub(super) fn generation_filter(id: ObjectId, claims: i64) -> Document {
+    doc! { delivery::ID: id, delivery::CLAIMS: claims }
+}

@@ -1,0 +1,83 @@
+//! Fan-out in MongoDB: one transaction reads a batch of unfanned events (completed per key,
+//! see [`crate::store::fan_out`]), inserts their deliveries and marks them fanned out. Two
+//! hosts fanning out the same event both write it, so one of them conflicts and, on retry,
+//! no longer sees it as unfanned.
+
+use std::collections::BTreeMap;
+
+use bson::{Bson, DateTime, Document, doc};
+use futures::TryStreamExt;
+
+use super::MongoStore;
+use super::documents::new_delivery_document;
+use crate::event::field;
+use crate::store::fan_out;
+use crate::store::{FanOutReport, StoreError, Subscriptions};
+
+pub(super) async fn run(
+    store: &MongoStore,
+    subscriptions: &Subscriptions,
+    limit: usize,
+    now: DateTime,
+) -> Result<FanOutReport, StoreError> {
+    if limit == 0 {
+        return Ok(FanOutReport::default());
+    }
+    let events = &store.collections.events;
+    let deliveries = &store.collections.deliveries;
+    transaction!(store, |tx| {
+        let session = tx.session();
+        let first: Vec<Document> = events
+            .find(doc! { field::FANNED_OUT_AT: Bson::Null })
+            .sort(doc! { field::FANNED_OUT_AT: 1, field::CREATED_AT: 1, field::ID: 1 })
+            .limit(limit as i64)
+            .session(&mut *session)
+            .await?
+            .stream(&mut *session)
+            .try_collect()
+            .await?;
+        if first.is_empty() {
+            return Ok(FanOutReport::default());
+        }
+        let keys = fan_out::keys_of(&first);
+        let prefixes: Vec<Document> = if keys.is_empty() {
+            Vec::new()
+        } else {
+            events
+                .find(doc! { field::KEY: { "$in": &keys }, field::FANNED_OUT_AT: Bson::Null })
+                .sort(doc! { field::KEY: 1, field::FANNED_OUT_AT: 1, field::SEQUENCE: 1 })
+                .limit(limit.saturating_mul(4) as i64)
+                .session(&mut *session)
+                .await?
+                .stream(&mut *session)
+                .try_collect()
+                .await?
+        };
+        let batch = fan_out::assemble(first, prefixes);
+        let plan = fan_out::plan(&batch, subscriptions);
+        if !plan.deliveries.is_empty() {
+            let documents: Vec<Document> = plan.deliveries.iter().map(|d| new_delivery_document(d, now)).collect();
+            deliveries.insert_many(documents).session(&mut *session).await?;
+        }
+        // One update per distinct list of new handlers (in practice: per event type).
+        let mut by_handlers: BTreeMap<Vec<String>, Vec<Bson>> = BTreeMap::new();
+        for event in &plan.events {
+            by_handlers.entry(event.new_handlers.clone()).or_default().push(event.id.clone());
+        }
+        for (handlers, ids) in by_handlers {
+            // A pipeline update, so that a malformed `handlers` field is replaced, not fatal.
+            let update = vec![doc! { "$set": {
+                field::FANNED_OUT_AT: now,
+                field::HANDLERS: { "$setUnion": [
+                    { "$cond": [{ "$isArray": format!("${}", field::HANDLERS) }, format!("${}", field::HANDLERS), []] },
+                    handlers,
+                ] },
+            } }];
+            events
+                .update_many(doc! { field::ID: { "$in": ids }, field::FANNED_OUT_AT: Bson::Null }, update)
+                .session(&mut *session)
+                .await?;
+        }
+        Ok(FanOutReport { events: plan.events.len(), deliveries: plan.deliveries.len(), malformed: plan.malformed })
+    })
+}

@@ -1,0 +1,359 @@
+//! The claim primitives in MongoDB: each is one query or one write (or a bounded parallel
+//! set of them), on the claim, ordering and parked indexes.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+
+use bson::{Bson, DateTime, Document, doc};
+use futures::stream::{self, StreamExt, TryStreamExt};
+use futures::future::try_join_all;
+
+use super::MongoStore;
+use super::documents::{self, at_generations, delivery, in_flight_document, lane, lane_state};
+use crate::lane::LaneId;
+use crate::store::claim::{Candidate, ClaimBackend, HandlerKey, Holder, InFlight, LaneRecord, LaneState};
+use crate::store::{DeliveryId, Lease, StoreError};
+
+/// Parallel point queries per claim step (heads, unparking).
+const PARALLEL_LOOKUPS: usize = 16;
+
+pub(super) struct Backend<'a> {
+    pub store: &'a MongoStore,
+}
+
+fn lane_ids(ids: impl IntoIterator<Item = LaneId>) -> Vec<i32> {
+    ids.into_iter().map(i32::from).collect()
+}
+
+impl Backend<'_> {
+    /// The lowest pending delivery of a key: `(id, claim lane)`.
+    async fn head(&self, handler: &str, key: &str) -> Result<Option<(DeliveryId, String)>, StoreError> {
+        let head = self
+            .store
+            .collections
+            .deliveries
+            .find_one(doc! { delivery::HANDLER: handler, delivery::KEY: key, delivery::STATUS: delivery::PENDING })
+            .sort(doc! { delivery::SEQUENCE: 1 })
+            .projection(doc! { delivery::ID: 1, delivery::LANE: 1 })
+            .hint(mongodb::options::Hint::Name("ordering".to_string()))
+            .await?;
+        Ok(head.and_then(|doc| {
+            Some((doc.get_object_id(delivery::ID).ok()?, doc.get_str(delivery::LANE).unwrap_or_default().to_string()))
+        }))
+    }
+}
+
+impl ClaimBackend for Backend<'_> {
+    async fn unpark(&self, handlers: &[String]) -> Result<(), StoreError> {
+        let deliveries = &self.store.collections.deliveries;
+        let mut parked_keys: Vec<HandlerKey> = Vec::new();
+        for handler in handlers {
+            let keys = deliveries
+                .distinct(delivery::KEY, doc! { delivery::HANDLER: handler, delivery::LANE: delivery::PARKED })
+                .await?;
+            parked_keys.extend(keys.into_iter().filter_map(|k| k.as_str().map(|k| (handler.clone(), k.to_string()))));
+        }
+        if parked_keys.is_empty() {
+            return Ok(());
+        }
+        let heads: Vec<Option<(DeliveryId, String)>> = stream::iter(parked_keys)
+            .map(|(handler, key)| async move { self.head(&handler, &key).await })
+            .buffer_unordered(PARALLEL_LOOKUPS)
+            .try_collect()
+            .await?;
+        let movable: Vec<DeliveryId> =
+            heads.into_iter().flatten().filter(|(_, lane)| lane == delivery::PARKED).map(|(id, _)| id).collect();
+        if !movable.is_empty() {
+            deliveries
+                .update_many(
+                    doc! { delivery::ID: { "$in": movable }, delivery::LANE: delivery::PARKED },
+                    doc! { "$set": { delivery::LANE: delivery::READY } },
+                )
+                .await?;
+        }
+        Ok(())
+    }
+
+    async fn lanes(&self, ids: &[LaneId]) -> Result<Vec<LaneState>, StoreError> {
+        let documents: Vec<Document> = self
+            .store
+            .collections
+            .lanes
+            .find(doc! { lane::ID: { "$in": lane_ids(ids.iter().copied()) } })
+            .await?
+            .try_collect()
+            .await?;
+        documents.iter().map(lane_state).collect()
+    }
+
+    async fn free_lanes_with_due_work(
+        &self,
+        handlers: &[String],
+        exclude: &BTreeSet<LaneId>,
+        count: usize,
+        now: DateTime,
+    ) -> Result<Vec<LaneId>, StoreError> {
+        let lane_documents: Vec<Document> = self
+            .store
+            .collections
+            .lanes
+            .find(doc! { "$or": [{ lane::OWNER: Bson::Null }, { lane::LEASE_EXPIRES_AT: { "$lt": now } }] })
+            .projection(doc! { lane::ID: 1 })
+            .await?
+            .try_collect()
+            .await?;
+        let mut free = Vec::new();
+        for document in &lane_documents {
+            let id = documents::lane_id(document, lane::ID)?;
+            if !exclude.contains(&id) {
+                free.push(i32::from(id));
+            }
+        }
+        if free.is_empty() {
+            return Ok(Vec::new());
+        }
+        // One index probe per free lane: the first due entry of each lane in the claim index.
+        let pipeline = vec![
+            doc! { "$match": {
+                delivery::LANE: delivery::READY,
+                delivery::LANE_ID: { "$in": free },
+                delivery::DUE_AT: { "$lte": now },
+                delivery::HANDLER: { "$in": handlers },
+            } },
+            doc! { "$sort": { delivery::LANE_ID: 1, delivery::DUE_AT: 1 } },
+            doc! { "$group": { "_id": format!("${}", delivery::LANE_ID), "dueAt": { "$first": format!("${}", delivery::DUE_AT) } } },
+            doc! { "$sort": { "dueAt": 1, "_id": 1 } },
+            doc! { "$limit": count as i64 },
+        ];
+        let rows: Vec<Document> = self
+            .store
+            .collections
+            .deliveries
+            .aggregate(pipeline)
+            .hint(mongodb::options::Hint::Name("claim".to_string()))
+            .await?
+            .try_collect()
+            .await?;
+        rows.iter().map(|row| documents::lane_id(row, "_id")).collect()
+    }
+
+    async fn take_lane(&self, id: LaneId, holder: &Holder, now: DateTime, until: DateTime) -> Result<Option<LaneState>, StoreError> {
+        let taken = self
+            .store
+            .collections
+            .lanes
+            .find_one_and_update(
+                doc! {
+                    lane::ID: i32::from(id),
+                    "$or": [{ lane::OWNER: Bson::Null }, { lane::LEASE_EXPIRES_AT: { "$lt": now } }],
+                },
+                doc! {
+                    "$set": { lane::OWNER: &holder.owner, lane::INSTANCE: &holder.instance, lane::LEASE_EXPIRES_AT: until },
+                    "$inc": { lane::EPOCH: 1_i64 },
+                },
+            )
+            .return_document(mongodb::options::ReturnDocument::After)
+            .await?;
+        taken.as_ref().map(lane_state).transpose()
+    }
+
+    async fn charge_lost(&self, entries: &[InFlight], now: DateTime) -> Result<(), StoreError> {
+        self.store
+            .collections
+            .deliveries
+            .update_many(
+                at_generations(entries.iter().map(|e| (e.delivery, e.claims))),
+                doc! {
+                    "$inc": { delivery::ATTEMPTS: 1, delivery::CLAIMS: 1_i64 },
+                    "$set": {
+                        delivery::LAST_ERROR: "lease lost: the worker running it stopped renewing its lane",
+                        delivery::UPDATED_AT: now,
+                    },
+                },
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn current(&self, entries: &[InFlight]) -> Result<HashSet<DeliveryId>, StoreError> {
+        let documents: Vec<Document> = self
+            .store
+            .collections
+            .deliveries
+            .find(at_generations(entries.iter().map(|e| (e.delivery, e.claims))))
+            .projection(doc! { delivery::ID: 1 })
+            .await?
+            .try_collect()
+            .await?;
+        Ok(documents.iter().filter_map(|d| d.get_object_id(delivery::ID).ok()).collect())
+    }
+
+    async fn candidates(
+        &self,
+        lanes: &[LaneId],
+        handlers: &[String],
+        now: DateTime,
+        after: Option<(DateTime, DeliveryId)>,
+        limit: usize,
+    ) -> Result<Vec<Candidate>, StoreError> {
+        let mut filter = doc! {
+            delivery::LANE: delivery::READY,
+            delivery::LANE_ID: { "$in": lane_ids(lanes.iter().copied()) },
+            delivery::DUE_AT: { "$lte": now },
+            delivery::HANDLER: { "$in": handlers },
+        };
+        if let Some((due_at, id)) = after {
+            filter.insert(
+                "$or",
+                vec![
+                    doc! { delivery::DUE_AT: { "$gt": due_at } },
+                    doc! { delivery::DUE_AT: due_at, delivery::ID: { "$gt": id } },
+                ],
+            );
+        }
+        let documents: Vec<Document> = self
+            .store
+            .collections
+            .deliveries
+            .find(filter)
+            .sort(doc! { delivery::DUE_AT: 1, delivery::ID: 1 })
+            .limit(limit as i64)
+            .hint(mongodb::options::Hint::Name("claim".to_string()))
+            .projection(doc! {
+                delivery::ID: 1, delivery::EVENT_ID: 1, delivery::HANDLER: 1, delivery::KEY: 1, delivery::LANE_ID: 1,
+                delivery::DUE_AT: 1, delivery::CLAIMS: 1, delivery::ATTEMPTS: 1,
+            })
+            .await?
+            .try_collect()
+            .await?;
+        documents.iter().map(documents::candidate).collect()
+    }
+
+    async fn key_heads(&self, keys: &[HandlerKey]) -> Result<HashMap<HandlerKey, DeliveryId>, StoreError> {
+        let heads: Vec<(HandlerKey, Option<(DeliveryId, String)>)> = stream::iter(keys.iter().cloned())
+            .map(|key| async move {
+                let head = self.head(&key.0, &key.1).await?;
+                Ok::<_, StoreError>((key, head))
+            })
+            .buffer_unordered(PARALLEL_LOOKUPS)
+            .try_collect()
+            .await?;
+        Ok(heads.into_iter().filter_map(|(key, head)| head.map(|(id, _)| (key, id))).collect())
+    }
+
+    async fn park(&self, ids: &[DeliveryId]) -> Result<(), StoreError> {
+        self.store
+            .collections
+            .deliveries
+            .update_many(
+                doc! { delivery::ID: { "$in": ids }, delivery::LANE: delivery::READY },
+                doc! { "$set": { delivery::LANE: delivery::PARKED } },
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn record(&self, holder: &Holder, records: &[LaneRecord]) -> Result<Vec<bool>, StoreError> {
+        let lanes = &self.store.collections.lanes;
+        try_join_all(records.iter().map(|record| async move {
+            let entries: Vec<Document> = record.in_flight.iter().map(in_flight_document).collect();
+            let result = lanes
+                .update_one(
+                    doc! {
+                        lane::ID: i32::from(record.lane),
+                        lane::EPOCH: record.epoch,
+                        lane::OWNER: &holder.owner,
+                        lane::INSTANCE: &holder.instance,
+                    },
+                    doc! { "$set": { lane::IN_FLIGHT: entries }, "$max": { lane::LEASE_EXPIRES_AT: record.lease_until } },
+                )
+                .await?;
+            Ok::<_, StoreError>(result.matched_count == 1)
+        }))
+        .await
+    }
+
+    async fn hand_back(&self, holder: &Holder, lanes: &[(LaneId, i64)], _now: DateTime) -> Result<(), StoreError> {
+        let collection = &self.store.collections.lanes;
+        try_join_all(lanes.iter().map(|(id, epoch)| async move {
+            collection
+                .update_one(
+                    doc! { lane::ID: i32::from(*id), lane::EPOCH: *epoch, lane::OWNER: &holder.owner, lane::INSTANCE: &holder.instance },
+                    doc! { "$set": { lane::OWNER: Bson::Null, lane::INSTANCE: Bson::Null, lane::IN_FLIGHT: [] } },
+                )
+                .await
+        }))
+        .await?;
+        Ok(())
+    }
+
+    async fn events(&self, ids: &[String]) -> Result<HashMap<String, Document>, StoreError> {
+        let documents: Vec<Document> =
+            self.store.collections.events.find(doc! { "_id": { "$in": ids } }).await?.try_collect().await?;
+        Ok(documents
+            .into_iter()
+            .filter_map(|doc| doc.get_str("_id").ok().map(str::to_string).map(|id| (id, doc)))
+            .collect())
+    }
+
+    async fn bury_unrunnable(&self, doomed: &[(DeliveryId, i64, String)], now: DateTime) -> Result<(), StoreError> {
+        let deliveries = &self.store.collections.deliveries;
+        try_join_all(doomed.iter().map(|(id, claims, reason)| async move {
+            deliveries
+                .update_one(
+                    doc! { delivery::ID: *id, delivery::CLAIMS: *claims, delivery::STATUS: delivery::PENDING },
+                    doc! {
+                        "$set": {
+                            delivery::STATUS: delivery::DEAD, delivery::LANE: delivery::DEAD,
+                            delivery::LAST_ERROR: reason, delivery::UPDATED_AT: now,
+                        },
+                        "$inc": { delivery::CLAIMS: 1_i64 },
+                    },
+                )
+                .await
+        }))
+        .await?;
+        Ok(())
+    }
+
+    async fn reconcile(&self, holder: &Holder, issued: &HashSet<Lease>) -> Result<(), StoreError> {
+        let collections = &self.store.collections;
+        transaction!(self.store, |tx| {
+            let session = tx.session();
+            let documents: Vec<Document> = collections
+                .lanes
+                .find(doc! { lane::OWNER: &holder.owner, lane::INSTANCE: &holder.instance })
+                .session(&mut *session)
+                .await?
+                .stream(&mut *session)
+                .try_collect()
+                .await?;
+            for document in &documents {
+                let state = lane_state(document)?;
+                let (kept, dropped): (Vec<InFlight>, Vec<InFlight>) = state.in_flight.into_iter().partition(|entry| {
+                    issued.contains(&Lease { delivery: entry.delivery, lane: state.id, epoch: state.epoch, claims: entry.claims })
+                });
+                if dropped.is_empty() {
+                    continue;
+                }
+                collections
+                    .deliveries
+                    .update_many(
+                        at_generations(dropped.iter().map(|e| (e.delivery, e.claims))),
+                        doc! { "$inc": { delivery::CLAIMS: 1_i64 } },
+                    )
+                    .session(&mut *session)
+                    .await?;
+                let entries: Vec<Document> = kept.iter().map(in_flight_document).collect();
+                collections
+                    .lanes
+                    .update_one(
+                        doc! { lane::ID: i32::from(state.id), lane::EPOCH: state.epoch },
+                        doc! { "$set": { lane::IN_FLIGHT: entries } },
+                    )
+                    .session(&mut *session)
+                    .await?;
+            }
+            Ok(())
+        })
+    }
+}

@@ -1,0 +1,278 @@
+//! The MongoDB store: the outbox in the operator's replica set or sharded cluster.
+//!
+//! Collections (`<prefix>` defaults to `relayhost_`): `events` (written by publishers),
+//! `key_sequences` (one counter per ordering key), `deliveries` (one per unfinished event and
+//! handler; deleted on completion), `lanes` (256 lease documents) and `completed_deliveries`
+//! (with completion history). Claims and renewals write with majority write concern and read
+//! from the primary whatever the client's defaults are, so a lease survives a failover and
+//! the ordering check never reads a stale secondary.
+
+/// Runs `$body`, which uses `$tx: &mut MongoTx` and evaluates to `Result<_, StoreError>`,
+/// in a transaction with the retry rules of [`crate::store::Retrying`].
+macro_rules! transaction {
+    ($store:expr, |$tx:ident| $body:expr) => {{
+        let mut retrying = $crate::store::Retrying::new();
+        loop {
+            let mut tx = $crate::store::Store::begin($store).await?;
+            let outcome: Result<_, $crate::store::StoreError> = async {
+                let $tx = &mut tx;
+                $body
+            }
+            .await;
+            if let Some(result) = retrying.settle(tx, outcome).await {
+                break result;
+            }
+        }
+    }};
+}
+
+mod documents;
+mod fan_out;
+mod lanes;
+mod operations;
+mod outcome;
+mod setup;
+
+use std::time::{Duration, Instant};
+
+use bson::{DateTime, Document};
+use mongodb::options::{
+    CollectionOptions, ReadConcern, ReadPreference, SelectionCriteria, TransactionOptions, WriteConcern,
+};
+use mongodb::{Client, ClientSession, Collection, Database};
+
+use super::claim::Claimer;
+use super::{
+    ClaimedDelivery, DeliveryFilter, DeliveryPage, FanOutReport, HandlerStatistics, Lease, PurgeOptions, PurgeReport,
+    Published, Settlement, Store, StoreError, StoreOptions, StoreTransaction, Subscriptions,
+};
+use crate::event::NewEvent;
+use crate::publish::{DEFAULT_PREFIX, Publisher};
+
+/// Server error code of a command that ran past its `maxTimeMS` (here: `maxCommitTimeMS`).
+const MAX_TIME_MS_EXPIRED: i32 = 50;
+
+/// Where the store's collections live.
+#[derive(Debug, Clone)]
+pub struct MongoLocation {
+    pub database: String,
+    pub collection_prefix: String,
+}
+
+impl MongoLocation {
+    /// Validates names so they cannot smuggle anything into a namespace.
+    pub fn new(database: impl Into<String>, collection_prefix: impl Into<String>) -> Result<Self, StoreError> {
+        let database = database.into();
+        let collection_prefix = collection_prefix.into();
+        let valid_database = (1..=63).contains(&database.len())
+            && database.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+        if !valid_database {
+            return Err(StoreError::InvalidArgument(format!(
+                "database {database:?} must be 1-63 characters of letters, digits, `_` and `-`"
+            )));
+        }
+        let valid_prefix = collection_prefix.len() <= 64
+            && collection_prefix.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.')
+            && !collection_prefix.starts_with("system.");
+        if !valid_prefix {
+            return Err(StoreError::InvalidArgument(format!(
+                "collection prefix {collection_prefix:?} must be at most 64 characters of letters, digits, `_`, `-` and `.`"
+            )));
+        }
+        Ok(Self { database, collection_prefix })
+    }
+
+    pub fn with_default_prefix(database: impl Into<String>) -> Result<Self, StoreError> {
+        Self::new(database, DEFAULT_PREFIX)
+    }
+}
+
+#[derive(Clone)]
+pub(crate) struct Collections {
+    pub events: Collection<Document>,
+    pub key_sequences: Collection<Document>,
+    pub deliveries: Collection<Document>,
+    pub lanes: Collection<Document>,
+    pub history: Collection<Document>,
+}
+
+impl Collections {
+    fn new(database: &Database, prefix: &str) -> Self {
+        // Majority writes and primary reads regardless of the client's defaults.
+        let options = CollectionOptions::builder()
+            .write_concern(WriteConcern::majority())
+            .selection_criteria(SelectionCriteria::ReadPreference(ReadPreference::Primary))
+            .build();
+        let collection = |name: &str| database.collection_with_options(&format!("{prefix}{name}"), options.clone());
+        Self {
+            events: collection("events"),
+            key_sequences: collection("key_sequences"),
+            deliveries: collection("deliveries"),
+            lanes: collection("lanes"),
+            history: collection("completed_deliveries"),
+        }
+    }
+}
+
+/// The outbox in MongoDB. One instance is one claimer: it holds lanes of its own, even
+/// beside other instances with the same owner name.
+pub struct MongoStore {
+    client: Client,
+    collections: Collections,
+    publisher: Publisher,
+    claimer: Claimer,
+    options: StoreOptions,
+    location: MongoLocation,
+}
+
+impl MongoStore {
+    pub fn new(client: Client, location: MongoLocation, options: StoreOptions) -> Self {
+        let database = client.database(&location.database);
+        let collections = Collections::new(&database, &location.collection_prefix);
+        let publisher =
+            Publisher::new(&database, &location.collection_prefix).with_max_payload_bytes(options.max_payload_bytes);
+        let claimer = Claimer::new(&options.owner, options.lease_duration);
+        Self { client, collections, publisher, claimer, options, location }
+    }
+
+    /// Another claimer on the same collections (a second worker in this process).
+    pub fn instance(&self, owner: &str) -> Self {
+        let options = StoreOptions { owner: owner.to_string(), ..self.options.clone() };
+        Self::new(self.client.clone(), self.location.clone(), options)
+    }
+
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    pub fn location(&self) -> &MongoLocation {
+        &self.location
+    }
+
+    /// The events collection, for tools that write or inspect raw documents.
+    pub fn events_collection(&self) -> &Collection<Document> {
+        &self.collections.events
+    }
+
+    pub fn options(&self) -> &StoreOptions {
+        &self.options
+    }
+}
+
+/// A MongoDB transaction: a session with a started transaction and a time budget.
+pub struct MongoTx {
+    session: ClientSession,
+    started: Instant,
+    budget: Duration,
+}
+
+impl MongoTx {
+    /// The session, for the caller's own writes in this transaction.
+    pub fn session(&mut self) -> &mut ClientSession {
+        &mut self.session
+    }
+}
+
+impl StoreTransaction for MongoTx {
+    async fn commit(mut self) -> Result<(), StoreError> {
+        if self.started.elapsed() > self.budget {
+            let _ = self.session.abort_transaction().await;
+            return Err(StoreError::TransactionTimeout(self.budget));
+        }
+        let deadline = Instant::now() + super::TRANSACTION_RETRY_LIMIT;
+        loop {
+            match self.session.commit_transaction().await.map_err(StoreError::from) {
+                Ok(()) => return Ok(()),
+                Err(error) if error.server_code() == Some(MAX_TIME_MS_EXPIRED) => {
+                    return Err(StoreError::TransactionTimeout(self.budget));
+                }
+                Err(error) if error.is_unknown_commit_result() && Instant::now() < deadline => continue,
+                Err(error) => return Err(error),
+            }
+        }
+    }
+
+    async fn abort(mut self) -> Result<(), StoreError> {
+        Ok(self.session.abort_transaction().await?)
+    }
+}
+
+impl Store for MongoStore {
+    type Tx = MongoTx;
+
+    async fn setup(&self) -> Result<(), StoreError> {
+        setup::run(&self.client, &self.collections, &self.location).await
+    }
+
+    async fn begin(&self) -> Result<MongoTx, StoreError> {
+        let mut session = self.client.start_session().await?;
+        let options = TransactionOptions::builder()
+            .read_concern(ReadConcern::snapshot())
+            .write_concern(WriteConcern::majority())
+            .selection_criteria(SelectionCriteria::ReadPreference(ReadPreference::Primary))
+            .max_commit_time(self.options.transaction_budget)
+            .build();
+        session.start_transaction().with_options(options).await?;
+        Ok(MongoTx { session, started: Instant::now(), budget: self.options.transaction_budget })
+    }
+
+    async fn publish(&self, tx: &mut MongoTx, event: &NewEvent) -> Result<Published, StoreError> {
+        self.publisher.publish(&mut tx.session, event).await
+    }
+
+    async fn fan_out(&self, subscriptions: &Subscriptions, limit: usize, now: DateTime) -> Result<FanOutReport, StoreError> {
+        fan_out::run(self, subscriptions, limit, now).await
+    }
+
+    async fn claim(&self, handlers: &[String], limit: usize, now: DateTime) -> Result<Vec<ClaimedDelivery>, StoreError> {
+        self.claimer.claim(&lanes::Backend { store: self }, handlers, limit, now).await
+    }
+
+    async fn complete_many(&self, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {
+        outcome::complete_many(self, leases, now).await
+    }
+
+    async fn complete_in(&self, tx: &mut MongoTx, lease: &Lease, now: DateTime) -> Result<(), StoreError> {
+        outcome::complete_in(self, tx, lease, now).await
+    }
+
+    async fn reschedule(&self, lease: &Lease, due_at: DateTime, error: &str, now: DateTime) -> Result<Settlement, StoreError> {
+        outcome::reschedule(self, lease, due_at, error, now).await
+    }
+
+    async fn release(&self, leases: &[Lease], now: DateTime) -> Result<usize, StoreError> {
+        outcome::release(self, leases, now).await
+    }
+
+    async fn bury(&self, lease: &Lease, reason: &str, charge_attempt: bool, now: DateTime) -> Result<Settlement, StoreError> {
+        outcome::bury(self, lease, reason, charge_attempt, now).await
+    }
+
+    async fn bury_in(&self, tx: &mut MongoTx, lease: &Lease, reason: &str, charge_attempt: bool, now: DateTime) -> Result<(), StoreError> {
+        outcome::bury_in(self, tx, lease, reason, charge_attempt, now).await
+    }
+
+    async fn extend_lease(&self, leases: &[Lease], now: DateTime) -> Result<Vec<bool>, StoreError> {
+        outcome::extend_lease(self, leases, now).await
+    }
+
+    async fn relinquish(&self) -> Result<(), StoreError> {
+        outcome::relinquish(self).await
+    }
+
+    async fn requeue(&self, delivery_id: &str, now: DateTime) -> Result<(), StoreError> {
+        outcome::requeue(self, delivery_id, now).await
+    }
+
+    async fn purge(&self, options: &PurgeOptions, now: DateTime) -> Result<PurgeReport, StoreError> {
+        operations::purge(self, options, now).await
+    }
+
+    async fn statistics(&self, now: DateTime) -> Result<Vec<HandlerStatistics>, StoreError> {
+        operations::statistics(self, now).await
+    }
+
+    async fn list_deliveries(&self, filter: &DeliveryFilter) -> Result<DeliveryPage, StoreError> {
+        operations::list_deliveries(self, filter).await
+    }
+}

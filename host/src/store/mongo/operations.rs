@@ -1,0 +1,280 @@
+//! Operator reads and retention in MongoDB: statistics, listing, purge.
+//! Every input from an operator reaches a query only as a literal string or ObjectId.
+
+use std::collections::{BTreeMap, HashSet};
+
+use bson::oid::ObjectId;
+use bson::{Bson, DateTime, Document, doc};
+use futures::TryStreamExt;
+use mongodb::ClientSession;
+
+use super::MongoStore;
+use super::documents::{self, delivery, history, lane, lane_state};
+use crate::event::field;
+use crate::store::claim::{ClaimBackend, InFlight};
+use crate::store::retention::earliest_cutoff;
+use crate::store::{
+    DeliveryFilter, DeliveryPage, HandlerStatistics, PurgeOptions, PurgeReport, StoreError, page_limit,
+};
+
+/// The filter of events that may go once nothing references them (see
+/// [`crate::store::retention::event_expired`], which states the same rule for one document).
+fn expired_events(options: &PurgeOptions) -> Option<Document> {
+    let mut alternatives = Vec::new();
+    if let Some(cutoff) = options.completed_before {
+        alternatives.push(doc! { field::COMPLETED_AT: { "$lt": cutoff } });
+    }
+    if let Some(cutoff) = earliest_cutoff(options) {
+        alternatives.push(doc! { field::COMPLETED_AT: { "$exists": false }, field::CREATED_AT: { "$lt": cutoff } });
+        alternatives.push(doc! { field::COMPLETED_AT: { "$exists": false }, field::CREATED_AT: { "$not": { "$type": "date" } } });
+    }
+    (!alternatives.is_empty()).then(|| doc! { field::FANNED_OUT_AT: { "$type": "date" }, "$or": alternatives })
+}
+
+/// Deletes, in `session`, those of `candidates` that are expired and referenced by no
+/// delivery and no history record. A fan-out writing one of them conflicts with this.
+async fn delete_unreferenced(
+    store: &MongoStore,
+    session: &mut ClientSession,
+    candidates: Vec<Bson>,
+    expired: &Document,
+) -> Result<u64, StoreError> {
+    if candidates.is_empty() {
+        return Ok(0);
+    }
+    let mut referenced: HashSet<String> = HashSet::new();
+    for collection in [&store.collections.deliveries, &store.collections.history] {
+        let ids = collection
+            .distinct(delivery::EVENT_ID, doc! { delivery::EVENT_ID: { "$in": &candidates } })
+            .session(&mut *session)
+            .await?;
+        referenced.extend(ids.iter().map(crate::store::fan_out::id_text));
+    }
+    let doomed: Vec<Bson> =
+        candidates.into_iter().filter(|id| !referenced.contains(&crate::store::fan_out::id_text(id))).collect();
+    if doomed.is_empty() {
+        return Ok(0);
+    }
+    let mut filter = expired.clone();
+    filter.insert("_id", doc! { "$in": doomed });
+    Ok(store.collections.events.delete_many(filter).session(&mut *session).await?.deleted_count)
+}
+
+/// Deletes one batch of `(deliveries or history)` documents and then the events they alone
+/// referenced, in one transaction.
+async fn purge_batch(
+    store: &MongoStore,
+    from_history: bool,
+    filter: Document,
+    expired: Option<&Document>,
+) -> Result<(u64, u64, usize), StoreError> {
+    let collection = if from_history { &store.collections.history } else { &store.collections.deliveries };
+    let batch_size = store.options.purge_batch_size.max(1);
+    transaction!(store, |tx| {
+        let session = tx.session();
+        let batch: Vec<Document> = collection
+            .find(filter.clone())
+            .projection(doc! { "_id": 1, delivery::EVENT_ID: 1 })
+            .limit(batch_size as i64)
+            .session(&mut *session)
+            .await?
+            .stream(&mut *session)
+            .try_collect()
+            .await?;
+        if batch.is_empty() {
+            return Ok((0, 0, 0));
+        }
+        let ids: Vec<Bson> = batch.iter().filter_map(|d| d.get("_id").cloned()).collect();
+        let deleted = collection.delete_many(doc! { "_id": { "$in": ids } }).session(&mut *session).await?.deleted_count;
+        let events = match expired {
+            Some(expired) => {
+                let event_ids: Vec<Bson> = batch.iter().filter_map(|d| d.get(delivery::EVENT_ID).cloned()).collect();
+                delete_unreferenced(store, session, event_ids, expired).await?
+            }
+            None => 0,
+        };
+        Ok((deleted, events, batch.len()))
+    })
+}
+
+pub(super) async fn purge(store: &MongoStore, options: &PurgeOptions, _now: DateTime) -> Result<PurgeReport, StoreError> {
+    let mut report = PurgeReport::default();
+    let expired = expired_events(options);
+    let batch_size = store.options.purge_batch_size.max(1);
+    if let Some(cutoff) = options.dead_before {
+        loop {
+            let filter = doc! { delivery::STATUS: delivery::DEAD, delivery::UPDATED_AT: { "$lt": cutoff } };
+            let (deleted, events, seen) = purge_batch(store, false, filter, expired.as_ref()).await?;
+            report.dead_deliveries += deleted;
+            report.events += events;
+            if seen < batch_size {
+                break;
+            }
+        }
+    }
+    if let Some(cutoff) = options.completed_before {
+        loop {
+            let filter = doc! { history::COMPLETED_AT: { "$lt": cutoff } };
+            let (deleted, events, seen) = purge_batch(store, true, filter, expired.as_ref()).await?;
+            report.history_records += deleted;
+            report.events += events;
+            if seen < batch_size {
+                break;
+            }
+        }
+    }
+    // Then every other expired event nothing references, walking `(createdAt, _id)` once.
+    if let Some(expired) = expired {
+        let mut after: Option<(Bson, Bson)> = None;
+        loop {
+            let mut filter = expired.clone();
+            if let Some((created, id)) = &after {
+                filter = doc! { "$and": [filter, { "$or": [
+                    { field::CREATED_AT: { "$gt": created.clone() } },
+                    { field::CREATED_AT: created.clone(), "_id": { "$gt": id.clone() } },
+                ] }] };
+            }
+            let batch: Vec<Document> = store
+                .collections
+                .events
+                .find(filter)
+                .sort(doc! { field::CREATED_AT: 1, "_id": 1 })
+                .projection(doc! { "_id": 1, field::CREATED_AT: 1 })
+                .limit(batch_size as i64)
+                .await?
+                .try_collect()
+                .await?;
+            let Some(last) = batch.last() else { break };
+            after = Some((last.get(field::CREATED_AT).cloned().unwrap_or(Bson::Null), last.get("_id").cloned().unwrap_or(Bson::Null)));
+            let ids: Vec<Bson> = batch.iter().filter_map(|d| d.get("_id").cloned()).collect();
+            report.events += transaction!(store, |tx| {
+                delete_unreferenced(store, tx.session(), ids.clone(), &expired).await
+            })?;
+            if batch.len() < batch_size {
+                break;
+            }
+        }
+    }
+    Ok(report)
+}
+
+pub(super) async fn statistics(store: &MongoStore, now: DateTime) -> Result<Vec<HandlerStatistics>, StoreError> {
+    let rows: Vec<Document> = store
+        .collections
+        .deliveries
+        .aggregate(vec![doc! { "$group": {
+            "_id": { "h": "$handler", "s": "$status", "l": "$lane" },
+            "n": { "$sum": 1 },
+            "due": { "$min": "$dueAt" },
+        } }])
+        .await?
+        .try_collect()
+        .await?;
+    let mut by_handler: BTreeMap<String, HandlerStatistics> = BTreeMap::new();
+    for row in &rows {
+        let group = row.get_document("_id").map_err(|_| StoreError::Corrupt(format!("statistics row {row}")))?;
+        let handler = group.get_str("h").unwrap_or_default().to_string();
+        let count = match row.get("n") {
+            Some(Bson::Int32(n)) => *n as u64,
+            Some(Bson::Int64(n)) => *n as u64,
+            _ => 0,
+        };
+        let stats = by_handler
+            .entry(handler.clone())
+            .or_insert_with(|| HandlerStatistics { handler, ..Default::default() });
+        if group.get_str("s") == Ok(delivery::DEAD) {
+            stats.dead += count;
+            continue;
+        }
+        stats.pending += count;
+        if group.get_str("l") == Ok(delivery::PARKED) {
+            stats.parked += count;
+        }
+        if let Ok(due) = row.get_datetime("due") {
+            stats.oldest_due_at = Some(stats.oldest_due_at.map_or(*due, |at| at.min(*due)));
+        }
+    }
+    // Running: listed by a live lease and still at the listed claim generation.
+    let lanes: Vec<Document> = store
+        .collections
+        .lanes
+        .find(doc! { lane::OWNER: { "$ne": Bson::Null }, lane::LEASE_EXPIRES_AT: { "$gte": now } })
+        .await?
+        .try_collect()
+        .await?;
+    let mut entries: Vec<InFlight> = Vec::new();
+    for document in &lanes {
+        entries.extend(lane_state(document)?.in_flight);
+    }
+    if !entries.is_empty() {
+        let current = super::lanes::Backend { store }.current(&entries).await?;
+        for entry in entries.iter().filter(|e| current.contains(&e.delivery)) {
+            if let Some(stats) = by_handler.get_mut(&entry.handler) {
+                stats.running += 1;
+                stats.pending = stats.pending.saturating_sub(1);
+            }
+        }
+    }
+    if store.options.completion_history {
+        let rows: Vec<Document> = store
+            .collections
+            .history
+            .aggregate(vec![doc! { "$group": { "_id": "$handler", "n": { "$sum": 1 } } }])
+            .await?
+            .try_collect()
+            .await?;
+        for row in &rows {
+            let handler = row.get_str("_id").unwrap_or_default().to_string();
+            let count = row.get_i32("n").map(|n| n as u64).unwrap_or(0);
+            by_handler
+                .entry(handler.clone())
+                .or_insert_with(|| HandlerStatistics { handler, ..Default::default() })
+                .completed = Some(count);
+        }
+        for stats in by_handler.values_mut() {
+            stats.completed.get_or_insert(0);
+        }
+    }
+    Ok(by_handler.into_values().collect())
+}
+
+pub(super) async fn list_deliveries(store: &MongoStore, filter: &DeliveryFilter) -> Result<DeliveryPage, StoreError> {
+    let limit = page_limit(filter.limit);
+    let mut query = Document::new();
+    if let Some(status) = filter.status {
+        query.insert(delivery::STATUS, status.as_str());
+    }
+    // Literal strings only: `Bson::String` can never be read as a query operator.
+    for (field, value) in [
+        (delivery::HANDLER, &filter.handler),
+        (delivery::EVENT_TYPE, &filter.event_type),
+        (delivery::EVENT_ID, &filter.event_id),
+        (delivery::KEY, &filter.key),
+    ] {
+        if let Some(value) = value {
+            query.insert(field, Bson::String(value.clone()));
+        }
+    }
+    if let Some(after) = &filter.after {
+        let after = ObjectId::parse_str(after)
+            .map_err(|_| StoreError::InvalidArgument(format!("`after` {after:?} is not a delivery id")))?;
+        query.insert(delivery::ID, doc! { "$gt": after });
+    }
+    let rows: Vec<Document> = store
+        .collections
+        .deliveries
+        .find(query)
+        .sort(doc! { delivery::ID: 1 })
+        .limit(limit as i64 + 1)
+        .await?
+        .try_collect()
+        .await?;
+    let mut deliveries = rows.iter().map(documents::view).collect::<Result<Vec<_>, _>>()?;
+    let next = if deliveries.len() > limit {
+        deliveries.truncate(limit);
+        deliveries.last().map(|d| d.id.clone())
+    } else {
+        None
+    };
+    Ok(DeliveryPage { deliveries, next })
+}

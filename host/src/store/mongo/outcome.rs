@@ -1,0 +1,332 @@
+//! Outcomes of claimed deliveries in MongoDB: complete, reschedule, release, bury, renew,
+//! and the operator's requeue. Every write is conditional on the lease's claim generation,
+//! and a lease this instance did not issue is refused without a database call.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+
+use bson::oid::ObjectId;
+use bson::{Bson, DateTime, Document, doc};
+use futures::TryStreamExt;
+use mongodb::ClientSession;
+
+use super::documents::{at_generations, delivery, generation_filter, history, lane};
+use super::{MongoStore, MongoTx};
+use crate::lane::LaneId;
+use crate::store::{Lease, Settlement, StoreError};
+
+/// Lane epochs as they are now, read in `session`.
+async fn lane_epochs(
+    store: &MongoStore,
+    session: &mut ClientSession,
+    lanes: impl IntoIterator<Item = LaneId>,
+) -> Result<HashMap<LaneId, i64>, StoreError> {
+    let ids: BTreeSet<i32> = lanes.into_iter().map(i32::from).collect();
+    let documents: Vec<Document> = store
+        .collections
+        .lanes
+        .find(doc! { lane::ID: { "$in": ids.into_iter().collect::<Vec<_>>() } })
+        .projection(doc! { lane::ID: 1, lane::EPOCH: 1 })
+        .session(&mut *session)
+        .await?
+        .stream(&mut *session)
+        .try_collect()
+        .await?;
+    Ok(documents
+        .iter()
+        .filter_map(|d| Some((LaneId::try_from(d.get_i32(lane::ID).ok()?).ok()?, d.get_i64(lane::EPOCH).ok()?)))
+        .collect())
+}
+
+/// Completes the current ones among `leases` in `session`'s transaction: reads the lanes and
+/// the deliveries, deletes, stamps the events, writes history. A fixed number of commands.
+async fn complete_in_session(
+    store: &MongoStore,
+    session: &mut ClientSession,
+    leases: &[Lease],
+    now: DateTime,
+) -> Result<Vec<Settlement>, StoreError> {
+    let epochs = lane_epochs(store, session, leases.iter().map(|l| l.lane)).await?;
+    let found: Vec<Document> = store
+        .collections
+        .deliveries
+        .find(at_generations(leases.iter().map(|l| (l.delivery, l.claims))))
+        .session(&mut *session)
+        .await?
+        .stream(&mut *session)
+        .try_collect()
+        .await?;
+    let found: HashMap<ObjectId, Document> =
+        found.into_iter().filter_map(|d| Some((d.get_object_id(delivery::ID).ok()?, d))).collect();
+    let current: Vec<&Lease> = leases
+        .iter()
+        .filter(|lease| epochs.get(&lease.lane) == Some(&lease.epoch) && found.contains_key(&lease.delivery))
+        .collect();
+    if !current.is_empty() {
+        let ids: Vec<ObjectId> = current.iter().map(|l| l.delivery).collect();
+        store.collections.deliveries.delete_many(doc! { delivery::ID: { "$in": &ids } }).session(&mut *session).await?;
+        let event_ids: Vec<Bson> = current
+            .iter()
+            .filter_map(|l| found[&l.delivery].get(delivery::EVENT_ID).cloned())
+            .collect();
+        store
+            .collections
+            .events
+            .update_many(doc! { "_id": { "$in": event_ids } }, doc! { "$max": { crate::event::field::COMPLETED_AT: now } })
+            .session(&mut *session)
+            .await?;
+        if store.options.completion_history {
+            let records: Vec<Document> = current
+                .iter()
+                .map(|lease| {
+                    let mut record = found[&lease.delivery].clone();
+                    for field in [delivery::LANE, delivery::STATUS, delivery::CLAIMS, delivery::DUE_AT, delivery::LAST_ERROR] {
+                        record.remove(field);
+                    }
+                    let attempts = record.get_i32(delivery::ATTEMPTS).unwrap_or(0);
+                    record.insert(delivery::ATTEMPTS, attempts + 1);
+                    record.insert(history::COMPLETED_AT, now);
+                    record
+                })
+                .collect();
+            store.collections.history.insert_many(records).session(&mut *session).await?;
+        }
+    }
+    let completed: HashSet<ObjectId> = current.iter().map(|l| l.delivery).collect();
+    Ok(leases
+        .iter()
+        .map(|l| if completed.contains(&l.delivery) { Settlement::Completed } else { Settlement::LeaseLost })
+        .collect())
+}
+
+pub(super) async fn complete_many(store: &MongoStore, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {
+    let issued: Vec<Lease> = leases.iter().filter(|l| store.claimer.issued(l)).copied().collect();
+    let results = if issued.is_empty() {
+        Vec::new()
+    } else {
+        transaction!(store, |tx| complete_in_session(store, tx.session(), &issued, now).await)?
+    };
+    store.claimer.settled(leases);
+    let completed: HashSet<ObjectId> = issued
+        .iter()
+        .zip(&results)
+        .filter(|(_, s)| **s == Settlement::Completed)
+        .map(|(l, _)| l.delivery)
+        .collect();
+    Ok(leases
+        .iter()
+        .map(|l| if completed.contains(&l.delivery) { Settlement::Completed } else { Settlement::LeaseLost })
+        .collect())
+}
+
+pub(super) async fn complete_in(store: &MongoStore, tx: &mut MongoTx, lease: &Lease, now: DateTime) -> Result<(), StoreError> {
+    if !store.claimer.issued(lease) {
+        return Err(StoreError::LeaseLost(lease.to_string()));
+    }
+    match complete_in_session(store, tx.session(), std::slice::from_ref(lease), now).await?[0] {
+        Settlement::Completed => Ok(()),
+        Settlement::LeaseLost => Err(StoreError::LeaseLost(lease.to_string())),
+    }
+}
+
+/// Whether the lease's lane still has its epoch (read outside any transaction).
+async fn lane_current(store: &MongoStore, lease: &Lease) -> Result<bool, StoreError> {
+    Ok(store
+        .collections
+        .lanes
+        .find_one(doc! { lane::ID: i32::from(lease.lane), lane::EPOCH: lease.epoch })
+        .projection(doc! { lane::ID: 1 })
+        .await?
+        .is_some())
+}
+
+/// One conditional update of a still-current delivery; `LeaseLost` if nothing matched.
+async fn settle_one(store: &MongoStore, lease: &Lease, update: Document) -> Result<Settlement, StoreError> {
+    if !store.claimer.issued(lease) {
+        return Ok(Settlement::LeaseLost);
+    }
+    let settlement = if lane_current(store, lease).await? {
+        let mut filter = generation_filter(lease.delivery, lease.claims);
+        filter.insert(delivery::STATUS, delivery::PENDING);
+        let result = store.collections.deliveries.update_one(filter, update).await?;
+        if result.matched_count == 1 { Settlement::Completed } else { Settlement::LeaseLost }
+    } else {
+        Settlement::LeaseLost
+    };
+    store.claimer.settled([lease]);
+    Ok(settlement)
+}
+
+pub(super) async fn reschedule(
+    store: &MongoStore,
+    lease: &Lease,
+    due_at: DateTime,
+    error: &str,
+    now: DateTime,
+) -> Result<Settlement, StoreError> {
+    let update = doc! {
+        "$inc": { delivery::ATTEMPTS: 1, delivery::CLAIMS: 1_i64 },
+        "$set": { delivery::DUE_AT: due_at, delivery::LAST_ERROR: error, delivery::UPDATED_AT: now },
+    };
+    settle_one(store, lease, update).await
+}
+
+fn burial(reason: &str, charge_attempt: bool, now: DateTime) -> Document {
+    doc! {
+        "$inc": { delivery::ATTEMPTS: i32::from(charge_attempt), delivery::CLAIMS: 1_i64 },
+        "$set": {
+            delivery::STATUS: delivery::DEAD,
+            delivery::LANE: delivery::DEAD,
+            delivery::LAST_ERROR: reason,
+            delivery::UPDATED_AT: now,
+        },
+    }
+}
+
+pub(super) async fn bury(
+    store: &MongoStore,
+    lease: &Lease,
+    reason: &str,
+    charge_attempt: bool,
+    now: DateTime,
+) -> Result<Settlement, StoreError> {
+    settle_one(store, lease, burial(reason, charge_attempt, now)).await
+}
+
+pub(super) async fn bury_in(
+    store: &MongoStore,
+    tx: &mut MongoTx,
+    lease: &Lease,
+    reason: &str,
+    charge_attempt: bool,
+    now: DateTime,
+) -> Result<(), StoreError> {
+    let lost = || StoreError::LeaseLost(lease.to_string());
+    if !store.claimer.issued(lease) {
+        return Err(lost());
+    }
+    let session = tx.session();
+    let epochs = lane_epochs(store, session, [lease.lane]).await?;
+    if epochs.get(&lease.lane) != Some(&lease.epoch) {
+        return Err(lost());
+    }
+    let mut filter = generation_filter(lease.delivery, lease.claims);
+    filter.insert(delivery::STATUS, delivery::PENDING);
+    let result =
+        store.collections.deliveries.update_one(filter, burial(reason, charge_attempt, now)).session(&mut *session).await?;
+    if result.matched_count == 1 { Ok(()) } else { Err(lost()) }
+}
+
+pub(super) async fn release(store: &MongoStore, leases: &[Lease], now: DateTime) -> Result<usize, StoreError> {
+    let issued: Vec<&Lease> = leases.iter().filter(|l| store.claimer.issued(l)).collect();
+    let released = if issued.is_empty() {
+        0
+    } else {
+        let result = store
+            .collections
+            .deliveries
+            .update_many(
+                at_generations(issued.iter().map(|l| (l.delivery, l.claims))),
+                doc! { "$inc": { delivery::CLAIMS: 1_i64 }, "$set": { delivery::UPDATED_AT: now } },
+            )
+            .await?;
+        result.modified_count as usize
+    };
+    store.claimer.settled(leases);
+    Ok(released)
+}
+
+pub(super) async fn extend_lease(store: &MongoStore, leases: &[Lease], now: DateTime) -> Result<Vec<bool>, StoreError> {
+    let issued: Vec<Lease> = leases.iter().filter(|l| store.claimer.issued(l)).copied().collect();
+    if issued.is_empty() {
+        return Ok(vec![false; leases.len()]);
+    }
+    let until = store.claimer.lease_until(now);
+    let holder = &store.claimer.holder;
+    // The generation check and the lane extension in one transaction, so a stale lease never
+    // extends the lane of a newer claim.
+    let extended: HashSet<ObjectId> = transaction!(store, |tx| {
+        let session = tx.session();
+        let found: Vec<Document> = store
+            .collections
+            .deliveries
+            .find(at_generations(issued.iter().map(|l| (l.delivery, l.claims))))
+            .projection(doc! { delivery::ID: 1 })
+            .session(&mut *session)
+            .await?
+            .stream(&mut *session)
+            .try_collect()
+            .await?;
+        let found: HashSet<ObjectId> = found.iter().filter_map(|d| d.get_object_id(delivery::ID).ok()).collect();
+        let lanes: BTreeSet<(LaneId, i64)> =
+            issued.iter().filter(|l| found.contains(&l.delivery)).map(|l| (l.lane, l.epoch)).collect();
+        let mut renewed = HashSet::new();
+        for (lane_id, epoch) in lanes {
+            let result = store
+                .collections
+                .lanes
+                .update_one(
+                    doc! { lane::ID: i32::from(lane_id), lane::EPOCH: epoch, lane::OWNER: &holder.owner, lane::INSTANCE: &holder.instance },
+                    doc! { "$max": { lane::LEASE_EXPIRES_AT: until } },
+                )
+                .session(&mut *session)
+                .await?;
+            if result.matched_count == 1 {
+                renewed.insert((lane_id, epoch));
+            }
+        }
+        Ok(issued
+            .iter()
+            .filter(|l| found.contains(&l.delivery) && renewed.contains(&(l.lane, l.epoch)))
+            .map(|l| l.delivery)
+            .collect())
+    })?;
+    Ok(leases.iter().map(|l| store.claimer.issued(l) && extended.contains(&l.delivery)).collect())
+}
+
+pub(super) async fn relinquish(store: &MongoStore) -> Result<(), StoreError> {
+    let holder = &store.claimer.holder;
+    for (lane_id, epoch) in store.claimer.take_held().await {
+        // The in-flight list stays: a later taker charges whatever of it is still current,
+        // which after a graceful stop (everything settled or released) is nothing.
+        store
+            .collections
+            .lanes
+            .update_one(
+                doc! { lane::ID: i32::from(lane_id), lane::EPOCH: epoch, lane::OWNER: &holder.owner, lane::INSTANCE: &holder.instance },
+                doc! { "$set": { lane::OWNER: Bson::Null, lane::INSTANCE: Bson::Null } },
+            )
+            .await?;
+    }
+    Ok(())
+}
+
+pub(super) async fn requeue(store: &MongoStore, delivery_id: &str, now: DateTime) -> Result<(), StoreError> {
+    // Only a well-formed ObjectId reaches a query, so an admin input cannot become an operator.
+    let id = ObjectId::parse_str(delivery_id).map_err(|_| StoreError::DeliveryNotFound(delivery_id.to_string()))?;
+    let result = store
+        .collections
+        .deliveries
+        .update_one(
+            doc! { delivery::ID: id, delivery::STATUS: delivery::DEAD },
+            doc! {
+                "$set": {
+                    delivery::STATUS: delivery::PENDING,
+                    delivery::LANE: delivery::READY,
+                    delivery::ATTEMPTS: 0,
+                    delivery::DUE_AT: now,
+                    delivery::UPDATED_AT: now,
+                },
+                "$inc": { delivery::CLAIMS: 1_i64 },
+            },
+        )
+        .await?;
+    if result.matched_count == 1 {
+        return Ok(());
+    }
+    let exists = store.collections.deliveries.find_one(doc! { delivery::ID: id }).projection(doc! { delivery::ID: 1 }).await?;
+    Err(if exists.is_some() {
+        StoreError::NotDead(delivery_id.to_string())
+    } else {
+        StoreError::DeliveryNotFound(delivery_id.to_string())
+    })
+}

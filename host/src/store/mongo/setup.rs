@@ -1,0 +1,166 @@
+//! Schema setup: server checks, collections, indexes and the 256 lane documents.
+//! Idempotent and safe when several hosts run it at once.
+
+use std::time::Duration;
+
+use bson::{Document, doc};
+use mongodb::options::IndexOptions;
+use mongodb::{Client, Collection, IndexModel};
+
+use super::documents::{delivery, history, lane};
+use super::{Collections, MongoLocation};
+use crate::event::field;
+use crate::lane::LANE_COUNT;
+use crate::store::StoreError;
+
+const NAMESPACE_EXISTS: i32 = 48;
+const DUPLICATE_KEY: i32 = 11000;
+
+pub(super) async fn run(client: &Client, collections: &Collections, location: &MongoLocation) -> Result<(), StoreError> {
+    check_server(client).await?;
+    let database = client.database(&location.database);
+    // Explicitly: collections created implicitly inside concurrent transactions conflict.
+    for collection in [
+        &collections.events,
+        &collections.key_sequences,
+        &collections.deliveries,
+        &collections.lanes,
+        &collections.history,
+    ] {
+        match database.create_collection(collection.name()).await {
+            Ok(()) => {}
+            Err(error) if StoreError::from(error.clone()).server_code() == Some(NAMESPACE_EXISTS) => {}
+            Err(error) => return Err(error.into()),
+        }
+    }
+    create_indexes(&collections.deliveries, delivery_indexes()).await?;
+    create_indexes(&collections.events, event_indexes()).await?;
+    create_indexes(&collections.history, history_indexes()).await?;
+    seed_lanes(&collections.lanes).await
+}
+
+/// Refuses a standalone server and servers older than 6.0, saying what to run instead.
+pub(super) async fn check_server(client: &Client) -> Result<(), StoreError> {
+    let admin = client.database("admin");
+    let hello = admin.run_command(doc! { "hello": 1 }).await?;
+    let is_replica_set = hello.get_str("setName").is_ok();
+    let is_router = hello.get_str("msg") == Ok("isdbgrid");
+    if !is_replica_set && !is_router {
+        return Err(StoreError::NeedsReplicaSet("this standalone mongod".to_string()));
+    }
+    let build_info = admin.run_command(doc! { "buildInfo": 1 }).await?;
+    let version = build_info.get_str("version").unwrap_or("unknown").to_string();
+    let major: u32 = version.split('.').next().and_then(|m| m.parse().ok()).unwrap_or(0);
+    if major < 6 {
+        return Err(StoreError::ServerTooOld { found: version });
+    }
+    Ok(())
+}
+
+fn index(keys: Document, name: &str, partial: Option<Document>, unique: bool) -> IndexModel {
+    let options = IndexOptions::builder().name(name.to_string()).partial_filter_expression(partial).unique(unique.then_some(true)).build();
+    IndexModel::builder().keys(keys).options(options).build()
+}
+
+fn delivery_indexes() -> Vec<IndexModel> {
+    vec![
+        // Backstop of idempotent fan-out; the code never relies on catching it.
+        index(doc! { delivery::EVENT_ID: 1, delivery::HANDLER: 1 }, "event_handler", None, true),
+        // Claims and free-lane discovery. Ends with `handler` so a query over many lanes stays a
+        // merge of one index scan per lane.
+        index(
+            doc! { delivery::LANE_ID: 1, delivery::DUE_AT: 1, delivery::ID: 1, delivery::HANDLER: 1 },
+            "claim",
+            Some(doc! { delivery::LANE: delivery::READY }),
+            false,
+        ),
+        // The head of each key: its lowest unfinished sequence.
+        index(
+            doc! { delivery::HANDLER: 1, delivery::KEY: 1, delivery::SEQUENCE: 1 },
+            "ordering",
+            Some(doc! { delivery::STATUS: delivery::PENDING, delivery::KEY: { "$exists": true } }),
+            false,
+        ),
+        // Keys with parked followers, and their lowest parked delivery.
+        index(
+            doc! { delivery::HANDLER: 1, delivery::KEY: 1, delivery::SEQUENCE: 1 },
+            "parked",
+            Some(doc! { delivery::LANE: delivery::PARKED }),
+            false,
+        ),
+        index(doc! { delivery::DUE_AT: 1 }, "due", Some(doc! { delivery::STATUS: delivery::PENDING }), false),
+        index(doc! { delivery::STATUS: 1, delivery::UPDATED_AT: 1 }, "status_updated", None, false),
+        index(doc! { delivery::STATUS: 1, delivery::ID: 1 }, "by_status", None, false),
+        index(doc! { delivery::HANDLER: 1, delivery::ID: 1 }, "by_handler", None, false),
+        index(doc! { delivery::EVENT_TYPE: 1, delivery::ID: 1 }, "by_event_type", None, false),
+    ]
+}
+
+fn event_indexes() -> Vec<IndexModel> {
+    vec![
+        // Events nobody fanned out yet (`fannedOutAt` missing sorts as null).
+        index(doc! { field::FANNED_OUT_AT: 1, field::CREATED_AT: 1, field::ID: 1 }, "fan_out", None, false),
+        // The lowest unfanned events of a key.
+        index(
+            doc! { field::KEY: 1, field::FANNED_OUT_AT: 1, field::SEQUENCE: 1 },
+            "key_fan_out",
+            Some(doc! { field::KEY: { "$exists": true } }),
+            false,
+        ),
+        index(doc! { field::CREATED_AT: 1, field::ID: 1 }, "created", None, false),
+        index(doc! { field::COMPLETED_AT: 1 }, "completed", Some(doc! { field::COMPLETED_AT: { "$exists": true } }), false),
+    ]
+}
+
+fn history_indexes() -> Vec<IndexModel> {
+    vec![
+        index(doc! { history::COMPLETED_AT: 1, "_id": 1 }, "completed", None, false),
+        index(doc! { delivery::EVENT_ID: 1 }, "event", None, false),
+        index(doc! { delivery::HANDLER: 1 }, "handler", None, false),
+    ]
+}
+
+/// Concurrent builds of the same index by several hosts can fail transiently; a few retries
+/// settle them (the specs are identical, so the survivor is the right index).
+async fn create_indexes(collection: &Collection<Document>, models: Vec<IndexModel>) -> Result<(), StoreError> {
+    let mut attempt = 0;
+    loop {
+        match collection.create_indexes(models.clone()).await {
+            Ok(_) => return Ok(()),
+            Err(error) if attempt < 5 => {
+                attempt += 1;
+                tracing::debug!(%error, collection = collection.name(), "index creation raced; retrying");
+                tokio::time::sleep(Duration::from_millis(100 * attempt)).await;
+            }
+            Err(error) => return Err(error.into()),
+        }
+    }
+}
+
+async fn seed_lanes(lanes: &Collection<Document>) -> Result<(), StoreError> {
+    let documents: Vec<Document> = (0..LANE_COUNT)
+        .map(|id| {
+            doc! {
+                lane::ID: i32::from(id),
+                lane::OWNER: bson::Bson::Null,
+                lane::INSTANCE: bson::Bson::Null,
+                lane::LEASE_EXPIRES_AT: bson::DateTime::from_millis(0),
+                lane::EPOCH: 0_i64,
+                lane::IN_FLIGHT: [],
+            }
+        })
+        .collect();
+    match lanes.insert_many(documents).ordered(false).await {
+        Ok(_) => Ok(()),
+        Err(error) => match error.kind.as_ref() {
+            // Lanes another host (or an earlier run) created already.
+            mongodb::error::ErrorKind::InsertMany(failure)
+                if failure.write_concern_error.is_none()
+                    && failure.write_errors.as_ref().is_some_and(|errors| errors.iter().all(|e| e.code == DUPLICATE_KEY)) =>
+            {
+                Ok(())
+            }
+            _ => Err(error.into()),
+        },
+    }
+}

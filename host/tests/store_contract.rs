@@ -1,0 +1,802 @@
+//! The store contract: every test here runs against the memory store and against the
+//! MongoDB store on a real replica set. A behaviour one store has and the other lacks fails
+//! here.
+
+#![allow(async_fn_in_trait)]
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bson::doc;
+use common::*;
+use relayhost::event::{EventError, NewEvent};
+use relayhost::store::{
+    DeliveryFilter, DeliveryStatus, PurgeOptions, Published, Settlement, Store, StoreError, StoreOptions,
+    StoreTransaction, MALFORMED_EVENT_HANDLER, PARK_THRESHOLD, run_in_transaction,
+};
+
+macro_rules! contract {
+    ($($name:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name::<super::MemoryFixture>().await
+                }
+            )*
+        }
+        mod mongo {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name::<super::MongoFixture>().await
+                }
+            )*
+        }
+    };
+}
+
+contract!(
+    setup_is_idempotent_and_safe_concurrently,
+    publish_validates_events_and_numbers_keys_in_commit_order,
+    republishing_an_id_creates_nothing,
+    aborted_transactions_leave_no_event,
+    fan_out_creates_one_delivery_per_subscribed_handler_once,
+    a_handler_that_completed_an_event_never_gets_it_again,
+    malformed_event_documents_are_dead_lettered_and_block_nothing,
+    skewed_clocks_and_split_batches_keep_sequence_order,
+    per_key_rules_hold_within_one_claim,
+    keyed_deliveries_run_one_at_a_time_in_sequence_order,
+    concurrent_workers_never_claim_twice_and_keep_key_order,
+    lanes_are_exclusive_under_a_live_lease,
+    lanes_are_held_per_store_instance,
+    relinquish_hands_lanes_back_at_once,
+    a_stale_lease_changes_nothing,
+    an_expired_lease_nobody_took_is_still_honoured,
+    takeover_charges_the_lost_attempt_once,
+    reschedule_release_and_bury,
+    requeue_brings_a_dead_delivery_back_before_its_followers,
+    operator_inputs_never_become_query_operators,
+    long_blocked_backlogs_are_parked_and_drain_in_order,
+    complete_many_settles_each_lease,
+    transactional_completion_commits_with_the_callers_writes,
+    extend_lease_renews_only_current_leases,
+    purge_keeps_what_is_referenced_or_recent,
+    purge_racing_fan_out_never_orphans_a_delivery,
+    statistics_count_each_state,
+    transaction_budget_aborts_late_commits,
+);
+
+async fn setup_is_idempotent_and_safe_concurrently<F: Fixture>() {
+    let fixture = F::new().await;
+    let (a, b, c) = (fixture.worker("a"), fixture.worker("b"), fixture.worker("c"));
+    let (ra, rb, rc) = tokio::join!(a.setup(), b.setup(), c.setup());
+    ra.unwrap();
+    rb.unwrap();
+    rc.unwrap();
+    fixture.store().setup().await.unwrap();
+    // Still works after repeated setups.
+    publish(fixture.store(), event("e-1", "t")).await.unwrap();
+    assert_eq!(fan_out_all(fixture.store(), &subs(&[("h", &["t"])]), at(T0)).await, 1);
+}
+
+async fn publish_validates_events_and_numbers_keys_in_commit_order<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    let error = publish(store, event("", "t")).await.unwrap_err();
+    assert!(matches!(error, StoreError::InvalidEvent(EventError::Empty { field: "_id" })), "{error}");
+    let error = publish(store, NewEvent::new("e", "t", doc! { "blob": "x".repeat(2 * 1024 * 1024) })).await.unwrap_err();
+    assert!(error.to_string().contains("`payload` is"), "{error}");
+    let error = publish(store, keyed("e", "t", &"k".repeat(600))).await.unwrap_err();
+    assert!(error.to_string().contains("`key` is 600 characters"), "{error}");
+
+    let mut sequences = Vec::new();
+    for n in 0..3 {
+        sequences.push(publish(store, keyed(&format!("e-{n}"), "t", "order-1")).await.unwrap());
+    }
+    let other = publish(store, keyed("x", "t", "order-2")).await.unwrap();
+    assert_eq!(
+        sequences,
+        [1, 2, 3].map(|n| Published::New { sequence: Some(n) })
+    );
+    assert_eq!(other, Published::New { sequence: Some(1) });
+    let stored = fixture.raw_event("e-2").await.unwrap();
+    assert_eq!(stored.get_str("key").unwrap(), "order-1");
+    assert_eq!(stored.get_i64("sequence").unwrap(), 3);
+    assert_eq!(stored.get_document("payload").unwrap(), &doc! { "n": "e-2" });
+    assert!(stored.get_datetime("createdAt").is_ok());
+    assert!(!stored.contains_key("fannedOutAt"));
+
+    // Concurrent publishers of one key serialize through its counter: no sequence twice.
+    let mut tasks = Vec::new();
+    for n in 0..8 {
+        let worker = fixture.worker("publisher");
+        tasks.push(async move { publish(&worker, keyed(&format!("c-{n}"), "t", "hot")).await.unwrap() });
+    }
+    let mut numbers: Vec<i64> = futures::future::join_all(tasks)
+        .await
+        .into_iter()
+        .map(|p| match p {
+            Published::New { sequence: Some(n) } => n,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    numbers.sort();
+    assert_eq!(numbers, (1..=8).collect::<Vec<_>>());
+}
+
+async fn republishing_an_id_creates_nothing<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    assert_eq!(publish(store, keyed("e-1", "t", "k")).await.unwrap(), Published::New { sequence: Some(1) });
+    assert_eq!(publish(store, keyed("e-1", "t", "k")).await.unwrap(), Published::Duplicate);
+    // The duplicate did not take a sequence either.
+    assert_eq!(publish(store, keyed("e-2", "t", "k")).await.unwrap(), Published::New { sequence: Some(2) });
+    assert_eq!(fan_out_all(store, &subs(&[("h", &["t"])]), at(T0)).await, 2);
+}
+
+async fn aborted_transactions_leave_no_event<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    let mut tx = store.begin().await.unwrap();
+    store.publish(&mut tx, &keyed("e-1", "t", "k")).await.unwrap();
+    tx.abort().await.unwrap();
+    assert!(fixture.raw_event("e-1").await.is_none());
+    assert_eq!(fan_out_all(store, &subs(&[("h", &["t"])]), at(T0)).await, 0);
+    // The aborted increment is gone too: the next event of the key is sequence 1.
+    assert_eq!(publish(store, keyed("e-2", "t", "k")).await.unwrap(), Published::New { sequence: Some(1) });
+}
+
+async fn fan_out_creates_one_delivery_per_subscribed_handler_once<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    publish_all(store, vec![event("a", "order.placed"), event("b", "order.paid"), event("c", "other")]).await;
+    let subscriptions = subs(&[("mailer", &["order.placed"]), ("ledger", &["order.placed", "order.paid"])]);
+    let report = store.fan_out(&subscriptions, 100, at(T0)).await.unwrap();
+    assert_eq!((report.events, report.deliveries, report.malformed), (3, 3, 0));
+    // A second fan-out, by this or another worker, finds nothing to do.
+    assert_eq!(fixture.worker("w2").fan_out(&subscriptions, 100, at(T0)).await.unwrap().events, 0);
+    let all = list_all(store, DeliveryFilter::default()).await;
+    let mut pairs: Vec<(String, String)> = all.iter().map(|d| (d.event_id.clone(), d.handler.clone())).collect();
+    pairs.sort();
+    assert_eq!(
+        pairs,
+        [("a", "ledger"), ("a", "mailer"), ("b", "ledger")].map(|(e, h)| (e.to_string(), h.to_string()))
+    );
+    let event_a = fixture.raw_event("a").await.unwrap();
+    let mut listed: Vec<&str> = event_a.get_array("handlers").unwrap().iter().filter_map(|h| h.as_str()).collect();
+    listed.sort();
+    assert_eq!(listed, ["ledger", "mailer"]);
+    assert!(event_a.get_datetime("fannedOutAt").is_ok());
+
+    // Concurrent fan-outs of one backlog create each delivery exactly once.
+    publish_all(store, (0..60).map(|n| event(&format!("m-{n}"), "order.placed")).collect()).await;
+    let workers: Vec<_> = (0..3).map(|n| fixture.worker(&format!("f{n}"))).collect();
+    let counts = futures::future::join_all(workers.iter().map(|w| fan_out_all(w, &subscriptions, at(T0)))).await;
+    assert_eq!(counts.iter().sum::<usize>(), 120);
+    assert_eq!(list_all(store, DeliveryFilter::default()).await.len(), 123);
+}
+
+async fn a_handler_that_completed_an_event_never_gets_it_again<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    let subscriptions = subs(&[("h1", &["t"]), ("h2", &["t"])]);
+    publish(store, event("e-1", "t")).await.unwrap();
+    fan_out_all(store, &subscriptions, at(T0)).await;
+    let claimed = store.claim(&handlers(&["h1"]), 10, at(T0)).await.unwrap();
+    assert_eq!(ids(&claimed), ["e-1/h1"]);
+    assert_eq!(store.complete_many(&[claimed[0].lease], at(T0)).await.unwrap(), [Settlement::Completed]);
+    // A publish retry of the id changes nothing, and nothing runs h1 again.
+    assert_eq!(publish(store, event("e-1", "t")).await.unwrap(), Published::Duplicate);
+    assert_eq!(fan_out_all(store, &subscriptions, at(T0)).await, 0);
+    assert!(store.claim(&handlers(&["h1"]), 10, at(T0 + 1)).await.unwrap().is_empty());
+
+    // An event that another driver wrote with handlers already listed gets only the others.
+    let mut raw = event("e-2", "t").to_document(None, at(T0));
+    raw.insert("handlers", vec!["h1"]);
+    fixture.insert_raw_event(raw).await;
+    assert_eq!(fan_out_all(store, &subscriptions, at(T0)).await, 1);
+    let pending = list_all(store, DeliveryFilter { event_id: Some("e-2".into()), ..Default::default() }).await;
+    assert_eq!(pending.iter().map(|d| d.handler.as_str()).collect::<Vec<_>>(), ["h2"]);
+}
+
+async fn malformed_event_documents_are_dead_lettered_and_block_nothing<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    let good = |id: &str| event(id, "t").to_document(None, at(T0));
+    let mut no_type = good("no-type");
+    no_type.remove("type");
+    let mut text_payload = good("text-payload");
+    text_payload.insert("payload", "not a document");
+    let mut keyed_without_sequence = good("no-sequence");
+    keyed_without_sequence.insert("key", "k");
+    let mut bad_headers = good("bad-headers");
+    bad_headers.insert("headers", doc! { "x": 1 });
+    let mut numeric_type = good("numeric-type");
+    numeric_type.insert("type", 42);
+    for document in [no_type, text_payload, keyed_without_sequence, bad_headers, numeric_type] {
+        fixture.insert_raw_event(document).await;
+    }
+    fixture.insert_raw_event(doc! { "_id": 7, "type": "t", "payload": {}, "createdAt": at(T0) }).await;
+    publish_all(store, vec![event("fine-1", "t"), keyed("fine-2", "t", "k")]).await;
+
+    let subscriptions = subs(&[("h", &["t"])]);
+    let report = store.fan_out(&subscriptions, 100, at(T0)).await.unwrap();
+    assert_eq!(report.malformed, 6);
+    let claimed = store.claim(&handlers(&["h"]), 10, at(T0)).await.unwrap();
+    assert_eq!(ids(&claimed), ["fine-1/h", "fine-2/h"]);
+
+    let dead = dead(store).await;
+    let reasons: BTreeMap<String, (String, String)> = dead
+        .iter()
+        .map(|d| (d.event_id.clone(), (d.handler.clone(), d.last_error.clone().unwrap_or_default())))
+        .collect();
+    assert_eq!(reasons.len(), 6, "{reasons:?}");
+    assert_eq!(reasons["no-type"].0, MALFORMED_EVENT_HANDLER);
+    assert!(reasons["no-type"].1.contains("`type` is missing"));
+    assert_eq!(reasons["numeric-type"].0, MALFORMED_EVENT_HANDLER);
+    assert_eq!(reasons["text-payload"].0, "h");
+    assert!(reasons["text-payload"].1.contains("`payload` must be a document"));
+    assert!(reasons["no-sequence"].1.contains("`sequence` is missing"));
+    assert!(reasons["bad-headers"].1.contains("`headers` must be a document of strings"));
+    assert!(reasons["7"].1.contains("`_id` must be a string"));
+    // Nothing is left unfanned: a malformed document never holds the fan-out back.
+    assert_eq!(store.fan_out(&subscriptions, 100, at(T0)).await.unwrap().events, 0);
+}
+
+async fn skewed_clocks_and_split_batches_keep_sequence_order<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    // Each later publisher's clock is further behind: createdAt runs backwards while the
+    // sequences (commit order) run forwards.
+    for n in 0..6_i64 {
+        let created = at(T0 - n * 60_000);
+        publish(store, keyed(&format!("e-{n}"), "t", "k").with_created_at(created)).await.unwrap();
+        publish(store, event(&format!("u-{n}"), "t").with_created_at(at(T0 + n))).await.unwrap();
+    }
+    let subscriptions = subs(&[("h", &["t"])]);
+    let mut order = Vec::new();
+    // Fan-out batches of one event split the key; claims in between must never see a later
+    // sequence of the key before an earlier one.
+    for step in 0..40 {
+        store.fan_out(&subscriptions, 1, at(T0)).await.unwrap();
+        let claimed = store.claim(&handlers(&["h"]), 10, at(T0 + step)).await.unwrap();
+        for c in &claimed {
+            if c.event.key.is_some() {
+                order.push(c.event.sequence.unwrap());
+            }
+        }
+        let leases: Vec<_> = claimed.iter().map(|c| c.lease).collect();
+        store.complete_many(&leases, at(T0 + step)).await.unwrap();
+    }
+    assert_eq!(order, [1, 2, 3, 4, 5, 6]);
+}
+
+async fn per_key_rules_hold_within_one_claim<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    let mut events = Vec::new();
+    for n in 0..5 {
+        events.push(keyed(&format!("a-{n}"), "t", "key-a"));
+        events.push(keyed(&format!("b-{n}"), "t", "key-b"));
+    }
+    events.push(event("u-1", "t"));
+    publish_all(store, events).await;
+    fan_out_all(store, &subs(&[("h", &["t"]), ("g", &["t"])]), at(T0)).await;
+    let claimed = store.claim(&handlers(&["h", "g"]), 50, at(T0)).await.unwrap();
+    // One per (handler, key), each the head of its key; the unkeyed one for both handlers.
+    assert_eq!(ids(&claimed), ["a-0/g", "a-0/h", "b-0/g", "b-0/h", "u-1/g", "u-1/h"]);
+    // Nothing more of those keys while their heads run, even for another claim.
+    assert!(store.claim(&handlers(&["h", "g"]), 50, at(T0 + 1)).await.unwrap().is_empty());
+}
+
+async fn keyed_deliveries_run_one_at_a_time_in_sequence_order<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    publish_all(store, (0..10).map(|n| keyed(&format!("e-{n}"), "t", "k")).collect()).await;
+    fan_out_all(store, &subs(&[("h", &["t"])]), at(T0)).await;
+    let mut seen = Vec::new();
+    for step in 0..12 {
+        let claimed = store.claim(&handlers(&["h"]), 10, at(T0 + step)).await.unwrap();
+        assert!(claimed.len() <= 1);
+        for c in claimed {
+            seen.push(c.event.sequence.unwrap());
+            if step % 3 == 0 {
+                // A failed attempt keeps the key blocked until it is due again.
+                store.reschedule(&c.lease, at(T0 + step + 1), "flaky", at(T0 + step)).await.unwrap();
+                assert!(store.claim(&handlers(&["h"]), 10, at(T0 + step)).await.unwrap().is_empty());
+            } else {
+                store.complete_many(&[c.lease], at(T0 + step)).await.unwrap();
+            }
+        }
+    }
+    let mut completed_order = seen.clone();
+    completed_order.dedup();
+    assert_eq!(completed_order, (1..=completed_order.len() as i64).collect::<Vec<_>>());
+    assert!(completed_order.len() >= 7, "{seen:?}");
+}
+
+async fn concurrent_workers_never_claim_twice_and_keep_key_order<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    let mut events = Vec::new();
+    for n in 0..120 {
+        events.push(keyed(&format!("e-{n}"), "t", &format!("k{}", n % 12)));
+        events.push(event(&format!("u-{n}"), "t"));
+    }
+    for chunk in events.chunks(40) {
+        publish_all(store, chunk.to_vec()).await;
+    }
+    let subscriptions = subs(&[("h", &["t"])]);
+    fan_out_all(store, &subscriptions, at(T0)).await;
+
+    let log: Arc<Mutex<Vec<(String, Option<String>, Option<i64>)>>> = Arc::default();
+    let running: Arc<Mutex<HashSet<String>>> = Arc::default();
+    let mut tasks = Vec::new();
+    for w in 0..4 {
+        let worker = fixture.worker(&format!("worker-{w}"));
+        let (log, running) = (log.clone(), running.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut idle = 0;
+            while idle < 5 {
+                let claimed = worker.claim(&handlers(&["h"]), 7, bson::DateTime::now()).await.unwrap();
+                if claimed.is_empty() {
+                    idle += 1;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    continue;
+                }
+                idle = 0;
+                for c in &claimed {
+                    if let Some(key) = &c.event.key {
+                        assert!(running.lock().unwrap().insert(key.clone()), "two deliveries of {key} at once");
+                    }
+                    log.lock().unwrap().push((c.event.id.clone(), c.event.key.clone(), c.event.sequence));
+                }
+                tokio::task::yield_now().await;
+                for c in &claimed {
+                    if let Some(key) = &c.event.key {
+                        running.lock().unwrap().remove(key);
+                    }
+                }
+                let leases: Vec<_> = claimed.iter().map(|c| c.lease).collect();
+                let settled = worker.complete_many(&leases, bson::DateTime::now()).await.unwrap();
+                assert!(settled.iter().all(|s| *s == Settlement::Completed));
+            }
+            worker.relinquish().await.unwrap();
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let log = log.lock().unwrap();
+    let distinct: HashSet<&String> = log.iter().map(|(id, _, _)| id).collect();
+    assert_eq!(log.len(), 240, "every delivery exactly once");
+    assert_eq!(distinct.len(), 240);
+    let mut last: HashMap<&String, i64> = HashMap::new();
+    for (_, key, sequence) in log.iter() {
+        if let (Some(key), Some(sequence)) = (key, sequence) {
+            let previous = last.insert(key, *sequence).unwrap_or(0);
+            assert_eq!(*sequence, previous + 1, "key {key} out of order");
+        }
+    }
+}
+
+async fn lanes_are_exclusive_under_a_live_lease<F: Fixture>() {
+    let fixture = F::new().await;
+    let (a, b) = (fixture.worker("a"), fixture.worker("b"));
+    let first = id_in_lane("x", 9);
+    let second = id_in_lane(&format!("{first}-y"), 9);
+    publish_all(fixture.store(), vec![event(&first, "t"), event(&second, "t")]).await;
+    fan_out_all(fixture.store(), &subs(&[("h", &["t"])]), at(T0)).await;
+    let claimed = a.claim(&handlers(&["h"]), 1, at(T0)).await.unwrap();
+    assert_eq!(claimed.len(), 1);
+    assert_eq!(claimed[0].lease.lane, 9);
+    // b sees nothing of lane 9, not even the idle delivery, while a's lease lives.
+    assert!(b.claim(&handlers(&["h"]), 10, at(T0 + 1_000)).await.unwrap().is_empty());
+    // a itself takes the other one from the lane it holds.
+    assert_eq!(a.claim(&handlers(&["h"]), 10, at(T0 + 1_000)).await.unwrap().len(), 1);
+}
+
+async fn lanes_are_held_per_store_instance<F: Fixture>() {
+    let fixture = F::new().await;
+    // Two instances with the same owner name, like a restarted process with a fixed name.
+    let (before, after) = (fixture.worker("fixed-name"), fixture.worker("fixed-name"));
+    let first = id_in_lane("p", 4);
+    let second = id_in_lane(&format!("{first}-q"), 4);
+    publish_all(fixture.store(), vec![event(&first, "t"), event(&second, "t")]).await;
+    fan_out_all(fixture.store(), &subs(&[("h", &["t"])]), at(T0)).await;
+    assert_eq!(before.claim(&handlers(&["h"]), 1, at(T0)).await.unwrap().len(), 1);
+    // The new instance does not adopt the lane of its namesake...
+    assert!(after.claim(&handlers(&["h"]), 10, at(T0 + 1)).await.unwrap().is_empty());
+    // ...it takes it over once the lease expired, like any other worker.
+    let late = T0 + 31_000;
+    let taken = after.claim(&handlers(&["h"]), 10, at(late)).await.unwrap();
+    assert_eq!(taken.len(), 2);
+}
+
+async fn relinquish_hands_lanes_back_at_once<F: Fixture>() {
+    let fixture = F::new().await;
+    let (a, b) = (fixture.worker("a"), fixture.worker("b"));
+    let first = id_in_lane("r", 200);
+    let second = id_in_lane(&format!("{first}-s"), 200);
+    publish_all(fixture.store(), vec![event(&first, "t"), event(&second, "t")]).await;
+    fan_out_all(fixture.store(), &subs(&[("h", &["t"])]), at(T0)).await;
+    let claimed = a.claim(&handlers(&["h"]), 1, at(T0)).await.unwrap();
+    assert_eq!(a.release(&[claimed[0].lease], at(T0)).await.unwrap(), 1);
+    a.relinquish().await.unwrap();
+    let taken = b.claim(&handlers(&["h"]), 10, at(T0 + 1)).await.unwrap();
+    assert_eq!(taken.len(), 2);
+    // A release charges no attempt.
+    assert!(taken.iter().all(|c| c.attempts == 0));
+}
+
+async fn a_stale_lease_changes_nothing<F: Fixture>() {
+    let fixture = F::new().await;
+    let (a, b) = (fixture.worker("a"), fixture.worker("b"));
+    publish(fixture.store(), event("e-1", "t")).await.unwrap();
+    fan_out_all(fixture.store(), &subs(&[("h", &["t"])]), at(T0)).await;
+    let stale = a.claim(&handlers(&["h"]), 1, at(T0)).await.unwrap().remove(0);
+    // a stops renewing; b takes the lane over after the lease expired.
+    let taken = b.claim(&handlers(&["h"]), 1, at(T0 + 31_000)).await.unwrap();
+    assert_eq!(taken.len(), 1);
+    assert_eq!(taken[0].attempts, 1, "the lost attempt is charged");
+    assert_ne!(taken[0].lease, stale.lease);
+    let now = at(T0 + 32_000);
+    assert_eq!(a.complete_many(&[stale.lease], now).await.unwrap(), [Settlement::LeaseLost]);
+    assert_eq!(a.reschedule(&stale.lease, now, "x", now).await.unwrap(), Settlement::LeaseLost);
+    assert_eq!(a.bury(&stale.lease, "x", true, now).await.unwrap(), Settlement::LeaseLost);
+    assert_eq!(a.release(&[stale.lease], now).await.unwrap(), 0);
+    assert_eq!(a.extend_lease(&[stale.lease], now).await.unwrap(), [false]);
+    // A lease this worker never issued is refused without touching anything.
+    assert_eq!(a.complete_many(&[taken[0].lease], now).await.unwrap(), [Settlement::LeaseLost]);
+    // b's claim is intact.
+    assert_eq!(b.complete_many(&[taken[0].lease], now).await.unwrap(), [Settlement::Completed]);
+}
+
+async fn an_expired_lease_nobody_took_is_still_honoured<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    publish(store, event("e-1", "t")).await.unwrap();
+    fan_out_all(store, &subs(&[("h", &["t"])]), at(T0)).await;
+    let claimed = store.claim(&handlers(&["h"]), 1, at(T0)).await.unwrap().remove(0);
+    let late = at(T0 + 120_000);
+    assert_eq!(store.complete_many(&[claimed.lease], late).await.unwrap(), [Settlement::Completed]);
+}
+
+async fn takeover_charges_the_lost_attempt_once<F: Fixture>() {
+    let fixture = F::new().await;
+    publish(fixture.store(), event("e-1", "t")).await.unwrap();
+    fan_out_all(fixture.store(), &subs(&[("h", &["t"])]), at(T0)).await;
+    let mut now = T0;
+    // Five workers in a row die holding it; each successor charges exactly one attempt.
+    for round in 1..=5_u32 {
+        let worker = fixture.worker(&format!("w{round}"));
+        let claimed = worker.claim(&handlers(&["h"]), 1, at(now)).await.unwrap();
+        assert_eq!(claimed.len(), 1);
+        assert_eq!(claimed[0].attempts, round - 1);
+        now += 31_000;
+    }
+}
+
+async fn reschedule_release_and_bury<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    publish_all(store, vec![event("r", "t"), event("l", "t"), event("b", "t")]).await;
+    fan_out_all(store, &subs(&[("h", &["t"])]), at(T0)).await;
+    let claimed = store.claim(&handlers(&["h"]), 10, at(T0)).await.unwrap();
+    let by_id: HashMap<String, _> = claimed.iter().map(|c| (c.event.id.clone(), c.lease)).collect();
+    assert_eq!(store.reschedule(&by_id["r"], at(T0 + 5_000), "503 from upstream", at(T0)).await.unwrap(), Settlement::Completed);
+    assert_eq!(store.release(&[by_id["l"]], at(T0)).await.unwrap(), 1);
+    assert_eq!(store.bury(&by_id["b"], "unprocessable: no such customer", true, at(T0)).await.unwrap(), Settlement::Completed);
+
+    // The released one is due at once with no attempt charged; the retry waits.
+    let again = store.claim(&handlers(&["h"]), 10, at(T0 + 1)).await.unwrap();
+    assert_eq!(ids(&again), ["l/h"]);
+    assert_eq!(again[0].attempts, 0);
+    let later = store.claim(&handlers(&["h"]), 10, at(T0 + 5_000)).await.unwrap();
+    assert_eq!(ids(&later), ["r/h"]);
+    assert_eq!(later[0].attempts, 1);
+    let dead = dead(store).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].event_id, "b");
+    assert_eq!(dead[0].attempts, 1);
+    assert_eq!(dead[0].last_error.as_deref(), Some("unprocessable: no such customer"));
+    let pending = list_all(store, DeliveryFilter { event_id: Some("r".into()), ..Default::default() }).await;
+    assert_eq!(pending[0].last_error.as_deref(), Some("503 from upstream"));
+}
+
+async fn requeue_brings_a_dead_delivery_back_before_its_followers<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    publish_all(store, (0..3).map(|n| keyed(&format!("e-{n}"), "t", "k")).collect()).await;
+    fan_out_all(store, &subs(&[("h", &["t"])]), at(T0)).await;
+    let head = store.claim(&handlers(&["h"]), 10, at(T0)).await.unwrap().remove(0);
+    store.bury(&head.lease, "poison", true, at(T0)).await.unwrap();
+    // A dead head no longer blocks its key.
+    let next = store.claim(&handlers(&["h"]), 10, at(T0 + 1)).await.unwrap().remove(0);
+    assert_eq!(next.event.sequence, Some(2));
+    let dead_id = dead(store).await[0].id.clone();
+    assert!(matches!(store.requeue(&next.lease.delivery.to_hex(), at(T0 + 2)).await, Err(StoreError::NotDead(_))));
+    store.requeue(&dead_id, at(T0 + 2)).await.unwrap();
+    // Sequence 2 runs, so the requeued one cannot start; sequence 3 waits behind it.
+    assert!(store.claim(&handlers(&["h"]), 10, at(T0 + 3)).await.unwrap().is_empty());
+    store.complete_many(&[next.lease], at(T0 + 3)).await.unwrap();
+    let requeued = store.claim(&handlers(&["h"]), 10, at(T0 + 4)).await.unwrap();
+    assert_eq!(requeued.len(), 1);
+    assert_eq!(requeued[0].event.sequence, Some(1));
+    assert_eq!(requeued[0].attempts, 0, "requeue resets the attempts");
+    store.complete_many(&[requeued[0].lease], at(T0 + 4)).await.unwrap();
+    let last = store.claim(&handlers(&["h"]), 10, at(T0 + 5)).await.unwrap();
+    assert_eq!(last[0].event.sequence, Some(3));
+}
+
+async fn operator_inputs_never_become_query_operators<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    publish(store, event("e-1", "t")).await.unwrap();
+    fan_out_all(store, &subs(&[("h", &["t"])]), at(T0)).await;
+    for hostile in [r#"{"$ne": null}"#, "$where", "{ \"$gt\": \"\" }"] {
+        let filter = DeliveryFilter {
+            handler: Some(hostile.into()),
+            event_id: Some(hostile.into()),
+            ..Default::default()
+        };
+        assert!(store.list_deliveries(&filter).await.unwrap().deliveries.is_empty());
+        let filter = DeliveryFilter { key: Some(hostile.into()), ..Default::default() };
+        assert!(store.list_deliveries(&filter).await.unwrap().deliveries.is_empty());
+        assert!(matches!(store.requeue(hostile, at(T0)).await, Err(StoreError::DeliveryNotFound(_))));
+        let bad_cursor = DeliveryFilter { after: Some(hostile.into()), ..Default::default() };
+        assert!(matches!(store.list_deliveries(&bad_cursor).await, Err(StoreError::InvalidArgument(_))));
+    }
+    assert_eq!(list_all(store, DeliveryFilter::default()).await.len(), 1);
+}
+
+async fn long_blocked_backlogs_are_parked_and_drain_in_order<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    let followers = PARK_THRESHOLD + 8;
+    publish_all(store, (0..=followers).map(|n| keyed(&format!("k-{n}"), "t", "hot")).collect()).await;
+    publish_all(store, (0..5).map(|n| keyed(&format!("o-{n}"), "t", &format!("other-{n}"))).collect()).await;
+    let subscriptions = subs(&[("h", &["t"])]);
+    fan_out_all(store, &subscriptions, at(T0)).await;
+    let head = store.claim(&handlers(&["h"]), 100, at(T0)).await.unwrap();
+    assert_eq!(head.len(), 6, "the hot head and one of each other key");
+    let stats = store.statistics(at(T0)).await.unwrap();
+    assert_eq!(stats[0].parked as usize, followers, "followers behind a running head are parked");
+    // Other keys keep flowing while the hot key is blocked.
+    let others: Vec<_> = head.iter().filter(|c| c.event.key.as_deref() != Some("hot")).map(|c| c.lease).collect();
+    store.complete_many(&others, at(T0)).await.unwrap();
+    publish(store, keyed("o-late", "t", "other-late")).await.unwrap();
+    fan_out_all(store, &subscriptions, at(T0 + 1)).await;
+    let late = store.claim(&handlers(&["h"]), 100, at(T0 + 1)).await.unwrap();
+    assert_eq!(ids(&late), ["o-late/h"]);
+    store.complete_many(&[late[0].lease], at(T0 + 1)).await.unwrap();
+    // The hot key drains one by one, in order, through unparking.
+    let mut lease = head.iter().find(|c| c.event.key.as_deref() == Some("hot")).unwrap().lease;
+    let mut order = vec![1];
+    for step in 0..followers as i64 + 2 {
+        store.complete_many(&[lease], at(T0 + 2 + step)).await.unwrap();
+        let next = store.claim(&handlers(&["h"]), 100, at(T0 + 2 + step)).await.unwrap();
+        if next.is_empty() {
+            break;
+        }
+        assert_eq!(next.len(), 1);
+        order.push(next[0].event.sequence.unwrap());
+        lease = next[0].lease;
+    }
+    assert_eq!(order, (1..=followers as i64 + 1).collect::<Vec<_>>());
+    assert_eq!(store.statistics(at(T0 + 100)).await.unwrap()[0].parked, 0);
+}
+
+async fn complete_many_settles_each_lease<F: Fixture>() {
+    let fixture = F::with_options(StoreOptions { completion_history: true, ..options() }).await;
+    let store = fixture.store();
+    publish_all(store, (0..300).map(|n| event(&format!("e-{n}"), "t")).collect()).await;
+    fan_out_all(store, &subs(&[("h", &["t"])]), at(T0)).await;
+    let claimed = store.claim(&handlers(&["h"]), 300, at(T0)).await.unwrap();
+    assert_eq!(claimed.len(), 300);
+    let mut leases: Vec<_> = claimed.iter().map(|c| c.lease).collect();
+    // One of them was settled already: it is reported lost, the others complete.
+    store.release(&[leases[0]], at(T0)).await.unwrap();
+    leases.push(leases[0]);
+    let settled = store.complete_many(&leases, at(T0)).await.unwrap();
+    assert_eq!(settled.len(), 301);
+    assert_eq!(settled[0], Settlement::LeaseLost);
+    assert!(settled[1..300].iter().all(|s| *s == Settlement::Completed));
+    let stats = store.statistics(at(T0)).await.unwrap();
+    assert_eq!((stats[0].pending, stats[0].completed), (1, Some(299)));
+    let event = fixture.raw_event("e-7").await.unwrap();
+    assert_eq!(event.get_datetime("completedAt").unwrap(), &at(T0));
+}
+
+async fn transactional_completion_commits_with_the_callers_writes<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    publish_all(store, vec![event("e-1", "t"), event("e-2", "t")]).await;
+    fan_out_all(store, &subs(&[("h", &["t"])]), at(T0)).await;
+    let claimed = store.claim(&handlers(&["h"]), 10, at(T0)).await.unwrap();
+    let (first, second) = (claimed[0].clone(), claimed[1].clone());
+
+    // Abort: the follow-up event and the completion both vanish.
+    let mut tx = store.begin().await.unwrap();
+    store.publish(&mut tx, &event("follow-up-1", "t2")).await.unwrap();
+    store.complete_in(&mut tx, &first.lease, at(T0)).await.unwrap();
+    tx.abort().await.unwrap();
+    assert!(fixture.raw_event("follow-up-1").await.is_none());
+    // Commit: both happen.
+    run_in_transaction(store, async |tx| {
+        store.publish(tx, &event("follow-up-1", "t2")).await?;
+        store.complete_in(tx, &first.lease, at(T0)).await
+    })
+    .await
+    .unwrap();
+    assert!(fixture.raw_event("follow-up-1").await.is_some());
+    assert_eq!(store.complete_many(&[first.lease], at(T0)).await.unwrap(), [Settlement::LeaseLost]);
+
+    // A takeover and a transactional completion never both succeed.
+    let usurper = fixture.worker("usurper");
+    let late = at(T0 + 31_000);
+    let completion = run_in_transaction(store, async |tx| {
+        store.publish(tx, &event("follow-up-2", "t2")).await?;
+        store.complete_in(tx, &second.lease, late).await
+    });
+    let wanted = handlers(&["h"]);
+    let takeover = usurper.claim(&wanted, 10, late);
+    let (completion, takeover) = tokio::join!(completion, takeover);
+    let took = takeover.unwrap();
+    match completion {
+        Ok(()) => {
+            assert!(took.is_empty(), "completed and taken over");
+            assert!(fixture.raw_event("follow-up-2").await.is_some());
+        }
+        Err(error) => {
+            assert!(matches!(error, StoreError::LeaseLost(_)), "{error}");
+            assert_eq!(took.len(), 1);
+            assert_eq!(took[0].attempts, 1);
+            assert!(fixture.raw_event("follow-up-2").await.is_none());
+        }
+    }
+}
+
+async fn extend_lease_renews_only_current_leases<F: Fixture>() {
+    let fixture = F::new().await;
+    let (a, b) = (fixture.worker("a"), fixture.worker("b"));
+    publish(fixture.store(), event("e-1", "t")).await.unwrap();
+    fan_out_all(fixture.store(), &subs(&[("h", &["t"])]), at(T0)).await;
+    let claimed = a.claim(&handlers(&["h"]), 1, at(T0)).await.unwrap().remove(0);
+    // Renewed at +20 s, the lease lives until +50 s: b cannot take it at +40 s.
+    assert_eq!(a.extend_lease(&[claimed.lease], at(T0 + 20_000)).await.unwrap(), [true]);
+    assert!(b.claim(&handlers(&["h"]), 1, at(T0 + 40_000)).await.unwrap().is_empty());
+    let taken = b.claim(&handlers(&["h"]), 1, at(T0 + 51_000)).await.unwrap();
+    assert_eq!(taken.len(), 1);
+    assert_eq!(a.extend_lease(&[claimed.lease], at(T0 + 52_000)).await.unwrap(), [false]);
+}
+
+async fn purge_keeps_what_is_referenced_or_recent<F: Fixture>() {
+    let fixture = F::with_options(StoreOptions { completion_history: true, purge_batch_size: 3, ..options() }).await;
+    let store = fixture.store();
+    let subscriptions = subs(&[("h", &["done", "dead"]), ("slow", &["done"])]);
+    publish_all(store, (0..5).map(|n| event(&format!("done-{n}"), "done")).collect()).await;
+    publish_all(store, (0..4).map(|n| event(&format!("dead-{n}"), "dead")).collect()).await;
+    publish(store, event("nobody", "unsubscribed")).await.unwrap();
+    fan_out_all(store, &subscriptions, at(T0)).await;
+    publish(store, event("unfanned", "done").with_created_at(at(T0 - 10_000_000))).await.unwrap();
+    let claimed = store.claim(&handlers(&["h"]), 100, at(T0)).await.unwrap();
+    for c in &claimed {
+        if c.event.event_type == "done" {
+            store.complete_many(&[c.lease], at(T0)).await.unwrap();
+        } else {
+            store.bury(&c.lease, "poison", true, at(T0)).await.unwrap();
+        }
+    }
+    // Nothing is old enough yet.
+    let report = store.purge(&PurgeOptions { dead_before: Some(at(T0)), completed_before: Some(at(T0)) }, at(T0)).await.unwrap();
+    assert_eq!(report, Default::default());
+    let report = store
+        .purge(&PurgeOptions { dead_before: Some(at(T0 + 1)), completed_before: Some(at(T0 + 1)) }, at(T0 + 1))
+        .await
+        .unwrap();
+    assert_eq!(report.dead_deliveries, 4);
+    assert_eq!(report.history_records, 5);
+    // The dead events go; "done" events are still referenced by the slow handler's deliveries;
+    // the event nobody subscribed to is old enough; the unfanned one is never purged.
+    assert_eq!(report.events, 5, "{report:?}");
+    for n in 0..5 {
+        assert!(fixture.raw_event(&format!("done-{n}")).await.is_some());
+    }
+    assert!(fixture.raw_event("dead-0").await.is_none());
+    assert!(fixture.raw_event("nobody").await.is_none());
+    assert!(fixture.raw_event("unfanned").await.is_some());
+    // Once the slow handler completed, the events stay as deduplication records until the
+    // completed cutoff passes their latest completion.
+    let slow = store.claim(&handlers(&["slow"]), 100, at(T0 + 2)).await.unwrap();
+    let leases: Vec<_> = slow.iter().map(|c| c.lease).collect();
+    store.complete_many(&leases, at(T0 + 2)).await.unwrap();
+    let report = store.purge(&PurgeOptions { dead_before: Some(at(T0 + 3)), completed_before: Some(at(T0 + 2)) }, at(T0 + 3)).await.unwrap();
+    assert_eq!(report.events, 0);
+    assert_eq!(publish(store, event("done-1", "done")).await.unwrap(), Published::Duplicate);
+    let report = store.purge(&PurgeOptions { dead_before: None, completed_before: Some(at(T0 + 3)) }, at(T0 + 3)).await.unwrap();
+    assert_eq!((report.events, report.history_records), (5, 5));
+}
+
+async fn purge_racing_fan_out_never_orphans_a_delivery<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    let subscriptions = subs(&[("h", &["t"])]);
+    let purger = fixture.worker("purger");
+    let publisher = fixture.worker("publisher");
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let purging = {
+        let stop = stop.clone();
+        async move {
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let now = bson::DateTime::now();
+                purger.purge(&PurgeOptions { dead_before: Some(now), completed_before: Some(now) }, now).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }
+    };
+    let working = async {
+        for round in 0..30 {
+            // New ids, and retries of old ids that may or may not have been purged yet.
+            let mut events: Vec<NewEvent> = (0..5).map(|n| event(&format!("r{round}-{n}"), "t")).collect();
+            if round > 0 {
+                events.push(event(&format!("r{}-0", round - 1), "t"));
+            }
+            for e in events {
+                publisher_publish(&publisher, e).await;
+            }
+            fan_out_all(store, &subscriptions, bson::DateTime::now()).await;
+            let claimed = store.claim(&handlers(&["h"]), 100, bson::DateTime::now()).await.unwrap();
+            let leases: Vec<_> = claimed.iter().map(|c| c.lease).collect();
+            store.complete_many(&leases, bson::DateTime::now()).await.unwrap();
+        }
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    };
+    tokio::join!(purging, working);
+    for delivery in list_all(store, DeliveryFilter::default()).await {
+        assert!(fixture.raw_event(&delivery.event_id).await.is_some(), "delivery of a purged event");
+    }
+    assert!(dead(store).await.is_empty(), "no claim met a missing event");
+}
+
+async fn publisher_publish<S: Store>(store: &S, event: NewEvent) {
+    publish(store, event).await.unwrap();
+}
+
+async fn statistics_count_each_state<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    publish_all(store, (0..6).map(|n| event(&format!("e-{n}"), "t")).collect()).await;
+    fan_out_all(store, &subs(&[("h", &["t"]), ("idle", &["t"])]), at(T0)).await;
+    let claimed = store.claim(&handlers(&["h"]), 3, at(T0)).await.unwrap();
+    store.bury(&claimed[0].lease, "x", true, at(T0)).await.unwrap();
+    let stats = store.statistics(at(T0)).await.unwrap();
+    let h = stats.iter().find(|s| s.handler == "h").unwrap();
+    assert_eq!((h.pending, h.running, h.dead, h.parked), (3, 2, 1, 0));
+    assert_eq!(h.oldest_due_at, Some(at(T0)));
+    assert_eq!(h.completed, None, "unknown without completion history");
+    let idle = stats.iter().find(|s| s.handler == "idle").unwrap();
+    assert_eq!((idle.pending, idle.running), (6, 0));
+    // Paginated listing sees every delivery exactly once.
+    let page = store.list_deliveries(&DeliveryFilter { limit: 4, ..Default::default() }).await.unwrap();
+    assert_eq!(page.deliveries.len(), 4);
+    let all = list_all(store, DeliveryFilter { limit: 4, ..Default::default() }).await;
+    assert_eq!(all.iter().map(|d| &d.id).collect::<HashSet<_>>().len(), 12);
+    let only_dead = list_all(store, DeliveryFilter { status: Some(DeliveryStatus::Dead), handler: Some("h".into()), ..Default::default() }).await;
+    assert_eq!(only_dead.len(), 1);
+}
+
+async fn transaction_budget_aborts_late_commits<F: Fixture>() {
+    let fixture = F::with_options(StoreOptions { transaction_budget: Duration::from_millis(200), ..options() }).await;
+    let store = fixture.store();
+    let mut tx = store.begin().await.unwrap();
+    store.publish(&mut tx, &event("late", "t")).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let error = tx.commit().await.unwrap_err();
+    assert!(matches!(error, StoreError::TransactionTimeout(_)), "{error}");
+    assert!(fixture.raw_event("late").await.is_none());
+}
