@@ -198,6 +198,12 @@ impl MemoryStore {
         Ok(())
     }
 
+    /// The claim primitives and the claimer, for fault-injection tests of the claim.
+    #[cfg(test)]
+    pub(crate) fn claim_parts(&self) -> (impl ClaimBackend + '_, &Claimer) {
+        (Backend(&self.state), &self.claimer)
+    }
+
     /// The stored document of an event, if it exists.
     pub async fn event_document(&self, id: &str) -> Option<Document> {
         self.state.lock().await.events.get(id).cloned()

@@ -8,6 +8,8 @@
 //! decisions in, the store applies them atomically and fenced.
 
 mod claim;
+#[cfg(test)]
+mod claim_faults;
 mod error;
 mod fan_out;
 mod lease;

@@ -157,6 +157,12 @@ impl MongoStore {
     pub fn options(&self) -> &StoreOptions {
         &self.options
     }
+
+    /// The claim primitives and the claimer, for fault-injection tests of the claim.
+    #[cfg(test)]
+    pub(crate) fn claim_parts(&self) -> (impl super::claim::ClaimBackend + '_, &Claimer) {
+        (lanes::Backend { store: self }, &self.claimer)
+    }
 }
 
 /// A MongoDB transaction: a session with a started transaction and a time budget.

@@ -1,0 +1,192 @@
+//! Fault injection into the shared claim, against both stores: a worker that dies between
+//! charging a takeover and recording it, and a claim whose record reached the database while
+//! its reply did not.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+
+use bson::{DateTime, Document, doc};
+
+use super::claim::{Candidate, ClaimBackend, HandlerKey, Holder, InFlight, LaneRecord, LaneState};
+use super::memory::MemoryStore;
+use super::mongo::{MongoLocation, MongoStore};
+use super::{DeliveryId, Lease, Store, StoreError, StoreOptions, Subscription, Subscriptions, run_in_transaction};
+use crate::event::NewEvent;
+use crate::lane::LaneId;
+
+#[derive(Clone, Copy, PartialEq)]
+enum Fault {
+    /// The record write never happens and nothing runs after it: the process died.
+    DieBeforeRecord,
+    /// The record is written but the claim fails afterwards (its reply was lost).
+    FailAfterRecord,
+}
+
+struct Faulty<B> {
+    inner: B,
+    fault: Fault,
+}
+
+fn injected() -> StoreError {
+    StoreError::Corrupt("injected fault".to_string())
+}
+
+impl<B: ClaimBackend + Send> ClaimBackend for Faulty<B> {
+    async fn unpark(&self, handlers: &[String]) -> Result<(), StoreError> {
+        self.inner.unpark(handlers).await
+    }
+    async fn lanes(&self, ids: &[LaneId]) -> Result<Vec<LaneState>, StoreError> {
+        self.inner.lanes(ids).await
+    }
+    async fn free_lanes_with_due_work(
+        &self,
+        handlers: &[String],
+        exclude: &BTreeSet<LaneId>,
+        count: usize,
+        now: DateTime,
+    ) -> Result<Vec<LaneId>, StoreError> {
+        self.inner.free_lanes_with_due_work(handlers, exclude, count, now).await
+    }
+    async fn take_lane(&self, lane: LaneId, holder: &Holder, now: DateTime, until: DateTime) -> Result<Option<LaneState>, StoreError> {
+        self.inner.take_lane(lane, holder, now, until).await
+    }
+    async fn charge_lost(&self, entries: &[InFlight], now: DateTime) -> Result<(), StoreError> {
+        self.inner.charge_lost(entries, now).await
+    }
+    async fn current(&self, entries: &[InFlight]) -> Result<HashSet<DeliveryId>, StoreError> {
+        self.inner.current(entries).await
+    }
+    async fn candidates(
+        &self,
+        lanes: &[LaneId],
+        handlers: &[String],
+        now: DateTime,
+        after: Option<(DateTime, DeliveryId)>,
+        limit: usize,
+    ) -> Result<Vec<Candidate>, StoreError> {
+        self.inner.candidates(lanes, handlers, now, after, limit).await
+    }
+    async fn key_heads(&self, keys: &[HandlerKey]) -> Result<HashMap<HandlerKey, DeliveryId>, StoreError> {
+        self.inner.key_heads(keys).await
+    }
+    async fn park(&self, ids: &[DeliveryId]) -> Result<(), StoreError> {
+        self.inner.park(ids).await
+    }
+    async fn record(&self, holder: &Holder, records: &[LaneRecord]) -> Result<Vec<bool>, StoreError> {
+        match self.fault {
+            Fault::DieBeforeRecord => Err(injected()),
+            Fault::FailAfterRecord => {
+                self.inner.record(holder, records).await?;
+                Err(injected())
+            }
+        }
+    }
+    async fn hand_back(&self, holder: &Holder, lanes: &[(LaneId, i64)], now: DateTime) -> Result<(), StoreError> {
+        self.inner.hand_back(holder, lanes, now).await
+    }
+    async fn events(&self, ids: &[String]) -> Result<HashMap<String, Document>, StoreError> {
+        self.inner.events(ids).await
+    }
+    async fn bury_unrunnable(&self, doomed: &[(DeliveryId, i64, String)], now: DateTime) -> Result<(), StoreError> {
+        self.inner.bury_unrunnable(doomed, now).await
+    }
+    async fn reconcile(&self, holder: &Holder, issued: &HashSet<Lease>) -> Result<(), StoreError> {
+        match self.fault {
+            // A dead process reconciles nothing.
+            Fault::DieBeforeRecord => Err(injected()),
+            Fault::FailAfterRecord => self.inner.reconcile(holder, issued).await,
+        }
+    }
+}
+
+const T0: i64 = 1_900_000_000_000;
+
+fn options(owner: &str) -> StoreOptions {
+    StoreOptions { owner: owner.to_string(), ..StoreOptions::default() }
+}
+
+async fn mongo_store() -> MongoStore {
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let uri = crate::mongod::process_server().unwrap_or_else(|e| panic!("starting the test mongod: {e}"));
+    let client = mongodb::Client::with_uri_str(uri).await.unwrap();
+    let database = format!("f{}_{}", std::process::id(), N.fetch_add(1, std::sync::atomic::Ordering::SeqCst));
+    let store = MongoStore::new(client, MongoLocation::with_default_prefix(database).unwrap(), options("a"));
+    store.setup().await.unwrap();
+    store
+}
+
+async fn one_delivery<S: Store>(store: &S) {
+    run_in_transaction(store, async |tx| store.publish(tx, &NewEvent::new("e-1", "t", doc! {})).await.map(|_| ()))
+        .await
+        .unwrap();
+    let subscriptions = Subscriptions::new([Subscription::new("h", ["t"])]).unwrap();
+    store.fan_out(&subscriptions, 10, DateTime::from_millis(T0)).await.unwrap();
+}
+
+macro_rules! both_stores {
+    ($name:ident, $body:ident) => {
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn memory() {
+                let first = super::MemoryStore::new(super::options("a"));
+                let second = first.instance("b");
+                let third = first.instance("c");
+                super::$body(&first, &second, &third).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn mongo() {
+                let first = super::mongo_store().await;
+                let (second, third) = (first.instance("b"), first.instance("c"));
+                super::$body(&first, &second, &third).await;
+            }
+        }
+    };
+}
+
+trait Parts {
+    fn parts(&self) -> (impl ClaimBackend + Send + '_, &super::claim::Claimer);
+}
+impl Parts for MemoryStore {
+    fn parts(&self) -> (impl ClaimBackend + Send + '_, &super::claim::Claimer) {
+        self.claim_parts()
+    }
+}
+impl Parts for MongoStore {
+    fn parts(&self) -> (impl ClaimBackend + Send + '_, &super::claim::Claimer) {
+        self.claim_parts()
+    }
+}
+
+both_stores!(death_between_takeover_charge_and_record_charges_once, death_between_charge_and_record);
+both_stores!(a_claim_failing_after_its_record_reconciles, failure_after_record);
+
+async fn death_between_charge_and_record<S: Store + Parts>(a: &S, b: &S, c: &S) {
+    let handlers = vec!["h".to_string()];
+    one_delivery(a).await;
+    assert_eq!(a.claim(&handlers, 1, DateTime::from_millis(T0)).await.unwrap().len(), 1);
+    // a dies; b takes the lane over, charges a's attempt, and dies before recording.
+    let (backend, claimer) = b.parts();
+    let faulty = Faulty { inner: backend, fault: Fault::DieBeforeRecord };
+    assert!(claimer.claim(&faulty, &handlers, 1, DateTime::from_millis(T0 + 31_000)).await.is_err());
+    // c takes over after b's lease expired: the lane still lists a's claim, which must not
+    // be charged a second time.
+    let claimed = c.claim(&handlers, 1, DateTime::from_millis(T0 + 62_000)).await.unwrap();
+    assert_eq!(claimed.len(), 1);
+    assert_eq!(claimed[0].attempts, 1, "the lost attempt is charged exactly once");
+}
+
+async fn failure_after_record<S: Store + Parts>(a: &S, _b: &S, c: &S) {
+    let handlers = vec!["h".to_string()];
+    one_delivery(a).await;
+    let (backend, claimer) = a.parts();
+    let faulty = Faulty { inner: backend, fault: Fault::FailAfterRecord };
+    assert!(claimer.claim(&faulty, &handlers, 1, DateTime::from_millis(T0)).await.is_err());
+    // Reconciled: the same instance claims it again at once, under a new claim generation,
+    // with no attempt charged; the unissued lease of the failed claim matches nothing.
+    let claimed = a.claim(&handlers, 1, DateTime::from_millis(T0 + 1)).await.unwrap();
+    assert_eq!(claimed.len(), 1);
+    assert_eq!(claimed[0].attempts, 0);
+    assert_eq!(claimed[0].lease.claims, 1);
+    // Nobody else sees it while a holds it.
+    assert!(c.claim(&handlers, 1, DateTime::from_millis(T0 + 2)).await.unwrap().is_empty());
+}
