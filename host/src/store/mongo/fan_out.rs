@@ -31,6 +31,7 @@ pub(super) async fn run(
             .find(doc! { field::FANNED_OUT_AT: Bson::Null })
             .sort(doc! { field::FANNED_OUT_AT: 1, field::CREATED_AT: 1, field::ID: 1 })
             .limit(limit as i64)
+            .batch_size(super::outcome::one_batch(limit))
             .session(&mut *session)
             .await?
             .stream(&mut *session)
@@ -47,6 +48,7 @@ pub(super) async fn run(
                 .find(doc! { field::KEY: { "$in": &keys }, field::FANNED_OUT_AT: Bson::Null })
                 .sort(doc! { field::KEY: 1, field::FANNED_OUT_AT: 1, field::SEQUENCE: 1 })
                 .limit(limit.saturating_mul(4) as i64)
+                .batch_size(super::outcome::one_batch(limit.saturating_mul(4)))
                 .session(&mut *session)
                 .await?
                 .stream(&mut *session)

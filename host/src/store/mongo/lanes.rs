@@ -79,6 +79,7 @@ impl ClaimBackend for Backend<'_> {
             .collections
             .lanes
             .find(doc! { lane::ID: { "$in": lane_ids(ids.iter().copied()) } })
+            .batch_size(u32::from(crate::lane::LANE_COUNT) + 1)
             .await?
             .try_collect()
             .await?;
@@ -98,6 +99,7 @@ impl ClaimBackend for Backend<'_> {
             .lanes
             .find(doc! { "$or": [{ lane::OWNER: Bson::Null }, { lane::LEASE_EXPIRES_AT: { "$lt": now } }] })
             .projection(doc! { lane::ID: 1 })
+            .batch_size(u32::from(crate::lane::LANE_COUNT) + 1)
             .await?
             .try_collect()
             .await?;
@@ -181,6 +183,7 @@ impl ClaimBackend for Backend<'_> {
             .deliveries
             .find(at_generations(entries.iter().map(|e| (e.delivery, e.claims))))
             .projection(doc! { delivery::ID: 1 })
+            .batch_size(super::outcome::one_batch(entries.len()))
             .await?
             .try_collect()
             .await?;
@@ -217,6 +220,7 @@ impl ClaimBackend for Backend<'_> {
             .find(filter)
             .sort(doc! { delivery::DUE_AT: 1, delivery::ID: 1 })
             .limit(limit as i64)
+            .batch_size(super::outcome::one_batch(limit))
             .hint(mongodb::options::Hint::Name("claim".to_string()))
             .projection(doc! {
                 delivery::ID: 1, delivery::EVENT_ID: 1, delivery::HANDLER: 1, delivery::KEY: 1, delivery::LANE_ID: 1,
@@ -288,7 +292,7 @@ impl ClaimBackend for Backend<'_> {
 
     async fn events(&self, ids: &[String]) -> Result<HashMap<String, Document>, StoreError> {
         let documents: Vec<Document> =
-            self.store.collections.events.find(doc! { "_id": { "$in": ids } }).await?.try_collect().await?;
+            self.store.collections.events.find(doc! { "_id": { "$in": ids } }).batch_size(super::outcome::one_batch(ids.len())).await?.try_collect().await?;
         Ok(documents
             .into_iter()
             .filter_map(|doc| doc.get_str("_id").ok().map(str::to_string).map(|id| (id, doc)))

@@ -14,6 +14,12 @@ use super::{MongoStore, MongoTx};
 use crate::lane::LaneId;
 use crate::store::{Lease, Settlement, StoreError};
 
+/// A cursor batch size that returns `n` small documents in the first reply, so a batch costs
+/// the same number of commands whatever its size.
+pub(super) fn one_batch(n: usize) -> u32 {
+    u32::try_from(n + 1).unwrap_or(u32::MAX)
+}
+
 /// Lane epochs as they are now, read in `session`.
 async fn lane_epochs(
     store: &MongoStore,
@@ -26,6 +32,7 @@ async fn lane_epochs(
         .lanes
         .find(doc! { lane::ID: { "$in": ids.into_iter().collect::<Vec<_>>() } })
         .projection(doc! { lane::ID: 1, lane::EPOCH: 1 })
+        .batch_size(u32::from(crate::lane::LANE_COUNT) + 1)
         .session(&mut *session)
         .await?
         .stream(&mut *session)
@@ -50,6 +57,7 @@ async fn complete_in_session(
         .collections
         .deliveries
         .find(at_generations(leases.iter().map(|l| (l.delivery, l.claims))))
+        .batch_size(one_batch(leases.len()))
         .session(&mut *session)
         .await?
         .stream(&mut *session)

@@ -1,0 +1,263 @@
+//! What only the MongoDB store has: server checks, the Rust publisher on a driver session,
+//! publishers in other languages, command counts and write concerns, and large backlogs on a
+//! real replica set.
+
+#![allow(async_fn_in_trait)]
+
+mod common;
+
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bson::{Document, doc};
+use common::*;
+use mongodb::Client;
+use mongodb::event::EventHandler;
+use mongodb::event::command::CommandEvent;
+use mongodb::options::ClientOptions;
+use relayhost::publish::Publisher;
+use relayhost::store::mongo::{MongoLocation, MongoStore};
+use relayhost::store::{DeliveryFilter, Published, Settlement, Store, StoreError, StoreOptions};
+
+fn repo_root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+#[tokio::test]
+async fn a_standalone_server_is_refused_with_what_to_run_instead() {
+    let binary = relayhost::mongod::find_binary().unwrap();
+    let port = relayhost::mongod::free_port().unwrap();
+    let dir = std::env::temp_dir().join(format!("relayhost-standalone-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let child = Command::new(binary)
+        .args(["--port", &port.to_string(), "--bind_ip", "127.0.0.1", "--dbpath"])
+        .arg(&dir)
+        .arg("--logpath")
+        .arg(dir.join("log"))
+        .spawn()
+        .unwrap();
+    struct Kill(std::process::Child, std::path::PathBuf);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+            let _ = std::fs::remove_dir_all(&self.1);
+        }
+    }
+    let _guard = Kill(child, dir.clone());
+    let uri = format!("mongodb://127.0.0.1:{port}/?directConnection=true&serverSelectionTimeoutMS=20000");
+    let client = Client::with_uri_str(&uri).await.unwrap();
+    let store = MongoStore::new(client, MongoLocation::with_default_prefix("standalone").unwrap(), StoreOptions::default());
+    let error = store.setup().await.unwrap_err();
+    assert!(matches!(error, StoreError::NeedsReplicaSet(_)), "{error}");
+    let message = error.to_string();
+    assert!(message.contains("mongod --replSet rs0") && message.contains("rs.initiate()"), "{message}");
+}
+
+#[tokio::test]
+async fn bad_database_and_prefix_names_are_refused() {
+    assert!(MongoLocation::new("shop", "relayhost_").is_ok());
+    for (database, prefix) in [("", "p_"), ("a.b", "p_"), ("x".repeat(64).as_str(), "p_"), ("shop", "a$b"), ("shop", "system.")] {
+        let error = MongoLocation::new(database, prefix).unwrap_err();
+        assert!(matches!(error, StoreError::InvalidArgument(_)), "{database:?} {prefix:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rust_publisher_needs_a_started_transaction_and_commits_with_the_data() {
+    let fixture = MongoFixture::new().await;
+    let database = fixture.client.database(&fixture.database);
+    let publisher = Publisher::new(&database, "relayhost_");
+    let mut session = fixture.client.start_session().await.unwrap();
+
+    let error = publisher.publish(&mut session, &event("e-0", "t")).await.unwrap_err();
+    assert!(matches!(error, StoreError::NoTransaction), "{error}");
+    assert!(error.to_string().contains("start_transaction"));
+    assert!(fixture.raw_event("e-0").await.is_none());
+
+    session.start_transaction().await.unwrap();
+    database.collection::<Document>("orders").insert_one(doc! { "_id": "o-1" }).session(&mut session).await.unwrap();
+    assert_eq!(
+        publisher.publish(&mut session, &keyed("e-1", "order.placed", "o-1")).await.unwrap(),
+        Published::New { sequence: Some(1) }
+    );
+    session.abort_transaction().await.unwrap();
+    assert!(fixture.raw_event("e-1").await.is_none());
+
+    session.start_transaction().await.unwrap();
+    database.collection::<Document>("orders").insert_one(doc! { "_id": "o-1" }).session(&mut session).await.unwrap();
+    publisher.publish(&mut session, &keyed("e-1", "order.placed", "o-1")).await.unwrap();
+    session.commit_transaction().await.unwrap();
+    assert_eq!(fixture.raw_event("e-1").await.unwrap().get_i64("sequence").unwrap(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pymongo_publishers_are_delivered_and_aborted_transactions_are_not() {
+    let script = repo_root().join("examples/publishers/python/publish.py");
+    // The README shows exactly the code this test runs.
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
+    let code = std::fs::read_to_string(&script).unwrap();
+    let publish_function = code.split("\n\n\ndef place_order").next().unwrap();
+    assert!(readme.contains(publish_function.trim()), "README.md must show the publish function of {}", script.display());
+
+    let fixture = MongoFixture::new().await;
+    let python_path = Command::new(repo_root().join("scripts/ensure-python-deps.sh")).output().unwrap();
+    assert!(python_path.status.success(), "{}", String::from_utf8_lossy(&python_path.stderr));
+    let uri = relayhost::mongod::process_server().unwrap();
+    let run = Command::new("python3")
+        .arg(&script)
+        .args([uri, &fixture.database, "8", "--abort-odd"])
+        .env("PYTHONPATH", String::from_utf8(python_path.stdout).unwrap().trim())
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+
+    let store = fixture.store();
+    let subscriptions = subs(&[("projector", &["order.placed"])]);
+    fan_out_all(store, &subscriptions, bson::DateTime::now()).await;
+    let mut delivered = Vec::new();
+    for _ in 0..10 {
+        let claimed = store.claim(&handlers(&["projector"]), 10, bson::DateTime::now()).await.unwrap();
+        for c in &claimed {
+            delivered.push((c.event.id.clone(), c.event.key.clone().unwrap(), c.event.sequence.unwrap()));
+            assert_eq!(c.event.payload.get_str("orderId").unwrap(), c.event.id.trim_start_matches("order-placed-"));
+        }
+        let leases: Vec<_> = claimed.iter().map(|c| c.lease).collect();
+        store.complete_many(&leases, bson::DateTime::now()).await.unwrap();
+    }
+    delivered.sort();
+    // Orders 1, 3, 5, 7 were aborted: neither the order nor its event exists.
+    let expected: Vec<(String, String, i64)> = [(0, 1), (2, 1), (4, 1), (6, 2)]
+        .iter()
+        .map(|(n, sequence)| (format!("order-placed-o-{n}"), format!("customer-{}", n % 3), *sequence))
+        .collect();
+    assert_eq!(delivered, expected);
+    let orders = fixture.client.database(&fixture.database).collection::<Document>("orders");
+    assert_eq!(orders.count_documents(doc! {}).await.unwrap(), 4);
+}
+
+/// A client that records every command it sends.
+async fn recording_client() -> (Client, Arc<Mutex<Vec<(String, Document)>>>) {
+    let uri = relayhost::mongod::process_server().unwrap();
+    let mut options = ClientOptions::parse(uri).await.unwrap();
+    // The client's default is a weak write concern; the store must not inherit it.
+    options.write_concern = Some(mongodb::options::WriteConcern::nodes(1));
+    let log: Arc<Mutex<Vec<(String, Document)>>> = Arc::default();
+    let sink = log.clone();
+    options.command_event_handler = Some(EventHandler::callback(move |event: CommandEvent| {
+        if let CommandEvent::Started(started) = event {
+            sink.lock().unwrap().push((started.command_name.clone(), started.command.clone()));
+        }
+    }));
+    (Client::with_options(options).unwrap(), log)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn complete_many_takes_a_fixed_number_of_commands_and_claims_write_with_majority() {
+    let (client, log) = recording_client().await;
+    let database = fresh_database();
+    let store = MongoStore::new(client, MongoLocation::with_default_prefix(&database).unwrap(), options());
+    store.setup().await.unwrap();
+    publish_all(&store, (0..400).map(|n| event(&format!("e-{n}"), "t")).collect()).await;
+    fan_out_all(&store, &subs(&[("h", &["t"])]), at(T0)).await;
+    let claimed = store.claim(&handlers(&["h"]), 400, at(T0)).await.unwrap();
+    assert_eq!(claimed.len(), 400);
+
+    let lane_writes: Vec<Document> = log
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(name, command)| name == "update" && command.get_str("update").is_ok_and(|c| c.ends_with("lanes")))
+        .map(|(_, command)| command.clone())
+        .collect();
+    assert!(!lane_writes.is_empty());
+    for command in &lane_writes {
+        assert_eq!(command.get_document("writeConcern").unwrap().get_str("w").unwrap(), "majority", "{command}");
+    }
+
+    let mut counts = Vec::new();
+    for batch in [&claimed[0..5], &claimed[5..400]] {
+        let leases: Vec<_> = batch.iter().map(|c| c.lease).collect();
+        let before = log.lock().unwrap().len();
+        let settled = store.complete_many(&leases, at(T0)).await.unwrap();
+        assert!(settled.iter().all(|s| *s == Settlement::Completed));
+        counts.push(log.lock().unwrap().len() - before);
+    }
+    assert_eq!(counts[0], counts[1], "commands for 5 and for 395 completions");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_parked_followers_leave_other_keys_flowing() {
+    let fixture = MongoFixture::new().await;
+    let store = fixture.store();
+    let subscriptions = subs(&[("h", &["t"])]);
+    let database = fixture.client.database(&fixture.database);
+    // Written the way any driver would, in bulk, to keep the test quick.
+    let events = database.collection::<Document>("relayhost_events");
+    let documents: Vec<Document> = (1..=10_001_i64)
+        .map(|n| {
+            doc! {
+                "_id": format!("hot-{n}"), "type": "t", "payload": {}, "key": "hot", "sequence": n,
+                "createdAt": at(T0 - 1_000_000 + n),
+            }
+        })
+        .collect();
+    events.insert_many(documents).await.unwrap();
+    database
+        .collection::<Document>("relayhost_key_sequences")
+        .insert_one(doc! { "_id": "hot", "value": 10_001_i64 })
+        .await
+        .unwrap();
+    while store.fan_out(&subscriptions, 1_000, at(T0)).await.unwrap().events > 0 {}
+
+    let head = store.claim(&handlers(&["h"]), 50, at(T0)).await.unwrap();
+    assert_eq!(head.len(), 1);
+    assert_eq!(head[0].event.sequence, Some(1));
+    let stats = store.statistics(at(T0)).await.unwrap();
+    assert_eq!(stats[0].parked, 10_000);
+
+    // While the head runs, other keys keep flowing, claim after claim.
+    for round in 0..5_i64 {
+        let now = at(T0 + 1 + round);
+        publish_all(store, (0..10).map(|n| keyed(&format!("o-{round}-{n}"), "t", &format!("other-{n}"))).collect()).await;
+        fan_out_all(store, &subscriptions, now).await;
+        let claimed = store.claim(&handlers(&["h"]), 50, now).await.unwrap();
+        assert_eq!(claimed.len(), 10, "round {round}");
+        assert!(claimed.iter().all(|c| c.event.key.as_deref() != Some("hot")));
+        let leases: Vec<_> = claimed.iter().map(|c| c.lease).collect();
+        store.complete_many(&leases, now).await.unwrap();
+    }
+    // When the head completes, the key resumes in order.
+    store.complete_many(&[head[0].lease], at(T0 + 10)).await.unwrap();
+    let next = store.claim(&handlers(&["h"]), 50, at(T0 + 11)).await.unwrap();
+    assert_eq!(next.len(), 1);
+    assert_eq!(next[0].event.sequence, Some(2));
+    let parked = list_all(store, DeliveryFilter { key: Some("hot".into()), limit: 1_000, ..Default::default() }).await;
+    assert_eq!(parked.iter().filter(|d| d.lane == "parked").count(), 9_999);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transient_conflicts_are_retried_until_both_publishers_commit() {
+    let fixture = MongoFixture::new().await;
+    let store = fixture.store();
+    let started = Instant::now();
+    // Ten publishers of one key at once: all conflict on the counter, all eventually commit.
+    let workers: Vec<MongoStore> = (0..10).map(|n| fixture.worker(&format!("p{n}"))).collect();
+    let results = futures::future::join_all(
+        workers.iter().enumerate().map(|(n, w)| publish(w, keyed(&format!("e-{n}"), "t", "contended"))),
+    )
+    .await;
+    let mut sequences: Vec<i64> = results
+        .into_iter()
+        .map(|r| match r.unwrap() {
+            Published::New { sequence: Some(n) } => n,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    sequences.sort();
+    assert_eq!(sequences, (1..=10).collect::<Vec<_>>());
+    assert!(started.elapsed() < Duration::from_secs(120));
+    assert_eq!(fan_out_all(store, &subs(&[("h", &["t"])]), at(T0)).await, 10);
+}
