@@ -13,7 +13,6 @@ use std::time::Duration;
 
 use bson::oid::ObjectId;
 use bson::{DateTime, Document};
-use futures::future::try_join_all;
 
 use super::{ClaimedDelivery, DeliveryId, Lease, PARK_THRESHOLD, StoreError};
 use crate::event::EventRecord;
@@ -84,22 +83,27 @@ pub(crate) trait ClaimBackend: Sync {
     fn unpark(&self, handlers: &[String]) -> impl Future<Output = Result<(), StoreError>> + Send;
     fn lanes(&self, ids: &[LaneId]) -> impl Future<Output = Result<Vec<LaneState>, StoreError>> + Send;
     /// Up to `count` lanes that are free (no owner or an expired lease), not in `exclude`,
-    /// and have due ready deliveries of `handlers`, the one with the oldest due delivery first.
+    /// and have due ready deliveries of `handlers`, the one with the oldest due delivery first,
+    /// each with how many due deliveries were seen there (a lower bound; enough rows are read
+    /// to see about `wanted` of them).
     fn free_lanes_with_due_work(
         &self,
         handlers: &[String],
         exclude: &BTreeSet<LaneId>,
         count: usize,
+        wanted: usize,
         now: DateTime,
-    ) -> impl Future<Output = Result<Vec<LaneId>, StoreError>> + Send;
-    /// Takes a free lane (incrementing its epoch); `None` if another claimer was first.
-    fn take_lane(
+    ) -> impl Future<Output = Result<Vec<(LaneId, usize)>, StoreError>> + Send;
+    /// Takes those of `lanes` that are still free, incrementing their epochs, and returns
+    /// them as taken (with the in-flight list the previous owner left); lanes another claimer
+    /// took first are skipped, never waited for.
+    fn take_lanes(
         &self,
-        lane: LaneId,
+        lanes: &[LaneId],
         holder: &Holder,
         now: DateTime,
         until: DateTime,
-    ) -> impl Future<Output = Result<Option<LaneState>, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Vec<LaneState>, StoreError>> + Send;
     /// Charges one attempt to every entry still at its listed claim generation, and moves the
     /// generation on. Conditional on the generation, so repeating it charges nothing twice.
     fn charge_lost(&self, entries: &[InFlight], now: DateTime) -> impl Future<Output = Result<(), StoreError>> + Send;
@@ -178,10 +182,15 @@ impl Claimer {
         }
     }
 
-    /// Forgets every held lane and returns them (graceful stop).
-    pub async fn take_held(&self) -> Vec<(LaneId, i64)> {
+    /// Forgets every held lane and returns them (graceful stop), each with whether a lease
+    /// this instance issued in it is still unsettled.
+    pub async fn take_held(&self) -> Vec<(LaneId, i64, bool)> {
         let mut held = self.held.lock().await;
-        std::mem::take(&mut *held).into_iter().collect()
+        let issued = self.issued.lock().expect("issued leases");
+        std::mem::take(&mut *held)
+            .into_iter()
+            .map(|(lane, epoch)| (lane, epoch, issued.values().any(|l| l.lane == lane && l.epoch == epoch)))
+            .collect()
     }
 
     pub async fn claim<B: ClaimBackend>(
@@ -241,17 +250,29 @@ impl Claimer {
         let lanes: Vec<LaneId> = mine.keys().copied().collect();
         scan(backend, &mut plan, &lanes, handlers, now).await?;
 
-        // More lanes, in growing rounds, while the batch is not full.
+        // More lanes, in growing rounds (4, 8, 16, ... or as many as the due work seen in them
+        // says the batch still needs, if more), while the batch is not full.
         let mut tried: BTreeSet<LaneId> = mine.keys().copied().collect();
         let mut round = 4;
         while !plan.full() {
-            let free = backend.free_lanes_with_due_work(handlers, &tried, round, now).await?;
-            if free.is_empty() {
+            let missing = plan.limit - plan.picks.len();
+            let found = backend.free_lanes_with_due_work(handlers, &tried, MAX_LANES_PER_QUERY, missing, now).await?;
+            if found.is_empty() {
                 break;
             }
+            let mut seen = 0;
+            let free: Vec<LaneId> = found
+                .iter()
+                .enumerate()
+                .take_while(|(taken, (_, due))| {
+                    let more = *taken < round || seen < missing;
+                    seen += due;
+                    more
+                })
+                .map(|(_, (lane, _))| *lane)
+                .collect();
             tried.extend(free.iter().copied());
-            let taken = try_join_all(free.iter().map(|lane| backend.take_lane(*lane, &self.holder, now, until))).await?;
-            let taken: Vec<LaneState> = taken.into_iter().flatten().collect();
+            let taken = backend.take_lanes(&free, &self.holder, now, until).await?;
             // Charge what the previous owner left in flight before reading what to claim,
             // so that a takeover and a completion never both succeed.
             let lost: Vec<InFlight> = taken.iter().flat_map(|lane| lane.in_flight.iter().cloned()).collect();

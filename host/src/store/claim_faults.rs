@@ -42,12 +42,13 @@ impl<B: ClaimBackend + Send> ClaimBackend for Faulty<B> {
         handlers: &[String],
         exclude: &BTreeSet<LaneId>,
         count: usize,
+        wanted: usize,
         now: DateTime,
-    ) -> Result<Vec<LaneId>, StoreError> {
-        self.inner.free_lanes_with_due_work(handlers, exclude, count, now).await
+    ) -> Result<Vec<(LaneId, usize)>, StoreError> {
+        self.inner.free_lanes_with_due_work(handlers, exclude, count, wanted, now).await
     }
-    async fn take_lane(&self, lane: LaneId, holder: &Holder, now: DateTime, until: DateTime) -> Result<Option<LaneState>, StoreError> {
-        self.inner.take_lane(lane, holder, now, until).await
+    async fn take_lanes(&self, lanes: &[LaneId], holder: &Holder, now: DateTime, until: DateTime) -> Result<Vec<LaneState>, StoreError> {
+        self.inner.take_lanes(lanes, holder, now, until).await
     }
     async fn charge_lost(&self, entries: &[InFlight], now: DateTime) -> Result<(), StoreError> {
         self.inner.charge_lost(entries, now).await

@@ -444,11 +444,14 @@ impl Store for MemoryStore {
     async fn relinquish(&self) -> Result<(), StoreError> {
         let held = self.claimer.take_held().await;
         let mut state = self.state.lock().await;
-        for (lane, epoch) in held {
+        for (lane, epoch, unsettled) in held {
             let lane = &mut state.lanes[usize::from(lane)];
             if lane.epoch == epoch && lane.held_by(&self.claimer.holder) {
                 lane.owner = None;
                 lane.instance = None;
+                if !unsettled {
+                    lane.in_flight.clear();
+                }
             }
         }
         Ok(())
@@ -598,8 +601,9 @@ impl ClaimBackend for Backend<'_> {
         handlers: &[String],
         exclude: &std::collections::BTreeSet<LaneId>,
         count: usize,
+        _wanted: usize,
         now: DateTime,
-    ) -> Result<Vec<LaneId>, StoreError> {
+    ) -> Result<Vec<(LaneId, usize)>, StoreError> {
         let state = self.0.lock().await;
         let free: HashSet<LaneId> = state
             .lanes
@@ -607,29 +611,34 @@ impl ClaimBackend for Backend<'_> {
             .filter(|lane| (lane.owner.is_none() || lane.lease_expires_at < now) && !exclude.contains(&lane.id))
             .map(|lane| lane.id)
             .collect();
-        let mut oldest: BTreeMap<LaneId, DateTime> = BTreeMap::new();
+        let mut oldest: BTreeMap<LaneId, (DateTime, usize)> = BTreeMap::new();
         for d in state.deliveries.values() {
             if d.lane == LaneKind::Ready && d.due_at <= now && free.contains(&d.lane_id) && handlers.contains(&d.handler) {
-                let at = oldest.entry(d.lane_id).or_insert(d.due_at);
+                let (at, due) = oldest.entry(d.lane_id).or_insert((d.due_at, 0));
                 *at = (*at).min(d.due_at);
+                *due += 1;
             }
         }
-        let mut lanes: Vec<(DateTime, LaneId)> = oldest.into_iter().map(|(lane, at)| (at, lane)).collect();
+        let mut lanes: Vec<(DateTime, LaneId, usize)> = oldest.into_iter().map(|(lane, (at, due))| (at, lane, due)).collect();
         lanes.sort();
-        Ok(lanes.into_iter().take(count).map(|(_, lane)| lane).collect())
+        Ok(lanes.into_iter().take(count).map(|(_, lane, due)| (lane, due)).collect())
     }
 
-    async fn take_lane(&self, lane: LaneId, holder: &Holder, now: DateTime, until: DateTime) -> Result<Option<LaneState>, StoreError> {
+    async fn take_lanes(&self, lanes: &[LaneId], holder: &Holder, now: DateTime, until: DateTime) -> Result<Vec<LaneState>, StoreError> {
         let mut state = self.0.lock().await;
-        let lane = &mut state.lanes[usize::from(lane)];
-        if lane.owner.is_some() && lane.lease_expires_at >= now {
-            return Ok(None);
+        let mut taken = Vec::new();
+        for id in lanes {
+            let lane = &mut state.lanes[usize::from(*id)];
+            if lane.owner.is_some() && lane.lease_expires_at >= now {
+                continue;
+            }
+            lane.owner = Some(holder.owner.clone());
+            lane.instance = Some(holder.instance.clone());
+            lane.lease_expires_at = until;
+            lane.epoch += 1;
+            taken.push(lane.clone());
         }
-        lane.owner = Some(holder.owner.clone());
-        lane.instance = Some(holder.instance.clone());
-        lane.lease_expires_at = until;
-        lane.epoch += 1;
-        Ok(Some(lane.clone()))
+        Ok(taken)
     }
 
     async fn charge_lost(&self, entries: &[InFlight], now: DateTime) -> Result<(), StoreError> {

@@ -32,7 +32,7 @@ where
 
 /// The retry rules of one transactional unit of work, for a loop written out by hand:
 ///
-/// ```ignore
+/// ```text
 /// let mut retrying = Retrying::new();
 /// loop {
 ///     let mut tx = store.begin().await?;

@@ -9,7 +9,7 @@ use futures::future::try_join_all;
 
 use super::MongoStore;
 use super::documents::{self, at_generations, delivery, in_flight_document, lane, lane_state};
-use crate::lane::LaneId;
+use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
 use crate::store::claim::{Candidate, ClaimBackend, HandlerKey, Holder, InFlight, LaneRecord, LaneState};
 use crate::store::{DeliveryId, Lease, StoreError};
 
@@ -25,6 +25,51 @@ fn lane_ids(ids: impl IntoIterator<Item = LaneId>) -> Vec<i32> {
 }
 
 impl Backend<'_> {
+    /// Sends conditional single-lane updates as one `update` command (unordered, majority);
+    /// returns how many matched.
+    async fn update_each(&self, statements: Vec<Document>) -> Result<u64, StoreError> {
+        let reply = self
+            .store
+            .client
+            .database(&self.store.location.database)
+            .run_command(doc! {
+                "update": self.store.collections.lanes.name(),
+                "updates": statements,
+                "ordered": false,
+                "writeConcern": { "w": "majority" },
+            })
+            .await?;
+        if let Ok(errors) = reply.get_array("writeErrors") {
+            return Err(StoreError::Corrupt(format!("lane update failed: {errors:?}")));
+        }
+        if let Ok(error) = reply.get_document("writeConcernError") {
+            return Err(StoreError::Corrupt(format!("lane update not acknowledged by a majority: {error}")));
+        }
+        Ok(match reply.get("n") {
+            Some(Bson::Int32(n)) => *n as u64,
+            Some(Bson::Int64(n)) => *n as u64,
+            _ => 0,
+        })
+    }
+
+    /// Those of `ids` that `holder` holds now.
+    async fn held_lanes(&self, ids: &[LaneId], holder: &Holder) -> Result<Vec<LaneState>, StoreError> {
+        let documents: Vec<Document> = self
+            .store
+            .collections
+            .lanes
+            .find(doc! {
+                lane::ID: { "$in": lane_ids(ids.iter().copied()) },
+                lane::OWNER: &holder.owner,
+                lane::INSTANCE: &holder.instance,
+            })
+            .batch_size(u32::from(crate::lane::LANE_COUNT) + 1)
+            .await?
+            .try_collect()
+            .await?;
+        documents.iter().map(lane_state).collect()
+    }
+
     /// The lowest pending delivery of a key: `(id, claim lane)`.
     async fn head(&self, handler: &str, key: &str) -> Result<Option<(DeliveryId, String)>, StoreError> {
         let head = self
@@ -91,8 +136,9 @@ impl ClaimBackend for Backend<'_> {
         handlers: &[String],
         exclude: &BTreeSet<LaneId>,
         count: usize,
+        wanted: usize,
         now: DateTime,
-    ) -> Result<Vec<LaneId>, StoreError> {
+    ) -> Result<Vec<(LaneId, usize)>, StoreError> {
         let lane_documents: Vec<Document> = self
             .store
             .collections
@@ -110,52 +156,75 @@ impl ClaimBackend for Backend<'_> {
                 free.push(i32::from(id));
             }
         }
-        if free.is_empty() {
-            return Ok(Vec::new());
+        // The oldest due entries of the free lanes, read as a merge of one claim-index scan
+        // per lane: the cost grows with the number of lanes and rows read, never with the
+        // backlog. A lane with a deep old backlog can fill the rows alone; then this round
+        // yields fewer lanes, and that lane has enough work for the claim anyway.
+        let rows_wanted = (wanted * 2).clamp(64, 1_000);
+        let chunks = try_join_all(free.chunks(MAX_LANES_PER_QUERY).map(|chunk| async move {
+            let rows: Vec<Document> = self
+                .store
+                .collections
+                .deliveries
+                .find(doc! {
+                    delivery::LANE: delivery::READY,
+                    delivery::LANE_ID: { "$in": chunk },
+                    delivery::DUE_AT: { "$lte": now },
+                    delivery::HANDLER: { "$in": handlers },
+                })
+                .sort(doc! { delivery::DUE_AT: 1, delivery::ID: 1 })
+                .projection(doc! { delivery::LANE_ID: 1, delivery::DUE_AT: 1, delivery::ID: 0 })
+                .limit(rows_wanted as i64)
+                .batch_size(super::outcome::one_batch(rows_wanted))
+                .hint(mongodb::options::Hint::Name("claim".to_string()))
+                .await?
+                .try_collect()
+                .await?;
+            Ok::<_, StoreError>(rows)
+        }))
+        .await?;
+        let mut oldest: Vec<(DateTime, LaneId)> = Vec::new();
+        for row in chunks.iter().flatten() {
+            let due = *row.get_datetime(delivery::DUE_AT).map_err(|_| StoreError::Corrupt(format!("delivery {row}")))?;
+            oldest.push((due, documents::lane_id(row, delivery::LANE_ID)?));
         }
-        // One index probe per free lane: the first due entry of each lane in the claim index.
-        let pipeline = vec![
-            doc! { "$match": {
-                delivery::LANE: delivery::READY,
-                delivery::LANE_ID: { "$in": free },
-                delivery::DUE_AT: { "$lte": now },
-                delivery::HANDLER: { "$in": handlers },
-            } },
-            doc! { "$sort": { delivery::LANE_ID: 1, delivery::DUE_AT: 1 } },
-            doc! { "$group": { "_id": format!("${}", delivery::LANE_ID), "dueAt": { "$first": format!("${}", delivery::DUE_AT) } } },
-            doc! { "$sort": { "dueAt": 1, "_id": 1 } },
-            doc! { "$limit": count as i64 },
-        ];
-        let rows: Vec<Document> = self
-            .store
-            .collections
-            .deliveries
-            .aggregate(pipeline)
-            .hint(mongodb::options::Hint::Name("claim".to_string()))
-            .await?
-            .try_collect()
-            .await?;
-        rows.iter().map(|row| documents::lane_id(row, "_id")).collect()
+        oldest.sort();
+        let mut lanes: Vec<(LaneId, usize)> = Vec::with_capacity(count);
+        for (_, lane) in oldest {
+            match lanes.iter().position(|(id, _)| *id == lane) {
+                Some(index) => lanes[index].1 += 1,
+                None if lanes.len() < count => lanes.push((lane, 1)),
+                None => {}
+            }
+        }
+        Ok(lanes)
     }
 
-    async fn take_lane(&self, id: LaneId, holder: &Holder, now: DateTime, until: DateTime) -> Result<Option<LaneState>, StoreError> {
-        let taken = self
-            .store
-            .collections
-            .lanes
-            .find_one_and_update(
+    async fn take_lanes(&self, ids: &[LaneId], holder: &Holder, now: DateTime, until: DateTime) -> Result<Vec<LaneState>, StoreError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let statements = ids
+            .iter()
+            .map(|id| {
                 doc! {
-                    lane::ID: i32::from(id),
-                    "$or": [{ lane::OWNER: Bson::Null }, { lane::LEASE_EXPIRES_AT: { "$lt": now } }],
-                },
-                doc! {
-                    "$set": { lane::OWNER: &holder.owner, lane::INSTANCE: &holder.instance, lane::LEASE_EXPIRES_AT: until },
-                    "$inc": { lane::EPOCH: 1_i64 },
-                },
-            )
-            .return_document(mongodb::options::ReturnDocument::After)
-            .await?;
-        taken.as_ref().map(lane_state).transpose()
+                    "q": {
+                        lane::ID: i32::from(*id),
+                        "$or": [{ lane::OWNER: Bson::Null }, { lane::LEASE_EXPIRES_AT: { "$lt": now } }],
+                    },
+                    "u": {
+                        "$set": { lane::OWNER: &holder.owner, lane::INSTANCE: &holder.instance, lane::LEASE_EXPIRES_AT: until },
+                        "$inc": { lane::EPOCH: 1_i64 },
+                    },
+                }
+            })
+            .collect();
+        if self.update_each(statements).await? == 0 {
+            return Ok(Vec::new());
+        }
+        // What we took is ours under a live lease now, so nobody changes it before this read.
+        let taken = self.held_lanes(ids, holder).await?;
+        Ok(taken.into_iter().filter(|lane| lane.lease_expires_at == until).collect())
     }
 
     async fn charge_lost(&self, entries: &[InFlight], now: DateTime) -> Result<(), StoreError> {
@@ -257,36 +326,41 @@ impl ClaimBackend for Backend<'_> {
     }
 
     async fn record(&self, holder: &Holder, records: &[LaneRecord]) -> Result<Vec<bool>, StoreError> {
-        let lanes = &self.store.collections.lanes;
-        try_join_all(records.iter().map(|record| async move {
-            let entries: Vec<Document> = record.in_flight.iter().map(in_flight_document).collect();
-            let result = lanes
-                .update_one(
-                    doc! {
+        let statements = records
+            .iter()
+            .map(|record| {
+                let entries: Vec<Document> = record.in_flight.iter().map(in_flight_document).collect();
+                doc! {
+                    "q": {
                         lane::ID: i32::from(record.lane),
                         lane::EPOCH: record.epoch,
                         lane::OWNER: &holder.owner,
                         lane::INSTANCE: &holder.instance,
                     },
-                    doc! { "$set": { lane::IN_FLIGHT: entries }, "$max": { lane::LEASE_EXPIRES_AT: record.lease_until } },
-                )
-                .await?;
-            Ok::<_, StoreError>(result.matched_count == 1)
-        }))
-        .await
+                    "u": { "$set": { lane::IN_FLIGHT: entries }, "$max": { lane::LEASE_EXPIRES_AT: record.lease_until } },
+                }
+            })
+            .collect();
+        if self.update_each(statements).await? as usize == records.len() {
+            return Ok(vec![true; records.len()]);
+        }
+        // Some lane changed hands (its lease had expired): those records did not match.
+        let ids: Vec<LaneId> = records.iter().map(|r| r.lane).collect();
+        let held = self.held_lanes(&ids, holder).await?;
+        Ok(records.iter().map(|r| held.iter().any(|lane| lane.id == r.lane && lane.epoch == r.epoch)).collect())
     }
 
     async fn hand_back(&self, holder: &Holder, lanes: &[(LaneId, i64)], _now: DateTime) -> Result<(), StoreError> {
-        let collection = &self.store.collections.lanes;
-        try_join_all(lanes.iter().map(|(id, epoch)| async move {
-            collection
-                .update_one(
-                    doc! { lane::ID: i32::from(*id), lane::EPOCH: *epoch, lane::OWNER: &holder.owner, lane::INSTANCE: &holder.instance },
-                    doc! { "$set": { lane::OWNER: Bson::Null, lane::INSTANCE: Bson::Null, lane::IN_FLIGHT: [] } },
-                )
-                .await
-        }))
-        .await?;
+        let statements = lanes
+            .iter()
+            .map(|(id, epoch)| {
+                doc! {
+                    "q": { lane::ID: i32::from(*id), lane::EPOCH: *epoch, lane::OWNER: &holder.owner, lane::INSTANCE: &holder.instance },
+                    "u": { "$set": { lane::OWNER: Bson::Null, lane::INSTANCE: Bson::Null, lane::IN_FLIGHT: [] } },
+                }
+            })
+            .collect();
+        self.update_each(statements).await?;
         Ok(())
     }
 

@@ -293,15 +293,19 @@ pub(super) async fn extend_lease(store: &MongoStore, leases: &[Lease], now: Date
 
 pub(super) async fn relinquish(store: &MongoStore) -> Result<(), StoreError> {
     let holder = &store.claimer.holder;
-    for (lane_id, epoch) in store.claimer.take_held().await {
-        // The in-flight list stays: a later taker charges whatever of it is still current,
-        // which after a graceful stop (everything settled or released) is nothing.
+    for (lane_id, epoch, unsettled) in store.claimer.take_held().await {
+        // With nothing of ours unsettled the in-flight list is history and goes; otherwise
+        // it stays, and the next taker charges what of it is still current.
+        let mut release = doc! { lane::OWNER: Bson::Null, lane::INSTANCE: Bson::Null };
+        if !unsettled {
+            release.insert(lane::IN_FLIGHT, Vec::<Bson>::new());
+        }
         store
             .collections
             .lanes
             .update_one(
                 doc! { lane::ID: i32::from(lane_id), lane::EPOCH: epoch, lane::OWNER: &holder.owner, lane::INSTANCE: &holder.instance },
-                doc! { "$set": { lane::OWNER: Bson::Null, lane::INSTANCE: Bson::Null } },
+                doc! { "$set": release },
             )
             .await?;
     }
