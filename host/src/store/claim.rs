@@ -18,6 +18,9 @@ use super::{ClaimedDelivery, DeliveryId, Lease, PARK_THRESHOLD, StoreError};
 use crate::event::EventRecord;
 use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
 
+/// How far back a claim looks for requeues that may have overtaken its picks.
+const REQUEUE_RACE_WINDOW_MS: i64 = 60_000;
+
 /// Who holds a lane: a worker name and the store instance inside it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Holder {
@@ -132,6 +135,10 @@ pub(crate) trait ClaimBackend: Sync {
     -> impl Future<Output = Result<(), StoreError>> + Send;
     /// Raw event documents by id.
     fn events(&self, ids: &[String]) -> impl Future<Output = Result<HashMap<String, Document>, StoreError>> + Send;
+    /// Whether an operator requeued anything at or after `since`.
+    fn requeued_since(&self, since: DateTime) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    /// Ends claims that were recorded but will not be handed out, without an attempt charged.
+    fn give_back(&self, picks: &[(DeliveryId, i64)]) -> impl Future<Output = Result<(), StoreError>> + Send;
     /// Buries deliveries that can never run (their event is gone or unreadable).
     fn bury_unrunnable(
         &self,
@@ -350,12 +357,29 @@ impl Claimer {
             }
         }
 
+        // A requeue racing this claim can have put an earlier delivery of a picked key back in
+        // front of it: such picks are given back, uncharged. Requeues are operator actions, so
+        // a window of a minute covers clock skew between hosts at the cost of rare re-checks.
+        runnable.retain(|(pick, _)| !lost_lanes.contains(&pick.lane));
+        let keyed: Vec<HandlerKey> =
+            runnable.iter().filter_map(|(pick, _)| pick.key.clone().map(|key| (pick.handler.clone(), key))).collect();
+        let window = DateTime::from_millis(now.timestamp_millis() - REQUEUE_RACE_WINDOW_MS);
+        if !keyed.is_empty() && backend.requeued_since(window).await? {
+            let heads = backend.key_heads(&keyed).await?;
+            let (keep, overtaken): (Vec<_>, Vec<_>) = runnable.into_iter().partition(|(pick, _)| match &pick.key {
+                Some(key) => heads.get(&(pick.handler.clone(), key.clone())) == Some(&pick.id),
+                None => true,
+            });
+            if !overtaken.is_empty() {
+                let back: Vec<(DeliveryId, i64)> = overtaken.iter().map(|(pick, _)| (pick.id, pick.claims)).collect();
+                backend.give_back(&back).await?;
+            }
+            runnable = keep;
+        }
+
         let mut claimed = Vec::with_capacity(runnable.len());
         let mut issued = self.issued.lock().expect("issued leases");
         for (pick, event) in runnable {
-            if lost_lanes.contains(&pick.lane) {
-                continue;
-            }
             let epoch = mine[&pick.lane].epoch;
             let lease = Lease { delivery: pick.id, lane: pick.lane, epoch, claims: pick.claims };
             issued.insert(pick.id, lease);

@@ -13,24 +13,28 @@ use super::{DeliveryId, Lease, Store, StoreError, StoreOptions, Subscription, Su
 use crate::event::NewEvent;
 use crate::lane::LaneId;
 
-#[derive(Clone, Copy, PartialEq)]
+#[derive(Clone, PartialEq)]
 enum Fault {
+    /// An operator requeues this dead delivery while the claim is between reading and
+    /// recording.
+    RequeueBeforeRecord(String),
     /// The record write never happens and nothing runs after it: the process died.
     DieBeforeRecord,
     /// The record is written but the claim fails afterwards (its reply was lost).
     FailAfterRecord,
 }
 
-struct Faulty<B> {
+struct Faulty<'s, B, S> {
     inner: B,
     fault: Fault,
+    store: &'s S,
 }
 
 fn injected() -> StoreError {
     StoreError::Corrupt("injected fault".to_string())
 }
 
-impl<B: ClaimBackend + Send> ClaimBackend for Faulty<B> {
+impl<B: ClaimBackend + Send, S: Store> ClaimBackend for Faulty<'_, B, S> {
     async fn unpark(&self, handlers: &[String]) -> Result<(), StoreError> {
         self.inner.unpark(handlers).await
     }
@@ -73,11 +77,15 @@ impl<B: ClaimBackend + Send> ClaimBackend for Faulty<B> {
         self.inner.park(ids).await
     }
     async fn record(&self, holder: &Holder, records: &[LaneRecord]) -> Result<Vec<bool>, StoreError> {
-        match self.fault {
+        match &self.fault {
             Fault::DieBeforeRecord => Err(injected()),
             Fault::FailAfterRecord => {
                 self.inner.record(holder, records).await?;
                 Err(injected())
+            }
+            Fault::RequeueBeforeRecord(id) => {
+                self.store.requeue(id, DateTime::from_millis(T0 + 1)).await?;
+                self.inner.record(holder, records).await
             }
         }
     }
@@ -87,6 +95,12 @@ impl<B: ClaimBackend + Send> ClaimBackend for Faulty<B> {
     async fn events(&self, ids: &[String]) -> Result<HashMap<String, Document>, StoreError> {
         self.inner.events(ids).await
     }
+    async fn requeued_since(&self, since: DateTime) -> Result<bool, StoreError> {
+        self.inner.requeued_since(since).await
+    }
+    async fn give_back(&self, picks: &[(DeliveryId, i64)]) -> Result<(), StoreError> {
+        self.inner.give_back(picks).await
+    }
     async fn bury_unrunnable(&self, doomed: &[(DeliveryId, i64, String)], now: DateTime) -> Result<(), StoreError> {
         self.inner.bury_unrunnable(doomed, now).await
     }
@@ -94,7 +108,7 @@ impl<B: ClaimBackend + Send> ClaimBackend for Faulty<B> {
         match self.fault {
             // A dead process reconciles nothing.
             Fault::DieBeforeRecord => Err(injected()),
-            Fault::FailAfterRecord => self.inner.reconcile(holder, issued).await,
+            _ => self.inner.reconcile(holder, issued).await,
         }
     }
 }
@@ -160,6 +174,32 @@ impl Parts for MongoStore {
 
 both_stores!(death_between_takeover_charge_and_record_charges_once, death_between_charge_and_record);
 both_stores!(a_claim_failing_after_its_record_reconciles, failure_after_record);
+both_stores!(a_requeue_racing_a_claim_takes_precedence, requeue_during_claim);
+
+async fn requeue_during_claim<S: Store + Parts>(a: &S, _b: &S, _c: &S) {
+    let handlers = vec!["h".to_string()];
+    let subscriptions = Subscriptions::new([Subscription::new("h", ["t"])]).unwrap();
+    run_in_transaction(a, async |tx| {
+        for n in 1..=2 {
+            a.publish(tx, &NewEvent::new(format!("e-{n}"), "t", doc! {}).with_key("k")).await?;
+        }
+        Ok(())
+    })
+    .await
+    .unwrap();
+    a.fan_out(&subscriptions, 10, DateTime::from_millis(T0)).await.unwrap();
+    let first = a.claim(&handlers, 1, DateTime::from_millis(T0)).await.unwrap().remove(0);
+    assert_eq!(first.event.sequence, Some(1));
+    a.bury(&first.lease, "poison", true, DateTime::from_millis(T0)).await.unwrap();
+    // The claim picks sequence 2; the operator requeues sequence 1 before it is recorded.
+    let (backend, claimer) = a.parts();
+    let faulty = Faulty { inner: backend, fault: Fault::RequeueBeforeRecord(first.lease.delivery.to_hex()), store: a };
+    let claimed = claimer.claim(&faulty, &handlers, 10, DateTime::from_millis(T0 + 2)).await.unwrap();
+    assert!(claimed.is_empty(), "sequence 2 was overtaken by the requeued sequence 1");
+    let next = a.claim(&handlers, 10, DateTime::from_millis(T0 + 3)).await.unwrap();
+    assert_eq!(next.iter().map(|c| c.event.sequence).collect::<Vec<_>>(), [Some(1)]);
+    assert_eq!(next[0].attempts, 0);
+}
 
 async fn death_between_charge_and_record<S: Store + Parts>(a: &S, b: &S, c: &S) {
     let handlers = vec!["h".to_string()];
@@ -167,7 +207,7 @@ async fn death_between_charge_and_record<S: Store + Parts>(a: &S, b: &S, c: &S) 
     assert_eq!(a.claim(&handlers, 1, DateTime::from_millis(T0)).await.unwrap().len(), 1);
     // a dies; b takes the lane over, charges a's attempt, and dies before recording.
     let (backend, claimer) = b.parts();
-    let faulty = Faulty { inner: backend, fault: Fault::DieBeforeRecord };
+    let faulty = Faulty { inner: backend, fault: Fault::DieBeforeRecord, store: b };
     assert!(claimer.claim(&faulty, &handlers, 1, DateTime::from_millis(T0 + 31_000)).await.is_err());
     // c takes over after b's lease expired: the lane still lists a's claim, which must not
     // be charged a second time.
@@ -180,7 +220,7 @@ async fn failure_after_record<S: Store + Parts>(a: &S, _b: &S, c: &S) {
     let handlers = vec!["h".to_string()];
     one_delivery(a).await;
     let (backend, claimer) = a.parts();
-    let faulty = Faulty { inner: backend, fault: Fault::FailAfterRecord };
+    let faulty = Faulty { inner: backend, fault: Fault::FailAfterRecord, store: a };
     assert!(claimer.claim(&faulty, &handlers, 1, DateTime::from_millis(T0)).await.is_err());
     // Reconciled: the same instance claims it again at once, under a new claim generation,
     // with no attempt charged; the unissued lease of the failed claim matches nothing.

@@ -57,6 +57,7 @@ struct Delivery {
     due_at: DateTime,
     created_at: DateTime,
     updated_at: Option<DateTime>,
+    requeued_at: Option<DateTime>,
     last_error: Option<String>,
 }
 
@@ -334,6 +335,7 @@ impl Store for MemoryStore {
                     due_at: now,
                     created_at: now,
                     updated_at: dead.then_some(now),
+                    requeued_at: None,
                     last_error: dead_reason.clone(),
                 },
             );
@@ -471,6 +473,7 @@ impl Store for MemoryStore {
         delivery.claims += 1;
         delivery.due_at = now;
         delivery.updated_at = Some(now);
+        delivery.requeued_at = Some(now);
         Ok(())
     }
 
@@ -766,6 +769,23 @@ impl ClaimBackend for Backend<'_> {
     async fn events(&self, ids: &[String]) -> Result<HashMap<String, Document>, StoreError> {
         let state = self.0.lock().await;
         Ok(ids.iter().filter_map(|id| state.events.get(id).map(|doc| (id.clone(), doc.clone()))).collect())
+    }
+
+    async fn requeued_since(&self, since: DateTime) -> Result<bool, StoreError> {
+        let state = self.0.lock().await;
+        Ok(state.deliveries.values().any(|d| d.requeued_at.is_some_and(|at| at >= since)))
+    }
+
+    async fn give_back(&self, picks: &[(DeliveryId, i64)]) -> Result<(), StoreError> {
+        let mut state = self.0.lock().await;
+        for (id, claims) in picks {
+            if let Some(d) = state.deliveries.get_mut(id) {
+                if d.claims == *claims {
+                    d.claims += 1;
+                }
+            }
+        }
+        Ok(())
     }
 
     async fn bury_unrunnable(&self, doomed: &[(DeliveryId, i64, String)], now: DateTime) -> Result<(), StoreError> {

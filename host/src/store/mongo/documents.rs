@@ -27,6 +27,8 @@ pub(super) mod delivery {
     pub const CREATED_AT: &str = "createdAt";
     pub const UPDATED_AT: &str = "updatedAt";
     pub const LAST_ERROR: &str = "lastError";
+    /// When an operator last requeued it.
+    pub const REQUEUED_AT: &str = "requeuedAt";
 
     pub const READY: &str = "ready";
     pub const PARKED: &str = "parked";

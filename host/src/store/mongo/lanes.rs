@@ -373,6 +373,26 @@ impl ClaimBackend for Backend<'_> {
             .collect())
     }
 
+    async fn requeued_since(&self, since: DateTime) -> Result<bool, StoreError> {
+        Ok(self
+            .store
+            .collections
+            .deliveries
+            .find_one(doc! { delivery::REQUEUED_AT: { "$gte": since } })
+            .projection(doc! { delivery::ID: 1 })
+            .await?
+            .is_some())
+    }
+
+    async fn give_back(&self, picks: &[(DeliveryId, i64)]) -> Result<(), StoreError> {
+        self.store
+            .collections
+            .deliveries
+            .update_many(at_generations(picks.iter().copied()), doc! { "$inc": { delivery::CLAIMS: 1_i64 } })
+            .await?;
+        Ok(())
+    }
+
     async fn bury_unrunnable(&self, doomed: &[(DeliveryId, i64, String)], now: DateTime) -> Result<(), StoreError> {
         let deliveries = &self.store.collections.deliveries;
         try_join_all(doomed.iter().map(|(id, claims, reason)| async move {

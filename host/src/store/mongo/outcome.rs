@@ -327,6 +327,7 @@ pub(super) async fn requeue(store: &MongoStore, delivery_id: &str, now: DateTime
                     delivery::ATTEMPTS: 0,
                     delivery::DUE_AT: now,
                     delivery::UPDATED_AT: now,
+                    delivery::REQUEUED_AT: now,
                 },
                 "$inc": { delivery::CLAIMS: 1_i64 },
             },

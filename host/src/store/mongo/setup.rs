@@ -49,10 +49,13 @@ pub(super) async fn check_server(client: &Client) -> Result<(), StoreError> {
         return Err(StoreError::NeedsReplicaSet("this standalone mongod".to_string()));
     }
     let build_info = admin.run_command(doc! { "buildInfo": 1 }).await?;
-    let version = build_info.get_str("version").unwrap_or("unknown").to_string();
+    require_version(build_info.get_str("version").unwrap_or("unknown"))
+}
+
+fn require_version(version: &str) -> Result<(), StoreError> {
     let major: u32 = version.split('.').next().and_then(|m| m.parse().ok()).unwrap_or(0);
     if major < 6 {
-        return Err(StoreError::ServerTooOld { found: version });
+        return Err(StoreError::ServerTooOld { found: version.to_string() });
     }
     Ok(())
 }
@@ -91,6 +94,12 @@ fn delivery_indexes() -> Vec<IndexModel> {
         ),
         index(doc! { delivery::DUE_AT: 1 }, "due", Some(doc! { delivery::STATUS: delivery::PENDING }), false),
         index(doc! { delivery::STATUS: 1, delivery::UPDATED_AT: 1 }, "status_updated", None, false),
+        index(
+            doc! { delivery::REQUEUED_AT: 1 },
+            "requeued",
+            Some(doc! { delivery::REQUEUED_AT: { "$exists": true } }),
+            false,
+        ),
         index(doc! { delivery::STATUS: 1, delivery::ID: 1 }, "by_status", None, false),
         index(doc! { delivery::HANDLER: 1, delivery::ID: 1 }, "by_handler", None, false),
         index(doc! { delivery::EVENT_TYPE: 1, delivery::ID: 1 }, "by_event_type", None, false),
@@ -163,5 +172,21 @@ async fn seed_lanes(lanes: &Collection<Document>) -> Result<(), StoreError> {
             }
             _ => Err(error.into()),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn servers_older_than_6_are_refused_by_name() {
+        for old in ["5.0.21", "4.4.0", "unknown"] {
+            let error = require_version(old).unwrap_err().to_string();
+            assert!(error.contains(old) && error.contains("6.0 or newer"), "{error}");
+        }
+        for fine in ["6.0.5", "7.0.2", "8.0.0-rc1"] {
+            assert!(require_version(fine).is_ok());
+        }
     }
 }
