@@ -20,7 +20,7 @@ use super::retention::event_expired;
 use super::{
     ClaimedDelivery, DeliveryFilter, DeliveryId, DeliveryPage, DeliveryStatus, DeliveryView, FanOutReport,
     HandlerStatistics, Lease, PurgeOptions, PurgeReport, Published, Settlement, Store, StoreError, StoreOptions,
-    StoreTransaction, Subscriptions, page_limit,
+    StoreTransaction, Subscriptions,
 };
 use crate::event::{NewEvent, field};
 use crate::lane::{LANE_COUNT, LaneId};
@@ -537,14 +537,8 @@ impl Store for MemoryStore {
     }
 
     async fn list_deliveries(&self, filter: &DeliveryFilter) -> Result<DeliveryPage, StoreError> {
-        let after = match &filter.after {
-            Some(after) => Some(
-                ObjectId::parse_str(after)
-                    .map_err(|_| StoreError::InvalidArgument(format!("`after` {after:?} is not a delivery id")))?,
-            ),
-            None => None,
-        };
-        let limit = page_limit(filter.limit);
+        let after = filter.after_id()?;
+        let limit = filter.page_limit();
         let state = self.state.lock().await;
         let matches = |d: &Delivery| {
             filter.status.is_none_or(|s| d.status == s)
@@ -557,15 +551,8 @@ impl Store for MemoryStore {
             Some(after) => state.deliveries.range((std::ops::Bound::Excluded(after), std::ops::Bound::Unbounded)),
             None => state.deliveries.range(..),
         };
-        let mut deliveries: Vec<DeliveryView> =
-            range.filter(|(_, d)| matches(d)).take(limit + 1).map(|(id, d)| to_view(id, d)).collect();
-        let next = if deliveries.len() > limit {
-            deliveries.truncate(limit);
-            deliveries.last().map(|d| d.id.clone())
-        } else {
-            None
-        };
-        Ok(DeliveryPage { deliveries, next })
+        let deliveries = range.filter(|(_, d)| matches(d)).take(limit + 1).map(|(id, d)| to_view(id, d)).collect();
+        Ok(DeliveryPage::from_overfetch(deliveries, limit))
     }
 }
 

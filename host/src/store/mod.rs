@@ -275,10 +275,38 @@ pub enum Published {
     Duplicate,
 }
 
-pub(crate) fn page_limit(limit: usize) -> usize {
-    match limit {
-        0 => 100,
-        n => n.min(1_000),
+impl DeliveryFilter {
+    /// The page size to use: 0 means 100, and at most 1,000.
+    pub(crate) fn page_limit(&self) -> usize {
+        match self.limit {
+            0 => 100,
+            n => n.min(1_000),
+        }
+    }
+
+    /// The parsed `after` cursor; anything but a delivery id is refused.
+    pub(crate) fn after_id(&self) -> Result<Option<DeliveryId>, StoreError> {
+        self.after
+            .as_deref()
+            .map(|after| {
+                ObjectId::parse_str(after)
+                    .map_err(|_| StoreError::InvalidArgument(format!("`after` {after:?} is not a delivery id")))
+            })
+            .transpose()
+    }
+}
+
+impl DeliveryPage {
+    /// A page from up to `limit + 1` deliveries read in id order: the extra one only says that
+    /// there is a next page.
+    pub(crate) fn from_overfetch(mut deliveries: Vec<DeliveryView>, limit: usize) -> Self {
+        let next = if deliveries.len() > limit {
+            deliveries.truncate(limit);
+            deliveries.last().map(|d| d.id.clone())
+        } else {
+            None
+        };
+        Self { deliveries, next }
     }
 }
 

@@ -3,7 +3,6 @@
 
 use std::collections::{BTreeMap, HashSet};
 
-use bson::oid::ObjectId;
 use bson::{Bson, DateTime, Document, doc};
 use futures::TryStreamExt;
 use mongodb::ClientSession;
@@ -14,7 +13,7 @@ use crate::event::field;
 use crate::store::claim::{ClaimBackend, InFlight};
 use crate::store::retention::earliest_cutoff;
 use crate::store::{
-    DeliveryFilter, DeliveryPage, HandlerStatistics, PurgeOptions, PurgeReport, StoreError, page_limit,
+    DeliveryFilter, DeliveryPage, HandlerStatistics, PurgeOptions, PurgeReport, StoreError,
 };
 
 /// The filter of events that may go once nothing references them (see
@@ -239,7 +238,7 @@ pub(super) async fn statistics(store: &MongoStore, now: DateTime) -> Result<Vec<
 }
 
 pub(super) async fn list_deliveries(store: &MongoStore, filter: &DeliveryFilter) -> Result<DeliveryPage, StoreError> {
-    let limit = page_limit(filter.limit);
+    let limit = filter.page_limit();
     let mut query = Document::new();
     if let Some(status) = filter.status {
         query.insert(delivery::STATUS, status.as_str());
@@ -255,9 +254,7 @@ pub(super) async fn list_deliveries(store: &MongoStore, filter: &DeliveryFilter)
             query.insert(field, Bson::String(value.clone()));
         }
     }
-    if let Some(after) = &filter.after {
-        let after = ObjectId::parse_str(after)
-            .map_err(|_| StoreError::InvalidArgument(format!("`after` {after:?} is not a delivery id")))?;
+    if let Some(after) = filter.after_id()? {
         query.insert(delivery::ID, doc! { "$gt": after });
     }
     let rows: Vec<Document> = store
@@ -269,12 +266,6 @@ pub(super) async fn list_deliveries(store: &MongoStore, filter: &DeliveryFilter)
         .await?
         .try_collect()
         .await?;
-    let mut deliveries = rows.iter().map(documents::view).collect::<Result<Vec<_>, _>>()?;
-    let next = if deliveries.len() > limit {
-        deliveries.truncate(limit);
-        deliveries.last().map(|d| d.id.clone())
-    } else {
-        None
-    };
-    Ok(DeliveryPage { deliveries, next })
+    let deliveries = rows.iter().map(documents::view).collect::<Result<Vec<_>, _>>()?;
+    Ok(DeliveryPage::from_overfetch(deliveries, limit))
 }
