@@ -7,5 +7,6 @@
 pub mod event;
 pub mod lane;
 pub mod mongod;
+pub mod plugin;
 pub mod publish;
 pub mod store;

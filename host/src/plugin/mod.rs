@@ -1,0 +1,32 @@
+//! Handlers as sandboxed WebAssembly components.
+//!
+//! This module owns the plugin contract's host side (`wit/relayhost.wit`): loading and
+//! validating component files, the wasmtime engine and its per-delivery limits, the sandbox
+//! and its grants, and the host capabilities (log, transaction, outgoing HTTP) behind narrow
+//! interfaces the dispatcher wires up. It must never know lanes, leases or outbox documents.
+
+mod capability;
+mod http;
+mod output;
+mod policy;
+mod runtime;
+
+pub use capability::{CapabilityFuture, FollowUpEvent, TransactionCapability};
+pub use policy::{Grants, Limits, PluginPolicy};
+pub use runtime::{DeliveryInfo, LoadedPlugin, LogLevel, MAX_MEMORY_BYTES, Outcome, PluginRuntime, Ran};
+
+/// A handler a plugin offers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Subscription {
+    pub handler: String,
+    pub event_types: Vec<String>,
+    pub transactional: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PluginError {
+    #[error("plugin {file} refused: {reason}")]
+    Refused { file: String, reason: String },
+    #[error("the WebAssembly engine could not start: {0}")]
+    Engine(String),
+}

@@ -1,0 +1,115 @@
+//! Capped plugin output: log lines and stdout/stderr of one delivery, kept up to a byte
+//! budget and routed to `tracing` under the plugin's name afterwards. Output beyond the budget
+//! is counted and dropped; it never fails the plugin's write.
+
+use std::io;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use tokio::io::AsyncWrite;
+use wasmtime_wasi::cli::{IsTerminal, StdoutStream};
+
+#[derive(Debug, Default)]
+struct Buffer {
+    kept: Vec<(Source, String)>,
+    used: usize,
+    dropped: usize,
+}
+
+/// Where a piece of output came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    Log(crate::plugin::LogLevel),
+    Stdout,
+    Stderr,
+}
+
+/// The output budget of one delivery, shared by the log import and the stdio streams.
+#[derive(Debug, Clone)]
+pub struct Output {
+    buffer: Arc<Mutex<Buffer>>,
+    budget: usize,
+}
+
+impl Output {
+    pub fn new(budget: usize) -> Self {
+        Self { buffer: Arc::default(), budget }
+    }
+
+    /// Keeps as much of `text` as the budget allows; returns how many bytes were kept.
+    pub fn push(&self, source: Source, text: &str) -> usize {
+        let mut buffer = self.buffer.lock().expect("output buffer");
+        let room = self.budget.saturating_sub(buffer.used);
+        let mut end = text.len().min(room);
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        buffer.used += end;
+        buffer.dropped += text.len() - end;
+        if end > 0 {
+            buffer.kept.push((source, text[..end].to_string()));
+        }
+        end
+    }
+
+    /// Everything kept, in order, and how many bytes were dropped.
+    pub fn take(&self) -> (Vec<(Source, String)>, usize) {
+        let mut buffer = self.buffer.lock().expect("output buffer");
+        (std::mem::take(&mut buffer.kept), buffer.dropped)
+    }
+
+    pub fn stream(&self, source: Source) -> OutputStream {
+        OutputStream { output: self.clone(), source }
+    }
+}
+
+/// A stdout or stderr of a plugin.
+#[derive(Clone)]
+pub struct OutputStream {
+    output: Output,
+    source: Source,
+}
+
+impl IsTerminal for OutputStream {
+    fn is_terminal(&self) -> bool {
+        false
+    }
+}
+
+impl StdoutStream for OutputStream {
+    fn async_stream(&self) -> Box<dyn AsyncWrite + Send + Sync> {
+        Box::new(self.clone())
+    }
+}
+
+impl AsyncWrite for OutputStream {
+    fn poll_write(self: Pin<&mut Self>, _cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        self.output.push(self.source, &String::from_utf8_lossy(buf));
+        // Everything counts as written: a plugin over its budget goes on, silenced.
+        Poll::Ready(Ok(buf.len()))
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn output_beyond_the_budget_is_counted_and_dropped() {
+        let output = Output::new(10);
+        assert_eq!(output.push(Source::Stdout, "hello "), 6);
+        assert_eq!(output.push(Source::Stderr, "wörld!"), 4);
+        let (kept, dropped) = output.take();
+        assert_eq!(kept.iter().map(|(_, t)| t.as_str()).collect::<String>(), "hello wör");
+        assert_eq!(dropped, 3);
+    }
+}

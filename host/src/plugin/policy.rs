@@ -1,0 +1,81 @@
+//! What the operator allows a plugin: its limits and its grants. A plugin never sets these.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Per-delivery limits of one plugin.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    /// Deterministic CPU budget of one delivery, in wasmtime fuel units (about one per
+    /// WebAssembly instruction).
+    pub fuel: u64,
+    /// Largest linear memory of one delivery's instance, in bytes.
+    pub memory_bytes: usize,
+    /// Wall-clock time of one delivery, host calls included.
+    pub wall_time: Duration,
+    /// Log lines plus stdout/stderr kept per delivery, in bytes; the rest is dropped.
+    pub output_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            fuel: 2_000_000_000,
+            memory_bytes: 64 * 1024 * 1024,
+            wall_time: Duration::from_secs(30),
+            output_bytes: 64 * 1024,
+        }
+    }
+}
+
+/// What a plugin may reach beyond its own memory. Empty by default: no files, no environment,
+/// no sockets, no HTTP, no collections.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Grants {
+    /// A host directory the plugin may read, mounted read-only at `/data`.
+    pub read_only_directory: Option<PathBuf>,
+    /// Environment variables passed through by name (their values come from the host).
+    pub environment: Vec<String>,
+    /// `host` or `host:port` authorities the plugin may send HTTP requests to.
+    pub http_hosts: Vec<String>,
+    /// Collections the transaction capability may read and write.
+    pub collections: Vec<String>,
+}
+
+impl Grants {
+    pub(crate) fn allows_http(&self, host: &str, port: Option<u16>) -> bool {
+        self.http_hosts.iter().any(|granted| match granted.rsplit_once(':') {
+            Some((granted_host, granted_port)) if granted_port.parse::<u16>().is_ok() => {
+                granted_host.eq_ignore_ascii_case(host) && port.map(|p| p.to_string()).as_deref() == Some(granted_port)
+            }
+            _ => granted.eq_ignore_ascii_case(host),
+        })
+    }
+
+    pub(crate) fn allows_collection(&self, collection: &str) -> bool {
+        self.collections.iter().any(|granted| granted == collection)
+    }
+}
+
+/// Limits and grants of one plugin.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PluginPolicy {
+    pub limits: Limits,
+    pub grants: Grants,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn http_grants_match_host_and_optional_port() {
+        let grants = Grants { http_hosts: vec!["api.example.com".into(), "127.0.0.1:8080".into()], ..Default::default() };
+        assert!(grants.allows_http("api.example.com", Some(443)));
+        assert!(grants.allows_http("API.example.com", None));
+        assert!(grants.allows_http("127.0.0.1", Some(8080)));
+        assert!(!grants.allows_http("127.0.0.1", Some(8081)));
+        assert!(!grants.allows_http("evil.example.com", Some(443)));
+        assert!(!grants.allows_http("api.example.com.evil", None));
+    }
+}
