@@ -1,11 +1,59 @@
 #!/usr/bin/env bash
-# Builds the guest SDK, the example plugins and the hostile test plugin from source into
-# WebAssembly components (wasm32-wasip2). Idempotent; installs the Rust target if missing.
-# Prints the directory holding the .wasm files.
+# Builds every plugin in this repository from source into WebAssembly components:
+#   - Rust: the guest SDK, the example plugins and the hostile test plugin (wasm32-wasip2);
+#   - Python: plugins/python/* with componentize-py (pinned, from PyPI);
+#   - JavaScript: plugins/javascript/* with componentize-js's library API (pinned, from npm).
+# Tools are installed once into a cache outside the repository; a plugin is rebuilt only
+# when its sources or the WIT changed. Prints the directory holding the .wasm files.
 set -euo pipefail
-cd "$(dirname "$0")/../plugins"
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cache="${RELAYHOST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/relayhost}"
+out="$root/plugins/target/wasm32-wasip2/release"
+
 if ! rustup target list --installed | grep -qx wasm32-wasip2; then
   rustup target add wasm32-wasip2 >&2
 fi
-cargo build --quiet --target wasm32-wasip2 --release >&2
-echo "$PWD/target/wasm32-wasip2/release"
+(cd "$root/plugins" && cargo build --quiet --target wasm32-wasip2 --release >&2)
+
+# True when $1 is missing or older than any file under the other arguments.
+stale() {
+  local target="$1"
+  shift
+  [ ! -f "$target" ] || [ -n "$(find "$@" -newer "$target" -type f -print -quit)" ]
+}
+
+py_tool="$cache/componentize-py-0.25.1"
+for dir in "$root"/plugins/python/*/; do
+  name="py_$(basename "$dir" | tr '-' '_')"
+  if stale "$out/$name.wasm" "$dir" "$root/wit"; then
+    if [ ! -f "$py_tool/.complete" ]; then
+      rm -rf "$py_tool.partial"
+      python3 -m pip install --quiet --disable-pip-version-check --only-binary=:all: \
+        --target "$py_tool.partial" "componentize-py==0.25.1" >&2
+      touch "$py_tool.partial/.complete"
+      rm -rf "$py_tool" && mv "$py_tool.partial" "$py_tool"
+    fi
+    (cd "$root" && PYTHONPATH="$py_tool" python3 -c 'import sys; from componentize_py import script; sys.argv[0] = "componentize-py"; sys.exit(script())' \
+      -d wit -w plugin componentize app -p "$dir" -o "$out/$name.wasm.partial" >&2)
+    mv "$out/$name.wasm.partial" "$out/$name.wasm"
+  fi
+done
+
+js_tool="$cache/componentize-js-0.23.0"
+for dir in "$root"/plugins/javascript/*/; do
+  name="js_$(basename "$dir" | tr '-' '_')"
+  if stale "$out/$name.wasm" "$dir" "$root/wit"; then
+    if [ ! -f "$js_tool/.complete" ]; then
+      rm -rf "$js_tool.partial" && mkdir -p "$js_tool.partial"
+      cp "$root/plugins/javascript/package.json" "$root/plugins/javascript/package-lock.json" "$js_tool.partial/"
+      (cd "$js_tool.partial" && npm ci --silent --no-audit --no-fund >&2)
+      touch "$js_tool.partial/.complete"
+      rm -rf "$js_tool" && mv "$js_tool.partial" "$js_tool"
+    fi
+    cp "$root/plugins/javascript/componentize.mjs" "$js_tool/"
+    node "$js_tool/componentize.mjs" "$dir/handler.js" "$root/wit" "$out/$name.wasm.partial" >&2
+    mv "$out/$name.wasm.partial" "$out/$name.wasm"
+  fi
+done
+
+echo "$out"

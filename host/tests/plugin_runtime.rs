@@ -430,3 +430,32 @@ impl HttpServer {
         self.requests.lock().unwrap().clone()
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_and_javascript_plugins_handle_real_events() {
+    let runtime = runtime();
+    for (file, handler) in [("py_order_check", "py-order-check"), ("js_order_check", "js-order-check")] {
+        let limits = Limits { fuel: u64::MAX / 2, memory_bytes: 256 * 1024 * 1024, wall_time: Duration::from_secs(20), ..quick_limits() };
+        let plugin = runtime
+            .load(&plugin_file(file), PluginPolicy { limits, ..Default::default() })
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(plugin.subscriptions.len(), 1, "{file}");
+        assert_eq!(plugin.subscriptions[0].handler, handler);
+        assert_eq!(plugin.subscriptions[0].event_types, ["order.placed"]);
+        let run = |payload: bson::Document| {
+            let plugin = &plugin;
+            let runtime = &runtime;
+            async move { runtime.invoke(plugin, &event("order.placed", payload), &delivery(handler), None).await }
+        };
+        let ran = run(doc! { "orderId": "o-1", "total": 3 }).await;
+        assert_eq!(ran.outcome, Outcome::Completed, "{file}");
+        assert!(ran.output_kept > 0, "{file} logged through the log import");
+        assert_eq!(run(doc! { "total": 3 }).await.outcome, Outcome::Unprocessable("order without orderId".into()), "{file}");
+        assert_eq!(
+            run(doc! { "orderId": "o-2", "total": -1 }).await.outcome,
+            Outcome::Retry { reason: "negative total, asking again later".into(), not_before: None },
+            "{file}"
+        );
+    }
+}
