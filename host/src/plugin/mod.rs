@@ -9,10 +9,12 @@ mod capability;
 mod http;
 mod output;
 mod policy;
+mod registry;
 mod runtime;
 
 pub use capability::{CapabilityFuture, FollowUpEvent, TransactionCapability};
 pub use policy::{Grants, Limits, PluginPolicy};
+pub use registry::{Change, DEBOUNCE, PluginRegistry, WatchGuard};
 pub use runtime::{DeliveryInfo, LoadedPlugin, LogLevel, MAX_MEMORY_BYTES, Outcome, PluginRuntime, Ran};
 
 /// A handler a plugin offers.

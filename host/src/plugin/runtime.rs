@@ -258,12 +258,6 @@ impl PluginRuntime {
         Ok(Self { engine, linker, cache_dir, stop_ticker })
     }
 
-    fn engine_fingerprint(&self) -> String {
-        let mut hasher = std::collections::hash_map::DefaultHasher::new();
-        self.engine.precompile_compatibility_hash().hash(&mut hasher);
-        format!("{:016x}", hasher.finish())
-    }
-
     /// Compiles (or loads from the artifact cache) and validates one plugin file: a component
     /// of this world, with well-formed, unique handler ids. The error names the file.
     pub async fn load(&self, path: &Path, policy: PluginPolicy) -> Result<LoadedPlugin, PluginError> {
@@ -276,7 +270,12 @@ impl PluginRuntime {
             .to_string();
         let bytes = std::fs::read(path).map_err(|e| refuse(format!("cannot read it: {e}")))?;
         let content_hash = hex::encode(Sha256::digest(&bytes));
-        let component = self.compile(&bytes, &content_hash).map_err(refuse)?;
+        // Compiling is seconds of CPU for a large component: keep it off the async threads.
+        let (engine, cache_dir, hash) = (self.engine.clone(), self.cache_dir.clone(), content_hash.clone());
+        let component = tokio::task::spawn_blocking(move || compile(&engine, cache_dir.as_deref(), &bytes, &hash))
+            .await
+            .map_err(|e| refuse(format!("compiling it failed: {e}")))?
+            .map_err(refuse)?;
         let instance_pre = self.linker.instantiate_pre(&component).map_err(|e| {
             refuse(format!("it needs an import relayhost does not provide: {}", root_cause(&e)))
         })?;
@@ -291,29 +290,6 @@ impl PluginRuntime {
         };
         plugin.subscriptions = self.read_subscriptions(&plugin).await.map_err(refuse)?;
         Ok(plugin)
-    }
-
-    fn compile(&self, bytes: &[u8], content_hash: &str) -> Result<Component, String> {
-        let cached = self.cache_dir.as_ref().map(|dir| dir.join(self.engine_fingerprint()).join(format!("{content_hash}.cwasm")));
-        if let Some(path) = &cached {
-            // Read, not mapped: a file changed in place under a mapping would crash the host.
-            if let Ok(artifact) = std::fs::read(path) {
-                // SAFETY: the artifact was written by `Component::serialize` of an engine with
-                // the same compatibility hash, into a directory only this host writes; wasmtime
-                // checks its header and refuses foreign or truncated artifacts.
-                match unsafe { Component::deserialize(&self.engine, &artifact) } {
-                    Ok(component) => return Ok(component),
-                    Err(error) => tracing::warn!(%error, path = %path.display(), "ignoring an unusable compiled artifact"),
-                }
-            }
-        }
-        let component = Component::new(&self.engine, bytes).map_err(|e| format!("it is not a valid WebAssembly component: {}", root_cause(&e)))?;
-        if let Some(path) = cached {
-            if let Err(error) = write_artifact(&path, &component) {
-                tracing::warn!(%error, path = %path.display(), "cannot cache the compiled plugin");
-            }
-        }
-        Ok(component)
     }
 
     async fn read_subscriptions(&self, plugin: &LoadedPlugin) -> Result<Vec<Subscription>, String> {
@@ -383,6 +359,9 @@ impl PluginRuntime {
         transaction: Option<Box<dyn TransactionCapability>>,
     ) -> Ran {
         let started = Instant::now();
+        if !Engine::same(&self.engine, plugin.pre.engine()) {
+            return Ran { outcome: Outcome::Failed("the plugin was loaded by another runtime".into()), output_kept: 0, output_dropped: 0 };
+        }
         let (mut store, output) = self.store(plugin, transaction);
         let wit_event = to_wit_event(event);
         let context = types::DeliveryContext {
@@ -406,6 +385,9 @@ impl PluginRuntime {
             Err(_) => Outcome::Failed(format!("wall-clock limit of {:?} exceeded", plugin.policy.limits.wall_time)),
         };
         let (output_kept, output_dropped) = route_output(&plugin.name, plugin.short_hash(), &output);
+        // A quick plugin may finish without ever yielding; let a caller running deliveries
+        // back to back still share the thread with other tasks.
+        tokio::task::consume_budget().await;
         tracing::debug!(plugin = %plugin.name, version = plugin.short_hash(), handler = %delivery.handler, event = %event.id,
             elapsed_us = started.elapsed().as_micros() as u64, ?outcome, "delivery ran");
         Ran { outcome, output_kept, output_dropped }
@@ -467,6 +449,37 @@ impl TransactionCapability for Returning {
     fn publish(&mut self, event: FollowUpEvent) -> super::capability::CapabilityFuture<'_, ()> {
         self.inner.as_mut().expect("present until dropped").publish(event)
     }
+}
+
+/// Compiles a component, or loads it from the artifact cache of this engine.
+fn compile(engine: &Engine, cache_dir: Option<&Path>, bytes: &[u8], content_hash: &str) -> Result<Component, String> {
+    let cached = cache_dir.map(|dir| dir.join(engine_fingerprint(engine)).join(format!("{content_hash}.cwasm")));
+    if let Some(path) = &cached {
+        // Read, not mapped: a file changed in place under a mapping would crash the host.
+        if let Ok(artifact) = std::fs::read(path) {
+            // SAFETY: the artifact was written by `Component::serialize` of an engine with
+            // the same compatibility hash, into a directory only this host writes; wasmtime
+            // checks its header and refuses foreign or truncated artifacts.
+            match unsafe { Component::deserialize(engine, &artifact) } {
+                Ok(component) => return Ok(component),
+                Err(error) => tracing::warn!(%error, path = %path.display(), "ignoring an unusable compiled artifact"),
+            }
+        }
+    }
+    let component = Component::new(engine, bytes).map_err(|e| format!("it is not a valid WebAssembly component: {}", root_cause(&e)))?;
+    if let Some(path) = cached {
+        if let Err(error) = write_artifact(&path, &component) {
+            tracing::warn!(%error, path = %path.display(), "cannot cache the compiled plugin");
+        }
+    }
+    Ok(component)
+}
+
+/// Names the artifacts an engine can load: its compatibility hash.
+fn engine_fingerprint(engine: &Engine) -> String {
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    engine.precompile_compatibility_hash().hash(&mut hasher);
+    format!("{:016x}", hasher.finish())
 }
 
 fn write_artifact(path: &Path, component: &Component) -> std::io::Result<()> {

@@ -1,0 +1,231 @@
+//! The plugin registry: which version of which plugin serves which handler, kept in step
+//! with the plugins directory without a restart.
+//!
+//! Adding, replacing or deleting a `*.wasm` file takes effect on the next scan; the watcher
+//! scans after the directory has been quiet for a moment (debounce), so a file being written
+//! is read once it is complete, and a half-written or broken file is refused while the
+//! previous version keeps serving. A delivery holds the `Arc` of the version that started it,
+//! so it finishes on that version whatever happens to the file. The registry never knows
+//! about lanes or claims: it answers "which plugin serves this handler now".
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use notify::{RecursiveMode, Watcher};
+use sha2::{Digest, Sha256};
+
+use super::{LoadedPlugin, PluginError, PluginPolicy, PluginRuntime, Subscription};
+
+/// How long the directory must be quiet before a scan.
+pub const DEBOUNCE: Duration = Duration::from_millis(250);
+
+/// What one scan changed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    Loaded { plugin: String, version: String },
+    Replaced { plugin: String, old_version: String, new_version: String },
+    /// The file was refused; the previous version, if any, keeps serving.
+    Refused { plugin: String, reason: String },
+    Removed { plugin: String, version: String },
+}
+
+#[derive(Default)]
+struct Catalog {
+    plugins: BTreeMap<String, Arc<LoadedPlugin>>,
+    /// Content hashes of files refused, so an unchanged broken file is not retried.
+    refused: BTreeMap<String, String>,
+}
+
+impl Catalog {
+    fn owner_of(&self, handler: &str) -> Option<&str> {
+        self.plugins
+            .iter()
+            .find(|(_, plugin)| plugin.subscription(handler).is_some())
+            .map(|(name, _)| name.as_str())
+    }
+}
+
+/// The loaded plugins of one directory.
+pub struct PluginRegistry {
+    runtime: Arc<PluginRuntime>,
+    directory: PathBuf,
+    policy_for: Box<dyn Fn(&str) -> PluginPolicy + Send + Sync>,
+    catalog: RwLock<Catalog>,
+    scanning: tokio::sync::Mutex<()>,
+}
+
+impl PluginRegistry {
+    /// `policy_for` gives the operator's limits and grants of a plugin by its name (the file
+    /// name without `.wasm`).
+    pub fn new(
+        runtime: Arc<PluginRuntime>,
+        directory: impl Into<PathBuf>,
+        policy_for: impl Fn(&str) -> PluginPolicy + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            runtime,
+            directory: directory.into(),
+            policy_for: Box::new(policy_for),
+            catalog: RwLock::default(),
+            scanning: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// The runtime the plugins were loaded by, which is the one to run them with.
+    pub fn runtime(&self) -> &Arc<PluginRuntime> {
+        &self.runtime
+    }
+
+    pub fn directory(&self) -> &Path {
+        &self.directory
+    }
+
+    /// The version serving `handler` now.
+    pub fn plugin_for(&self, handler: &str) -> Option<Arc<LoadedPlugin>> {
+        let catalog = self.catalog.read().expect("catalog");
+        catalog.plugins.values().find(|plugin| plugin.subscription(handler).is_some()).cloned()
+    }
+
+    /// Every handler offered now.
+    pub fn subscriptions(&self) -> Vec<Subscription> {
+        let catalog = self.catalog.read().expect("catalog");
+        catalog.plugins.values().flat_map(|plugin| plugin.subscriptions.iter().cloned()).collect()
+    }
+
+    /// The loaded plugins and their versions.
+    pub fn versions(&self) -> BTreeMap<String, String> {
+        let catalog = self.catalog.read().expect("catalog");
+        catalog.plugins.iter().map(|(name, plugin)| (name.clone(), plugin.content_hash.clone())).collect()
+    }
+
+    /// Brings the registry in step with the directory and logs every change.
+    pub async fn scan(&self) -> Result<Vec<Change>, PluginError> {
+        let _one_at_a_time = self.scanning.lock().await;
+        let files = plugin_files(&self.directory).map_err(|e| PluginError::Refused {
+            file: self.directory.display().to_string(),
+            reason: format!("cannot read the plugins directory: {e}"),
+        })?;
+        let mut changes = Vec::new();
+        let current = self.versions();
+        for (name, _) in current.iter().filter(|(name, _)| !files.contains_key(*name)) {
+            if let Some(plugin) = self.catalog.write().expect("catalog").plugins.remove(name) {
+                changes.push(Change::Removed { plugin: name.clone(), version: plugin.content_hash.clone() });
+            }
+        }
+        self.catalog.write().expect("catalog").refused.retain(|name, _| files.contains_key(name));
+        for (name, path) in &files {
+            let Ok(bytes) = std::fs::read(path) else { continue };
+            let hash = hex::encode(Sha256::digest(&bytes));
+            let known = {
+                let catalog = self.catalog.read().expect("catalog");
+                catalog.plugins.get(name).map(|p| &p.content_hash) == Some(&hash) || catalog.refused.get(name) == Some(&hash)
+            };
+            if known {
+                continue;
+            }
+            let change = match self.runtime.load(path, (self.policy_for)(name)).await {
+                Ok(plugin) => self.install(name, plugin),
+                Err(error) => Err(error.to_string()),
+            };
+            match change {
+                Ok(change) => changes.push(change),
+                Err(reason) => {
+                    self.catalog.write().expect("catalog").refused.insert(name.clone(), hash);
+                    changes.push(Change::Refused { plugin: name.clone(), reason });
+                }
+            }
+        }
+        for change in &changes {
+            match change {
+                Change::Loaded { plugin, version } => tracing::info!(plugin, version = &version[..12], "plugin loaded"),
+                Change::Replaced { plugin, old_version, new_version } => {
+                    tracing::info!(plugin, old = &old_version[..12], new = &new_version[..12], "plugin replaced")
+                }
+                Change::Refused { plugin, reason } => tracing::error!(plugin, reason, "plugin refused; the previous version, if any, keeps serving"),
+                Change::Removed { plugin, version } => tracing::info!(plugin, version = &version[..12], "plugin removed"),
+            }
+        }
+        Ok(changes)
+    }
+
+    /// Puts a loaded version in place, unless one of its handlers belongs to another plugin.
+    fn install(&self, name: &str, plugin: LoadedPlugin) -> Result<Change, String> {
+        let mut catalog = self.catalog.write().expect("catalog");
+        for subscription in &plugin.subscriptions {
+            if let Some(owner) = catalog.owner_of(&subscription.handler).filter(|owner| *owner != name) {
+                return Err(format!("handler `{}` is already provided by plugin `{owner}`", subscription.handler));
+            }
+        }
+        let new_version = plugin.content_hash.clone();
+        catalog.refused.remove(name);
+        Ok(match catalog.plugins.insert(name.to_string(), Arc::new(plugin)) {
+            Some(old) => Change::Replaced { plugin: name.to_string(), old_version: old.content_hash.clone(), new_version },
+            None => Change::Loaded { plugin: name.to_string(), version: new_version },
+        })
+    }
+
+    /// Watches the directory and scans it after every quiet period following a change, until
+    /// the returned guard is dropped.
+    pub fn watch(self: &Arc<Self>) -> Result<WatchGuard, PluginError> {
+        let (sender, mut receiver) = tokio::sync::mpsc::unbounded_channel();
+        let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+            if event.is_ok() {
+                let _ = sender.send(());
+            }
+        })
+        .map_err(|e| self.watch_error(e))?;
+        watcher.watch(&self.directory, RecursiveMode::NonRecursive).map_err(|e| self.watch_error(e))?;
+        let registry = Arc::clone(self);
+        let task = tokio::spawn(async move {
+            while receiver.recv().await.is_some() {
+                // Debounce: wait until nothing happened for a while.
+                loop {
+                    match tokio::time::timeout(DEBOUNCE, receiver.recv()).await {
+                        Ok(Some(())) => continue,
+                        Ok(None) => return,
+                        Err(_) => break,
+                    }
+                }
+                if let Err(error) = registry.scan().await {
+                    tracing::error!(%error, "scanning the plugins directory failed");
+                }
+            }
+        });
+        Ok(WatchGuard { _watcher: watcher, task })
+    }
+
+    fn watch_error(&self, error: notify::Error) -> PluginError {
+        PluginError::Refused { file: self.directory.display().to_string(), reason: format!("cannot watch it: {error}") }
+    }
+}
+
+/// Keeps the directory watched; dropping it stops watching.
+pub struct WatchGuard {
+    _watcher: notify::RecommendedWatcher,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for WatchGuard {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// `*.wasm` files of the directory by plugin name; hidden files (editors' and copy tools'
+/// temporary files) are left out.
+fn plugin_files(directory: &Path) -> std::io::Result<BTreeMap<String, PathBuf>> {
+    let mut files = BTreeMap::new();
+    for entry in std::fs::read_dir(directory)? {
+        let path = entry?.path();
+        let Some(file_name) = path.file_name().and_then(|n| n.to_str()) else { continue };
+        if file_name.starts_with('.') || !path.is_file() {
+            continue;
+        }
+        if let Some(name) = file_name.strip_suffix(".wasm") {
+            files.insert(name.to_string(), path.clone());
+        }
+    }
+    Ok(files)
+}
