@@ -15,7 +15,7 @@ mod runtime;
 pub use capability::{CapabilityFuture, FollowUpEvent, TransactionCapability};
 pub use policy::{Grants, Limits, PluginPolicy};
 pub use registry::{Change, DEBOUNCE, PluginRegistry, WatchGuard};
-pub use runtime::{DeliveryInfo, LoadedPlugin, LogLevel, MAX_MEMORY_BYTES, Outcome, PluginRuntime, Ran};
+pub use runtime::{DeliveryInfo, LoadedPlugin, LogLevel, MAX_MEMORY_BYTES, Outcome, PluginRuntime, Ran, RuntimeOptions};
 
 /// A handler a plugin offers.
 #[derive(Debug, Clone, PartialEq, Eq)]

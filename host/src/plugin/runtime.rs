@@ -213,6 +213,17 @@ pub struct PluginRuntime {
     linker: Linker<HostState>,
     cache_dir: Option<PathBuf>,
     stop_ticker: Arc<AtomicBool>,
+    meter_fuel: bool,
+}
+
+/// How to build the engine.
+#[derive(Debug, Clone)]
+pub struct RuntimeOptions {
+    /// Where compiled artifacts are kept across restarts.
+    pub cache_dir: Option<PathBuf>,
+    /// Count fuel (the deterministic CPU budget of `Limits::fuel`). Without it only the
+    /// wall-clock limit stops a busy plugin; the benchmarks use this to price metering.
+    pub meter_fuel: bool,
 }
 
 impl Drop for PluginRuntime {
@@ -225,15 +236,24 @@ impl PluginRuntime {
     /// One engine with the pooling allocator, fuel, epoch interruption and async support.
     /// `cache_dir` keeps compiled artifacts across restarts.
     pub fn new(cache_dir: Option<PathBuf>) -> Result<Self, PluginError> {
+        Self::with_options(RuntimeOptions { cache_dir, meter_fuel: true })
+    }
+
+    pub fn with_options(options: RuntimeOptions) -> Result<Self, PluginError> {
+        let RuntimeOptions { cache_dir, meter_fuel } = options;
         let mut config = Config::new();
-        config.wasm_component_model(true).consume_fuel(true).epoch_interruption(true);
+        config.wasm_component_model(true).consume_fuel(meter_fuel).epoch_interruption(true);
         let mut pool = PoolingAllocationConfig::default();
         pool.total_component_instances(INSTANCE_SLOTS)
             .total_core_instances(INSTANCE_SLOTS * 4)
             .total_memories(INSTANCE_SLOTS * 2)
             .total_tables(INSTANCE_SLOTS * 4)
             .total_stacks(INSTANCE_SLOTS)
-            .max_memory_size(MAX_MEMORY_BYTES);
+            .max_memory_size(MAX_MEMORY_BYTES)
+            // Reused slots keep their first pages mapped: instantiating a small plugin then
+            // costs no page faults or madvise calls for them.
+            .linear_memory_keep_resident(256 * 1024)
+            .table_keep_resident(16 * 1024);
         config.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
         let engine = Engine::new(&config).map_err(|e| PluginError::Engine(e.to_string()))?;
 
@@ -255,7 +275,7 @@ impl PluginRuntime {
                 }
             })
             .map_err(|e| PluginError::Engine(e.to_string()))?;
-        Ok(Self { engine, linker, cache_dir, stop_ticker })
+        Ok(Self { engine, linker, cache_dir, stop_ticker, meter_fuel })
     }
 
     /// Compiles (or loads from the artifact cache) and validates one plugin file: a component
@@ -341,8 +361,10 @@ impl PluginRuntime {
         };
         let mut store = Store::new(&self.engine, state);
         store.limiter(|state| &mut state.limiter);
-        store.set_fuel(policy.limits.fuel).expect("fuel is enabled");
-        store.fuel_async_yield_interval(Some(FUEL_YIELD_INTERVAL)).expect("async and fuel are enabled");
+        if self.meter_fuel {
+            store.set_fuel(policy.limits.fuel).expect("fuel is enabled");
+            store.fuel_async_yield_interval(Some(FUEL_YIELD_INTERVAL)).expect("async and fuel are enabled");
+        }
         let ticks = (policy.limits.wall_time.as_millis() / EPOCH_TICK.as_millis()).max(1) as u64;
         store.set_epoch_deadline(ticks);
         store.epoch_deadline_trap();
