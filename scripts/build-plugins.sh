@@ -13,7 +13,8 @@ out="$root/plugins/target/wasm32-wasip2/release"
 if ! rustup target list --installed | grep -qx wasm32-wasip2; then
   rustup target add wasm32-wasip2 >&2
 fi
-(cd "$root/plugins" && cargo build --quiet --target wasm32-wasip2 --release >&2)
+# Its own target directory, whatever CARGO_TARGET_DIR says: the components are looked up there.
+(cd "$root/plugins" && CARGO_TARGET_DIR="$root/plugins/target" cargo build --quiet --target wasm32-wasip2 --release >&2)
 
 # True when $1 is missing or older than any file under the other arguments.
 stale() {
