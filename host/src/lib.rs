@@ -2,9 +2,12 @@
 //! WebAssembly components.
 //!
 //! Data flows one way: applications [`publish`] events in their own transactions; the
-//! [`store`] fans them out into deliveries, leases lanes to claimers and fences every outcome.
+//! [`store`] fans them out into deliveries, leases lanes to claimers and fences every outcome;
+//! the [`plugin`] runtime runs each delivery in a sandboxed WebAssembly instance, and
+//! [`handler_transaction`] lets a transactional handler write in its delivery's transaction.
 
 pub mod event;
+pub mod handler_transaction;
 pub mod lane;
 pub mod mongod;
 pub mod plugin;

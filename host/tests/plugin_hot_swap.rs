@@ -1,31 +1,22 @@
 //! Hot swap of plugin files under load: replacing a plugin 20 times (valid versions, broken
 //! files, half-written files, empty files) while deliveries run, with the directory watcher.
 
+mod common;
+
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bson::{DateTime, doc};
+use common::{plugin_runtime, plugins_dir};
 use relayhost::event::EventRecord;
 use relayhost::plugin::{Change, DeliveryInfo, Outcome, PluginPolicy, PluginRegistry, PluginRuntime};
 use sha2::{Digest, Sha256};
 
-fn plugins_dir() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/build-plugins.sh");
-        let output = Command::new(script).output().expect("run scripts/build-plugins.sh");
-        assert!(output.status.success(), "building the plugins failed:\n{}", String::from_utf8_lossy(&output.stderr));
-        PathBuf::from(String::from_utf8(output.stdout).unwrap().trim())
-    })
-}
-
 fn runtime() -> Arc<PluginRuntime> {
-    let cache = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/relayhost-test-artifacts");
-    Arc::new(PluginRuntime::new(Some(cache)).unwrap())
+    Arc::new(plugin_runtime())
 }
 
 fn scratch_dir(name: &str) -> PathBuf {

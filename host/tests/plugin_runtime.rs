@@ -2,39 +2,28 @@
 //! and refusing files, limits, the sandbox and its grants, the transaction capability, and a
 //! well-behaved plugin that keeps working beside a hostile one.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bson::{DateTime, doc};
 use relayhost::event::EventRecord;
+use common::{plugin_runtime, plugins_dir};
 use relayhost::plugin::{
     CapabilityFuture, DeliveryInfo, FollowUpEvent, Grants, Limits, LoadedPlugin, Outcome, PluginError, PluginPolicy,
     PluginRuntime, TransactionCapability,
 };
 
-/// The components, built once per test process by the project's own script.
-fn plugins_dir() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/build-plugins.sh");
-        let output = Command::new(script).output().expect("run scripts/build-plugins.sh");
-        assert!(output.status.success(), "building the plugins failed:\n{}", String::from_utf8_lossy(&output.stderr));
-        PathBuf::from(String::from_utf8(output.stdout).unwrap().trim())
-    })
-}
-
 fn plugin_file(name: &str) -> PathBuf {
     plugins_dir().join(format!("{name}.wasm"))
 }
 
-/// Compiled artifacts are shared by the tests (and kept across runs), like a host's restarts.
 fn runtime() -> PluginRuntime {
-    let cache = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/relayhost-test-artifacts");
-    PluginRuntime::new(Some(cache)).unwrap()
+    plugin_runtime()
 }
 
 fn quick_limits() -> Limits {

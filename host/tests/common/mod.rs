@@ -1,7 +1,7 @@
 //! Fixtures for the store contract suite: the same test functions run against a
 //! [`MemoryStore`] and a [`MongoStore`] on a real replica set started from the pinned wheel.
 
-#![allow(dead_code)]
+#![allow(dead_code, async_fn_in_trait)]
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -105,6 +105,27 @@ impl Fixture for MongoFixture {
     async fn raw_event(&self, id: &str) -> Option<Document> {
         self.store.events_collection().find_one(doc! { "_id": id }).await.unwrap()
     }
+}
+
+// ---- plugins ----
+
+/// The components of `plugins/`, built once per test process by the project's own script.
+pub fn plugins_dir() -> &'static std::path::Path {
+    use std::path::{Path, PathBuf};
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/build-plugins.sh");
+        let output = std::process::Command::new(script).output().expect("run scripts/build-plugins.sh");
+        assert!(output.status.success(), "building the plugins failed:\n{}", String::from_utf8_lossy(&output.stderr));
+        PathBuf::from(String::from_utf8(output.stdout).unwrap().trim())
+    })
+}
+
+/// A plugin runtime whose compiled artifacts are shared by the tests (and kept across runs),
+/// like a host's artifact cache across restarts.
+pub fn plugin_runtime() -> relayhost::plugin::PluginRuntime {
+    let cache = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/relayhost-test-artifacts");
+    relayhost::plugin::PluginRuntime::new(Some(cache)).unwrap()
 }
 
 // ---- small helpers shared by the suites ----

@@ -149,6 +149,16 @@ impl MongoStore {
         &self.location
     }
 
+    /// The database of the store's collections (and of handlers' business collections).
+    pub fn database(&self) -> mongodb::Database {
+        self.client.database(&self.location.database)
+    }
+
+    /// The publisher writing into this store's events collection.
+    pub fn publisher(&self) -> &Publisher {
+        &self.publisher
+    }
+
     /// The events collection, for tools that write or inspect raw documents.
     pub fn events_collection(&self) -> &Collection<Document> {
         &self.collections.events

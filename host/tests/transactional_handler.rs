@@ -1,0 +1,81 @@
+//! A transactional handler end to end on a real replica set: the audit-log plugin (a real
+//! component) writes through the transaction capability into the delivery's MongoDB
+//! transaction, and its write and the delivery's completion commit together or not at all.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bson::{Document, doc};
+use common::*;
+use relayhost::handler_transaction::MongoHandlerTransaction;
+use relayhost::plugin::{DeliveryInfo, Grants, Limits, Outcome, PluginPolicy};
+use relayhost::store::{ClaimedDelivery, Store, StoreTransaction, Subscription, Subscriptions};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_handlers_write_and_the_completion_commit_together() {
+    let fixture = MongoFixture::new().await;
+    let store = fixture.store();
+    let runtime = plugin_runtime();
+    let policy = PluginPolicy {
+        limits: Limits { wall_time: Duration::from_secs(10), ..Limits::default() },
+        grants: Grants { collections: vec!["audit_log".into()], ..Default::default() },
+    };
+    let plugin = runtime.load(&plugins_dir().join("audit_log.wasm"), policy).await.unwrap();
+    let subscriptions = Subscriptions::new(
+        plugin.subscriptions.iter().map(|s| Subscription::new(s.handler.clone(), s.event_types.iter().cloned())),
+    )
+    .unwrap();
+    publish_all(store, vec![keyed("order-1", "order.placed", "c-1"), keyed("order-2", "order.placed", "c-2")]).await;
+    fan_out_all(store, &subscriptions, bson::DateTime::now()).await;
+    let claimed = store.claim(&handlers(&["audit-log"]), 10, bson::DateTime::now()).await.unwrap();
+    assert_eq!(claimed.len(), 2);
+    let audit = fixture.client.database(&fixture.database).collection::<Document>("audit_log");
+
+    // Run each delivery in its own transaction; commit the first, abort the second.
+    for (delivery, commit) in claimed.iter().zip([true, false]) {
+        let outcome = run_transactional(&fixture, &runtime, &plugin, delivery, commit).await;
+        assert_eq!(outcome, Outcome::Completed);
+    }
+    let written: Vec<String> = {
+        use futures::TryStreamExt;
+        audit.find(doc! {}).await.unwrap().try_collect::<Vec<Document>>().await.unwrap()
+            .iter().map(|d| d.get_str("_id").unwrap().to_string()).collect()
+    };
+    assert_eq!(written, [claimed[0].event.id.clone()], "only the committed delivery's write exists");
+    let record = audit.find_one(doc! {}).await.unwrap().unwrap();
+    assert_eq!(record.get_str("key").unwrap(), "c-1");
+    // The committed delivery is gone; the aborted one is still pending and runs again.
+    let pending = list_all(store, Default::default()).await;
+    assert_eq!(pending.len(), 1);
+    assert_eq!(pending[0].event_id, claimed[1].event.id);
+}
+
+async fn run_transactional(
+    fixture: &MongoFixture,
+    runtime: &relayhost::plugin::PluginRuntime,
+    plugin: &relayhost::plugin::LoadedPlugin,
+    delivery: &ClaimedDelivery,
+    commit: bool,
+) -> Outcome {
+    let store = fixture.store();
+    let shared = Arc::new(tokio::sync::Mutex::new(store.begin().await.unwrap()));
+    let capability = MongoHandlerTransaction::new(
+        shared.clone(),
+        store.database(),
+        store.publisher().clone(),
+        delivery.event.id.clone(),
+    );
+    let info = DeliveryInfo { handler: delivery.handler.clone(), attempt: 1, max_attempts: 5, deadline: 0 };
+    let (ran, returned) = runtime.invoke_transactional(plugin, &delivery.event, &info, Box::new(capability)).await;
+    drop(returned);
+    let mut tx = Arc::try_unwrap(shared).ok().expect("the handler released the transaction").into_inner();
+    store.complete_in(&mut tx, &delivery.lease, bson::DateTime::now()).await.unwrap();
+    if commit {
+        tx.commit().await.unwrap();
+    } else {
+        tx.abort().await.unwrap();
+    }
+    ran.outcome
+}
