@@ -82,7 +82,7 @@ async fn replacing_a_plugin_twenty_times_under_load_loses_nothing() {
     registry.scan().await.unwrap();
     let _watching = registry.watch().unwrap();
 
-    let valid: Arc<Mutex<HashSet<String>>> = Arc::new(Mutex::new(HashSet::from([hash(&original)])));
+    let mut valid: HashSet<String> = HashSet::from([hash(&original)]);
     let used: Arc<Mutex<Vec<String>>> = Arc::default();
     let stop = Arc::new(AtomicBool::new(false));
     let workers: Vec<_> = (0..3)
@@ -107,7 +107,7 @@ async fn replacing_a_plugin_twenty_times_under_load_loses_nothing() {
         match round % 5 {
             0 | 4 => {
                 let bytes = variant(&original, round);
-                valid.lock().unwrap().insert(hash(&bytes));
+                valid.insert(hash(&bytes));
                 write_atomically(&dir, "noop.wasm", &bytes);
                 current = hash(&bytes);
             }
@@ -115,7 +115,7 @@ async fn replacing_a_plugin_twenty_times_under_load_loses_nothing() {
             2 => {
                 // Half-written in place, then completed: the complete file wins.
                 let bytes = variant(&original, 1_000 + round);
-                valid.lock().unwrap().insert(hash(&bytes));
+                valid.insert(hash(&bytes));
                 std::fs::write(dir.join("noop.wasm"), &bytes[..bytes.len() / 2]).unwrap();
                 tokio::time::sleep(Duration::from_millis(30)).await;
                 std::fs::write(dir.join("noop.wasm"), &bytes).unwrap();
@@ -134,8 +134,7 @@ async fn replacing_a_plugin_twenty_times_under_load_loses_nothing() {
     for worker in workers {
         worker.await.unwrap();
     }
-    let used = used.lock().unwrap();
-    let valid = valid.lock().unwrap();
+    let used = std::mem::take(&mut *used.lock().unwrap());
     assert!(used.len() > 50, "deliveries ran during the swaps: {}", used.len());
     assert!(used.iter().all(|h| valid.contains(h)), "a delivery ran on a refused version");
     assert!(used.iter().collect::<HashSet<_>>().len() >= 3, "deliveries ran on several versions");

@@ -14,6 +14,7 @@ use crate::event::NewEvent;
 use crate::lane::LaneId;
 
 #[derive(Clone, PartialEq)]
+#[allow(clippy::enum_variant_names)]
 enum Fault {
     /// An operator requeues this dead delivery while the claim is between reading and
     /// recording.
