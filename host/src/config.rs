@@ -1,0 +1,448 @@
+//! The host's configuration: one TOML file plus `RELAYHOST_*` environment overrides,
+//! validated before anything starts.
+//!
+//! This module owns the file format and its validation; every error names the field. It must
+//! never start anything: the binary reads a [`Config`] and builds the host from it.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::plugin::{Grants, Limits, MAX_MEMORY_BYTES, PluginPolicy};
+
+/// Prefix of environment overrides: `RELAYHOST_MONGODB_URI`, `RELAYHOST_HOST_CONCURRENCY`, ...
+pub const ENV_PREFIX: &str = "RELAYHOST_";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("`{field}`: {message}")]
+    Invalid { field: String, message: String },
+}
+
+fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { field: field.into(), message: message.into() }
+}
+
+/// A duration written as `250ms`, `30s`, `5m`, ...
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span(pub Duration);
+
+impl<'de> Deserialize<'de> for Span {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        humantime::parse_duration(&text)
+            .map(Span)
+            .map_err(|e| serde::de::Error::custom(format!("{text:?} is not a duration like \"30s\" or \"250ms\": {e}")))
+    }
+}
+
+/// A size written as `64MiB`, `512KiB`, `1GiB` or a number of bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Size(pub usize);
+
+impl<'de> Deserialize<'de> for Size {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Bytes(u64),
+            Text(String),
+        }
+        match Raw::deserialize(deserializer)? {
+            Raw::Bytes(n) => Ok(Size(n as usize)),
+            Raw::Text(text) => parse_size(&text).map(Size).ok_or_else(|| {
+                serde::de::Error::custom(format!("{text:?} is not a size like \"64MiB\" or \"512KiB\""))
+            }),
+        }
+    }
+}
+
+fn parse_size(text: &str) -> Option<usize> {
+    let text = text.trim();
+    let split = text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let number: usize = number.parse().ok()?;
+    let factor = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        _ => return None,
+    };
+    number.checked_mul(factor)
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct MongoConfig {
+    /// `embedded` (a local single-node replica set the host starts and owns) or a URI.
+    pub uri: String,
+    pub database: String,
+    pub collection_prefix: String,
+    /// Where the embedded server keeps its data across restarts.
+    pub embedded_data_dir: Option<PathBuf>,
+}
+
+impl Default for MongoConfig {
+    fn default() -> Self {
+        Self {
+            uri: "embedded".into(),
+            database: "relayhost".into(),
+            collection_prefix: crate::publish::DEFAULT_PREFIX.into(),
+            embedded_data_dir: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct HostConfig {
+    /// Deliveries this host runs at once.
+    pub concurrency: usize,
+    pub lease: Span,
+    /// How long a graceful stop waits for deliveries in flight.
+    pub shutdown_timeout: Span,
+    /// `plain` or `json`.
+    pub log_format: String,
+    pub completion_history: bool,
+    /// Where compiled plugins are cached across restarts.
+    pub artifact_cache: Option<PathBuf>,
+}
+
+impl Default for HostConfig {
+    fn default() -> Self {
+        Self {
+            concurrency: 32,
+            lease: Span(Duration::from_secs(30)),
+            shutdown_timeout: Span(Duration::from_secs(10)),
+            log_format: "plain".into(),
+            completion_history: false,
+            artifact_cache: None,
+        }
+    }
+}
+
+/// How failed attempts are retried.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetryConfig {
+    pub max_attempts: u32,
+    pub initial_backoff: Span,
+    pub max_backoff: Span,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        Self { max_attempts: 5, initial_backoff: Span(Duration::from_secs(1)), max_backoff: Span(Duration::from_secs(60)) }
+    }
+}
+
+/// What the operator grants one plugin.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct GrantsConfig {
+    pub directory: Option<PathBuf>,
+    pub environment: Vec<String>,
+    pub http_hosts: Vec<String>,
+    pub collections: Vec<String>,
+}
+
+/// Limits and retry policy of one plugin; absent fields come from `[defaults]`.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct PluginConfig {
+    pub fuel: Option<u64>,
+    pub memory: Option<Size>,
+    pub wall_time: Option<Span>,
+    pub output: Option<Size>,
+    pub retry: Option<RetryConfig>,
+    pub grants: GrantsConfig,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct PluginsConfig {
+    pub directory: PathBuf,
+}
+
+impl Default for PluginsConfig {
+    fn default() -> Self {
+        Self { directory: PathBuf::from("plugins") }
+    }
+}
+
+/// The whole configuration.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub mongodb: MongoConfig,
+    pub host: HostConfig,
+    pub plugins: PluginsConfig,
+    /// Limits and retry policy of plugins without their own (grants are never defaulted).
+    pub defaults: PluginConfig,
+    /// Per plugin, by file name without `.wasm`.
+    pub plugin: BTreeMap<String, PluginConfig>,
+}
+
+impl Config {
+    /// Reads `path` (if given), applies the environment, validates.
+    pub fn load(path: Option<&Path>, environment: impl IntoIterator<Item = (String, String)>) -> Result<Self, ConfigError> {
+        let (text, origin) = match path {
+            Some(path) => (
+                std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?,
+                path.display().to_string(),
+            ),
+            None => (String::new(), "the default configuration".to_string()),
+        };
+        let mut config = Self::parse(&text, &origin)?;
+        config.apply_environment(environment)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse { path: origin.to_string(), message: e.to_string() })
+    }
+
+    /// `RELAYHOST_<SECTION>_<FIELD>` overrides a scalar field of `[mongodb]`, `[host]` or
+    /// `[plugins]`; any other `RELAYHOST_*` variable is refused by name.
+    pub fn apply_environment(&mut self, environment: impl IntoIterator<Item = (String, String)>) -> Result<(), ConfigError> {
+        for (name, value) in environment {
+            let Some(key) = name.strip_prefix(ENV_PREFIX) else { continue };
+            let key = key.to_ascii_lowercase();
+            let parse_error = |message: String| invalid(&name, message);
+            match key.as_str() {
+                "mongodb_uri" => self.mongodb.uri = value,
+                "mongodb_database" => self.mongodb.database = value,
+                "mongodb_collection_prefix" => self.mongodb.collection_prefix = value,
+                "mongodb_embedded_data_dir" => self.mongodb.embedded_data_dir = Some(value.into()),
+                "host_concurrency" => {
+                    self.host.concurrency = value.parse().map_err(|e| parse_error(format!("{value:?} is not a count: {e}")))?
+                }
+                "host_lease" => self.host.lease = Span(parse_duration(&value).map_err(parse_error)?),
+                "host_shutdown_timeout" => self.host.shutdown_timeout = Span(parse_duration(&value).map_err(parse_error)?),
+                "host_log_format" => self.host.log_format = value,
+                "host_completion_history" => {
+                    self.host.completion_history =
+                        value.parse().map_err(|_| parse_error(format!("{value:?} is not true or false")))?
+                }
+                "host_artifact_cache" => self.host.artifact_cache = Some(value.into()),
+                "plugins_directory" => self.plugins.directory = value.into(),
+                // Read by other parts of relayhost, not configuration.
+                "mongod" | "cache" | "pythonpath" => {}
+                _ => return Err(invalid(&name, "is not a configuration override relayhost knows")),
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks values serde cannot: ranges, names, combinations.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        crate::store::mongo::MongoLocation::new(&self.mongodb.database, &self.mongodb.collection_prefix).map_err(|e| {
+            invalid("mongodb.database / mongodb.collection_prefix", e.to_string().trim_start_matches("invalid argument: "))
+        })?;
+        if self.mongodb.uri != "embedded" && !self.mongodb.uri.starts_with("mongodb://") && !self.mongodb.uri.starts_with("mongodb+srv://") {
+            return Err(invalid("mongodb.uri", "must be \"embedded\" or a mongodb:// or mongodb+srv:// URI"));
+        }
+        if !(1..=10_000).contains(&self.host.concurrency) {
+            return Err(invalid("host.concurrency", "must be between 1 and 10000"));
+        }
+        if self.host.lease.0 < Duration::from_secs(1) {
+            return Err(invalid("host.lease", "must be at least 1s"));
+        }
+        if !matches!(self.host.log_format.as_str(), "plain" | "json") {
+            return Err(invalid("host.log_format", "must be \"plain\" or \"json\""));
+        }
+        if self.defaults.grants != GrantsConfig::default() {
+            return Err(invalid("defaults.grants", "grants are given per plugin, never by default"));
+        }
+        validate_plugin("defaults", &self.defaults)?;
+        for (name, plugin) in &self.plugin {
+            if name.is_empty() || name.starts_with('.') || name.contains(['/', '\\']) {
+                return Err(invalid(format!("plugin.{name}"), "is not a plugin file name"));
+            }
+            validate_plugin(&format!("plugin.{name}"), plugin)?;
+        }
+        Ok(())
+    }
+
+    /// The effective limits and grants of a plugin.
+    pub fn policy_for(&self, plugin: &str) -> PluginPolicy {
+        let own = self.plugin.get(plugin);
+        let defaults = Limits::default();
+        let pick = |get: &dyn Fn(&PluginConfig) -> Option<u64>, fallback: u64| {
+            own.and_then(get).or_else(|| get(&self.defaults)).unwrap_or(fallback)
+        };
+        let limits = Limits {
+            fuel: pick(&|p| p.fuel, defaults.fuel),
+            memory_bytes: pick(&|p| p.memory.map(|s| s.0 as u64), defaults.memory_bytes as u64) as usize,
+            wall_time: own
+                .and_then(|p| p.wall_time)
+                .or(self.defaults.wall_time)
+                .map_or(defaults.wall_time, |s| s.0),
+            output_bytes: pick(&|p| p.output.map(|s| s.0 as u64), defaults.output_bytes as u64) as usize,
+        };
+        let grants = own.map(|p| &p.grants).cloned().unwrap_or_default();
+        PluginPolicy {
+            limits,
+            grants: Grants {
+                read_only_directory: grants.directory,
+                environment: grants.environment,
+                http_hosts: grants.http_hosts,
+                collections: grants.collections,
+            },
+        }
+    }
+
+    /// The effective retry policy of a plugin.
+    pub fn retry_for(&self, plugin: &str) -> RetryConfig {
+        self.plugin
+            .get(plugin)
+            .and_then(|p| p.retry.clone())
+            .or_else(|| self.defaults.retry.clone())
+            .unwrap_or_default()
+    }
+}
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    humantime::parse_duration(text).map_err(|e| format!("{text:?} is not a duration like \"30s\": {e}"))
+}
+
+fn validate_plugin(section: &str, plugin: &PluginConfig) -> Result<(), ConfigError> {
+    if plugin.fuel == Some(0) {
+        return Err(invalid(format!("{section}.fuel"), "must be more than 0"));
+    }
+    if let Some(memory) = plugin.memory {
+        if memory.0 < 1 << 20 || memory.0 > MAX_MEMORY_BYTES {
+            return Err(invalid(format!("{section}.memory"), "must be between 1MiB and 1GiB"));
+        }
+    }
+    if plugin.wall_time.is_some_and(|w| w.0.is_zero()) {
+        return Err(invalid(format!("{section}.wall_time"), "must be more than 0s"));
+    }
+    if let Some(retry) = &plugin.retry {
+        if retry.max_attempts == 0 {
+            return Err(invalid(format!("{section}.retry.max_attempts"), "must be at least 1"));
+        }
+        if retry.initial_backoff.0 > retry.max_backoff.0 {
+            return Err(invalid(format!("{section}.retry.initial_backoff"), "must not exceed retry.max_backoff"));
+        }
+    }
+    for host in &plugin.grants.http_hosts {
+        if host.is_empty() || host.contains(['/', '*', ' ']) {
+            return Err(invalid(format!("{section}.grants.http_hosts"), format!("{host:?} is not a host or host:port")));
+        }
+    }
+    for collection in &plugin.grants.collections {
+        if collection.is_empty() || collection.starts_with("system.") || collection.contains('$') {
+            return Err(invalid(format!("{section}.grants.collections"), format!("{collection:?} is not a collection name")));
+        }
+    }
+    if let Some(directory) = &plugin.grants.directory {
+        if !directory.is_absolute() {
+            return Err(invalid(format!("{section}.grants.directory"), "must be an absolute path"));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EXAMPLE: &str = r#"
+        [mongodb]
+        uri = "mongodb://db-1:27017,db-2:27017/?replicaSet=rs0"
+        database = "shop"
+
+        [host]
+        concurrency = 64
+        lease = "45s"
+
+        [defaults]
+        wall_time = "10s"
+        retry = { max_attempts = 8, initial_backoff = "500ms", max_backoff = "2m" }
+
+        [plugin.webhook]
+        memory = "32MiB"
+        grants = { environment = ["WEBHOOK_URL"], http_hosts = ["hooks.example.com"] }
+
+        [plugin.audit_log]
+        fuel = 500000000
+        grants = { collections = ["audit_log"] }
+    "#;
+
+    fn load(text: &str, environment: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        let mut config = Config::parse(text, "relayhost.toml")?;
+        config.apply_environment(environment.iter().map(|(k, v)| (k.to_string(), v.to_string())))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    #[test]
+    fn a_full_configuration_resolves_per_plugin() {
+        let config = load(EXAMPLE, &[]).unwrap();
+        assert_eq!(config.host.lease.0, Duration::from_secs(45));
+        let webhook = config.policy_for("webhook");
+        assert_eq!(webhook.limits.memory_bytes, 32 << 20);
+        assert_eq!(webhook.limits.wall_time, Duration::from_secs(10), "from [defaults]");
+        assert_eq!(webhook.grants.http_hosts, ["hooks.example.com"]);
+        assert_eq!(config.policy_for("audit_log").limits.fuel, 500_000_000);
+        assert_eq!(config.policy_for("audit_log").grants.collections, ["audit_log"]);
+        // An unconfigured plugin gets the default limits and no grants at all.
+        let stranger = config.policy_for("stranger");
+        assert_eq!(stranger.grants, Grants::default());
+        assert_eq!(stranger.limits.wall_time, Duration::from_secs(10));
+        assert_eq!(config.retry_for("stranger").max_attempts, 8);
+        assert_eq!(Config::default().retry_for("x"), RetryConfig::default());
+    }
+
+    #[test]
+    fn the_environment_overrides_by_name_and_refuses_strangers() {
+        let config = load(EXAMPLE, &[("RELAYHOST_MONGODB_URI", "embedded"), ("RELAYHOST_HOST_CONCURRENCY", "8")]).unwrap();
+        assert_eq!(config.mongodb.uri, "embedded");
+        assert_eq!(config.host.concurrency, 8);
+        let error = load(EXAMPLE, &[("RELAYHOST_HOST_CONCURENCY", "8")]).unwrap_err().to_string();
+        assert!(error.contains("RELAYHOST_HOST_CONCURENCY"), "{error}");
+        let error = load(EXAMPLE, &[("RELAYHOST_HOST_LEASE", "soon")]).unwrap_err().to_string();
+        assert!(error.contains("RELAYHOST_HOST_LEASE") && error.contains("\"soon\""), "{error}");
+    }
+
+    #[test]
+    fn bad_configurations_name_the_field() {
+        let cases = [
+            ("[host]\nconcurency = 3", "concurency"),
+            ("[mongodb]\nuri = \"postgres://x\"", "mongodb.uri"),
+            ("[mongodb]\ndatabase = \"a.b\"", "mongodb.database"),
+            ("[host]\nlease = \"10 parsecs\"", "lease"),
+            ("[host]\nlog_format = \"xml\"", "host.log_format"),
+            ("[plugin.x]\nmemory = \"2GiB\"", "plugin.x.memory"),
+            ("[plugin.x]\nmemory = \"lots\"", "memory"),
+            ("[plugin.x]\nretry = { max_attempts = 0 }", "plugin.x.retry.max_attempts"),
+            ("[plugin.x]\ngrants = { collections = [\"system.users\"] }", "plugin.x.grants.collections"),
+            ("[plugin.x]\ngrants = { directory = \"relative\" }", "plugin.x.grants.directory"),
+            ("[plugin.x]\ngrants = { everything = true }", "everything"),
+            ("[defaults]\ngrants = { collections = [\"a\"] }", "defaults.grants"),
+            ("[plugin.\"../evil\"]\nfuel = 1", "plugin.../evil"),
+        ];
+        for (text, field) in cases {
+            let error = load(text, &[]).unwrap_err().to_string();
+            assert!(error.contains(field), "{text:?} gave {error:?}, which does not name {field:?}");
+        }
+    }
+
+    #[test]
+    fn sizes_and_durations_read_like_an_operator_writes_them() {
+        assert_eq!(parse_size("64MiB"), Some(64 << 20));
+        assert_eq!(parse_size("512 KiB"), Some(512 << 10));
+        assert_eq!(parse_size("1024"), Some(1024));
+        assert_eq!(parse_size("1TB"), None);
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+    }
+}
