@@ -175,9 +175,12 @@ impl Mongod {
                     };
                     match admin.run_command(doc! { "replSetInitiate": config }).await {
                         Ok(_) => initiated = true,
-                        // 23: AlreadyInitialized (a restart on existing data).
+                        // 23: AlreadyInitialized: a restart on existing data, maybe on a new port.
                         Err(error) if matches!(error.kind.as_ref(), mongodb::error::ErrorKind::Command(c) if c.code == 23) => {
-                            initiated = true
+                            initiated = true;
+                            if let Err(error) = self.move_to_this_port(&admin).await {
+                                tracing::debug!(%error, "reconfiguring the replica set for this port failed");
+                            }
                         }
                         Err(error) => tracing::debug!(%error, "replSetInitiate not accepted yet"),
                     }
@@ -186,6 +189,28 @@ impl Mongod {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// A data directory kept across restarts remembers the port of its first run in the
+    /// replica set config; a later start on another port forces the config to this one.
+    async fn move_to_this_port(&self, admin: &mongodb::Database) -> Result<(), mongodb::error::Error> {
+        let reply = admin.run_command(doc! { "replSetGetConfig": 1 }).await?;
+        let mut config = reply.get_document("config").cloned().unwrap_or_default();
+        let host = format!("127.0.0.1:{}", self.port);
+        let members = config.get_array("members").cloned().unwrap_or_default();
+        let current = members.first().and_then(|m| m.as_document()).and_then(|m| m.get_str("host").ok());
+        if current == Some(host.as_str()) {
+            return Ok(());
+        }
+        let version = match config.get("version") {
+            Some(bson::Bson::Int32(v)) => i64::from(*v),
+            Some(bson::Bson::Int64(v)) => *v,
+            _ => 1,
+        };
+        config.insert("version", version + 1);
+        config.insert("members", vec![doc! { "_id": 0, "host": host }]);
+        admin.run_command(doc! { "replSetReconfig": config, "force": true }).await?;
+        Ok(())
     }
 
     /// Stops the server gracefully (SIGTERM, then SIGKILL after 10 s).

@@ -261,3 +261,26 @@ async fn transient_conflicts_are_retried_until_both_publishers_commit() {
     assert!(started.elapsed() < Duration::from_secs(120));
     assert_eq!(fan_out_all(store, &subs(&[("h", &["t"])]), at(T0)).await, 10);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_embedded_server_keeps_its_data_across_restarts_on_another_port() {
+    use relayhost::mongod::{Mongod, MongodOptions, find_binary};
+    let dir = std::env::temp_dir().join(format!("relayhost-restart-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let first = Mongod::start(MongodOptions::new(find_binary().unwrap(), dir.clone())).await.unwrap();
+    let client = Client::with_uri_str(first.uri()).await.unwrap();
+    client.database("kept").collection::<Document>("things").insert_one(doc! { "_id": 1 }).await.unwrap();
+    drop(client);
+    let first_port = first.port();
+    first.stop();
+    // The replica set config names the first port; the restart must adopt its new one.
+    let second = Mongod::start(MongodOptions::new(find_binary().unwrap(), dir.clone())).await.unwrap();
+    assert_ne!(second.port(), first_port);
+    let client = Client::with_uri_str(second.uri()).await.unwrap();
+    assert!(client.database("kept").collection::<Document>("things").find_one(doc! { "_id": 1 }).await.unwrap().is_some());
+    let store = MongoStore::new(client, MongoLocation::with_default_prefix("restarted").unwrap(), options());
+    store.setup().await.unwrap();
+    drop(store);
+    second.stop();
+    std::fs::remove_dir_all(dir).unwrap();
+}
