@@ -801,3 +801,54 @@ async fn transaction_budget_aborts_late_commits<F: Fixture>() {
     assert!(matches!(error, StoreError::TransactionTimeout(_)), "{error}");
     assert!(fixture.raw_event("late").await.is_none());
 }
+
+mod dead_letters {
+    use super::*;
+    use relayhost::dispatch::{DEAD_LETTER_EVENT_TYPE, bury_with_dead_letter};
+
+    async fn a_dead_delivery_is_announced_in_the_same_transaction<F: Fixture>() {
+        let fixture = F::new().await;
+        let (a, b) = (fixture.worker("a"), fixture.worker("b"));
+        publish_all(fixture.store(), vec![keyed("e-1", "order.placed", "c-1"), event("e-2", "order.placed")]).await;
+        let subscriptions = subs(&[("mailer", &["order.placed"]), ("dead-letters", &[DEAD_LETTER_EVENT_TYPE])]);
+        fan_out_all(fixture.store(), &subscriptions, at(T0)).await;
+        let claimed = a.claim(&handlers(&["mailer"]), 10, at(T0)).await.unwrap();
+        let first = claimed.iter().find(|c| c.event.id == "e-1").unwrap();
+        assert_eq!(bury_with_dead_letter(&a, first, "SMTP said no", true, at(T0)).await.unwrap(), Settlement::Completed);
+
+        // A stale lease buries nothing and announces nothing.
+        let second = claimed.iter().find(|c| c.event.id == "e-2").unwrap().clone();
+        b.claim(&handlers(&["mailer"]), 10, at(T0 + 31_000)).await.unwrap();
+        assert_eq!(bury_with_dead_letter(&a, &second, "late", true, at(T0 + 32_000)).await.unwrap(), Settlement::LeaseLost);
+
+        fan_out_all(fixture.store(), &subscriptions, at(T0 + 33_000)).await;
+        let letters = fixture.store().claim(&handlers(&["dead-letters"]), 10, at(T0 + 33_000)).await.unwrap();
+        assert_eq!(letters.len(), 1, "exactly one dead letter: {:?}", ids(&letters));
+        let payload = &letters[0].event.payload;
+        assert_eq!(payload.get_str("eventId").unwrap(), "e-1");
+        assert_eq!(payload.get_str("handler").unwrap(), "mailer");
+        assert_eq!(payload.get_i64("attempts").unwrap(), 1);
+        assert_eq!(payload.get_str("lastError").unwrap(), "SMTP said no");
+        assert_eq!(payload.get_str("key").unwrap(), "c-1");
+        assert_eq!(letters[0].event.causation_id.as_deref(), Some("e-1"));
+        let dead = dead(fixture.store()).await;
+        assert_eq!(dead.len(), 1);
+        assert_eq!(dead[0].last_error.as_deref(), Some("SMTP said no"));
+
+        // The dead letter's own death is not announced again.
+        let store = fixture.store();
+        assert_eq!(bury_with_dead_letter(store, &letters[0], "hook failed", true, at(T0 + 33_000)).await.unwrap(), Settlement::Completed);
+        fan_out_all(store, &subscriptions, at(T0 + 34_000)).await;
+        assert!(store.claim(&handlers(&["dead-letters"]), 10, at(T0 + 34_000)).await.unwrap().is_empty());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn memory() {
+        a_dead_delivery_is_announced_in_the_same_transaction::<MemoryFixture>().await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mongo() {
+        a_dead_delivery_is_announced_in_the_same_transaction::<MongoFixture>().await
+    }
+}

@@ -1,0 +1,12 @@
+//! The dispatcher: from claimed deliveries to settled ones.
+//!
+//! This module owns what happens around a handler's run: deciding how an attempt settles
+//! (complete, retry with backoff, bury) and the dead-letter hook. It must never know how a
+//! handler runs (WebAssembly lives in `plugin`) nor how the outbox stores anything (that is
+//! the `store`). The claim loop, wakeups, batching and renewals build on these pieces.
+
+mod dead_letter;
+mod settle;
+
+pub use dead_letter::{DEAD_LETTER_EVENT_TYPE, bury_with_dead_letter, dead_letter_event};
+pub use settle::{AttemptResult, RetryPolicy, Settle, decide};
