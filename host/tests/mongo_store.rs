@@ -93,23 +93,15 @@ async fn the_rust_publisher_needs_a_started_transaction_and_commits_with_the_dat
     assert_eq!(fixture.raw_event("e-1").await.unwrap().get_i64("sequence").unwrap(), 1);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn pymongo_publishers_are_delivered_and_aborted_transactions_are_not() {
-    let script = repo_root().join("examples/publishers/python/publish.py");
-    // The README shows exactly the code this test runs.
-    let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
-    let code = std::fs::read_to_string(&script).unwrap();
-    let publish_function = code.split("\n\n\ndef place_order").next().unwrap();
-    assert!(readme.contains(publish_function.trim()), "README.md must show the publish function of {}", script.display());
-
+/// Runs a publisher program (8 orders, the odd ones aborted) against a fresh database and
+/// checks that exactly the committed orders' events are delivered, keyed and in sequence.
+async fn committed_orders_are_delivered(program: &str, script: &std::path::Path, env: (&str, String)) {
     let fixture = MongoFixture::new().await;
-    let python_path = Command::new(repo_root().join("scripts/ensure-python-deps.sh")).output().unwrap();
-    assert!(python_path.status.success(), "{}", String::from_utf8_lossy(&python_path.stderr));
     let uri = relayhost::mongod::process_server().unwrap();
-    let run = Command::new("python3")
-        .arg(&script)
+    let run = Command::new(program)
+        .arg(script)
         .args([uri, &fixture.database, "8", "--abort-odd"])
-        .env("PYTHONPATH", String::from_utf8(python_path.stdout).unwrap().trim())
+        .env(env.0, env.1)
         .output()
         .unwrap();
     assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
@@ -133,9 +125,36 @@ async fn pymongo_publishers_are_delivered_and_aborted_transactions_are_not() {
         .iter()
         .map(|(n, sequence)| (format!("order-placed-o-{n}"), format!("customer-{}", n % 3), *sequence))
         .collect();
-    assert_eq!(delivered, expected);
+    assert_eq!(delivered, expected, "{program}");
     let orders = fixture.client.database(&fixture.database).collection::<Document>("orders");
     assert_eq!(orders.count_documents(doc! {}).await.unwrap(), 4);
+}
+
+/// The README shows exactly the publish function of the example that a test runs.
+fn assert_readme_shows(example: &str, separator: &str) {
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).unwrap();
+    let code = std::fs::read_to_string(repo_root().join(example)).unwrap();
+    let function = code.split(separator).next().unwrap();
+    let function = function.split_once("\n\n").map_or(function, |(_, rest)| rest);
+    assert!(readme.contains(function.trim()), "README.md must show the publish function of {example}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pymongo_publishers_are_delivered_and_aborted_transactions_are_not() {
+    assert_readme_shows("examples/publishers/python/publish.py", "\n\n\ndef place_order");
+    let python_path = Command::new(repo_root().join("scripts/ensure-python-deps.sh")).output().unwrap();
+    assert!(python_path.status.success(), "{}", String::from_utf8_lossy(&python_path.stderr));
+    let path = String::from_utf8(python_path.stdout).unwrap().trim().to_string();
+    committed_orders_are_delivered("python3", &repo_root().join("examples/publishers/python/publish.py"), ("PYTHONPATH", path)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_publishers_are_delivered_and_aborted_transactions_are_not() {
+    assert_readme_shows("examples/publishers/node/publish.mjs", "\n\nasync function placeOrder");
+    let script = Command::new(repo_root().join("scripts/ensure-node-deps.sh")).output().unwrap();
+    assert!(script.status.success(), "{}", String::from_utf8_lossy(&script.stderr));
+    let script = std::path::PathBuf::from(String::from_utf8(script.stdout).unwrap().trim());
+    committed_orders_are_delivered("node", &script, ("NODE_NO_WARNINGS", "1".into())).await;
 }
 
 /// A client that records every command it sends.
