@@ -5,7 +5,7 @@
 use bson::{DateTime, doc};
 
 use crate::event::NewEvent;
-use crate::store::{ClaimedDelivery, Settlement, Store, StoreError, run_in_transaction};
+use crate::store::{ClaimedDelivery, Retrying, Settlement, Store, StoreError};
 
 /// The type of the event published when a delivery dies.
 pub const DEAD_LETTER_EVENT_TYPE: &str = "relayhost.delivery.dead";
@@ -48,11 +48,20 @@ pub async fn bury_with_dead_letter<S: Store>(
     }
     let attempts = delivery.attempts + u32::from(charge_attempt);
     let event = dead_letter_event(delivery, attempts, reason);
-    let buried = run_in_transaction(store, async |tx| {
-        store.publish(tx, &event).await?;
-        store.bury_in(tx, &delivery.lease, reason, charge_attempt, now).await
-    })
-    .await;
+    // A loop rather than `run_in_transaction`: its async closure would make this future
+    // lose `Send`, and the dispatcher runs it in spawned tasks.
+    let mut retrying = Retrying::new();
+    let buried = loop {
+        let mut tx = store.begin().await?;
+        let attempt = async {
+            store.publish(&mut tx, &event).await?;
+            store.bury_in(&mut tx, &delivery.lease, reason, charge_attempt, now).await
+        }
+        .await;
+        if let Some(result) = retrying.settle(tx, attempt).await {
+            break result;
+        }
+    };
     match buried {
         Ok(()) => Ok(Settlement::Completed),
         Err(StoreError::LeaseLost(_)) => Ok(Settlement::LeaseLost),

@@ -1,0 +1,240 @@
+//! The claim loop with native handler functions on the in-memory store (the dispatcher knows
+//! nothing of WebAssembly): delivery to every handler once, per-key order across two
+//! dispatchers, retries with backoff, dead letters, graceful stop.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+use relayhost::dispatch::{
+    AttemptResult, DEAD_LETTER_EVENT_TYPE, Dispatcher, DispatcherOptions, HandlerSpec, RetryPolicy, RunResult, Runner,
+};
+use relayhost::store::memory::MemoryStore;
+use relayhost::store::{ClaimedDelivery, Store, StoreOptions};
+
+type Behaviour = dyn Fn(&ClaimedDelivery) -> AttemptResult + Send + Sync;
+
+#[derive(Clone)]
+struct Run {
+    handler: String,
+    event: String,
+    key: Option<String>,
+    sequence: Option<i64>,
+    attempt: u32,
+}
+
+/// Handlers as plain functions, recording every run and checking that no two deliveries of
+/// one (handler, key) ever run at once.
+struct NativeRunner {
+    specs: Vec<HandlerSpec>,
+    behaviour: Arc<Behaviour>,
+    delay: Duration,
+    runs: Arc<Mutex<Vec<Run>>>,
+    busy: Arc<Mutex<HashSet<(String, String)>>>,
+}
+
+impl Runner for NativeRunner {
+    fn handlers(&self) -> Vec<HandlerSpec> {
+        self.specs.clone()
+    }
+
+    fn run(&self, delivery: ClaimedDelivery) -> Pin<Box<dyn Future<Output = RunResult> + Send>> {
+        let (behaviour, delay, runs, busy) = (self.behaviour.clone(), self.delay, self.runs.clone(), self.busy.clone());
+        Box::pin(async move {
+            let slot = delivery.event.key.clone().map(|k| (delivery.handler.clone(), k));
+            if let Some(slot) = &slot {
+                assert!(busy.lock().unwrap().insert(slot.clone()), "two deliveries of {slot:?} at once");
+            }
+            tokio::time::sleep(delay).await;
+            runs.lock().unwrap().push(Run {
+                handler: delivery.handler.clone(),
+                event: delivery.event.id.clone(),
+                key: delivery.event.key.clone(),
+                sequence: delivery.event.sequence,
+                attempt: delivery.attempts + 1,
+            });
+            if let Some(slot) = &slot {
+                busy.lock().unwrap().remove(slot);
+            }
+            RunResult::Attempt(behaviour(&delivery))
+        })
+    }
+}
+
+fn spec(handler: &str, types: &[&str], retry: RetryPolicy) -> HandlerSpec {
+    HandlerSpec { handler: handler.into(), event_types: types.iter().map(|t| t.to_string()).collect(), retry, transactional: false }
+}
+
+fn quick_retry(max_attempts: u32) -> RetryPolicy {
+    RetryPolicy { max_attempts, initial_backoff: Duration::from_millis(20), max_backoff: Duration::from_millis(80) }
+}
+
+fn options(concurrency: usize) -> DispatcherOptions {
+    DispatcherOptions {
+        concurrency,
+        poll_interval: Duration::from_millis(20),
+        lease_duration: Duration::from_secs(30),
+        shutdown_timeout: Duration::from_secs(5),
+        ..Default::default()
+    }
+}
+
+fn memory_store(owner: &str) -> MemoryStore {
+    MemoryStore::new(StoreOptions { owner: owner.into(), ..StoreOptions::default() })
+}
+
+async fn until(what: &str, check: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !check() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Starts a dispatcher; the returned sender stops it, the handle ends when it has stopped.
+fn start<S: Store, R: Runner>(
+    store: Arc<S>,
+    runner: Arc<R>,
+    options: DispatcherOptions,
+) -> (tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let handle = tokio::spawn(async move {
+        let dispatcher = Dispatcher::new(store, runner, options);
+        dispatcher.run(async { let _ = stopped.await; }).await.unwrap();
+    });
+    (stop, handle)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_event_reaches_every_handler_once_in_key_order_across_two_dispatchers() {
+    let first = Arc::new(memory_store("first"));
+    let second = Arc::new(first.instance("second"));
+    let mut events = Vec::new();
+    for n in 0..60 {
+        events.push(keyed(&format!("k-{n}"), "order.placed", &format!("customer-{}", n % 6)));
+    }
+    for n in 0..20 {
+        events.push(event(&format!("u-{n}"), "order.placed"));
+    }
+    publish_all(&*first, events).await;
+    let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
+    let busy: Arc<Mutex<HashSet<(String, String)>>> = Arc::default();
+    let runner = |_: ()| {
+        Arc::new(NativeRunner {
+            specs: vec![spec("mailer", &["order.placed"], quick_retry(5)), spec("ledger", &["order.placed"], quick_retry(5))],
+            behaviour: Arc::new(|_| AttemptResult::Completed),
+            delay: Duration::from_millis(2),
+            runs: runs.clone(),
+            busy: busy.clone(),
+        })
+    };
+    let (stop_a, a) = start(first.clone(), runner(()), options(4));
+    let (stop_b, b) = start(second.clone(), runner(()), options(4));
+    until("160 runs", || runs.lock().unwrap().len() >= 160).await;
+    stop_a.send(()).unwrap();
+    stop_b.send(()).unwrap();
+    a.await.unwrap();
+    b.await.unwrap();
+
+    let runs = runs.lock().unwrap().clone();
+    assert_eq!(runs.len(), 160, "each of 80 events to each of 2 handlers, once");
+    let distinct: HashSet<(String, String)> = runs.iter().map(|r| (r.handler.clone(), r.event.clone())).collect();
+    assert_eq!(distinct.len(), 160);
+    let mut last: HashMap<(String, String), i64> = HashMap::new();
+    for run in &runs {
+        if let (Some(key), Some(sequence)) = (&run.key, run.sequence) {
+            let previous = last.insert((run.handler.clone(), key.clone()), sequence).unwrap_or(0);
+            assert_eq!(sequence, previous + 1, "{} of {key} out of order", run.handler);
+        }
+    }
+    assert!(first.list_deliveries(&Default::default()).await.unwrap().deliveries.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_retry_with_backoff_and_poison_ends_in_the_dead_letters() {
+    let store = Arc::new(memory_store("worker"));
+    publish_all(&*store, vec![event("order-1", "order.placed")]).await;
+    let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
+    let behaviour: Arc<Behaviour> = Arc::new(|delivery: &ClaimedDelivery| match delivery.handler.as_str() {
+        "flaky" if delivery.attempts < 2 => AttemptResult::Retry { reason: "upstream 503".into(), not_before: None },
+        "poison" => AttemptResult::Failed("trap: unreachable".into()),
+        _ => AttemptResult::Completed,
+    });
+    let runner = Arc::new(NativeRunner {
+        specs: vec![
+            spec("flaky", &["order.placed"], quick_retry(3)),
+            spec("poison", &["order.placed"], quick_retry(3)),
+            spec("dead-letters", &[DEAD_LETTER_EVENT_TYPE], quick_retry(3)),
+        ],
+        behaviour,
+        delay: Duration::ZERO,
+        runs: runs.clone(),
+        busy: Arc::default(),
+    });
+    let started = Instant::now();
+    let (stop, handle) = start(store.clone(), runner, options(8));
+    until("the dead letter", || runs.lock().unwrap().iter().any(|r| r.handler == "dead-letters")).await;
+    until("the flaky handler's success", || runs.lock().unwrap().iter().filter(|r| r.handler == "flaky").count() == 3).await;
+    stop.send(()).unwrap();
+    handle.await.unwrap();
+
+    let runs = runs.lock().unwrap().clone();
+    let attempts = |handler: &str| runs.iter().filter(|r| r.handler == handler).map(|r| r.attempt).collect::<Vec<_>>();
+    assert_eq!(attempts("flaky"), [1, 2, 3]);
+    assert_eq!(attempts("poison"), [1, 2, 3]);
+    // Two backoffs (20 ms, then 40 ms) separate the three attempts.
+    assert!(started.elapsed() >= Duration::from_millis(60));
+    let dead = dead(&*store).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].handler, "poison");
+    assert_eq!(dead[0].attempts, 3);
+    assert_eq!(dead[0].last_error.as_deref(), Some("trap: unreachable (attempt 3 of 3)"));
+    let letter = runs.iter().find(|r| r.handler == "dead-letters").unwrap();
+    assert!(letter.event.starts_with("dead:"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_lets_running_deliveries_finish_and_hands_the_lanes_back() {
+    let store = Arc::new(memory_store("leaving"));
+    let successor = Arc::new(store.instance("successor"));
+    publish_all(&*store, (0..6).map(|n| event(&format!("e-{n}"), "order.placed")).collect()).await;
+    let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
+    let slow = |runs: &Arc<Mutex<Vec<Run>>>| {
+        Arc::new(NativeRunner {
+            specs: vec![spec("slow", &["order.placed"], quick_retry(3))],
+            behaviour: Arc::new(|_| AttemptResult::Completed),
+            delay: Duration::from_millis(300),
+            runs: runs.clone(),
+            busy: Arc::default(),
+        })
+    };
+    let (stop, handle) = start(store.clone(), slow(&runs), options(2));
+    until("two deliveries running", || {
+        futures::executor::block_on(store.statistics(bson::DateTime::now())).unwrap().first().is_some_and(|s| s.running == 2)
+    })
+    .await;
+    stop.send(()).unwrap();
+    handle.await.unwrap();
+    // The two that were running finished and completed; nothing else ran.
+    assert_eq!(runs.lock().unwrap().len(), 2);
+    let remaining = store.list_deliveries(&Default::default()).await.unwrap().deliveries;
+    assert_eq!(remaining.len(), 4);
+    assert!(remaining.iter().all(|d| d.attempts == 0), "a graceful stop charges nothing");
+    // The lanes were handed back: a successor takes the rest at once, not after the lease.
+    let (stop, handle) = start(successor.clone(), slow(&runs), options(8));
+    until("the rest", || runs.lock().unwrap().len() == 6).await;
+    stop.send(()).unwrap();
+    handle.await.unwrap();
+}
+
+/// The host spawns the loop over the MongoDB store: its future must be `Send`.
+#[allow(dead_code)]
+fn the_loop_over_mongodb_can_be_spawned(dispatcher: &'static Dispatcher<relayhost::store::mongo::MongoStore, NativeRunner>) {
+    fn spawnable<T: Send + 'static>(_: T) {}
+    spawnable(dispatcher.run(std::future::pending()));
+}
