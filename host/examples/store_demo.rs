@@ -5,23 +5,27 @@
 //! inside the delivery's transaction. The audit-log projection is printed at the end.
 //!
 //! Run through `scripts/demo`, which installs mongod and pymongo and builds the plugins first.
-//! (The product's dispatcher, with retries, batching and renewals, is not built yet; this
-//! example drives the store and the runtime directly.)
+//! (The `relayhost` binary, its configuration and change-stream wakeups are not built yet;
+//! this example assembles the store, the plugin registry and the dispatcher itself.)
 
 use std::process::Command;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use bson::{DateTime, Document, doc};
 use futures::TryStreamExt;
-use relayhost::handler_transaction::MongoHandlerTransaction;
+use relayhost::dispatch::{Dispatcher, DispatcherOptions, RetryPolicy};
 use relayhost::mongod::{Mongod, MongodOptions, cache_dir, find_binary};
-use relayhost::plugin::{DeliveryInfo, Grants, Outcome, PluginPolicy, PluginRegistry, PluginRuntime};
+use relayhost::plugin::{Grants, PluginPolicy, PluginRegistry, PluginRuntime};
+use relayhost::plugin_runner::PluginRunner;
 use relayhost::store::mongo::{MongoLocation, MongoStore};
-use relayhost::store::{ClaimedDelivery, Store, StoreOptions, StoreTransaction, Subscription, Subscriptions};
+use relayhost::store::{Store, StoreOptions};
 
 #[tokio::main]
 async fn main() -> Result<()> {
+    // Plugins' log lines go to `tracing` under the plugin's name: show them.
+    tracing_subscriber::fmt().with_env_filter("relayhost=info").with_target(false).compact().init();
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().context("repository root")?;
     let data_dir = cache_dir().join("demo-data");
     println!("starting the embedded MongoDB (data in {})", data_dir.display());
@@ -29,7 +33,8 @@ async fn main() -> Result<()> {
     let client = mongodb::Client::with_uri_str(mongod.uri()).await?;
     // A fresh database per run, so the output is the same every time.
     let database = format!("relayhost_demo_{}", std::process::id());
-    let store = MongoStore::new(client.clone(), MongoLocation::with_default_prefix(&database)?, StoreOptions::default());
+    let options = StoreOptions { completion_history: true, ..StoreOptions::default() };
+    let store = MongoStore::new(client.clone(), MongoLocation::with_default_prefix(&database)?, options);
     store.setup().await?;
 
     // The plugins directory: three plugins built from source by scripts/build-plugins.sh.
@@ -40,17 +45,15 @@ async fn main() -> Result<()> {
         std::fs::copy(std::path::Path::new(&built).join(format!("{file}.wasm")), plugins.join(format!("{file}.wasm")))?;
     }
     let runtime = Arc::new(PluginRuntime::new(Some(cache_dir().join("artifacts")))?);
-    let registry = PluginRegistry::new(runtime.clone(), &plugins, |name| PluginPolicy {
+    let registry = Arc::new(PluginRegistry::new(runtime.clone(), &plugins, |name| PluginPolicy {
         grants: Grants {
             collections: if name == "audit_log" { vec!["audit_log".into()] } else { vec![] },
             ..Grants::default()
         },
         ..PluginPolicy::default()
-    });
+    }));
     println!("loading plugins from {} (compiled once, then cached)", plugins.display());
-    for change in registry.scan().await? {
-        println!("  {change:?}");
-    }
+    registry.scan().await?;
 
     println!("publishing 12 orders from Python (pymongo); the odd ones abort their transaction");
     let status = Command::new("python3")
@@ -62,30 +65,29 @@ async fn main() -> Result<()> {
         bail!("the Python publisher failed: {status}");
     }
 
-    let offered = registry.subscriptions();
-    let subscriptions = Subscriptions::new(
-        offered.iter().map(|s| Subscription::new(s.handler.clone(), s.event_types.iter().cloned())),
-    )?;
-    let report = store.fan_out(&subscriptions, 100, DateTime::now()).await?;
-    println!("fanned out {} events into {} deliveries", report.events, report.deliveries);
-
-    let handlers = subscriptions.handlers();
+    // The dispatcher fans the events out to the plugins' handlers, claims them in
+    // per-customer order and runs each in its sandbox; the transactional audit-log handler
+    // writes and completes inside the delivery's transaction.
+    let store = Arc::new(store);
+    let runner = Arc::new(PluginRunner::new(registry, store.clone(), Arc::new(|_: &str| RetryPolicy::default())));
+    let options = DispatcherOptions { poll_interval: Duration::from_millis(50), ..DispatcherOptions::default() };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let dispatching = tokio::spawn({
+        let store = store.clone();
+        async move { Dispatcher::new(store, runner, options).run(async { let _ = stopped.await; }).await }
+    });
     loop {
-        let claimed = store.claim(&handlers, 8, DateTime::now()).await?;
-        if claimed.is_empty() {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let stats = store.statistics(DateTime::now()).await?;
+        let unfanned = store.events_collection().count_documents(doc! { "fannedOutAt": null }).await?;
+        if unfanned == 0 && stats.iter().all(|s| s.pending == 0 && s.running == 0) {
             break;
         }
-        for delivery in &claimed {
-            let outcome = run(&store, &registry, delivery).await?;
-            println!(
-                "  {:<15} <- {:<17} key {:<10} sequence {}  {:?}",
-                delivery.handler,
-                delivery.event.id,
-                delivery.event.key.as_deref().unwrap_or("-"),
-                delivery.event.sequence.unwrap_or(0),
-                outcome,
-            );
-        }
+    }
+    let _ = stop.send(());
+    dispatching.await??;
+    for stats in store.statistics(DateTime::now()).await? {
+        println!("{:<15} completed {:>2}, dead {}", stats.handler, stats.completed.unwrap_or(0), stats.dead);
     }
 
     println!("the audit-log projection, written by the Rust plugin inside each delivery's transaction:");
@@ -107,62 +109,8 @@ async fn main() -> Result<()> {
         );
     }
     client.database(&database).drop().await?;
-    store.relinquish().await?;
     drop(client);
     mongod.stop();
     println!("done: every committed order reached all three handlers; aborted orders left no event");
-    Ok(())
-}
-
-/// Runs one claimed delivery in its plugin and settles it.
-async fn run(store: &MongoStore, registry: &PluginRegistry, delivery: &ClaimedDelivery) -> Result<Outcome> {
-    let plugin = registry.plugin_for(&delivery.handler).context("a plugin serves the handler")?;
-    let info = DeliveryInfo {
-        handler: delivery.handler.clone(),
-        attempt: delivery.attempts + 1,
-        max_attempts: 5,
-        deadline: DateTime::now().timestamp_millis() + plugin.policy.limits.wall_time.as_millis() as i64,
-    };
-    let transactional = plugin.subscription(&delivery.handler).is_some_and(|s| s.transactional);
-    let now = DateTime::now();
-    if transactional {
-        let shared = Arc::new(tokio::sync::Mutex::new(store.begin().await?));
-        let capability =
-            MongoHandlerTransaction::new(shared.clone(), store.database(), store.publisher().clone(), delivery.event.id.clone());
-        let (ran, returned) =
-            registry.runtime().invoke_transactional(&plugin, &delivery.event, &info, Box::new(capability)).await;
-        drop(returned);
-        let mut tx = Arc::try_unwrap(shared).ok().context("the handler released its transaction")?.into_inner();
-        if ran.outcome == Outcome::Completed {
-            store.complete_in(&mut tx, &delivery.lease, now).await?;
-            tx.commit().await?;
-        } else {
-            tx.abort().await?;
-            settle_failure(store, delivery, &ran.outcome).await?;
-        }
-        return Ok(ran.outcome);
-    }
-    let ran = registry.runtime().invoke(&plugin, &delivery.event, &info, None).await;
-    match &ran.outcome {
-        Outcome::Completed => {
-            store.complete_many(&[delivery.lease], now).await?;
-        }
-        failure => settle_failure(store, delivery, failure).await?,
-    }
-    Ok(ran.outcome)
-}
-
-async fn settle_failure(store: &MongoStore, delivery: &ClaimedDelivery, outcome: &Outcome) -> Result<()> {
-    let now = DateTime::now();
-    match outcome {
-        Outcome::Unprocessable(reason) => {
-            store.bury(&delivery.lease, reason, true, now).await?;
-        }
-        Outcome::Retry { reason, .. } | Outcome::Failed(reason) => {
-            let due = DateTime::from_millis(now.timestamp_millis() + 1_000);
-            store.reschedule(&delivery.lease, due, reason, now).await?;
-        }
-        Outcome::Completed => {}
-    }
     Ok(())
 }

@@ -13,5 +13,6 @@ pub mod handler_transaction;
 pub mod lane;
 pub mod mongod;
 pub mod plugin;
+pub mod plugin_runner;
 pub mod publish;
 pub mod store;

@@ -79,3 +79,57 @@ async fn run_transactional(
     }
     ran.outcome
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dispatcher_runs_plugins_into_an_exact_projection() {
+    use relayhost::dispatch::{Dispatcher, DispatcherOptions, RetryPolicy};
+    use relayhost::plugin::PluginRegistry;
+    use relayhost::plugin_runner::PluginRunner;
+
+    let fixture = MongoFixture::new().await;
+    let store = Arc::new(fixture.worker("dispatcher"));
+    let plugins = std::env::temp_dir().join(format!("relayhost-runner-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&plugins);
+    std::fs::create_dir_all(&plugins).unwrap();
+    for file in ["audit_log", "noop"] {
+        std::fs::copy(plugins_dir().join(format!("{file}.wasm")), plugins.join(format!("{file}.wasm"))).unwrap();
+    }
+    let registry = Arc::new(PluginRegistry::new(Arc::new(plugin_runtime()), &plugins, |name| PluginPolicy {
+        grants: Grants { collections: if name == "audit_log" { vec!["audit_log".into()] } else { vec![] }, ..Default::default() },
+        ..Default::default()
+    }));
+    registry.scan().await.unwrap();
+    let events: Vec<_> = (0..30).map(|n| keyed(&format!("order-{n}"), "order.placed", &format!("c-{}", n % 4))).collect();
+    publish_all(&*store, events).await;
+
+    let runner = Arc::new(PluginRunner::new(registry, store.clone(), Arc::new(|_: &str| RetryPolicy::default())));
+    let options = DispatcherOptions { concurrency: 4, poll_interval: Duration::from_millis(20), ..Default::default() };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let loop_store = store.clone();
+    let handle = tokio::spawn(async move {
+        Dispatcher::new(loop_store, runner, options).run(async { let _ = stopped.await; }).await.unwrap();
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let stats = store.statistics(bson::DateTime::now()).await.unwrap();
+        let fanned = fixture.raw_event("order-29").await.unwrap().contains_key("fannedOutAt");
+        if fanned && stats.iter().all(|s| s.pending == 0 && s.running == 0) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{stats:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.send(()).unwrap();
+    handle.await.unwrap();
+
+    use futures::TryStreamExt;
+    let audit = fixture.client.database(&fixture.database).collection::<Document>("audit_log");
+    let mut ids: Vec<String> = audit.find(doc! {}).await.unwrap().try_collect::<Vec<Document>>().await.unwrap()
+        .iter().map(|d| d.get_str("_id").unwrap().to_string()).collect();
+    ids.sort();
+    let mut expected: Vec<String> = (0..30).map(|n| format!("order-{n}")).collect();
+    expected.sort();
+    assert_eq!(ids, expected, "the projection equals the set of events: no gap, no duplicate");
+    assert!(dead(&*store).await.is_empty());
+    std::fs::remove_dir_all(plugins).unwrap();
+}

@@ -35,6 +35,10 @@ pub enum RunResult {
     Attempt(AttemptResult),
     /// The runner completed the delivery in the handler's own transaction.
     CompletedInTransaction,
+    /// Nothing ran (no plugin serves the handler any more): hand it back, uncharged.
+    NotRun,
+    /// The lease was lost while it ran; another worker owns the delivery now.
+    LeaseLost,
 }
 
 /// Runs deliveries. The host implements it with plugins; the dispatcher never knows how.
@@ -157,7 +161,11 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         for (delivery, result) in batch {
             running.remove(&delivery.lease.delivery);
             let attempt = match result {
-                RunResult::CompletedInTransaction => continue,
+                RunResult::CompletedInTransaction | RunResult::LeaseLost => continue,
+                RunResult::NotRun => {
+                    self.store.release(&[delivery.lease], now).await?;
+                    continue;
+                }
                 RunResult::Attempt(attempt) => attempt,
             };
             let policy = specs.iter().find(|s| s.handler == delivery.handler).map(|s| s.retry).unwrap_or_default();

@@ -1,0 +1,113 @@
+//! Runs deliveries in their plugins: the `Runner` the host gives the dispatcher.
+//!
+//! This module joins the three layers and owns only the joining: which loaded version serves
+//! a claimed delivery, the delivery's context, and for transactional handlers the MongoDB
+//! transaction around the run (the handler runs again after a transient transaction error;
+//! its writes, follow-up events and the completion commit together). It must never decide
+//! retries (the dispatcher does) nor touch lanes (the store does).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use bson::DateTime;
+
+use crate::dispatch::{AttemptResult, HandlerSpec, RetryPolicy, RunResult, Runner};
+use crate::handler_transaction::MongoHandlerTransaction;
+use crate::plugin::{DeliveryInfo, LoadedPlugin, Outcome, PluginRegistry};
+use crate::store::mongo::MongoStore;
+use crate::store::{ClaimedDelivery, Retrying, Store, StoreError};
+
+/// The retry policy of a plugin, by its name.
+pub type RetryPolicies = dyn Fn(&str) -> RetryPolicy + Send + Sync;
+
+pub struct PluginRunner {
+    registry: Arc<PluginRegistry>,
+    store: Arc<MongoStore>,
+    retry_for: Arc<RetryPolicies>,
+}
+
+impl PluginRunner {
+    pub fn new(registry: Arc<PluginRegistry>, store: Arc<MongoStore>, retry_for: Arc<RetryPolicies>) -> Self {
+        Self { registry, store, retry_for }
+    }
+}
+
+fn attempt_of(outcome: Outcome) -> AttemptResult {
+    match outcome {
+        Outcome::Completed => AttemptResult::Completed,
+        Outcome::Retry { reason, not_before } => AttemptResult::Retry { reason, not_before },
+        Outcome::Unprocessable(reason) => AttemptResult::Unprocessable(reason),
+        Outcome::Failed(reason) => AttemptResult::Failed(reason),
+    }
+}
+
+impl Runner for PluginRunner {
+    fn handlers(&self) -> Vec<HandlerSpec> {
+        let mut specs = Vec::new();
+        for subscription in self.registry.subscriptions() {
+            let Some(plugin) = self.registry.plugin_for(&subscription.handler) else { continue };
+            specs.push(HandlerSpec {
+                handler: subscription.handler,
+                event_types: subscription.event_types,
+                retry: (self.retry_for)(&plugin.name),
+                transactional: subscription.transactional,
+            });
+        }
+        specs
+    }
+
+    fn run(&self, delivery: ClaimedDelivery) -> Pin<Box<dyn Future<Output = RunResult> + Send>> {
+        let (registry, store, retry_for) = (self.registry.clone(), self.store.clone(), self.retry_for.clone());
+        Box::pin(async move {
+            // The version serving the handler now; the delivery keeps it to the end.
+            let Some(plugin) = registry.plugin_for(&delivery.handler) else { return RunResult::NotRun };
+            let info = DeliveryInfo {
+                handler: delivery.handler.clone(),
+                attempt: delivery.attempts + 1,
+                max_attempts: retry_for(&plugin.name).max_attempts,
+                deadline: DateTime::now().timestamp_millis() + plugin.policy.limits.wall_time.as_millis() as i64,
+            };
+            if plugin.subscription(&delivery.handler).is_some_and(|s| s.transactional) {
+                run_transactional(&registry, &store, &plugin, &delivery, &info).await
+            } else {
+                RunResult::Attempt(attempt_of(registry.runtime().invoke(&plugin, &delivery.event, &info, None).await.outcome))
+            }
+        })
+    }
+}
+
+async fn run_transactional(
+    registry: &PluginRegistry,
+    store: &MongoStore,
+    plugin: &LoadedPlugin,
+    delivery: &ClaimedDelivery,
+    info: &DeliveryInfo,
+) -> RunResult {
+    let mut retrying = Retrying::new();
+    loop {
+        let tx = match store.begin().await {
+            Ok(tx) => Arc::new(tokio::sync::Mutex::new(tx)),
+            Err(error) => return RunResult::Attempt(AttemptResult::Failed(format!("cannot start its transaction: {error}"))),
+        };
+        let capability = MongoHandlerTransaction::new(tx.clone(), store.database(), store.publisher().clone(), delivery.event.id.clone());
+        let (ran, returned) = registry.runtime().invoke_transactional(plugin, &delivery.event, info, Box::new(capability)).await;
+        drop(returned);
+        let Ok(tx) = Arc::try_unwrap(tx) else {
+            return RunResult::Attempt(AttemptResult::Failed("the handler kept its transaction".into()));
+        };
+        let mut tx = tx.into_inner();
+        if ran.outcome != Outcome::Completed {
+            let _ = crate::store::StoreTransaction::abort(tx).await;
+            return RunResult::Attempt(attempt_of(ran.outcome));
+        }
+        let completion = store.complete_in(&mut tx, &delivery.lease, DateTime::now()).await;
+        match retrying.settle(tx, completion).await {
+            // A transient error (a write conflict, a step-down): run the handler again.
+            None => continue,
+            Some(Ok(())) => return RunResult::CompletedInTransaction,
+            Some(Err(StoreError::LeaseLost(_))) => return RunResult::LeaseLost,
+            Some(Err(error)) => return RunResult::Attempt(AttemptResult::Failed(error.to_string())),
+        }
+    }
+}
