@@ -102,17 +102,21 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         let mut running: HashMap<DeliveryId, Running> = HashMap::new();
         let mut renewal = tokio::time::interval(self.options.lease_duration / 3);
         renewal.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // New events appear only with a wakeup or by the poll; a finished delivery frees
+        // capacity but brings none, so it leads straight to a claim without a fan-out.
+        let mut look_for_events = true;
         loop {
             tokio::select! {
                 () = &mut stop => break,
-                () = self.wakeup.notified() => {}
-                () = tokio::time::sleep(self.options.poll_interval) => {}
+                () = self.wakeup.notified() => look_for_events = true,
+                () = tokio::time::sleep(self.options.poll_interval) => look_for_events = true,
                 Some(done) = finished.recv() => {
                     let mut batch = vec![done];
                     while let Ok(more) = finished.try_recv() {
                         batch.push(more);
                     }
-                    self.settle(batch, &mut running).await?;
+                    // A burial publishes a dead-letter event: fan it out at once.
+                    look_for_events |= self.settle(batch, &mut running).await?;
                 }
                 _ = renewal.tick() => self.renew(&running).await?,
             }
@@ -120,10 +124,12 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             if specs.is_empty() {
                 continue;
             }
-            let subscriptions = Subscriptions::new(
-                specs.iter().map(|s| Subscription::new(s.handler.clone(), s.event_types.iter().cloned())),
-            )?;
-            while self.store.fan_out(&subscriptions, self.options.fan_out_batch, DateTime::now()).await?.events > 0 {}
+            if std::mem::take(&mut look_for_events) {
+                let subscriptions = Subscriptions::new(
+                    specs.iter().map(|s| Subscription::new(s.handler.clone(), s.event_types.iter().cloned())),
+                )?;
+                while self.store.fan_out(&subscriptions, self.options.fan_out_batch, DateTime::now()).await?.events > 0 {}
+            }
             let free = permits.available_permits();
             if free == 0 {
                 continue;
@@ -150,11 +156,13 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         self.stop(&mut running, &mut finished).await
     }
 
+    /// Settles finished runs; returns whether a dead letter was published.
     async fn settle(
         &self,
         batch: Vec<(ClaimedDelivery, RunResult)>,
         running: &mut HashMap<DeliveryId, Running>,
-    ) -> Result<(), StoreError> {
+    ) -> Result<bool, StoreError> {
+        let mut published = false;
         let specs = self.runner.handlers();
         let now = DateTime::now();
         let mut completions = Vec::new();
@@ -176,13 +184,14 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 }
                 Settle::Bury { reason } => {
                     bury_with_dead_letter(&*self.store, &delivery, &reason, true, now).await?;
+                    published = true;
                 }
             }
         }
         if !completions.is_empty() {
             self.store.complete_many(&completions, now).await?;
         }
-        Ok(())
+        Ok(published)
     }
 
     async fn renew(&self, running: &HashMap<DeliveryId, Running>) -> Result<(), StoreError> {
@@ -201,7 +210,9 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         let deadline = tokio::time::Instant::now() + self.options.shutdown_timeout;
         while !running.is_empty() {
             match tokio::time::timeout_at(deadline, finished.recv()).await {
-                Ok(Some(done)) => self.settle(vec![done], running).await?,
+                Ok(Some(done)) => {
+                    self.settle(vec![done], running).await?;
+                }
                 Ok(None) | Err(_) => break,
             }
         }
