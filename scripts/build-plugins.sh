@@ -7,7 +7,7 @@
 # when its sources or the WIT changed. Prints the directory holding the .wasm files.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-cache="${RELAYHOST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/relayhost}"
+source "$root/scripts/cache.sh"
 out="$root/plugins/target/wasm32-wasip2/release"
 
 if ! rustup target list --installed | grep -qx wasm32-wasip2; then
@@ -27,13 +27,7 @@ py_tool="$cache/componentize-py-0.25.1"
 for dir in "$root"/plugins/python/*/; do
   name="py_$(basename "$dir" | tr '-' '_')"
   if stale "$out/$name.wasm" "$dir" "$root/wit"; then
-    if [ ! -f "$py_tool/.complete" ]; then
-      rm -rf "$py_tool.partial"
-      python3 -m pip install --quiet --disable-pip-version-check --only-binary=:all: \
-        --target "$py_tool.partial" "componentize-py==0.25.1" >&2
-      touch "$py_tool.partial/.complete"
-      rm -rf "$py_tool" && mv "$py_tool.partial" "$py_tool"
-    fi
+    install_once "$py_tool" pip_install "componentize-py==0.25.1"
     (cd "$root" && PYTHONPATH="$py_tool" python3 -c 'import sys; from componentize_py import script; sys.argv[0] = "componentize-py"; sys.exit(script())' \
       -d wit -w plugin componentize app -p "$dir" -o "$out/$name.wasm.partial" >&2)
     mv "$out/$name.wasm.partial" "$out/$name.wasm"
@@ -44,13 +38,7 @@ js_tool="$cache/componentize-js-0.23.0"
 for dir in "$root"/plugins/javascript/*/; do
   name="js_$(basename "$dir" | tr '-' '_')"
   if stale "$out/$name.wasm" "$dir" "$root/wit"; then
-    if [ ! -f "$js_tool/.complete" ]; then
-      rm -rf "$js_tool.partial" && mkdir -p "$js_tool.partial"
-      cp "$root/plugins/javascript/package.json" "$root/plugins/javascript/package-lock.json" "$js_tool.partial/"
-      (cd "$js_tool.partial" && npm ci --silent --no-audit --no-fund >&2)
-      touch "$js_tool.partial/.complete"
-      rm -rf "$js_tool" && mv "$js_tool.partial" "$js_tool"
-    fi
+    install_once "$js_tool" npm_ci "$root/plugins/javascript"
     cp "$root/plugins/javascript/componentize.mjs" "$js_tool/"
     node "$js_tool/componentize.mjs" "$dir/handler.js" "$root/wit" "$out/$name.wasm.partial" >&2
     mv "$out/$name.wasm.partial" "$out/$name.wasm"

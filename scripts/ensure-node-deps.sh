@@ -4,16 +4,10 @@
 # Idempotent. Prints the path of the runnable publish.mjs.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-cache="${RELAYHOST_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/relayhost}"
-source="$root/examples/publishers/node"
-dir="$cache/node-publisher-$(sha256sum "$source/package-lock.json" | cut -c1-12)"
-if [ ! -f "$dir/.complete" ]; then
-  rm -rf "$dir.partial" && mkdir -p "$dir.partial"
-  cp "$source/package.json" "$source/package-lock.json" "$dir.partial/"
-  (cd "$dir.partial" && npm ci --silent --no-audit --no-fund >&2)
-  touch "$dir.partial/.complete"
-  rm -rf "$dir" && mv "$dir.partial" "$dir"
-fi
+source "$root/scripts/cache.sh"
+source_dir="$root/examples/publishers/node"
+dir="$cache/node-publisher-$(sha256sum "$source_dir/package-lock.json" | cut -c1-12)"
+install_once "$dir" npm_ci "$source_dir"
 # ES modules resolve packages next to the importing file: run the example from there.
-cp "$source/publish.mjs" "$dir/publish.mjs"
+cp "$source_dir/publish.mjs" "$dir/publish.mjs"
 echo "$dir/publish.mjs"

@@ -141,6 +141,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                     // Its workers kept dying while running it: dead without running again.
                     let reason = format!("{} attempts used up by workers that stopped while running it", delivery.attempts);
                     bury_with_dead_letter(&*self.store, &delivery, &reason, false, DateTime::now()).await?;
+                    look_for_events = true;
                     continue;
                 }
                 let permit = permits.clone().acquire_owned().await.expect("the semaphore is never closed");
