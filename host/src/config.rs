@@ -85,8 +85,11 @@ pub struct MongoConfig {
     pub uri: String,
     pub database: String,
     pub collection_prefix: String,
-    /// Where the embedded server keeps its data across restarts.
+    /// Where the embedded server keeps its data across restarts (default: a `data`
+    /// directory in relayhost's cache).
     pub embedded_data_dir: Option<PathBuf>,
+    /// Loopback port of the embedded server; 0 picks a free one.
+    pub embedded_port: u16,
 }
 
 impl Default for MongoConfig {
@@ -96,6 +99,7 @@ impl Default for MongoConfig {
             database: "relayhost".into(),
             collection_prefix: crate::publish::DEFAULT_PREFIX.into(),
             embedded_data_dir: None,
+            embedded_port: 0,
         }
     }
 }
@@ -106,6 +110,8 @@ pub struct HostConfig {
     /// Deliveries this host runs at once.
     pub concurrency: usize,
     pub lease: Span,
+    /// Claims happen at least this often; new events come sooner through the change stream.
+    pub poll_interval: Span,
     /// How long a graceful stop waits for deliveries in flight.
     pub shutdown_timeout: Span,
     /// `plain` or `json`.
@@ -113,6 +119,9 @@ pub struct HostConfig {
     pub completion_history: bool,
     /// Where compiled plugins are cached across restarts.
     pub artifact_cache: Option<PathBuf>,
+    /// Address of the health, readiness and metrics endpoints (`/healthz`, `/readyz`,
+    /// `/metrics`); none when absent.
+    pub health_listen: Option<std::net::SocketAddr>,
 }
 
 impl Default for HostConfig {
@@ -120,10 +129,12 @@ impl Default for HostConfig {
         Self {
             concurrency: 32,
             lease: Span(Duration::from_secs(30)),
+            poll_interval: Span(Duration::from_secs(1)),
             shutdown_timeout: Span(Duration::from_secs(10)),
             log_format: "plain".into(),
             completion_history: false,
             artifact_cache: None,
+            health_listen: None,
         }
     }
 }
@@ -222,10 +233,18 @@ impl Config {
                 "mongodb_database" => self.mongodb.database = value,
                 "mongodb_collection_prefix" => self.mongodb.collection_prefix = value,
                 "mongodb_embedded_data_dir" => self.mongodb.embedded_data_dir = Some(value.into()),
+                "mongodb_embedded_port" => {
+                    self.mongodb.embedded_port = value.parse().map_err(|e| parse_error(format!("{value:?} is not a port: {e}")))?
+                }
                 "host_concurrency" => {
                     self.host.concurrency = value.parse().map_err(|e| parse_error(format!("{value:?} is not a count: {e}")))?
                 }
                 "host_lease" => self.host.lease = Span(parse_duration(&value).map_err(parse_error)?),
+                "host_poll_interval" => self.host.poll_interval = Span(parse_duration(&value).map_err(parse_error)?),
+                "host_health_listen" => {
+                    self.host.health_listen =
+                        Some(value.parse().map_err(|e| parse_error(format!("{value:?} is not an address like 0.0.0.0:8080: {e}")))?)
+                }
                 "host_shutdown_timeout" => self.host.shutdown_timeout = Span(parse_duration(&value).map_err(parse_error)?),
                 "host_log_format" => self.host.log_format = value,
                 "host_completion_history" => {
@@ -255,6 +274,9 @@ impl Config {
         }
         if self.host.lease.0 < Duration::from_secs(1) {
             return Err(invalid("host.lease", "must be at least 1s"));
+        }
+        if self.host.poll_interval.0 < Duration::from_millis(10) {
+            return Err(invalid("host.poll_interval", "must be at least 10ms"));
         }
         if !matches!(self.host.log_format.as_str(), "plain" | "json") {
             return Err(invalid("host.log_format", "must be \"plain\" or \"json\""));
@@ -298,6 +320,13 @@ impl Config {
                 collections: grants.collections,
             },
         }
+    }
+
+    /// The longest wall time any plugin may run: a transactional handler's transaction must
+    /// be allowed to live that long, plus the completion.
+    pub fn longest_wall_time(&self) -> Duration {
+        let default = self.defaults.wall_time.map_or(Limits::default().wall_time, |s| s.0);
+        self.plugin.values().filter_map(|p| p.wall_time.map(|s| s.0)).fold(default, Duration::max)
     }
 
     /// The effective retry policy of a plugin.

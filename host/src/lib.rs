@@ -15,4 +15,5 @@ pub mod mongod;
 pub mod plugin;
 pub mod plugin_runner;
 pub mod publish;
+pub mod service;
 pub mod store;

@@ -3,17 +3,26 @@
 //! Completions that finish close together are settled with one `complete_many`; failures are
 //! rescheduled with the handler's backoff or buried with a dead letter; leases of running
 //! deliveries are renewed; a delivery whose attempts are used up (its workers kept dying) is
-//! buried without running again. A stop ends claiming, lets running deliveries finish up to a
-//! timeout and hands the lanes back.
+//! buried without running again. A retry's due time sets a timer that wakes the loop. A stop
+//! ends claiming, lets running deliveries finish up to a timeout, cancels the rest and hands
+//! them and the lanes back without charging an attempt.
+//!
+//! Store errors inside the loop (a network blip, an election) are logged and the loop goes
+//! on at the next poll: a delivery whose outcome could not be written is retried after its
+//! lease expires, so nothing is lost.
 
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bson::DateTime;
 use tokio::sync::{Notify, Semaphore, mpsc};
+use tokio::task::AbortHandle;
+use tokio::time::Instant;
 
 use super::{AttemptResult, RetryPolicy, Settle, bury_with_dead_letter, decide};
 use crate::store::{ClaimedDelivery, DeliveryId, Lease, Store, StoreError, Subscription, Subscriptions};
@@ -51,7 +60,8 @@ pub trait Runner: Send + Sync + 'static {
 pub struct DispatcherOptions {
     /// Deliveries running at once in this process.
     pub concurrency: usize,
-    /// Claims happen at least this often, and whenever a delivery finishes or a wakeup comes.
+    /// Claims happen at least this often, and whenever a delivery finishes, a wakeup comes
+    /// or a retry falls due.
     pub poll_interval: Duration,
     pub fan_out_batch: usize,
     pub lease_duration: Duration,
@@ -71,22 +81,57 @@ impl Default for DispatcherOptions {
     }
 }
 
+/// What a dispatcher has done since it started.
+#[derive(Debug, Default)]
+pub struct DispatcherCounters {
+    pub completed: AtomicU64,
+    pub retried: AtomicU64,
+    pub dead: AtomicU64,
+    /// Handed back uncharged: nothing served the handler, or a stop cut the run short.
+    pub released: AtomicU64,
+    /// Store errors the loop logged and went on from.
+    pub store_errors: AtomicU64,
+}
+
+impl DispatcherCounters {
+    fn add(counter: &AtomicU64, n: usize) {
+        counter.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    pub fn get(counter: &AtomicU64) -> u64 {
+        counter.load(Ordering::Relaxed)
+    }
+}
+
 /// The claim loop of one store instance.
 pub struct Dispatcher<S: Store, R: Runner> {
     store: Arc<S>,
     runner: Arc<R>,
     options: DispatcherOptions,
     wakeup: Arc<Notify>,
+    counters: Arc<DispatcherCounters>,
 }
 
 struct Running {
     lease: Lease,
     renew: bool,
+    task: AbortHandle,
+}
+
+/// Loop state the settle and stop steps share.
+struct Flight {
+    running: HashMap<DeliveryId, Running>,
+    /// Due times of retries this dispatcher scheduled, earliest first.
+    retry_timers: BinaryHeap<Reverse<Instant>>,
 }
 
 impl<S: Store, R: Runner> Dispatcher<S, R> {
     pub fn new(store: Arc<S>, runner: Arc<R>, options: DispatcherOptions) -> Self {
-        Self { store, runner, options, wakeup: Arc::new(Notify::new()) }
+        Self { store, runner, options, wakeup: Arc::new(Notify::new()), counters: Arc::default() }
+    }
+
+    pub fn counters(&self) -> Arc<DispatcherCounters> {
+        self.counters.clone()
     }
 
     /// Wakes the loop now (new events committed, a retry came due).
@@ -99,80 +144,116 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         tokio::pin!(stop);
         let permits = Arc::new(Semaphore::new(self.options.concurrency));
         let (finished_tx, mut finished) = mpsc::unbounded_channel::<(ClaimedDelivery, RunResult)>();
-        let mut running: HashMap<DeliveryId, Running> = HashMap::new();
+        let mut flight = Flight { running: HashMap::new(), retry_timers: BinaryHeap::new() };
         let mut renewal = tokio::time::interval(self.options.lease_duration / 3);
         renewal.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // New events appear only with a wakeup or by the poll; a finished delivery frees
         // capacity but brings none, so it leads straight to a claim without a fan-out.
         let mut look_for_events = true;
         loop {
-            tokio::select! {
+            let next_retry = flight.retry_timers.peek().map(|Reverse(at)| *at);
+            let step = tokio::select! {
                 () = &mut stop => break,
-                () = self.wakeup.notified() => look_for_events = true,
-                () = tokio::time::sleep(self.options.poll_interval) => look_for_events = true,
+                () = self.wakeup.notified() => { look_for_events = true; Ok(()) }
+                () = tokio::time::sleep(self.options.poll_interval) => { look_for_events = true; Ok(()) }
+                () = sleep_until_some(next_retry) => {
+                    let now = Instant::now();
+                    while flight.retry_timers.peek().is_some_and(|Reverse(at)| *at <= now) {
+                        flight.retry_timers.pop();
+                    }
+                    Ok(())
+                }
                 Some(done) = finished.recv() => {
                     let mut batch = vec![done];
                     while let Ok(more) = finished.try_recv() {
                         batch.push(more);
                     }
                     // A burial publishes a dead-letter event: fan it out at once.
-                    look_for_events |= self.settle(batch, &mut running).await?;
+                    self.settle(batch, &mut flight).await.map(|buried| look_for_events |= buried)
                 }
-                _ = renewal.tick() => self.renew(&running).await?,
-            }
-            let specs = self.runner.handlers();
-            if specs.is_empty() {
-                continue;
-            }
-            if std::mem::take(&mut look_for_events) {
-                let subscriptions = Subscriptions::new(
-                    specs.iter().map(|s| Subscription::new(s.handler.clone(), s.event_types.iter().cloned())),
-                )?;
-                while self.store.fan_out(&subscriptions, self.options.fan_out_batch, DateTime::now()).await?.events > 0 {}
-            }
-            let free = permits.available_permits();
-            if free == 0 {
-                continue;
-            }
-            let handlers: Vec<String> = specs.iter().map(|s| s.handler.clone()).collect();
-            for delivery in self.store.claim(&handlers, free, DateTime::now()).await? {
-                let Some(spec) = specs.iter().find(|s| s.handler == delivery.handler) else { continue };
-                if delivery.attempts >= spec.retry.max_attempts {
-                    // Its workers kept dying while running it: dead without running again.
-                    let reason = format!("{} attempts used up by workers that stopped while running it", delivery.attempts);
-                    bury_with_dead_letter(&*self.store, &delivery, &reason, false, DateTime::now()).await?;
-                    look_for_events = true;
-                    continue;
-                }
-                let permit = permits.clone().acquire_owned().await.expect("the semaphore is never closed");
-                running.insert(delivery.lease.delivery, Running { lease: delivery.lease, renew: !spec.transactional });
-                let (runner, finished_tx) = (self.runner.clone(), finished_tx.clone());
-                tokio::spawn(async move {
-                    let result = runner.run(delivery.clone()).await;
-                    drop(permit);
-                    let _ = finished_tx.send((delivery, result));
-                });
+                _ = renewal.tick() => self.renew(&flight.running).await,
+            };
+            let step = match step {
+                Ok(()) => self.dispatch(&mut look_for_events, &permits, &finished_tx, &mut flight).await,
+                Err(error) => Err(error),
+            };
+            if let Err(error) = step {
+                DispatcherCounters::add(&self.counters.store_errors, 1);
+                tracing::warn!(%error, "store error; trying again at the next poll");
+                look_for_events = true;
             }
         }
-        self.stop(&mut running, &mut finished).await
+        self.stop(&mut flight, &mut finished).await
+    }
+
+    /// Fans out when asked to, then claims up to the free capacity and starts the runs.
+    async fn dispatch(
+        &self,
+        look_for_events: &mut bool,
+        permits: &Arc<Semaphore>,
+        finished_tx: &mpsc::UnboundedSender<(ClaimedDelivery, RunResult)>,
+        flight: &mut Flight,
+    ) -> Result<(), StoreError> {
+        let specs = self.runner.handlers();
+        if specs.is_empty() {
+            return Ok(());
+        }
+        if *look_for_events {
+            let subscriptions = Subscriptions::new(
+                specs.iter().map(|s| Subscription::new(s.handler.clone(), s.event_types.iter().cloned())),
+            )?;
+            while self.store.fan_out(&subscriptions, self.options.fan_out_batch, DateTime::now()).await?.events > 0 {}
+            *look_for_events = false;
+        }
+        let free = permits.available_permits();
+        if free == 0 {
+            return Ok(());
+        }
+        let handlers: Vec<String> = specs.iter().map(|s| s.handler.clone()).collect();
+        for delivery in self.store.claim(&handlers, free, DateTime::now()).await? {
+            let Some(spec) = specs.iter().find(|s| s.handler == delivery.handler) else { continue };
+            if delivery.attempts >= spec.retry.max_attempts {
+                // Its workers kept dying while running it: dead without running again.
+                let reason = format!("{} attempts used up by workers that stopped while running it", delivery.attempts);
+                bury_with_dead_letter(&*self.store, &delivery, &reason, false, DateTime::now()).await?;
+                DispatcherCounters::add(&self.counters.dead, 1);
+                *look_for_events = true;
+                continue;
+            }
+            let permit = permits.clone().acquire_owned().await.expect("the semaphore is never closed");
+            let (runner, finished_tx) = (self.runner.clone(), finished_tx.clone());
+            let lease = delivery.lease;
+            let task = tokio::spawn(async move {
+                let result = runner.run(delivery.clone()).await;
+                drop(permit);
+                let _ = finished_tx.send((delivery, result));
+            });
+            flight.running.insert(lease.delivery, Running { lease, renew: !spec.transactional, task: task.abort_handle() });
+        }
+        Ok(())
     }
 
     /// Settles finished runs; returns whether a dead letter was published.
     async fn settle(
         &self,
         batch: Vec<(ClaimedDelivery, RunResult)>,
-        running: &mut HashMap<DeliveryId, Running>,
+        flight: &mut Flight,
     ) -> Result<bool, StoreError> {
         let mut published = false;
         let specs = self.runner.handlers();
         let now = DateTime::now();
         let mut completions = Vec::new();
         for (delivery, result) in batch {
-            running.remove(&delivery.lease.delivery);
+            flight.running.remove(&delivery.lease.delivery);
             let attempt = match result {
-                RunResult::CompletedInTransaction | RunResult::LeaseLost => continue,
+                RunResult::CompletedInTransaction => {
+                    DispatcherCounters::add(&self.counters.completed, 1);
+                    continue;
+                }
+                RunResult::LeaseLost => continue,
                 RunResult::NotRun => {
                     self.store.release(&[delivery.lease], now).await?;
+                    DispatcherCounters::add(&self.counters.released, 1);
                     continue;
                 }
                 RunResult::Attempt(attempt) => attempt,
@@ -182,15 +263,21 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 Settle::Complete => completions.push(delivery.lease),
                 Settle::Reschedule { due_at, reason } => {
                     self.store.reschedule(&delivery.lease, due_at, &reason, now).await?;
+                    DispatcherCounters::add(&self.counters.retried, 1);
+                    let wait = Duration::from_millis(due_at.timestamp_millis().saturating_sub(now.timestamp_millis()).max(0) as u64);
+                    flight.retry_timers.push(Reverse(Instant::now() + wait));
                 }
                 Settle::Bury { reason } => {
                     bury_with_dead_letter(&*self.store, &delivery, &reason, true, now).await?;
+                    DispatcherCounters::add(&self.counters.dead, 1);
                     published = true;
                 }
             }
         }
         if !completions.is_empty() {
-            self.store.complete_many(&completions, now).await?;
+            let settled = self.store.complete_many(&completions, now).await?;
+            let done = settled.iter().filter(|s| matches!(s, crate::store::Settlement::Completed)).count();
+            DispatcherCounters::add(&self.counters.completed, done);
         }
         Ok(published)
     }
@@ -205,21 +292,38 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
 
     async fn stop(
         &self,
-        running: &mut HashMap<DeliveryId, Running>,
+        flight: &mut Flight,
         finished: &mut mpsc::UnboundedReceiver<(ClaimedDelivery, RunResult)>,
     ) -> Result<(), StoreError> {
-        let deadline = tokio::time::Instant::now() + self.options.shutdown_timeout;
-        while !running.is_empty() {
+        let deadline = Instant::now() + self.options.shutdown_timeout;
+        while !flight.running.is_empty() {
             match tokio::time::timeout_at(deadline, finished.recv()).await {
                 Ok(Some(done)) => {
-                    self.settle(vec![done], running).await?;
+                    if let Err(error) = self.settle(vec![done], flight).await {
+                        tracing::warn!(%error, "settling a delivery during the stop failed; its lease will expire");
+                    }
                 }
                 Ok(None) | Err(_) => break,
             }
         }
-        if !running.is_empty() {
-            tracing::warn!(count = running.len(), "stopping with deliveries still running; their leases will expire");
+        if !flight.running.is_empty() {
+            // The host chose to stop these runs, the handlers did not fail: cancel them and
+            // hand them back uncharged (a cancelled transactional run never commits).
+            for running in flight.running.values() {
+                running.task.abort();
+            }
+            let leases: Vec<Lease> = flight.running.values().map(|r| r.lease).collect();
+            tracing::warn!(count = leases.len(), "stop timeout reached: cancelling the deliveries still running and releasing them");
+            let released = self.store.release(&leases, DateTime::now()).await?;
+            DispatcherCounters::add(&self.counters.released, released);
         }
         self.store.relinquish().await
+    }
+}
+
+async fn sleep_until_some(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }

@@ -9,6 +9,6 @@ mod dead_letter;
 mod dispatcher;
 mod settle;
 
-pub use dispatcher::{Dispatcher, DispatcherOptions, HandlerSpec, RunResult, Runner};
+pub use dispatcher::{Dispatcher, DispatcherCounters, DispatcherOptions, HandlerSpec, RunResult, Runner};
 pub use dead_letter::{DEAD_LETTER_EVENT_TYPE, bury_with_dead_letter, dead_letter_event};
 pub use settle::{AttemptResult, RetryPolicy, Settle, decide};

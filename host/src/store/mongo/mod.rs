@@ -32,6 +32,9 @@ mod lanes;
 mod operations;
 mod outcome;
 mod setup;
+mod wakeup;
+
+pub use wakeup::EventWakeups;
 
 use std::time::{Duration, Instant};
 

@@ -1,0 +1,220 @@
+//! The operator's subcommands: `check`, `setup`, `stats`, `dead ...` and `publish`.
+//!
+//! Each opens MongoDB as the configuration says (joining the embedded server a running host
+//! owns, or starting it for the command's duration), does one thing, and prints the result.
+//! Ids and filters typed here reach the store as literal values only.
+
+use std::process::ExitCode;
+
+use anyhow::{Context, Result, bail};
+use bson::{DateTime, Document};
+use clap::{Args, Subcommand};
+use relayhost::config::Config;
+use relayhost::event::NewEvent;
+use relayhost::plugin::Change;
+use relayhost::service::{MongoConnection, registry_for, store_for};
+use relayhost::store::mongo::MongoStore;
+use relayhost::store::{DeliveryFilter, DeliveryStatus, Published, Store, StoreTransaction};
+
+#[derive(Subcommand)]
+pub enum DeadCommand {
+    /// Lists dead deliveries, oldest first.
+    List {
+        #[arg(long)]
+        handler: Option<String>,
+        /// Continue after this delivery id (printed at the end of a full page).
+        #[arg(long)]
+        after: Option<String>,
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+    },
+    /// Makes dead deliveries pending again, due now, with their attempts reset.
+    Requeue {
+        #[arg(required = true)]
+        ids: Vec<String>,
+    },
+}
+
+#[derive(Args)]
+pub struct PublishArgs {
+    #[arg(long = "type")]
+    event_type: String,
+    #[arg(long)]
+    key: Option<String>,
+    /// The payload: a JSON object (extended JSON accepted).
+    #[arg(long)]
+    payload: String,
+    /// The event id; a new ObjectId when absent.
+    #[arg(long)]
+    id: Option<String>,
+}
+
+/// Runs `work` on the configured store, then closes the connection (stopping an embedded
+/// server this command started).
+async fn with_store<T>(config: &Config, work: impl AsyncFnOnce(&MongoStore) -> Result<T>) -> Result<T> {
+    let connection = MongoConnection::open(&config.mongodb).await?;
+    let result = match store_for(config, &connection) {
+        Ok(store) => work(&store).await,
+        Err(error) => Err(error.into()),
+    };
+    connection.close().await;
+    result
+}
+
+pub async fn check(config: &Config) -> Result<ExitCode> {
+    let mut problems = Vec::new();
+    let directory = &config.plugins.directory;
+    if !directory.is_dir() {
+        bail!("plugins.directory {} is not a directory", directory.display());
+    }
+    let registry = registry_for(config)?;
+    for change in registry.scan().await? {
+        match change {
+            Change::Refused { plugin, reason } => problems.push(format!("plugin {plugin}: {reason}")),
+            Change::Loaded { plugin, version } => {
+                let handlers: Vec<String> = registry
+                    .subscriptions()
+                    .into_iter()
+                    .filter(|s| registry.plugin_for(&s.handler).is_some_and(|p| *p.name == *plugin))
+                    .map(|s| format!("{} <- {}{}", s.handler, s.event_types.join(", "), if s.transactional { " (transactional)" } else { "" }))
+                    .collect();
+                println!("ok  {plugin} {}: {}", &version[..12], handlers.join("; "));
+            }
+            Change::Replaced { .. } | Change::Removed { .. } => {}
+        }
+    }
+    let loaded = registry.versions();
+    for name in config.plugin.keys() {
+        if !loaded.contains_key(name) && !problems.iter().any(|p| p.starts_with(&format!("plugin {name}:"))) {
+            problems.push(format!("[plugin.{name}] is configured but {}/{name}.wasm does not exist", directory.display()));
+        }
+    }
+    if loaded.is_empty() && problems.is_empty() {
+        problems.push(format!("no plugin in {}", directory.display()));
+    }
+    for problem in &problems {
+        println!("ERR {problem}");
+    }
+    Ok(if problems.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+pub async fn setup(config: &Config) -> Result<ExitCode> {
+    with_store(config, async |store| {
+        store.setup().await?;
+        println!("collections, indexes and lanes are in place in `{}`", config.mongodb.database);
+        Ok(ExitCode::SUCCESS)
+    })
+    .await
+}
+
+pub async fn stats(config: &Config, json: bool) -> Result<ExitCode> {
+    with_store(config, async |store| {
+        let statistics = store.statistics(DateTime::now()).await?;
+        if json {
+            let rows: Vec<serde_json::Value> = statistics
+                .iter()
+                .map(|s| {
+                    serde_json::json!({
+                        "handler": s.handler, "pending": s.pending, "running": s.running, "parked": s.parked,
+                        "dead": s.dead, "completed": s.completed,
+                        "oldestDueAt": s.oldest_due_at.map(|d| d.try_to_rfc3339_string().unwrap_or_default()),
+                    })
+                })
+                .collect();
+            println!("{}", serde_json::to_string_pretty(&rows)?);
+        } else {
+            println!("{:<32} {:>9} {:>9} {:>9} {:>9} {:>10}", "HANDLER", "PENDING", "RUNNING", "PARKED", "DEAD", "COMPLETED");
+            for s in &statistics {
+                let completed = s.completed.map_or("-".to_string(), |c| c.to_string());
+                println!("{:<32} {:>9} {:>9} {:>9} {:>9} {:>10}", s.handler, s.pending, s.running, s.parked, s.dead, completed);
+            }
+        }
+        Ok(ExitCode::SUCCESS)
+    })
+    .await
+}
+
+pub async fn dead(config: &Config, command: DeadCommand) -> Result<ExitCode> {
+    with_store(config, async |store| match command {
+        DeadCommand::List { handler, after, limit } => {
+            let filter = DeliveryFilter { status: Some(DeliveryStatus::Dead), handler, after, limit, ..DeliveryFilter::default() };
+            let page = store.list_deliveries(&filter).await?;
+            for d in &page.deliveries {
+                println!(
+                    "{}  {}  event {}{}  attempts {}  {}",
+                    d.id,
+                    d.handler,
+                    d.event_id,
+                    d.key.as_ref().map(|k| format!(" (key {k})")).unwrap_or_default(),
+                    d.attempts,
+                    d.last_error.as_deref().unwrap_or("-"),
+                );
+            }
+            if let Some(next) = page.next {
+                println!("more: --after {next}");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        DeadCommand::Requeue { ids } => {
+            let mut failed = false;
+            for id in &ids {
+                match store.requeue(id, DateTime::now()).await {
+                    Ok(()) => println!("requeued {id}"),
+                    Err(error) => {
+                        failed = true;
+                        eprintln!("relayhost: {error}");
+                    }
+                }
+            }
+            Ok(if failed { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+        }
+    })
+    .await
+}
+
+pub async fn publish(config: &Config, args: PublishArgs) -> Result<ExitCode> {
+    let payload = parse_payload(&args.payload)?;
+    let id = args.id.unwrap_or_else(|| bson::oid::ObjectId::new().to_hex());
+    let mut event = NewEvent::new(&id, &args.event_type, payload);
+    if let Some(key) = args.key {
+        event = event.with_key(key);
+    }
+    with_store(config, async |store| {
+        store.setup().await?;
+        let mut tx = store.begin().await?;
+        let published = store.publish(&mut tx, &event).await?;
+        tx.commit().await?;
+        match published {
+            Published::New { sequence: Some(sequence) } => println!("published {id} (sequence {sequence} of its key)"),
+            Published::New { sequence: None } => println!("published {id}"),
+            Published::Duplicate => println!("an event with id {id} exists already; nothing was written"),
+        }
+        Ok(ExitCode::SUCCESS)
+    })
+    .await
+}
+
+/// A JSON object (relaxed or canonical extended JSON) as a BSON document.
+fn parse_payload(text: &str) -> Result<Document> {
+    let json: serde_json::Value = serde_json::from_str(text).context("--payload is not JSON")?;
+    match bson::Bson::try_from(json).context("--payload is not valid extended JSON")? {
+        bson::Bson::Document(document) => Ok(document),
+        other => bail!("--payload must be a JSON object, not {}", other.element_type_name()),
+    }
+}
+
+trait ElementTypeName {
+    fn element_type_name(&self) -> &'static str;
+}
+
+impl ElementTypeName for bson::Bson {
+    fn element_type_name(&self) -> &'static str {
+        match self {
+            bson::Bson::Array(_) => "an array",
+            bson::Bson::String(_) => "a string",
+            bson::Bson::Null => "null",
+            bson::Bson::Boolean(_) => "a boolean",
+            _ => "a number or another scalar",
+        }
+    }
+}

@@ -1,0 +1,114 @@
+//! The `relayhost` command: the host (`run`) and what an operator does around it.
+//!
+//! This file owns the command line only: parsing, logging set-up, exit codes and printing.
+//! Each subcommand is a thin call into the library; errors become `anyhow` here and nowhere
+//! else.
+
+mod admin;
+mod bench;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use relayhost::config::Config;
+
+#[derive(Parser)]
+#[command(name = "relayhost", version, about = "Transactional-outbox event bus for MongoDB with sandboxed WebAssembly handlers")]
+struct Cli {
+    /// The configuration file (TOML); `RELAYHOST_*` variables override it.
+    #[arg(long, short, global = true, env = "RELAYHOST_CONFIG")]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Runs the host until SIGINT or SIGTERM, then stops gracefully.
+    Run,
+    /// Creates the collections, indexes and lanes (idempotent; `run` does it too).
+    Setup,
+    /// Validates the configuration and every plugin; exits non-zero with the reasons.
+    Check,
+    /// Per-handler delivery counts.
+    Stats {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Dead deliveries: list them, requeue or bury them.
+    #[command(subcommand)]
+    Dead(admin::DeadCommand),
+    /// Publishes one event in its own transaction, to try things.
+    Publish(admin::PublishArgs),
+    /// Measures drain throughput and wakeup latency against the raw floor of the same mongod.
+    Bench(bench::BenchArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("the tokio runtime starts");
+    // The main thread drives every command: an embedded mongod started here dies with it.
+    match runtime.block_on(execute(cli)) {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("relayhost: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn execute(cli: Cli) -> Result<ExitCode> {
+    if let Command::Bench(args) = cli.command {
+        init_logs("plain", "warn");
+        return bench::run(args).await.map(|()| ExitCode::SUCCESS);
+    }
+    let config = Config::load(cli.config.as_deref(), std::env::vars()).context("invalid configuration")?;
+    match cli.command {
+        Command::Run => {
+            init_logs(&config.host.log_format, "info");
+            relayhost::service::run(config, shutdown_signal()).await?;
+            Ok(ExitCode::SUCCESS)
+        }
+        command => {
+            init_logs(&config.host.log_format, "warn");
+            match command {
+                Command::Check => admin::check(&config).await,
+                Command::Setup => admin::setup(&config).await,
+                Command::Stats { json } => admin::stats(&config, json).await,
+                Command::Dead(dead) => admin::dead(&config, dead).await,
+                Command::Publish(args) => admin::publish(&config, args).await,
+                Command::Run | Command::Bench(_) => unreachable!("handled above"),
+            }
+        }
+    }
+}
+
+/// Logs to stderr, plain or JSON; `RUST_LOG` overrides the level.
+fn init_logs(format: &str, default_level: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    if format == "json" {
+        builder.json().flatten_event(true).init();
+    } else {
+        builder.with_target(false).init();
+    }
+}
+
+/// Resolves on the first SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut terminate = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut interrupt = signal(SignalKind::interrupt()).expect("SIGINT handler");
+    let name = tokio::select! {
+        _ = terminate.recv() => "SIGTERM",
+        _ = interrupt.recv() => "SIGINT",
+    };
+    tracing::info!(signal = name, "stopping: no new claims; deliveries in flight may finish");
+}

@@ -1,0 +1,139 @@
+//! The running host: what `relayhost run` starts, in order, and stops, in reverse.
+//!
+//! This module owns the assembly only: MongoDB (a URI or the embedded server), the store and
+//! its setup, the plugin registry and its directory watch, the dispatcher with change-stream
+//! wakeups, and the health endpoints. It must never contain delivery logic: claims, outcomes
+//! and retries belong to `dispatch` and `store`, running a plugin to `plugin`.
+
+mod embedded;
+mod health;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use embedded::{ConnectError, MongoConnection, embedded_data_dir};
+pub use health::HealthState;
+
+use crate::config::Config;
+use crate::dispatch::{Dispatcher, DispatcherCounters, DispatcherOptions, RetryPolicy};
+use crate::mongod::cache_dir;
+use crate::plugin::{Change, PluginError, PluginRegistry, PluginRuntime};
+use crate::plugin_runner::PluginRunner;
+use crate::store::mongo::{EventWakeups, MongoLocation, MongoStore};
+use crate::store::{Store, StoreError, StoreOptions};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Plugin(#[from] PluginError),
+    #[error("health endpoint on {address}: {source}")]
+    Health { address: std::net::SocketAddr, source: std::io::Error },
+}
+
+/// Time a transaction of the store may take: a transactional handler runs inside one, so it
+/// must outlast the longest wall time a plugin is allowed, with room for the completion.
+pub fn transaction_budget(config: &Config) -> Duration {
+    (config.longest_wall_time() + Duration::from_secs(5)).max(StoreOptions::default().transaction_budget)
+}
+
+/// The store a configuration describes, on an open connection.
+pub fn store_for(config: &Config, connection: &MongoConnection) -> Result<MongoStore, StoreError> {
+    let location = MongoLocation::new(&config.mongodb.database, &config.mongodb.collection_prefix)?;
+    let options = StoreOptions {
+        lease_duration: config.host.lease.0,
+        completion_history: config.host.completion_history,
+        transaction_budget: transaction_budget(config),
+        ..StoreOptions::default()
+    };
+    Ok(MongoStore::new(connection.client.clone(), location, options))
+}
+
+/// The plugin runtime and registry a configuration describes (nothing loaded yet).
+pub fn registry_for(config: &Config) -> Result<Arc<PluginRegistry>, PluginError> {
+    let artifacts = config.host.artifact_cache.clone().unwrap_or_else(|| cache_dir().join("artifacts"));
+    let runtime = Arc::new(PluginRuntime::new(Some(artifacts))?);
+    let policies = config.clone();
+    Ok(Arc::new(PluginRegistry::new(runtime, &config.plugins.directory, move |name| policies.policy_for(name))))
+}
+
+/// The retry policy of each plugin, from the configuration.
+fn retry_policies(config: &Config) -> Arc<dyn Fn(&str) -> RetryPolicy + Send + Sync> {
+    let config = config.clone();
+    Arc::new(move |plugin: &str| {
+        let retry = config.retry_for(plugin);
+        RetryPolicy { max_attempts: retry.max_attempts, initial_backoff: retry.initial_backoff.0, max_backoff: retry.max_backoff.0 }
+    })
+}
+
+/// Runs the host until `stop` resolves, then stops gracefully: claiming ends, deliveries in
+/// flight get `host.shutdown_timeout` to finish, the rest are handed back uncharged, the
+/// lanes are relinquished, and an embedded server this process started is shut down.
+pub async fn run(config: Config, stop: impl Future<Output = ()>) -> Result<Arc<DispatcherCounters>, ServiceError> {
+    let connection = MongoConnection::open(&config.mongodb).await?;
+    let result = serve(&config, &connection, stop).await;
+    connection.close().await;
+    result
+}
+
+async fn serve(
+    config: &Config,
+    connection: &MongoConnection,
+    stop: impl Future<Output = ()>,
+) -> Result<Arc<DispatcherCounters>, ServiceError> {
+    let store = Arc::new(store_for(config, connection)?);
+    store.setup().await?;
+    let registry = registry_for(config)?;
+    let changes = registry.scan().await?;
+    let refused = changes.iter().filter(|c| matches!(c, Change::Refused { .. })).count();
+    let handlers = registry.subscriptions();
+    tracing::info!(
+        plugins = registry.versions().len(),
+        refused,
+        handlers = handlers.len(),
+        directory = %registry.directory().display(),
+        "plugins loaded; watching the directory for changes"
+    );
+    let _watch = registry.watch()?;
+
+    let runner = Arc::new(PluginRunner::new(registry.clone(), store.clone(), retry_policies(config)));
+    let options = DispatcherOptions {
+        concurrency: config.host.concurrency,
+        poll_interval: config.host.poll_interval.0,
+        lease_duration: config.host.lease.0,
+        shutdown_timeout: config.host.shutdown_timeout.0,
+        ..DispatcherOptions::default()
+    };
+    let dispatcher = Dispatcher::new(store.clone(), runner, options);
+    let counters = dispatcher.counters();
+    let wakeups = EventWakeups::default().spawn(&store, dispatcher.waker());
+    let health = match config.host.health_listen {
+        Some(address) => Some(
+            HealthState::new(store.clone(), registry.clone(), counters.clone())
+                .serve(address)
+                .await
+                .map_err(|source| ServiceError::Health { address, source })?,
+        ),
+        None => None,
+    };
+    tracing::info!(owner = %store.options().owner, database = %config.mongodb.database, "relayhost is running");
+    let result = dispatcher.run(stop).await;
+    wakeups.abort();
+    if let Some(health) = health {
+        health.abort();
+    }
+    let count = |c: &std::sync::atomic::AtomicU64| DispatcherCounters::get(c);
+    tracing::info!(
+        completed = count(&counters.completed),
+        retried = count(&counters.retried),
+        dead = count(&counters.dead),
+        released = count(&counters.released),
+        "relayhost stopped"
+    );
+    result?;
+    Ok(counters)
+}

@@ -1,0 +1,99 @@
+//! Wakeups for new events: a change stream on the events collection, so a host hears of a
+//! commit within milliseconds instead of at its next poll.
+//!
+//! This module owns the stream's life: opening it, resuming it after errors from the last
+//! token seen (or afresh when that history is gone), and polling in its place, logged with the
+//! reason, while it cannot be opened. It must never read events for delivery: a wakeup only
+//! says "look now"; fan-out and claims decide what is there.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bson::{Document, doc};
+use futures::StreamExt;
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+
+use super::MongoStore;
+
+/// Longest pause between attempts to reopen a failed change stream.
+const MAX_REOPEN_BACKOFF: Duration = Duration::from_secs(30);
+
+/// Change-stream wakeups of one host.
+#[derive(Debug, Clone)]
+pub struct EventWakeups {
+    /// How often the waker is poked while the change stream is down.
+    pub fallback_poll: Duration,
+}
+
+impl Default for EventWakeups {
+    fn default() -> Self {
+        Self { fallback_poll: Duration::from_millis(250) }
+    }
+}
+
+impl EventWakeups {
+    /// Pokes `waker` for every batch of inserted events until the returned task is aborted.
+    pub fn spawn(self, store: &MongoStore, waker: Arc<Notify>) -> JoinHandle<()> {
+        let events = store.events_collection().clone();
+        tokio::spawn(async move {
+            let mut resume = None;
+            let mut backoff = self.fallback_poll;
+            loop {
+                // Only inserts matter, and only the fields the driver needs to resume.
+                let opened = events
+                    .watch()
+                    .pipeline([
+                        doc! { "$match": { "operationType": "insert" } },
+                        doc! { "$project": { "_id": 1, "operationType": 1, "ns": 1 } },
+                    ])
+                    .resume_after(resume.clone())
+                    .await;
+                let reason = match opened {
+                    Ok(stream) => {
+                        let mut stream = stream.with_type::<Document>();
+                        tracing::debug!("change stream on the events collection is open");
+                        // Events may have been committed while the stream was down.
+                        waker.notify_one();
+                        backoff = self.fallback_poll;
+                        loop {
+                            match stream.next().await {
+                                Some(Ok(_)) => {
+                                    waker.notify_one();
+                                    resume = stream.resume_token();
+                                }
+                                Some(Err(error)) => break error.to_string(),
+                                None => break "the change stream ended".to_string(),
+                            }
+                            resume = stream.resume_token().or(resume);
+                        }
+                    }
+                    Err(error) => {
+                        if is_history_lost(&error) {
+                            // Resuming is impossible; start afresh (the poke below covers the gap).
+                            resume = None;
+                        }
+                        error.to_string()
+                    }
+                };
+                tracing::warn!(
+                    %reason,
+                    poll = ?self.fallback_poll,
+                    retry_in = ?backoff,
+                    "change stream on the events collection failed; polling until it reopens"
+                );
+                let until = tokio::time::Instant::now() + backoff;
+                while tokio::time::Instant::now() < until {
+                    tokio::time::sleep(self.fallback_poll).await;
+                    waker.notify_one();
+                }
+                backoff = (backoff * 2).min(MAX_REOPEN_BACKOFF);
+            }
+        })
+    }
+}
+
+/// The resume point fell off the oplog (`ChangeStreamHistoryLost` 286, or a fatal stream error 280).
+fn is_history_lost(error: &mongodb::error::Error) -> bool {
+    matches!(*error.kind, mongodb::error::ErrorKind::Command(ref c) if c.code == 286 || c.code == 280)
+}
