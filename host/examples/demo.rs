@@ -47,7 +47,7 @@ async fn main() -> Result<()> {
     let runtime = Arc::new(PluginRuntime::new(Some(cache_dir().join("artifacts")))?);
     let registry = Arc::new(PluginRegistry::new(runtime.clone(), &plugins, |name| PluginPolicy {
         grants: Grants {
-            collections: if name == "audit_log" { vec!["audit_log".into()] } else { vec![] },
+            collections: if name == "audit_log" { vec!["audit_log".into(), "audit_order".into()] } else { vec![] },
             ..Grants::default()
         },
         ..PluginPolicy::default()

@@ -266,7 +266,7 @@ impl TransactionCapability for RecordingTransaction {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transactional_handlers_write_only_granted_collections() {
     let runtime = runtime();
-    let grants = Grants { collections: vec!["audit_log".into()], ..Default::default() };
+    let grants = Grants { collections: vec!["audit_log".into(), "audit_order".into()], ..Default::default() };
     let audit = load(&runtime, "audit_log", grants.clone()).await;
     let recording = RecordingTransaction::default();
     let order = event("order.placed", doc! { "orderId": "o-1", "total": 12.5 });
@@ -275,8 +275,10 @@ async fn transactional_handlers_write_only_granted_collections() {
     assert_eq!(ran.outcome, Outcome::Completed);
     assert!(returned.is_some(), "the capability comes back for the commit");
     let inserted = recording.inserted.lock().unwrap().clone();
-    assert_eq!(inserted.len(), 1);
+    assert_eq!(inserted.len(), 2, "the audit record, then its key's first order entry (no entry matched): {inserted:?}");
     assert_eq!(inserted[0].0, "audit_log");
+    assert_eq!(inserted[1].0, "audit_order");
+    assert_eq!(inserted[1].1["events"][0], order.id);
     assert_eq!(inserted[0].1["_id"], order.id);
     assert_eq!(inserted[0].1["payload"]["orderId"], "o-1");
     assert_eq!(inserted[0].1["sequence"], 1);

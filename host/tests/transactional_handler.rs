@@ -20,7 +20,7 @@ async fn the_handlers_write_and_the_completion_commit_together() {
     let runtime = plugin_runtime();
     let policy = PluginPolicy {
         limits: Limits { wall_time: Duration::from_secs(10), ..Limits::default() },
-        grants: Grants { collections: vec!["audit_log".into()], ..Default::default() },
+        grants: Grants { collections: vec!["audit_log".into(), "audit_order".into()], ..Default::default() },
     };
     let plugin = runtime.load(&plugins_dir().join("audit_log.wasm"), policy).await.unwrap();
     let subscriptions = Subscriptions::new(
@@ -95,7 +95,7 @@ async fn the_dispatcher_runs_plugins_into_an_exact_projection() {
         std::fs::copy(plugins_dir().join(format!("{file}.wasm")), plugins.join(format!("{file}.wasm"))).unwrap();
     }
     let registry = Arc::new(PluginRegistry::new(Arc::new(plugin_runtime()), &plugins, |name| PluginPolicy {
-        grants: Grants { collections: if name == "audit_log" { vec!["audit_log".into()] } else { vec![] }, ..Default::default() },
+        grants: Grants { collections: if name == "audit_log" { vec!["audit_log".into(), "audit_order".into()] } else { vec![] }, ..Default::default() },
         ..Default::default()
     }));
     registry.scan().await.unwrap();

@@ -53,6 +53,21 @@ impl Output {
         end
     }
 
+    /// The last non-empty line kept from `source`, leaving out the hint lines (`note: ...`)
+    /// runtimes print after a panic message: a panicking guest's reason is there.
+    pub fn last_line(&self, source: Source) -> Option<String> {
+        let buffer = self.buffer.lock().expect("output buffer");
+        buffer
+            .kept
+            .iter()
+            .rev()
+            .filter(|(from, _)| *from == source)
+            .flat_map(|(_, text)| text.lines().rev())
+            .map(str::trim)
+            .find(|line| !line.is_empty() && !line.starts_with("note: "))
+            .map(str::to_string)
+    }
+
     /// Everything kept, in order, and how many bytes were dropped.
     pub fn take(&self) -> (Vec<(Source, String)>, usize) {
         let mut buffer = self.buffer.lock().expect("output buffer");

@@ -408,7 +408,14 @@ impl PluginRuntime {
             Ok(Ok(Ok(()))) => Outcome::Completed,
             Ok(Ok(Err(types::Failure::Retry(retry)))) => Outcome::Retry { reason: retry.reason, not_before: retry.not_before },
             Ok(Ok(Err(types::Failure::Unprocessable(reason)))) => Outcome::Unprocessable(reason),
-            Ok(Err(error)) => Outcome::Failed(describe_trap(&error, &store)),
+            Ok(Err(error)) => {
+                // A guest that panics prints why to stderr just before its trap.
+                let reason = describe_trap(&error, &store);
+                Outcome::Failed(match output.last_line(Source::Stderr) {
+                    Some(line) => format!("{reason}; its last words: {}", line.chars().take(300).collect::<String>()),
+                    None => reason,
+                })
+            }
             Err(_) => Outcome::Failed(format!("wall-clock limit of {:?} exceeded", plugin.policy.limits.wall_time)),
         };
         let (output_kept, output_dropped) = route_output(&plugin.name, plugin.short_hash(), &output);

@@ -25,6 +25,8 @@ impl Plugin for Hostile {
     fn subscriptions() -> Vec<Subscription> {
         let mut subscriptions: Vec<Subscription> = HANDLERS.iter().map(|h| Subscription::new(h, ["attack"])).collect();
         subscriptions.push(Subscription::new("write-collection", ["attack"]).transactional());
+        // Traps on every event it gets: the dead-letter path end to end.
+        subscriptions.push(Subscription::new("poison", ["poison"]));
         subscriptions
     }
 
@@ -64,6 +66,7 @@ impl Plugin for Hostile {
             "write-collection" | "untransactional-write" => {
                 transaction::insert(&target, r#"{"stolen": true}"#).map(|_| ()).map_err(blocked)
             }
+            "poison" => panic!("poisoned by event {}", event.id),
             "log-flood" => {
                 let line = "x".repeat(1_000);
                 for _ in 0..20_000 {

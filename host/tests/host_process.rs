@@ -1,0 +1,538 @@
+//! The `relayhost` binary end to end: real host processes on the test replica set, real
+//! plugins compiled from this repository, publishers in Python, Node.js and Rust, signals.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bson::{Document, doc};
+use common::{Fixture, MongoFixture, keyed, plugins_dir, publish_all};
+use futures::TryStreamExt;
+use relayhost::event::NewEvent;
+use relayhost::store::{DeliveryFilter, Store};
+
+const RELAYHOST: &str = env!("CARGO_BIN_EXE_relayhost");
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+/// One configuration for host processes: a fresh database on the test replica set, a
+/// plugins directory with copies of the named plugins, and extra TOML.
+struct Deployment {
+    fixture: MongoFixture,
+    dir: PathBuf,
+    config: PathBuf,
+}
+
+impl Deployment {
+    async fn new(plugins: &[&str], extra: &str) -> Self {
+        let fixture = MongoFixture::new().await;
+        let uri = relayhost::mongod::process_server().unwrap();
+        let dir = std::env::temp_dir().join(format!("relayhost-host-{}", fixture.database));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("plugins")).unwrap();
+        for plugin in plugins {
+            let file = format!("{plugin}.wasm");
+            std::fs::copy(plugins_dir().join(&file), dir.join("plugins").join(&file)).unwrap();
+        }
+        let artifacts = repo_root().join("target/relayhost-test-artifacts");
+        let config = dir.join("relayhost.toml");
+        let mut text = format!(
+            "[mongodb]\nuri = {uri:?}\ndatabase = {database:?}\n\n[plugins]\ndirectory = {plugins:?}\n\n\
+             [host]\nartifact_cache = {artifacts:?}\ncompletion_history = true\n{extra}\n",
+            database = fixture.database,
+            plugins = dir.join("plugins"),
+        );
+        // The collections the transactional example plugins write.
+        for (plugin, collections) in [("audit_log", "\"audit_log\", \"audit_order\""), ("dead_letter_alert", "\"dead_letter_alerts\"")] {
+            if plugins.contains(&plugin) {
+                text += &format!("\n[plugin.{plugin}]\ngrants = {{ collections = [{collections}] }}\n");
+            }
+        }
+        std::fs::write(&config, text).unwrap();
+        Self { fixture, dir, config }
+    }
+
+    /// Starts `relayhost run` and waits until it says it is running.
+    fn start(&self, name: &str) -> Host {
+        self.start_with(name, &[])
+    }
+
+    fn start_with(&self, name: &str, env: &[(&str, &str)]) -> Host {
+        let log = self.dir.join(format!("{name}.log"));
+        let file = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap();
+        let child = Command::new(RELAYHOST)
+            .args(["run", "--config"])
+            .arg(&self.config)
+            .envs(env.iter().copied())
+            .env("RUST_LOG", "info")
+            .env("RUST_BACKTRACE", "0")
+            .stdout(Stdio::null())
+            .stderr(file)
+            .spawn()
+            .unwrap();
+        let host = Host { child, log, started_at: std::fs::metadata(self.dir.join(format!("{name}.log"))).unwrap().len() };
+        host.wait_for_log("relayhost is running", Duration::from_secs(120));
+        host
+    }
+
+    /// Runs an admin subcommand of the same configuration.
+    fn relayhost(&self, args: &[&str]) -> Output {
+        Command::new(RELAYHOST).args(args).arg("--config").arg(&self.config).env("RUST_BACKTRACE", "0").output().unwrap()
+    }
+
+    fn collection(&self, name: &str) -> mongodb::Collection<Document> {
+        self.fixture.client.database(&self.fixture.database).collection(name)
+    }
+
+    async fn documents(&self, name: &str) -> Vec<Document> {
+        self.collection(name).find(doc! {}).await.unwrap().try_collect().await.unwrap()
+    }
+
+    /// Waits until `done` holds, checking every 100 ms.
+    async fn wait_until<F: AsyncFn(&Self) -> bool>(&self, what: &str, timeout: Duration, done: F) {
+        let deadline = Instant::now() + timeout;
+        while !done(self).await {
+            assert!(Instant::now() < deadline, "timed out waiting until {what}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Every handler has nothing pending or running.
+    async fn drained(&self) -> bool {
+        let unfanned = self.fixture.store.events_collection().count_documents(doc! { "fannedOutAt": null }).await.unwrap();
+        let stats = self.fixture.store.statistics(bson::DateTime::now()).await.unwrap();
+        unfanned == 0 && stats.iter().all(|s| s.pending == 0 && s.running == 0)
+    }
+
+    /// The audit projection's event ids, sorted, and each key's handling order.
+    async fn audit(&self) -> (Vec<String>, BTreeMap<String, Vec<String>>) {
+        let mut ids: Vec<String> = self.documents("audit_log").await.iter().map(|d| d.get_str("_id").unwrap().to_string()).collect();
+        ids.sort();
+        let order = self
+            .documents("audit_order")
+            .await
+            .iter()
+            .map(|d| {
+                let events = d.get_array("events").unwrap().iter().map(|e| e.as_str().unwrap().to_string()).collect();
+                (d.get_str("_id").unwrap().to_string(), events)
+            })
+            .collect();
+        (ids, order)
+    }
+}
+
+impl Drop for Deployment {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A `relayhost run` process; killed if a test ends without stopping it.
+struct Host {
+    child: Child,
+    log: PathBuf,
+    /// Where this process's lines start in a log shared across restarts.
+    started_at: u64,
+}
+
+impl Host {
+    fn log(&self) -> String {
+        let text = std::fs::read(&self.log).unwrap_or_default();
+        String::from_utf8_lossy(&text[(self.started_at as usize).min(text.len())..]).into_owned()
+    }
+
+    fn wait_for_log(&self, text: &str, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        while !self.log().contains(text) {
+            assert!(Instant::now() < deadline, "the host did not log {text:?} in time:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn signal(&self, signal: i32) {
+        // SAFETY: a plain kill(2) of our own child.
+        assert_eq!(unsafe { libc::kill(self.child.id() as i32, signal) }, 0);
+    }
+
+    /// Waits for the process to exit and returns whether it succeeded.
+    fn wait(mut self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.success();
+            }
+            assert!(Instant::now() < deadline, "the host did not exit in time:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGTERM, then the counters it logged as it stopped.
+    fn stop(self) -> BTreeMap<String, u64> {
+        self.stop_with(libc::SIGTERM)
+    }
+
+    fn stop_with(self, signal: i32) -> BTreeMap<String, u64> {
+        self.signal(signal);
+        let log = self.log.clone();
+        let started_at = self.started_at;
+        assert!(self.wait(Duration::from_secs(60)), "a graceful stop exits successfully");
+        let text = std::fs::read_to_string(&log).unwrap();
+        let line = text[started_at as usize..].lines().find(|l| l.contains("relayhost stopped")).expect("the stop is logged").to_string();
+        line.split_whitespace()
+            .filter_map(|field| field.split_once('='))
+            .filter_map(|(name, value)| Some((name.to_string(), value.parse().ok()?)))
+            .collect()
+    }
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A whole number however the driver or a plugin's JSON stored it.
+fn integer(value: &bson::Bson) -> Option<i64> {
+    match value {
+        bson::Bson::Int32(n) => Some(i64::from(*n)),
+        bson::Bson::Int64(n) => Some(*n),
+        _ => None,
+    }
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned() + &String::from_utf8_lossy(&output.stderr)
+}
+
+/// The expected handling order of each key: its events in sequence order.
+fn by_key(events: &[(String, String)]) -> BTreeMap<String, Vec<String>> {
+    let mut order: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (id, key) in events {
+        order.entry(key.clone()).or_default().push(id.clone());
+    }
+    order
+}
+
+// ---- publishers in other languages ----
+
+/// A publisher program commits 8 orders (the odd ones abort); a running host delivers exactly
+/// the committed ones to the transactional audit-log plugin, each key in order.
+async fn host_delivers_what_a_publisher_committed(program: &str, script: &Path, env: (&str, String)) {
+    let deployment = Deployment::new(&["audit_log"], "").await;
+    let host = deployment.start("host");
+    let uri = relayhost::mongod::process_server().unwrap();
+    let run = Command::new(program).arg(script).args([uri, &deployment.fixture.database, "8", "--abort-odd"]).env(env.0, env.1).output().unwrap();
+    assert!(run.status.success(), "{}", stdout(&run));
+    deployment.wait_until("the four committed orders are audited", Duration::from_secs(60), async |d| {
+        d.documents("audit_log").await.len() >= 4 && d.drained().await
+    }).await;
+    let (ids, order) = deployment.audit().await;
+    let committed = [(0, 0), (2, 2), (4, 1), (6, 0)].map(|(n, customer)| (format!("order-placed-o-{n}"), format!("customer-{customer}")));
+    let mut expected: Vec<String> = committed.iter().map(|(id, _)| id.clone()).collect();
+    expected.sort();
+    assert_eq!(ids, expected, "aborted orders left no event; committed ones were each delivered once");
+    assert_eq!(order, by_key(&committed));
+    let counters = host.stop();
+    assert_eq!(counters["completed"], 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_host_delivers_events_pymongo_committed() {
+    let python_path = Command::new(repo_root().join("scripts/ensure-python-deps.sh")).output().unwrap();
+    assert!(python_path.status.success(), "{}", stdout(&python_path));
+    let path = String::from_utf8(python_path.stdout).unwrap().trim().to_string();
+    host_delivers_what_a_publisher_committed("python3", &repo_root().join("examples/publishers/python/publish.py"), ("PYTHONPATH", path)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_host_delivers_events_the_node_driver_committed() {
+    let script = Command::new(repo_root().join("scripts/ensure-node-deps.sh")).output().unwrap();
+    assert!(script.status.success(), "{}", stdout(&script));
+    let script = PathBuf::from(String::from_utf8(script.stdout).unwrap().trim());
+    host_delivers_what_a_publisher_committed("node", &script, ("NODE_NO_WARNINGS", "1".into())).await;
+}
+
+// ---- several hosts, crashes ----
+
+fn keyed_orders(range: std::ops::Range<usize>, keys: usize) -> Vec<(String, String)> {
+    range.map(|n| (format!("order-{n:04}"), format!("customer-{:02}", n % keys))).collect()
+}
+
+async fn publish_orders(deployment: &Deployment, orders: &[(String, String)]) {
+    let events: Vec<NewEvent> = orders.iter().map(|(id, key)| keyed(id, "order.placed", key)).collect();
+    publish_all(deployment.fixture.store(), events).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_hosts_share_the_work_and_keep_every_keys_order() {
+    let deployment = Deployment::new(&["audit_log"], "concurrency = 4\npoll_interval = \"200ms\"").await;
+    let first = deployment.start("first");
+    let second = deployment.start("second");
+    let orders = keyed_orders(0..400, 40);
+    for chunk in orders.chunks(100) {
+        publish_orders(&deployment, chunk).await;
+    }
+    deployment.wait_until("all 400 orders are audited", Duration::from_secs(180), async |d| {
+        d.documents("audit_log").await.len() == 400 && d.drained().await
+    }).await;
+    let (ids, order) = deployment.audit().await;
+    let mut expected: Vec<String> = orders.iter().map(|(id, _)| id.clone()).collect();
+    expected.sort();
+    assert_eq!(ids, expected);
+    assert_eq!(order, by_key(&orders), "every key was handled one event at a time, in sequence");
+    let (first, second) = (first.stop_with(libc::SIGINT), second.stop());
+    assert!(first["completed"] > 0 && second["completed"] > 0, "both hosts delivered: {first:?} {second:?}");
+    assert_eq!(first["completed"] + second["completed"], 400);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hosts_killed_mid_delivery_lose_nothing_and_duplicate_nothing() {
+    let deployment = Deployment::new(&["audit_log"], "concurrency = 8\nlease = \"2s\"\npoll_interval = \"200ms\"").await;
+    let orders = keyed_orders(0..600, 30);
+    publish_orders(&deployment, &orders).await;
+    let lanes = deployment.collection("relayhost_lanes");
+    let deliveries = deployment.collection("relayhost_deliveries");
+    let audit = deployment.collection("audit_log");
+    let mut interrupted: Vec<bson::oid::ObjectId> = Vec::new();
+    for round in 0..3 {
+        let host = deployment.start("host");
+        // Kill it while it is delivering: once the projection grew by another 100 orders.
+        let target = 100 * (round + 1);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while audit.count_documents(doc! {}).await.unwrap() < target {
+            assert!(Instant::now() < deadline, "round {round}: the host did not deliver:\n{}", host.log());
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        host.signal(libc::SIGKILL);
+        assert!(!host.wait(Duration::from_secs(10)));
+        // What the killed host had started and not completed: listed in flight by a lane and
+        // still there at the generation it was claimed with.
+        let busy: Vec<Document> = lanes.find(doc! { "inFlight.0": { "$exists": true } }).await.unwrap().try_collect().await.unwrap();
+        for lane in busy {
+            for entry in lane.get_array("inFlight").unwrap() {
+                let entry = entry.as_document().unwrap();
+                let (id, claims) = (entry.get_object_id("d").unwrap(), entry.get_i64("c").unwrap());
+                if deliveries.find_one(doc! { "_id": id, "claims": claims }).await.unwrap().is_some() {
+                    interrupted.push(id);
+                }
+            }
+        }
+    }
+    assert!(!interrupted.is_empty(), "some deliveries were cut off by the kills");
+    let survivor = deployment.start("host");
+    deployment.wait_until("all 600 orders are audited", Duration::from_secs(180), async |d| {
+        d.documents("audit_log").await.len() == 600 && d.drained().await
+    }).await;
+    let (ids, order) = deployment.audit().await;
+    let mut expected: Vec<String> = orders.iter().map(|(id, _)| id.clone()).collect();
+    expected.sort();
+    assert_eq!(ids, expected, "no gap, no duplicate");
+    assert_eq!(order, by_key(&orders), "each key handled once per event, in sequence, across the kills");
+    // The takeover charged the attempt the killed host had started.
+    let history = deployment.collection("relayhost_completed_deliveries");
+    for delivery in &interrupted {
+        let record = history.find_one(doc! { "_id": delivery }).await.unwrap().expect("every interrupted delivery completed later");
+        assert!(record.get_i32("attempts").unwrap() >= 2, "{record}");
+        // The run that committed saw the charged attempt too.
+        let audited = audit.find_one(doc! { "_id": record.get_str("eventId").unwrap() }).await.unwrap().unwrap();
+        assert!(audited.get("attempt").and_then(integer).unwrap() >= 2, "{audited}");
+    }
+    let dead = deployment.fixture.store().list_deliveries(&DeliveryFilter { status: Some(relayhost::store::DeliveryStatus::Dead), ..Default::default() }).await.unwrap();
+    assert!(dead.deliveries.is_empty(), "{dead:?}");
+    survivor.stop();
+}
+
+// ---- dead letters and the hook ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_plugin_runs_into_the_dead_letters_and_the_hook_is_delivered() {
+    let extra = "poll_interval = \"5s\"\n\n[plugin.hostile]\nretry = { max_attempts = 3, initial_backoff = \"100ms\", max_backoff = \"1s\" }";
+    let deployment = Deployment::new(&["hostile", "dead_letter_alert"], extra).await;
+    let host = deployment.start("host");
+    for n in 0..2 {
+        let output = deployment.relayhost(&["publish", "--type", "poison", "--key", "k", "--id", &format!("poison-{n}"), "--payload", "{\"n\": 1}"]);
+        assert!(output.status.success(), "{}", stdout(&output));
+    }
+    // Retries come due by timers, not by the (slow) poll.
+    deployment.wait_until("both burials are announced", Duration::from_secs(60), async |d| {
+        d.documents("dead_letter_alerts").await.len() == 2
+    }).await;
+    let mut alerts = deployment.documents("dead_letter_alerts").await;
+    alerts.sort_by_key(|a| a.get_str("eventId").unwrap().to_string());
+    for (n, alert) in alerts.iter().enumerate() {
+        assert_eq!(alert.get_str("eventId").unwrap(), format!("poison-{n}"));
+        assert_eq!(alert.get_str("handler").unwrap(), "poison");
+        assert_eq!(alert.get("attempts").and_then(integer), Some(3), "{alert}");
+        let error = alert.get_str("lastError").unwrap();
+        assert!(error.starts_with("trap: ") && error.contains(&format!("poisoned by event poison-{n}")), "{error}");
+        assert!(error.ends_with("(attempt 3 of 3)"), "{error}");
+    }
+
+    let listed = deployment.relayhost(&["dead", "list", "--handler", "poison"]);
+    let text = stdout(&listed);
+    assert!(listed.status.success() && text.contains("poison-0") && text.contains("poison-1") && text.contains("attempts 3"), "{text}");
+    // Requeue one: it runs again (attempts reset), dies again, and is announced again.
+    let id = text.lines().find(|l| l.contains("poison-0")).unwrap().split_whitespace().next().unwrap().to_string();
+    let requeued = deployment.relayhost(&["dead", "requeue", &id]);
+    assert!(requeued.status.success(), "{}", stdout(&requeued));
+    deployment.wait_until("the requeued delivery dies again", Duration::from_secs(60), async |d| {
+        d.documents("dead_letter_alerts").await.len() == 3
+    }).await;
+    // Admin input is never an operator or a query: refused by name.
+    let refused = deployment.relayhost(&["dead", "requeue", "{\"$ne\": null}"]);
+    let text = stdout(&refused);
+    assert!(!refused.status.success() && text.contains("$ne") && text.contains("does not exist"), "{text}");
+    let counters = host.stop();
+    assert_eq!(counters["dead"], 3);
+    assert_eq!(counters["retried"], 6);
+}
+
+// ---- graceful stop ----
+
+/// A webhook receiver on 127.0.0.1 that holds every request open while `hold` is set and
+/// answers 200 otherwise; it records each request body.
+struct Receiver {
+    address: std::net::SocketAddr,
+    hold: Arc<AtomicBool>,
+    bodies: Arc<Mutex<Vec<serde_json::Value>>>,
+}
+
+impl Receiver {
+    fn start() -> Self {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap();
+        let (hold, bodies) = (Arc::new(AtomicBool::new(true)), Arc::<Mutex<Vec<serde_json::Value>>>::default());
+        let (holding, log) = (hold.clone(), bodies.clone());
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                let body = read_request_body(&mut stream);
+                log.lock().unwrap().push(serde_json::from_slice(&body).unwrap_or_default());
+                if holding.load(Ordering::SeqCst) {
+                    held.push(stream);
+                } else {
+                    let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
+                }
+            }
+        });
+        Self { address, hold, bodies }
+    }
+
+    fn bodies(&self) -> Vec<serde_json::Value> {
+        self.bodies.lock().unwrap().clone()
+    }
+}
+
+/// The body of one HTTP/1.1 request, sized by `content-length` or chunked.
+fn read_request_body(stream: &mut std::net::TcpStream) -> Vec<u8> {
+    let mut request = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = stream.read(&mut buf).unwrap_or(0);
+        if n == 0 {
+            return Vec::new();
+        }
+        request.extend_from_slice(&buf[..n]);
+        let Some(head_end) = request.windows(4).position(|w| w == b"\r\n\r\n") else { continue };
+        let head = String::from_utf8_lossy(&request[..head_end]).to_ascii_lowercase();
+        let body = &request[head_end + 4..];
+        if head.contains("transfer-encoding: chunked") {
+            if body.ends_with(b"0\r\n\r\n") {
+                return dechunk(body);
+            }
+            continue;
+        }
+        let length = head.lines().find_map(|l| l.strip_prefix("content-length:").and_then(|v| v.trim().parse().ok())).unwrap_or(0);
+        if body.len() >= length {
+            return body[..length].to_vec();
+        }
+    }
+}
+
+fn dechunk(mut body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Some(line_end) = body.windows(2).position(|w| w == b"\r\n") {
+        let size = usize::from_str_radix(String::from_utf8_lossy(&body[..line_end]).trim(), 16).unwrap_or(0);
+        if size == 0 {
+            break;
+        }
+        out.extend_from_slice(&body[line_end + 2..line_end + 2 + size]);
+        body = &body[line_end + 4 + size..];
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_stop_releases_claimed_work_without_charging_attempts() {
+    let receiver = Receiver::start();
+    let extra = format!(
+        "concurrency = 2\nshutdown_timeout = \"1s\"\n\n[plugin.webhook]\nwall_time = \"60s\"\n\
+         grants = {{ environment = [\"WEBHOOK_URL\"], http_hosts = [\"{}\"] }}",
+        receiver.address
+    );
+    let deployment = Deployment::new(&["webhook"], &extra).await;
+    let url = format!("http://{}/hooks", receiver.address);
+    let host = deployment.start_with("host", &[("WEBHOOK_URL", url.as_str())]);
+    let orders: Vec<NewEvent> = (0..4).map(|n| NewEvent::new(format!("order-{n}"), "order.placed", doc! { "n": n as i32 })).collect();
+    publish_all(deployment.fixture.store(), orders).await;
+    // Two deliveries are running (their requests are held), two wait for capacity.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while receiver.bodies().len() < 2 {
+        assert!(Instant::now() < deadline, "the webhook was not called:\n{}", host.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let counters = host.stop();
+    assert_eq!(counters["released"], 2, "the two cut-off runs were handed back");
+    assert_eq!(counters["completed"], 0);
+    let pending = deployment.fixture.store().list_deliveries(&DeliveryFilter::default()).await.unwrap().deliveries;
+    assert_eq!(pending.len(), 4);
+    assert!(pending.iter().all(|d| d.attempts == 0 && d.last_error.is_none()), "nothing was charged: {pending:?}");
+
+    // The next host delivers all four; each successful call is the first charged attempt.
+    receiver.hold.store(false, Ordering::SeqCst);
+    let host = deployment.start_with("host", &[("WEBHOOK_URL", url.as_str())]);
+    deployment.wait_until("all four are delivered", Duration::from_secs(60), async |d| d.drained().await).await;
+    let counters = host.stop();
+    assert_eq!(counters["completed"], 4);
+    let bodies = receiver.bodies();
+    let mut delivered: Vec<&str> = bodies[bodies.len() - 4..].iter().map(|b| b["id"].as_str().unwrap_or("?")).collect();
+    delivered.sort();
+    assert_eq!(delivered, ["order-0", "order-1", "order-2", "order-3"], "{bodies:?}");
+    assert!(bodies.iter().all(|b| b["attempt"] == 1), "{bodies:?}");
+}
+
+// ---- check ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_names_every_problem_and_exits_non_zero() {
+    let deployment = Deployment::new(&["noop"], "").await;
+    let ok = deployment.relayhost(&["check"]);
+    assert!(ok.status.success(), "{}", stdout(&ok));
+    assert!(stdout(&ok).contains("noop"), "{}", stdout(&ok));
+
+    std::fs::write(deployment.dir.join("plugins/broken.wasm"), b"\0asm not really").unwrap();
+    let config = std::fs::read_to_string(&deployment.config).unwrap() + "\n[plugin.audit_log]\nfuel = 1000000\n";
+    std::fs::write(&deployment.config, config).unwrap();
+    let output = deployment.relayhost(&["check"]);
+    let text = stdout(&output);
+    assert!(!output.status.success());
+    assert!(text.contains("plugin broken"), "{text}");
+    assert!(text.contains("[plugin.audit_log] is configured but"), "{text}");
+
+    std::fs::write(deployment.dir.join("bad.toml"), "[host]\nconcurrency = \"many\"\n").unwrap();
+    let output = Command::new(RELAYHOST).args(["check", "--config"]).arg(deployment.dir.join("bad.toml")).output().unwrap();
+    assert!(!output.status.success());
+    assert!(stdout(&output).contains("concurrency"), "{}", stdout(&output));
+    let output = deployment.relayhost(&["publish", "--type", "t", "--payload", "[1, 2]"]);
+    assert!(!output.status.success() && stdout(&output).contains("must be a JSON object"), "{}", stdout(&output));
+}
