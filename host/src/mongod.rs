@@ -67,6 +67,10 @@ pub struct MongodOptions {
     /// thread that lives as long as the process).
     pub die_with_parent: bool,
     pub start_timeout: Duration,
+    /// The server aborts a transaction open this long (`transactionLifetimeLimitSeconds`,
+    /// 60 s by default). A client killed mid-transaction leaves its transaction, and the
+    /// write locks it holds, in place until then: keep it just above the longest transaction.
+    pub transaction_lifetime: Option<Duration>,
 }
 
 impl MongodOptions {
@@ -78,6 +82,7 @@ impl MongodOptions {
             replica_set: "rs0".to_string(),
             die_with_parent: false,
             start_timeout: Duration::from_secs(60),
+            transaction_lifetime: None,
         }
     }
 }
@@ -129,6 +134,10 @@ impl Mongod {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
+        if let Some(lifetime) = options.transaction_lifetime {
+            let seconds = lifetime.as_secs_f64().ceil().max(1.0) as u64;
+            command.arg("--setParameter").arg(format!("transactionLifetimeLimitSeconds={seconds}"));
+        }
         if options.die_with_parent {
             die_with_parent(&mut command);
         }
@@ -277,7 +286,13 @@ pub fn process_server() -> Result<&'static str, String> {
                         let data_dir = root.join(std::process::id().to_string());
                         let _ = std::fs::remove_dir_all(&data_dir);
                         let binary = find_binary().map_err(|e| e.to_string())?;
-                        let options = MongodOptions { die_with_parent: true, ..MongodOptions::new(binary, data_dir) };
+                        // Test hosts are killed mid-transaction on purpose; their transactions
+                        // should not hold locks for the default minute.
+                        let options = MongodOptions {
+                            die_with_parent: true,
+                            transaction_lifetime: Some(Duration::from_secs(15)),
+                            ..MongodOptions::new(binary, data_dir)
+                        };
                         let runtime = tokio::runtime::Builder::new_current_thread()
                             .enable_all()
                             .build()

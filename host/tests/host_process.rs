@@ -296,7 +296,10 @@ async fn two_hosts_share_the_work_and_keep_every_keys_order() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hosts_killed_mid_delivery_lose_nothing_and_duplicate_nothing() {
-    let deployment = Deployment::new(&["audit_log"], "concurrency = 8\nlease = \"2s\"\npoll_interval = \"200ms\"").await;
+    // A killed host's open transaction holds its locks until the server aborts it (15 s on the
+    // test server): the handlers' wall time stays below that.
+    let extra = "concurrency = 8\nlease = \"2s\"\npoll_interval = \"200ms\"\n\n[defaults]\nwall_time = \"5s\"";
+    let deployment = Deployment::new(&["audit_log"], extra).await;
     let orders = keyed_orders(0..600, 30);
     publish_orders(&deployment, &orders).await;
     let lanes = deployment.collection("relayhost_lanes");

@@ -57,15 +57,9 @@ impl Output {
     /// runtimes print after a panic message: a panicking guest's reason is there.
     pub fn last_line(&self, source: Source) -> Option<String> {
         let buffer = self.buffer.lock().expect("output buffer");
-        buffer
-            .kept
-            .iter()
-            .rev()
-            .filter(|(from, _)| *from == source)
-            .flat_map(|(_, text)| text.lines().rev())
-            .map(str::trim)
-            .find(|line| !line.is_empty() && !line.starts_with("note: "))
-            .map(str::to_string)
+        // Writes may split a line; join the source's pieces first.
+        let text: String = buffer.kept.iter().filter(|(from, _)| *from == source).map(|(_, text)| text.as_str()).collect();
+        text.lines().rev().map(str::trim).find(|line| !line.is_empty() && !line.starts_with("note: ")).map(str::to_string)
     }
 
     /// Everything kept, in order, and how many bytes were dropped.

@@ -409,12 +409,15 @@ impl PluginRuntime {
             Ok(Ok(Err(types::Failure::Retry(retry)))) => Outcome::Retry { reason: retry.reason, not_before: retry.not_before },
             Ok(Ok(Err(types::Failure::Unprocessable(reason)))) => Outcome::Unprocessable(reason),
             Ok(Err(error)) => {
-                // A guest that panics prints why to stderr just before its trap.
+                // A guest that panics prints why to stderr just before its trap; a limit
+                // needs no more words than its own.
                 let reason = describe_trap(&error, &store);
-                Outcome::Failed(match output.last_line(Source::Stderr) {
-                    Some(line) => format!("{reason}; its last words: {}", line.chars().take(300).collect::<String>()),
-                    None => reason,
-                })
+                match output.last_line(Source::Stderr) {
+                    Some(line) if reason.starts_with("trap: ") => {
+                        Outcome::Failed(format!("{reason}; its last words: {}", line.chars().take(300).collect::<String>()))
+                    }
+                    _ => Outcome::Failed(reason),
+                }
             }
             Err(_) => Outcome::Failed(format!("wall-clock limit of {:?} exceeded", plugin.policy.limits.wall_time)),
         };

@@ -41,8 +41,9 @@ pub struct MongoConnection {
 
 impl MongoConnection {
     /// Connects to the configured MongoDB, starting the embedded one when it is not running.
-    /// The server started here dies with this process, even when it is killed.
-    pub async fn open(config: &MongoConfig) -> Result<Self, ConnectError> {
+    /// The server started here dies with this process, even when it is killed, and aborts
+    /// transactions older than `transaction_lifetime` (those of a killed host hold locks).
+    pub async fn open(config: &MongoConfig, transaction_lifetime: Duration) -> Result<Self, ConnectError> {
         if config.uri != "embedded" {
             return Self::connect(config.uri.clone(), None).await;
         }
@@ -55,6 +56,7 @@ impl MongoConnection {
         let options = MongodOptions {
             port: config.embedded_port,
             die_with_parent: true,
+            transaction_lifetime: Some(transaction_lifetime),
             ..MongodOptions::new(find_binary()?, data_dir.clone())
         };
         let mongod = Mongod::start(options).await?;

@@ -41,6 +41,12 @@ pub fn transaction_budget(config: &Config) -> Duration {
     (config.longest_wall_time() + Duration::from_secs(5)).max(StoreOptions::default().transaction_budget)
 }
 
+/// Connects as the configuration says; an embedded server aborts transactions a little after
+/// the store would have given them up.
+pub async fn connect(config: &Config) -> Result<MongoConnection, ConnectError> {
+    MongoConnection::open(&config.mongodb, transaction_budget(config) + Duration::from_secs(5)).await
+}
+
 /// The store a configuration describes, on an open connection.
 pub fn store_for(config: &Config, connection: &MongoConnection) -> Result<MongoStore, StoreError> {
     let location = MongoLocation::new(&config.mongodb.database, &config.mongodb.collection_prefix)?;
@@ -74,7 +80,7 @@ fn retry_policies(config: &Config) -> Arc<dyn Fn(&str) -> RetryPolicy + Send + S
 /// flight get `host.shutdown_timeout` to finish, the rest are handed back uncharged, the
 /// lanes are relinquished, and an embedded server this process started is shut down.
 pub async fn run(config: Config, stop: impl Future<Output = ()>) -> Result<Arc<DispatcherCounters>, ServiceError> {
-    let connection = MongoConnection::open(&config.mongodb).await?;
+    let connection = connect(&config).await?;
     let result = serve(&config, &connection, stop).await;
     connection.close().await;
     result

@@ -12,7 +12,7 @@ use clap::{Args, Subcommand};
 use relayhost::config::Config;
 use relayhost::event::NewEvent;
 use relayhost::plugin::Change;
-use relayhost::service::{MongoConnection, registry_for, store_for};
+use relayhost::service::{connect, registry_for, store_for};
 use relayhost::store::mongo::MongoStore;
 use relayhost::store::{DeliveryFilter, DeliveryStatus, Published, Store, StoreTransaction};
 
@@ -52,7 +52,7 @@ pub struct PublishArgs {
 /// Runs `work` on the configured store, then closes the connection (stopping an embedded
 /// server this command started).
 async fn with_store<T>(config: &Config, work: impl AsyncFnOnce(&MongoStore) -> Result<T>) -> Result<T> {
-    let connection = MongoConnection::open(&config.mongodb).await?;
+    let connection = connect(config).await?;
     let result = match store_for(config, &connection) {
         Ok(store) => work(&store).await,
         Err(error) => Err(error.into()),

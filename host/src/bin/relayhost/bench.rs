@@ -1,12 +1,227 @@
 //! `relayhost bench`: drain throughput and wakeup latency, with the raw floor measured on the
-//! same mongod in the same run.
+//! same mongod in the same run, printed as ratios against that floor and against the goals.
+//!
+//! A fresh single-node replica set is started for the run (so nothing else shares it), and
+//! the host's own pieces are used as `relayhost run` assembles them: the MongoDB store, the
+//! plugin registry with the no-op Rust plugin, the dispatcher, change-stream wakeups.
 
-use anyhow::Result;
+use std::collections::HashMap;
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use bson::{Document, doc};
 use clap::Args;
+use futures::TryStreamExt;
+use relayhost::dispatch::{Dispatcher, DispatcherCounters, DispatcherOptions, HandlerSpec, RetryPolicy, RunResult, Runner};
+use relayhost::event::NewEvent;
+use relayhost::mongod::{Mongod, MongodOptions, find_binary};
+use relayhost::plugin::{PluginPolicy, PluginRegistry, PluginRuntime};
+use relayhost::plugin_runner::PluginRunner;
+use relayhost::store::mongo::{EventWakeups, MongoLocation, MongoStore};
+use relayhost::store::{ClaimedDelivery, Store, StoreOptions, StoreTransaction};
 
 #[derive(Args)]
-pub struct BenchArgs {}
+pub struct BenchArgs {
+    /// Events in the drained backlog (and documents of the raw floor).
+    #[arg(long, default_value_t = 20_000)]
+    events: usize,
+    /// Events published one by one for the latency measurement.
+    #[arg(long, default_value_t = 500)]
+    latency_events: usize,
+    /// Their rate, per second.
+    #[arg(long, default_value_t = 50)]
+    rate: u32,
+    /// Directory holding `noop.wasm` (built by scripts/build-plugins.sh).
+    #[arg(long, default_value = "plugins/target/wasm32-wasip2/release")]
+    plugins: PathBuf,
+    /// Deliveries running at once.
+    #[arg(long, default_value_t = 32)]
+    concurrency: usize,
+}
 
-pub async fn run(_args: BenchArgs) -> Result<()> {
-    anyhow::bail!("not written yet")
+pub async fn run(args: BenchArgs) -> Result<()> {
+    let noop = args.plugins.join("noop.wasm");
+    if !noop.is_file() {
+        bail!("{} does not exist: run scripts/build-plugins.sh, or pass --plugins", noop.display());
+    }
+    let scratch = std::env::temp_dir().join(format!("relayhost-bench-{}", std::process::id()));
+    let plugins = scratch.join("plugins");
+    std::fs::create_dir_all(&plugins)?;
+    std::fs::copy(&noop, plugins.join("noop.wasm"))?;
+    println!("starting a fresh mongod for this run");
+    let options = MongodOptions { die_with_parent: true, ..MongodOptions::new(find_binary()?, scratch.join("data")) };
+    let mongod = Mongod::start(options).await?;
+    let client = mongodb::Client::with_uri_str(mongod.uri()).await?;
+    let result = measure(&args, &client, &plugins).await;
+    drop(client);
+    mongod.stop();
+    let _ = std::fs::remove_dir_all(&scratch);
+    result
+}
+
+async fn measure(args: &BenchArgs, client: &mongodb::Client, plugins: &std::path::Path) -> Result<()> {
+    let floor = raw_floor(client, args.events).await?;
+    println!("raw floor    {:>8.0} documents/s  (find 100, delete them with one delete, over {} documents)", floor, args.events);
+
+    let runtime = Arc::new(PluginRuntime::new(None)?);
+    let registry = Arc::new(PluginRegistry::new(runtime, plugins, |_| PluginPolicy::default()));
+    registry.scan().await?;
+
+    let drain = drain(args, client, &registry).await?;
+    let ratio = drain / floor;
+    println!(
+        "drain        {:>8.0} deliveries/s  ({} unkeyed events through the no-op plugin) = {:.0} % of the floor (goal >= 30 %): {}",
+        drain,
+        args.events,
+        ratio * 100.0,
+        verdict(ratio >= 0.30)
+    );
+
+    let (p50, p99) = latency(args, client, &registry).await?;
+    println!(
+        "latency      p50 {:.1} ms (goal <= 5), p99 {:.1} ms (goal <= 25), commit to handler start, {} events at {}/s: {}",
+        p50,
+        p99,
+        args.latency_events,
+        args.rate,
+        verdict(p50 <= 5.0 && p99 <= 25.0)
+    );
+    Ok(())
+}
+
+fn verdict(met: bool) -> &'static str {
+    if met { "met" } else { "NOT met" }
+}
+
+/// The floor: what MongoDB alone does for a queue of documents on this machine.
+async fn raw_floor(client: &mongodb::Client, count: usize) -> Result<f64> {
+    let collection = client.database("bench_floor").collection::<Document>("queue");
+    collection.drop().await?;
+    for chunk in (0..count).collect::<Vec<_>>().chunks(1_000) {
+        let documents = chunk.iter().map(|n| doc! { "_id": *n as i64, "type": "bench", "payload": { "n": *n as i64 } });
+        collection.insert_many(documents).await?;
+    }
+    let started = Instant::now();
+    let mut removed = 0;
+    loop {
+        let batch: Vec<Document> = collection.find(doc! {}).sort(doc! { "_id": 1 }).limit(100).await?.try_collect().await?;
+        if batch.is_empty() {
+            break;
+        }
+        let ids: Vec<bson::Bson> = batch.iter().filter_map(|d| d.get("_id").cloned()).collect();
+        removed += collection.delete_many(doc! { "_id": { "$in": ids } }).await?.deleted_count;
+    }
+    if removed as usize != count {
+        bail!("the floor removed {removed} of {count} documents");
+    }
+    Ok(count as f64 / started.elapsed().as_secs_f64())
+}
+
+fn store(client: &mongodb::Client, database: &str) -> Result<Arc<MongoStore>> {
+    let location = MongoLocation::with_default_prefix(database)?;
+    Ok(Arc::new(MongoStore::new(client.clone(), location, StoreOptions::default())))
+}
+
+fn dispatcher_options(args: &BenchArgs) -> DispatcherOptions {
+    // No busy polling: new events arrive by change stream, the poll is a slow safety net.
+    DispatcherOptions { concurrency: args.concurrency, poll_interval: Duration::from_secs(1), ..DispatcherOptions::default() }
+}
+
+/// Deliveries per second draining a published backlog.
+async fn drain(args: &BenchArgs, client: &mongodb::Client, registry: &Arc<PluginRegistry>) -> Result<f64> {
+    let store = store(client, "bench_drain")?;
+    store.setup().await?;
+    let events: Vec<NewEvent> = (0..args.events).map(|n| NewEvent::new(format!("bench-{n}"), "bench", doc! { "n": n as i64 })).collect();
+    for chunk in events.chunks(500) {
+        let mut tx = store.begin().await?;
+        for event in chunk {
+            store.publish(&mut tx, event).await?;
+        }
+        tx.commit().await?;
+    }
+    let runner = Arc::new(PluginRunner::new(registry.clone(), store.clone(), Arc::new(|_: &str| RetryPolicy::default())));
+    let dispatcher = Dispatcher::new(store.clone(), runner, dispatcher_options(args));
+    let counters = dispatcher.counters();
+    let target = args.events as u64;
+    let started = Instant::now();
+    let done = {
+        let counters = counters.clone();
+        async move {
+            while DispatcherCounters::get(&counters.completed) < target {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    };
+    dispatcher.run(done).await?;
+    let elapsed = started.elapsed();
+    if DispatcherCounters::get(&counters.dead) > 0 {
+        bail!("deliveries died during the drain");
+    }
+    Ok(args.events as f64 / elapsed.as_secs_f64())
+}
+
+/// Notes when each event's handler run starts, then runs it.
+struct Timed<R: Runner> {
+    inner: R,
+    started: Arc<Mutex<HashMap<String, Instant>>>,
+}
+
+impl<R: Runner> Runner for Timed<R> {
+    fn handlers(&self) -> Vec<HandlerSpec> {
+        self.inner.handlers()
+    }
+
+    fn run(&self, delivery: ClaimedDelivery) -> Pin<Box<dyn Future<Output = RunResult> + Send>> {
+        self.started.lock().expect("timings").entry(delivery.event.id.clone()).or_insert_with(Instant::now);
+        self.inner.run(delivery)
+    }
+}
+
+/// p50 and p99 in milliseconds from a commit to its handler's start, at a steady rate.
+async fn latency(args: &BenchArgs, client: &mongodb::Client, registry: &Arc<PluginRegistry>) -> Result<(f64, f64)> {
+    let store = store(client, "bench_latency")?;
+    store.setup().await?;
+    let started: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let runner = PluginRunner::new(registry.clone(), store.clone(), Arc::new(|_: &str| RetryPolicy::default()));
+    let runner = Arc::new(Timed { inner: runner, started: started.clone() });
+    let dispatcher = Dispatcher::new(store.clone(), runner, dispatcher_options(args));
+    let wakeups = EventWakeups::default().spawn(&store, dispatcher.waker());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(async move { dispatcher.run(async { let _ = stopped.await; }).await });
+    // Let the change stream open and the lanes settle before measuring.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    let mut committed = HashMap::new();
+    let mut ticker = tokio::time::interval(Duration::from_secs(1) / args.rate);
+    for n in 0..args.latency_events {
+        ticker.tick().await;
+        let event = NewEvent::new(format!("latency-{n}"), "bench", doc! { "n": n as i64 });
+        let mut tx = store.begin().await?;
+        store.publish(&mut tx, &event).await?;
+        // Measured from the moment the commit is sent: an upper bound of the true latency.
+        committed.insert(event.id.clone(), Instant::now());
+        tx.commit().await?;
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while started.lock().expect("timings").len() < args.latency_events {
+        if Instant::now() > deadline {
+            bail!("not every latency event was handled within a minute");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let _ = stop.send(());
+    running.await.context("the dispatcher task")??;
+    wakeups.abort();
+    let started = started.lock().expect("timings");
+    let mut latencies: Vec<f64> = committed
+        .iter()
+        .map(|(id, at)| started[id].saturating_duration_since(*at).as_secs_f64() * 1_000.0)
+        .collect();
+    latencies.sort_by(f64::total_cmp);
+    let percentile = |p: f64| latencies[((latencies.len() as f64 * p).ceil() as usize).saturating_sub(1)];
+    Ok((percentile(0.50), percentile(0.99)))
 }
