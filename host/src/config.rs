@@ -254,7 +254,7 @@ impl Config {
                 "host_artifact_cache" => self.host.artifact_cache = Some(value.into()),
                 "plugins_directory" => self.plugins.directory = value.into(),
                 // Read by other parts of relayhost, not configuration.
-                "mongod" | "cache" | "pythonpath" => {}
+                "config" | "mongod" | "cache" | "pythonpath" => {}
                 _ => return Err(invalid(&name, "is not a configuration override relayhost knows")),
             }
         }
