@@ -476,7 +476,7 @@ fn dechunk(mut body: &[u8]) -> Vec<u8> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_graceful_stop_releases_claimed_work_without_charging_attempts() {
+async fn a_graceful_stop_releases_claimed_work_without_charging_attempts_and_an_operator_can_bury() {
     let receiver = Receiver::start();
     let extra = format!(
         "concurrency = 2\nshutdown_timeout = \"1s\"\n\n[plugin.webhook]\nwall_time = \"60s\"\n\
@@ -501,17 +501,30 @@ async fn a_graceful_stop_releases_claimed_work_without_charging_attempts() {
     assert_eq!(pending.len(), 4);
     assert!(pending.iter().all(|d| d.attempts == 0 && d.last_error.is_none()), "nothing was charged: {pending:?}");
 
-    // The next host delivers all four; each successful call is the first charged attempt.
+    // An operator buries one of them while no host holds its lane; its death is announced.
+    let order_3 = pending.iter().find(|d| d.event_id == "order-3").unwrap().id.clone();
+    let buried = deployment.relayhost(&["dead", "bury", &order_3, "--reason", "customer cancelled"]);
+    assert!(buried.status.success(), "{}", stdout(&buried));
+    let announced = deployment.fixture.store().events_collection().find_one(doc! { "type": "relayhost.delivery.dead" }).await.unwrap().unwrap();
+    let payload = announced.get_document("payload").unwrap();
+    assert_eq!(payload.get_str("eventId").unwrap(), "order-3");
+    assert_eq!(payload.get_str("lastError").unwrap(), "buried by an operator: customer cancelled");
+    let again = deployment.relayhost(&["dead", "bury", &order_3]);
+    assert!(!again.status.success() && stdout(&again).contains("dead already"), "{}", stdout(&again));
+
+    // The next host delivers the other three; each successful call is the first charged attempt.
     receiver.hold.store(false, Ordering::SeqCst);
     let host = deployment.start_with("host", &[("WEBHOOK_URL", url.as_str())]);
-    deployment.wait_until("all four are delivered", Duration::from_secs(60), async |d| d.drained().await).await;
+    deployment.wait_until("the three are delivered", Duration::from_secs(60), async |d| d.drained().await).await;
     let counters = host.stop();
-    assert_eq!(counters["completed"], 4);
+    assert_eq!(counters["completed"], 3);
     let bodies = receiver.bodies();
-    let mut delivered: Vec<&str> = bodies[bodies.len() - 4..].iter().map(|b| b["id"].as_str().unwrap_or("?")).collect();
+    let mut delivered: Vec<&str> = bodies[bodies.len() - 3..].iter().map(|b| b["id"].as_str().unwrap_or("?")).collect();
     delivered.sort();
-    assert_eq!(delivered, ["order-0", "order-1", "order-2", "order-3"], "{bodies:?}");
+    assert_eq!(delivered, ["order-0", "order-1", "order-2"], "{bodies:?}");
     assert!(bodies.iter().all(|b| b["attempt"] == 1), "{bodies:?}");
+    let listed = stdout(&deployment.relayhost(&["dead", "list"]));
+    assert!(listed.contains("order-3") && listed.contains("customer cancelled"), "{listed}");
 }
 
 // ---- check ----

@@ -59,6 +59,7 @@ contract!(
     takeover_charges_the_lost_attempt_once,
     reschedule_release_and_bury,
     requeue_brings_a_dead_delivery_back_before_its_followers,
+    an_operator_buries_a_stuck_delivery_unless_its_lane_is_leased,
     operator_inputs_never_become_query_operators,
     long_blocked_backlogs_are_parked_and_drain_in_order,
     complete_many_settles_each_lease,
@@ -506,6 +507,41 @@ async fn reschedule_release_and_bury<F: Fixture>() {
     assert_eq!(dead[0].last_error.as_deref(), Some("unprocessable: no such customer"));
     let pending = list_all(store, DeliveryFilter { event_id: Some("r".into()), ..Default::default() }).await;
     assert_eq!(pending[0].last_error.as_deref(), Some("503 from upstream"));
+}
+
+async fn an_operator_buries_a_stuck_delivery_unless_its_lane_is_leased<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    publish_all(store, (0..2).map(|n| keyed(&format!("e-{n}"), "t", "k")).collect()).await;
+    fan_out_all(store, &subs(&[("h", &["t"])]), at(T0)).await;
+    let head = store.claim(&handlers(&["h"]), 10, at(T0)).await.unwrap().remove(0);
+    let id = head.lease.delivery.to_hex();
+    let bury = async |id: &str, now: i64| {
+        let mut tx = store.begin().await.unwrap();
+        let buried = store.bury_pending_in(&mut tx, id, "stuck", at(now)).await;
+        if buried.is_ok() {
+            tx.commit().await.unwrap();
+        }
+        buried
+    };
+    // Its lane is leased: it may be running, so it is left alone.
+    assert!(matches!(bury(&id, T0 + 1).await, Err(StoreError::NotBuriable { .. })));
+    // Retrying far in the future, it blocks its key with nobody holding the lane.
+    store.reschedule(&head.lease, at(T0 + 3_600_000), "flaky", at(T0 + 1)).await.unwrap();
+    store.relinquish().await.unwrap();
+    assert!(store.claim(&handlers(&["h"]), 10, at(T0 + 2)).await.unwrap().is_empty(), "the key is stuck");
+    store.relinquish().await.unwrap();
+    let buried = bury(&id, T0 + 3).await.unwrap();
+    assert_eq!((buried.event_id.as_str(), buried.attempts), ("e-0", 1));
+    let dead = dead(store).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!((dead[0].attempts, dead[0].last_error.as_deref()), (1, Some("stuck")));
+    // The key moves on, and the old lease is fenced.
+    let next = store.claim(&handlers(&["h"]), 10, at(T0 + 4)).await.unwrap();
+    assert_eq!(ids(&next), ["e-1/h"]);
+    assert_eq!(store.complete_many(&[head.lease], at(T0 + 5)).await.unwrap(), [Settlement::LeaseLost]);
+    assert!(matches!(bury(&id, T0 + 6).await, Err(StoreError::NotBuriable { .. })), "dead already");
+    assert!(matches!(bury("{\"$gt\": \"\"}", T0 + 6).await, Err(StoreError::DeliveryNotFound(_))));
 }
 
 async fn requeue_brings_a_dead_delivery_back_before_its_followers<F: Fixture>() {

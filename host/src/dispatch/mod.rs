@@ -10,5 +10,5 @@ mod dispatcher;
 mod settle;
 
 pub use dispatcher::{Dispatcher, DispatcherCounters, DispatcherOptions, HandlerSpec, RunResult, Runner};
-pub use dead_letter::{DEAD_LETTER_EVENT_TYPE, bury_with_dead_letter, dead_letter_event};
+pub use dead_letter::{DEAD_LETTER_EVENT_TYPE, bury_by_operator, bury_with_dead_letter, dead_letter_event};
 pub use settle::{AttemptResult, RetryPolicy, Settle, decide};

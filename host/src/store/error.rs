@@ -31,6 +31,8 @@ pub enum StoreError {
     DeliveryNotFound(String),
     #[error("delivery {0:?} is not dead; only dead deliveries can be requeued")]
     NotDead(String),
+    #[error("delivery {id:?} cannot be buried: {why}")]
+    NotBuriable { id: String, why: String },
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
     #[error("stored document is malformed: {0}")]

@@ -477,6 +477,34 @@ impl Store for MemoryStore {
         Ok(())
     }
 
+    async fn bury_pending_in(&self, tx: &mut MemoryTx, delivery_id: &str, reason: &str, now: DateTime) -> Result<DeliveryView, StoreError> {
+        let not_found = || StoreError::DeliveryNotFound(delivery_id.to_string());
+        let refused = |why: String| StoreError::NotBuriable { id: delivery_id.to_string(), why };
+        let id = ObjectId::parse_str(delivery_id).map_err(|_| not_found())?;
+        let state = &mut tx.state;
+        let delivery = state.deliveries.get(&id).ok_or_else(not_found)?;
+        let before = to_view(&id, delivery);
+        if delivery.status == DeliveryStatus::Dead {
+            return Err(refused("it is dead already".into()));
+        }
+        let lane = &mut state.lanes[usize::from(before.lane_id)];
+        if let Some(owner) = lane.owner.as_deref().filter(|_| lane.lease_expires_at > now) {
+            return Err(refused(format!(
+                "its lane {} is leased by {owner} until {}; try again once that host lets it go, or stop that host",
+                lane.id,
+                lane.lease_expires_at.try_to_rfc3339_string().unwrap_or_default()
+            )));
+        }
+        lane.epoch += 1;
+        let delivery = state.deliveries.get_mut(&id).expect("found above");
+        delivery.status = DeliveryStatus::Dead;
+        delivery.lane = LaneKind::Dead;
+        delivery.claims += 1;
+        delivery.last_error = Some(reason.to_string());
+        delivery.updated_at = Some(now);
+        Ok(before)
+    }
+
     async fn purge(&self, options: &PurgeOptions, _now: DateTime) -> Result<PurgeReport, StoreError> {
         let mut state = self.state.lock().await;
         let mut report = PurgeReport::default();

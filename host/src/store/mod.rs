@@ -375,6 +375,14 @@ pub trait Store: Send + Sync + 'static {
     /// Operator action: makes a dead delivery pending and due now, with its attempts reset.
     fn requeue(&self, delivery_id: &str, now: DateTime) -> impl Future<Output = Result<(), StoreError>> + Send;
 
+    /// Operator action inside the caller's transaction (so the death can be announced in it):
+    /// makes a pending delivery dead with `reason`, its attempts unchanged, and returns it as
+    /// it was. Refused with [`StoreError::NotBuriable`] when it is dead already or its lane is
+    /// leased (it may be running: wait for the lease to end or stop that host); the lane's
+    /// epoch moves on, so a claim racing the burial fails instead of handing it out.
+    fn bury_pending_in(&self, tx: &mut Self::Tx, delivery_id: &str, reason: &str, now: DateTime)
+    -> impl Future<Output = Result<DeliveryView, StoreError>> + Send;
+
     /// Deletes dead deliveries, history and events nothing references, in batches.
     fn purge(&self, options: &PurgeOptions, now: DateTime)
     -> impl Future<Output = Result<PurgeReport, StoreError>> + Send;

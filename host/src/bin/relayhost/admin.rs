@@ -1,4 +1,4 @@
-//! The operator's subcommands: `check`, `setup`, `stats`, `dead ...` and `publish`.
+//! The operator's subcommands: `check`, `setup`, `stats`, `dead list|requeue|bury` and `publish`.
 //!
 //! Each opens MongoDB as the configuration says (joining the embedded server a running host
 //! owns, or starting it for the command's duration), does one thing, and prints the result.
@@ -10,6 +10,7 @@ use anyhow::{Context, Result, bail};
 use bson::{DateTime, Document};
 use clap::{Args, Subcommand};
 use relayhost::config::Config;
+use relayhost::dispatch::{DEAD_LETTER_EVENT_TYPE, bury_by_operator};
 use relayhost::event::NewEvent;
 use relayhost::plugin::Change;
 use relayhost::service::{connect, registry_for, store_for};
@@ -32,6 +33,13 @@ pub enum DeadCommand {
     Requeue {
         #[arg(required = true)]
         ids: Vec<String>,
+    },
+    /// Makes a stuck pending delivery dead (its key moves on), announced like any death.
+    /// Refused while its lane is leased, since it may be running.
+    Bury {
+        id: String,
+        #[arg(long, default_value = "no reason given")]
+        reason: String,
     },
 }
 
@@ -167,6 +175,11 @@ pub async fn dead(config: &Config, command: DeadCommand) -> Result<ExitCode> {
                 }
             }
             Ok(if failed { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+        }
+        DeadCommand::Bury { id, reason } => {
+            let buried = bury_by_operator(store, &id, &format!("buried by an operator: {reason}")).await?;
+            println!("buried {} ({} of event {}); its death is announced as {DEAD_LETTER_EVENT_TYPE}", buried.id, buried.handler, buried.event_id);
+            Ok(ExitCode::SUCCESS)
         }
     })
     .await

@@ -38,7 +38,7 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Dead deliveries: list them, requeue or bury them.
+    /// Dead letters: list and requeue them, or bury a stuck pending delivery.
     #[command(subcommand)]
     Dead(admin::DeadCommand),
     /// Publishes one event in its own transaction, to try things.

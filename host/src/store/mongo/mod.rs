@@ -283,6 +283,10 @@ impl Store for MongoStore {
         outcome::requeue(self, delivery_id, now).await
     }
 
+    async fn bury_pending_in(&self, tx: &mut MongoTx, delivery_id: &str, reason: &str, now: DateTime) -> Result<crate::store::DeliveryView, StoreError> {
+        outcome::bury_pending_in(self, tx, delivery_id, reason, now).await
+    }
+
     async fn purge(&self, options: &PurgeOptions, now: DateTime) -> Result<PurgeReport, StoreError> {
         operations::purge(self, options, now).await
     }

@@ -9,10 +9,10 @@ use bson::{Bson, DateTime, Document, doc};
 use futures::TryStreamExt;
 use mongodb::ClientSession;
 
-use super::documents::{at_generations, delivery, generation_filter, history, lane};
+use super::documents::{at_generations, delivery, generation_filter, history, lane, lane_state, view};
 use super::{MongoStore, MongoTx};
 use crate::lane::LaneId;
-use crate::store::{Lease, Settlement, StoreError};
+use crate::store::{DeliveryStatus, DeliveryView, Lease, Settlement, StoreError};
 
 /// A cursor batch size that returns `n` small documents in the first reply, so a batch costs
 /// the same number of commands whatever its size.
@@ -342,4 +342,58 @@ pub(super) async fn requeue(store: &MongoStore, delivery_id: &str, now: DateTime
     } else {
         StoreError::DeliveryNotFound(delivery_id.to_string())
     })
+}
+
+pub(super) async fn bury_pending_in(
+    store: &MongoStore,
+    tx: &mut MongoTx,
+    delivery_id: &str,
+    reason: &str,
+    now: DateTime,
+) -> Result<DeliveryView, StoreError> {
+    // Only a well-formed ObjectId reaches a query, so an admin input cannot become an operator.
+    let id = ObjectId::parse_str(delivery_id).map_err(|_| StoreError::DeliveryNotFound(delivery_id.to_string()))?;
+    let refused = |why: String| StoreError::NotBuriable { id: delivery_id.to_string(), why };
+    let session = tx.session();
+    let found = store
+        .collections
+        .deliveries
+        .find_one(doc! { delivery::ID: id })
+        .session(&mut *session)
+        .await?
+        .ok_or_else(|| StoreError::DeliveryNotFound(delivery_id.to_string()))?;
+    let before = view(&found)?;
+    if before.status == DeliveryStatus::Dead {
+        return Err(refused("it is dead already".into()));
+    }
+    let lane_document = store
+        .collections
+        .lanes
+        .find_one(doc! { lane::ID: i32::from(before.lane_id) })
+        .session(&mut *session)
+        .await?
+        .ok_or_else(|| StoreError::Corrupt(format!("lane {} is missing; run setup", before.lane_id)))?;
+    let lane_now = lane_state(&lane_document)?;
+    if let Some(owner) = lane_now.owner.as_deref().filter(|_| lane_now.lease_expires_at > now) {
+        return Err(refused(format!(
+            "its lane {} is leased by {owner} until {}; try again once that host lets it go, or stop that host",
+            before.lane_id,
+            lane_now.lease_expires_at.try_to_rfc3339_string().unwrap_or_default()
+        )));
+    }
+    // Moving the epoch on fails any claim of this lane that read it before this burial.
+    store
+        .collections
+        .lanes
+        .update_one(doc! { lane::ID: i32::from(before.lane_id), lane::EPOCH: lane_now.epoch }, doc! { "$inc": { lane::EPOCH: 1_i64 } })
+        .session(&mut *session)
+        .await?;
+    let claims = found.get_i64(delivery::CLAIMS).or_else(|_| found.get_i32(delivery::CLAIMS).map(i64::from)).unwrap_or(0);
+    let mut filter = generation_filter(id, claims);
+    filter.insert(delivery::STATUS, delivery::PENDING);
+    let result = store.collections.deliveries.update_one(filter, burial(reason, false, now)).session(&mut *session).await?;
+    if result.matched_count != 1 {
+        return Err(refused("it changed while it was being buried; try again".into()));
+    }
+    Ok(before)
 }
