@@ -17,6 +17,7 @@ use tokio::sync::Mutex;
 use crate::event::NewEvent;
 use crate::plugin::{CapabilityFuture, FollowUpEvent, TransactionCapability};
 use crate::publish::Publisher;
+use crate::store::StoreError;
 use crate::store::mongo::MongoTx;
 
 /// Operators that run JavaScript on the server: never accepted from a plugin.
@@ -26,6 +27,11 @@ const SERVER_SIDE_CODE: [&str; 3] = ["$where", "$function", "$accumulator"];
 /// commits it afterwards.
 pub type SharedTx = Arc<Mutex<MongoTx>>;
 
+/// The first transient transaction error a handler's call met (a write conflict with another
+/// transaction, a step-down). The transaction cannot commit after one, whatever the handler
+/// made of the error, so the caller runs the handler again in a new transaction.
+pub type TransientError = Arc<std::sync::Mutex<Option<StoreError>>>;
+
 /// The `transaction` import of one transactional delivery.
 pub struct MongoHandlerTransaction {
     tx: SharedTx,
@@ -33,11 +39,25 @@ pub struct MongoHandlerTransaction {
     publisher: Publisher,
     /// The id of the event being handled: the causation id of follow-up events.
     causation_id: String,
+    transient: TransientError,
 }
 
 impl MongoHandlerTransaction {
-    pub fn new(tx: SharedTx, database: Database, publisher: Publisher, causation_id: String) -> Self {
-        Self { tx, database, publisher, causation_id }
+    pub fn new(tx: SharedTx, database: Database, publisher: Publisher, causation_id: String, transient: TransientError) -> Self {
+        Self { tx, database, publisher, causation_id, transient }
+    }
+
+    /// The error as the plugin sees it; a transient one is also kept for the caller.
+    fn failed(&self, error: impl Into<StoreError>) -> String {
+        let error = error.into();
+        let message = match &error {
+            StoreError::Mongo(error) => format!("MongoDB refused it: {error}"),
+            other => other.to_string(),
+        };
+        if error.is_transient() {
+            self.transient.lock().expect("transient error slot").get_or_insert(error);
+        }
+        message
     }
 }
 
@@ -72,10 +92,6 @@ fn to_json(value: Bson) -> String {
     value.into_relaxed_extjson().to_string()
 }
 
-fn failed(error: impl std::fmt::Display) -> String {
-    format!("MongoDB refused it: {error}")
-}
-
 impl TransactionCapability for MongoHandlerTransaction {
     fn insert<'a>(&'a mut self, collection: &'a str, document: &'a str) -> CapabilityFuture<'a, String> {
         Box::pin(async move {
@@ -87,7 +103,7 @@ impl TransactionCapability for MongoHandlerTransaction {
                 .insert_one(document)
                 .session(tx.session())
                 .await
-                .map_err(failed)?;
+                .map_err(|e| self.failed(e))?;
             Ok(to_json(result.inserted_id))
         })
     }
@@ -117,7 +133,7 @@ impl TransactionCapability for MongoHandlerTransaction {
                 .update_many(filter, update)
                 .session(tx.session())
                 .await
-                .map_err(failed)?;
+                .map_err(|e| self.failed(e))?;
             Ok(result.matched_count)
         })
     }
@@ -132,7 +148,7 @@ impl TransactionCapability for MongoHandlerTransaction {
                 .delete_many(filter)
                 .session(tx.session())
                 .await
-                .map_err(failed)?;
+                .map_err(|e| self.failed(e))?;
             Ok(result.deleted_count)
         })
     }
@@ -149,11 +165,11 @@ impl TransactionCapability for MongoHandlerTransaction {
                 .limit(i64::from(limit.clamp(1, 1_000)))
                 .session(&mut *session)
                 .await
-                .map_err(failed)?
+                .map_err(|e| self.failed(e))?
                 .stream(&mut *session)
                 .try_collect()
                 .await
-                .map_err(failed)?;
+                .map_err(|e| self.failed(e))?;
             Ok(documents.into_iter().map(|d| to_json(Bson::Document(d))).collect())
         })
     }
@@ -166,7 +182,7 @@ impl TransactionCapability for MongoHandlerTransaction {
             new_event.headers = event.headers.into_iter().collect();
             new_event.causation_id = Some(self.causation_id.clone());
             let mut tx = self.tx.lock().await;
-            self.publisher.publish(tx.session(), &new_event).await.map(|_| ()).map_err(|e| e.to_string())
+            self.publisher.publish(tx.session(), &new_event).await.map(|_| ()).map_err(|e| self.failed(e))
         })
     }
 }

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use bson::DateTime;
 
 use crate::dispatch::{AttemptResult, HandlerSpec, RetryPolicy, RunResult, Runner};
-use crate::handler_transaction::MongoHandlerTransaction;
+use crate::handler_transaction::{MongoHandlerTransaction, TransientError};
 use crate::plugin::{DeliveryInfo, LoadedPlugin, Outcome, PluginRegistry};
 use crate::store::mongo::MongoStore;
 use crate::store::{ClaimedDelivery, Retrying, Store, StoreError};
@@ -90,13 +90,32 @@ async fn run_transactional(
             Ok(tx) => Arc::new(tokio::sync::Mutex::new(tx)),
             Err(error) => return RunResult::Attempt(AttemptResult::Failed(format!("cannot start its transaction: {error}"))),
         };
-        let capability = MongoHandlerTransaction::new(tx.clone(), store.database(), store.publisher().clone(), delivery.event.id.clone());
+        let transient = TransientError::default();
+        let capability = MongoHandlerTransaction::new(
+            tx.clone(),
+            store.database(),
+            store.publisher().clone(),
+            delivery.event.id.clone(),
+            transient.clone(),
+        );
         let (ran, returned) = registry.runtime().invoke_transactional(plugin, &delivery.event, info, Box::new(capability)).await;
         drop(returned);
         let Ok(tx) = Arc::try_unwrap(tx) else {
             return RunResult::Attempt(AttemptResult::Failed("the handler kept its transaction".into()));
         };
         let mut tx = tx.into_inner();
+        let met = transient.lock().expect("transient error slot").take();
+        if let Some(error) = met {
+            // The transaction cannot commit, whatever the handler answered: run it again in
+            // a new one (not an attempt: the handler did not fail, the transaction did).
+            match retrying.settle(tx, Err::<(), _>(error)).await {
+                None => continue,
+                Some(result) => {
+                    let reason = result.err().map_or_else(|| "its transaction failed".to_string(), |e| e.to_string());
+                    return RunResult::Attempt(AttemptResult::Failed(reason));
+                }
+            }
+        }
         if ran.outcome != Outcome::Completed {
             let _ = crate::store::StoreTransaction::abort(tx).await;
             return RunResult::Attempt(attempt_of(ran.outcome));

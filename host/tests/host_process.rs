@@ -131,7 +131,11 @@ impl Deployment {
 
 impl Drop for Deployment {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
+        if std::thread::panicking() {
+            eprintln!("the hosts' logs are kept in {}", self.dir.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }
 
@@ -308,27 +312,17 @@ async fn hosts_killed_mid_delivery_lose_nothing_and_duplicate_nothing() {
     let mut interrupted: Vec<bson::oid::ObjectId> = Vec::new();
     for round in 0..3 {
         let host = deployment.start("host");
-        // Kill it while it is delivering: once the projection grew by another 100 orders.
+        // Kill it while it is delivering: once the projection grew by another 100 orders and a
+        // delivery is in flight.
         let target = 100 * (round + 1);
         let deadline = Instant::now() + Duration::from_secs(120);
-        while audit.count_documents(doc! {}).await.unwrap() < target {
+        while audit.count_documents(doc! {}).await.unwrap() < target || in_flight(&lanes, &deliveries).await.is_empty() {
             assert!(Instant::now() < deadline, "round {round}: the host did not deliver:\n{}", host.log());
-            tokio::time::sleep(Duration::from_millis(5)).await;
         }
         host.signal(libc::SIGKILL);
         assert!(!host.wait(Duration::from_secs(10)));
-        // What the killed host had started and not completed: listed in flight by a lane and
-        // still there at the generation it was claimed with.
-        let busy: Vec<Document> = lanes.find(doc! { "inFlight.0": { "$exists": true } }).await.unwrap().try_collect().await.unwrap();
-        for lane in busy {
-            for entry in lane.get_array("inFlight").unwrap() {
-                let entry = entry.as_document().unwrap();
-                let (id, claims) = (entry.get_object_id("d").unwrap(), entry.get_i64("c").unwrap());
-                if deliveries.find_one(doc! { "_id": id, "claims": claims }).await.unwrap().is_some() {
-                    interrupted.push(id);
-                }
-            }
-        }
+        // What the killed host had started and not completed.
+        interrupted.extend(in_flight(&lanes, &deliveries).await);
     }
     assert!(!interrupted.is_empty(), "some deliveries were cut off by the kills");
     let survivor = deployment.start("host");
@@ -352,6 +346,23 @@ async fn hosts_killed_mid_delivery_lose_nothing_and_duplicate_nothing() {
     let dead = deployment.fixture.store().list_deliveries(&DeliveryFilter { status: Some(relayhost::store::DeliveryStatus::Dead), ..Default::default() }).await.unwrap();
     assert!(dead.deliveries.is_empty(), "{dead:?}");
     survivor.stop();
+}
+
+/// Deliveries a lane lists in flight that still exist at the generation they were claimed
+/// with: started and not completed.
+async fn in_flight(lanes: &mongodb::Collection<Document>, deliveries: &mongodb::Collection<Document>) -> Vec<bson::oid::ObjectId> {
+    let mut running = Vec::new();
+    let busy: Vec<Document> = lanes.find(doc! { "inFlight.0": { "$exists": true } }).await.unwrap().try_collect().await.unwrap();
+    for lane in busy {
+        for entry in lane.get_array("inFlight").unwrap() {
+            let entry = entry.as_document().unwrap();
+            let (id, claims) = (entry.get_object_id("d").unwrap(), entry.get_i64("c").unwrap());
+            if deliveries.find_one(doc! { "_id": id, "claims": claims }).await.unwrap().is_some() {
+                running.push(id);
+            }
+        }
+    }
+    running
 }
 
 // ---- dead letters and the hook ----

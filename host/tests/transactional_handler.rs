@@ -66,6 +66,7 @@ async fn run_transactional(
         store.database(),
         store.publisher().clone(),
         delivery.event.id.clone(),
+        Default::default(),
     );
     let info = DeliveryInfo { handler: delivery.handler.clone(), attempt: 1, max_attempts: 5, deadline: 0 };
     let (ran, returned) = runtime.invoke_transactional(plugin, &delivery.event, &info, Box::new(capability)).await;
@@ -131,5 +132,47 @@ async fn the_dispatcher_runs_plugins_into_an_exact_projection() {
     expected.sort();
     assert_eq!(ids, expected, "the projection equals the set of events: no gap, no duplicate");
     assert!(dead(&*store).await.is_empty());
+    std::fs::remove_dir_all(plugins).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conflicting_transaction_makes_the_handler_run_again_not_fail() {
+    use relayhost::dispatch::{RetryPolicy, RunResult, Runner};
+    use relayhost::plugin::PluginRegistry;
+    use relayhost::plugin_runner::PluginRunner;
+
+    let fixture = MongoFixture::new().await;
+    let store = Arc::new(fixture.worker("runner"));
+    let plugins = std::env::temp_dir().join(format!("relayhost-conflict-{}", fixture.database));
+    std::fs::create_dir_all(&plugins).unwrap();
+    std::fs::copy(plugins_dir().join("audit_log.wasm"), plugins.join("audit_log.wasm")).unwrap();
+    let registry = Arc::new(PluginRegistry::new(Arc::new(plugin_runtime()), &plugins, |_| PluginPolicy {
+        grants: Grants { collections: vec!["audit_log".into(), "audit_order".into()], ..Default::default() },
+        ..Default::default()
+    }));
+    registry.scan().await.unwrap();
+    publish_all(&*store, vec![keyed("order-1", "order.placed", "c-1")]).await;
+    fan_out_all(&*store, &subs(&[("audit-log", &["order.placed"])]), bson::DateTime::now()).await;
+    let delivery = store.claim(&handlers(&["audit-log"]), 1, bson::DateTime::now()).await.unwrap().remove(0);
+
+    // Another transaction (a killed host's, say) holds the audit document's id, uncommitted.
+    // (The collection exists first: two transactions that each create it do not conflict.)
+    let audit = fixture.client.database(&fixture.database).collection::<Document>("audit_log");
+    fixture.client.database(&fixture.database).create_collection("audit_log").await.unwrap();
+    let mut other = fixture.client.start_session().await.unwrap();
+    other.start_transaction().await.unwrap();
+    audit.insert_one(doc! { "_id": "order-1", "by": "someone else" }).session(&mut other).await.unwrap();
+    let release = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        other.abort_transaction().await.unwrap();
+    });
+
+    let runner = PluginRunner::new(registry, store.clone(), Arc::new(|_: &str| RetryPolicy::default()));
+    let result = runner.run(delivery).await;
+    release.await.unwrap();
+    assert_eq!(result, RunResult::CompletedInTransaction, "the write conflict re-ran the handler until it went through");
+    let record = audit.find_one(doc! { "_id": "order-1" }).await.unwrap().unwrap();
+    assert_eq!(record.get_str("type").unwrap(), "order.placed");
+    assert_eq!(record.get("attempt").and_then(|a| a.as_i32().map(i64::from).or(a.as_i64())), Some(1), "no attempt was charged");
     std::fs::remove_dir_all(plugins).unwrap();
 }

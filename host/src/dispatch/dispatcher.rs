@@ -123,6 +123,12 @@ struct Flight {
     running: HashMap<DeliveryId, Running>,
     /// Due times of retries this dispatcher scheduled, earliest first.
     retry_timers: BinaryHeap<Reverse<Instant>>,
+    /// What the next step should look for. A claim costs several round trips, so the loop
+    /// claims only when something may have become claimable.
+    fan_out: bool,
+    claim: bool,
+    /// The last claim filled all the free capacity: more may be waiting.
+    backlog: bool,
 }
 
 impl<S: Store, R: Runner> Dispatcher<S, R> {
@@ -144,23 +150,24 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         tokio::pin!(stop);
         let permits = Arc::new(Semaphore::new(self.options.concurrency));
         let (finished_tx, mut finished) = mpsc::unbounded_channel::<(ClaimedDelivery, RunResult)>();
-        let mut flight = Flight { running: HashMap::new(), retry_timers: BinaryHeap::new() };
+        let mut flight =
+            Flight { running: HashMap::new(), retry_timers: BinaryHeap::new(), fan_out: true, claim: true, backlog: false };
         let mut renewal = tokio::time::interval(self.options.lease_duration / 3);
         renewal.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // New events appear only with a wakeup or by the poll; a finished delivery frees
-        // capacity but brings none, so it leads straight to a claim without a fan-out.
-        let mut look_for_events = true;
         loop {
             let next_retry = flight.retry_timers.peek().map(|Reverse(at)| *at);
+            // New events appear only with a wakeup or by the poll; a finished delivery brings
+            // none, and makes a claim worth it only when it may have unblocked something.
             let step = tokio::select! {
                 () = &mut stop => break,
-                () = self.wakeup.notified() => { look_for_events = true; Ok(()) }
-                () = tokio::time::sleep(self.options.poll_interval) => { look_for_events = true; Ok(()) }
+                () = self.wakeup.notified() => { flight.fan_out = true; flight.claim = true; Ok(()) }
+                () = tokio::time::sleep(self.options.poll_interval) => { flight.fan_out = true; flight.claim = true; Ok(()) }
                 () = sleep_until_some(next_retry) => {
                     let now = Instant::now();
                     while flight.retry_timers.peek().is_some_and(|Reverse(at)| *at <= now) {
                         flight.retry_timers.pop();
                     }
+                    flight.claim = true;
                     Ok(())
                 }
                 Some(done) = finished.recv() => {
@@ -168,19 +175,19 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                     while let Ok(more) = finished.try_recv() {
                         batch.push(more);
                     }
-                    // A burial publishes a dead-letter event: fan it out at once.
-                    self.settle(batch, &mut flight).await.map(|buried| look_for_events |= buried)
+                    self.settle(batch, &mut flight).await
                 }
                 _ = renewal.tick() => self.renew(&flight.running).await,
             };
             let step = match step {
-                Ok(()) => self.dispatch(&mut look_for_events, &permits, &finished_tx, &mut flight).await,
+                Ok(()) => self.dispatch(&permits, &finished_tx, &mut flight).await,
                 Err(error) => Err(error),
             };
             if let Err(error) = step {
                 DispatcherCounters::add(&self.counters.store_errors, 1);
                 tracing::warn!(%error, "store error; trying again at the next poll");
-                look_for_events = true;
+                flight.fan_out = true;
+                flight.claim = true;
             }
         }
         self.stop(&mut flight, &mut finished).await
@@ -189,7 +196,6 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
     /// Fans out when asked to, then claims up to the free capacity and starts the runs.
     async fn dispatch(
         &self,
-        look_for_events: &mut bool,
         permits: &Arc<Semaphore>,
         finished_tx: &mpsc::UnboundedSender<(ClaimedDelivery, RunResult)>,
         flight: &mut Flight,
@@ -198,26 +204,38 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         if specs.is_empty() {
             return Ok(());
         }
-        if *look_for_events {
+        if flight.fan_out {
             let subscriptions = Subscriptions::new(
                 specs.iter().map(|s| Subscription::new(s.handler.clone(), s.event_types.iter().cloned())),
             )?;
-            while self.store.fan_out(&subscriptions, self.options.fan_out_batch, DateTime::now()).await?.events > 0 {}
-            *look_for_events = false;
+            // A short batch means nothing was left: no second transaction to find that out.
+            let started = Instant::now();
+            while self.store.fan_out(&subscriptions, self.options.fan_out_batch, DateTime::now()).await?.events
+                >= self.options.fan_out_batch
+            {}
+            tracing::trace!(elapsed_us = started.elapsed().as_micros() as u64, "fanned out");
+            flight.fan_out = false;
         }
         let free = permits.available_permits();
-        if free == 0 {
+        if free == 0 || !(flight.claim || flight.backlog) {
             return Ok(());
         }
+        flight.claim = false;
         let handlers: Vec<String> = specs.iter().map(|s| s.handler.clone()).collect();
-        for delivery in self.store.claim(&handlers, free, DateTime::now()).await? {
+        let started = Instant::now();
+        let claimed = self.store.claim(&handlers, free, DateTime::now()).await?;
+        tracing::trace!(elapsed_us = started.elapsed().as_micros() as u64, count = claimed.len(), "claimed");
+        flight.backlog = claimed.len() >= free;
+        for delivery in claimed {
             let Some(spec) = specs.iter().find(|s| s.handler == delivery.handler) else { continue };
             if delivery.attempts >= spec.retry.max_attempts {
                 // Its workers kept dying while running it: dead without running again.
                 let reason = format!("{} attempts used up by workers that stopped while running it", delivery.attempts);
                 bury_with_dead_letter(&*self.store, &delivery, &reason, false, DateTime::now()).await?;
                 DispatcherCounters::add(&self.counters.dead, 1);
-                *look_for_events = true;
+                // Its dead letter is a new event, and its key may move on.
+                flight.fan_out = true;
+                flight.claim = true;
                 continue;
             }
             let permit = permits.clone().acquire_owned().await.expect("the semaphore is never closed");
@@ -233,18 +251,15 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         Ok(())
     }
 
-    /// Settles finished runs; returns whether a dead letter was published.
-    async fn settle(
-        &self,
-        batch: Vec<(ClaimedDelivery, RunResult)>,
-        flight: &mut Flight,
-    ) -> Result<bool, StoreError> {
-        let mut published = false;
+    /// Settles finished runs, and notes what they may have made worth a fan-out or a claim.
+    async fn settle(&self, batch: Vec<(ClaimedDelivery, RunResult)>, flight: &mut Flight) -> Result<(), StoreError> {
         let specs = self.runner.handlers();
         let now = DateTime::now();
         let mut completions = Vec::new();
         for (delivery, result) in batch {
             flight.running.remove(&delivery.lease.delivery);
+            // A keyed delivery that ends (however) may let its key's next one go.
+            flight.claim |= delivery.event.key.is_some();
             let attempt = match result {
                 RunResult::CompletedInTransaction => {
                     DispatcherCounters::add(&self.counters.completed, 1);
@@ -254,6 +269,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 RunResult::NotRun => {
                     self.store.release(&[delivery.lease], now).await?;
                     DispatcherCounters::add(&self.counters.released, 1);
+                    flight.claim = true;
                     continue;
                 }
                 RunResult::Attempt(attempt) => attempt,
@@ -270,7 +286,9 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 Settle::Bury { reason } => {
                     bury_with_dead_letter(&*self.store, &delivery, &reason, true, now).await?;
                     DispatcherCounters::add(&self.counters.dead, 1);
-                    published = true;
+                    // Its dead letter is a new event: fan it out at once.
+                    flight.fan_out = true;
+                    flight.claim = true;
                 }
             }
         }
@@ -279,7 +297,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             let done = settled.iter().filter(|s| matches!(s, crate::store::Settlement::Completed)).count();
             DispatcherCounters::add(&self.counters.completed, done);
         }
-        Ok(published)
+        Ok(())
     }
 
     async fn renew(&self, running: &HashMap<DeliveryId, Running>) -> Result<(), StoreError> {

@@ -59,6 +59,7 @@ impl EventWakeups {
                         loop {
                             match stream.next().await {
                                 Some(Ok(_)) => {
+                                    tracing::trace!("new event");
                                     waker.notify_one();
                                     resume = stream.resume_token();
                                 }
