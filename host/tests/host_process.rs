@@ -190,6 +190,11 @@ impl Host {
         assert!(self.wait(Duration::from_secs(60)), "a graceful stop exits successfully");
         let text = std::fs::read_to_string(&log).unwrap();
         let line = text[started_at as usize..].lines().find(|l| l.contains("relayhost stopped")).expect("the stop is logged").to_string();
+        if line.starts_with('{') {
+            // log_format = "json": one object per line, the fields flattened into it.
+            let fields: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&line).expect("a JSON log line");
+            return fields.iter().filter_map(|(name, value)| Some((name.clone(), value.as_u64()?))).collect();
+        }
         line.split_whitespace()
             .filter_map(|field| field.split_once('='))
             .filter_map(|(name, value)| Some((name.to_string(), value.parse().ok()?)))
@@ -280,7 +285,7 @@ async fn publish_orders(deployment: &Deployment, orders: &[(String, String)]) {
 async fn two_hosts_share_the_work_and_keep_every_keys_order() {
     let deployment = Deployment::new(&["audit_log"], "concurrency = 4\npoll_interval = \"200ms\"").await;
     let first = deployment.start("first");
-    let second = deployment.start("second");
+    let second = deployment.start_with("second", &[("RELAYHOST_HOST_LOG_FORMAT", "json")]);
     let orders = keyed_orders(0..400, 40);
     for chunk in orders.chunks(100) {
         publish_orders(&deployment, chunk).await;
@@ -293,6 +298,8 @@ async fn two_hosts_share_the_work_and_keep_every_keys_order() {
     expected.sort();
     assert_eq!(ids, expected);
     assert_eq!(order, by_key(&orders), "every key was handled one event at a time, in sequence");
+    let second_log = second.log();
+    assert!(second_log.lines().all(|line| line.starts_with('{') && line.contains("\"level\"")), "JSON logs: {second_log}");
     let (first, second) = (first.stop_with(libc::SIGINT), second.stop());
     assert!(first["completed"] > 0 && second["completed"] > 0, "both hosts delivered: {first:?} {second:?}");
     assert_eq!(first["completed"] + second["completed"], 400);
