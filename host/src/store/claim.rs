@@ -79,6 +79,10 @@ pub(crate) struct LaneRecord {
 
 pub(crate) type HandlerKey = (String, String);
 
+/// The fewest due rows [`ClaimBackend::free_lanes_with_due_work`] reads per query before it
+/// stops: an answer that saw fewer rows in all saw every due row of the free lanes.
+pub(crate) const MIN_ROWS_PER_LANE_QUERY: usize = 64;
+
 /// The primitives a claim is made of. Each is one small, bounded database step.
 pub(crate) trait ClaimBackend: Sync {
     /// Moves the lowest parked delivery of every key with no unfinished predecessor back to
@@ -292,6 +296,13 @@ impl Claimer {
                 mine.insert(lane.id, HeldLane { epoch: lane.epoch, running: Vec::new() });
             }
             scan(backend, &mut plan, &new_lanes, handlers, now).await?;
+            // The answer named every free lane with due work (fewer lanes than asked for, and
+            // fewer rows than any of its reads could return) and all of them were tried: a
+            // further round would only find that out again, at the cost of another query.
+            let rows_seen: usize = found.iter().map(|(_, due)| due).sum();
+            if found.len() < MAX_LANES_PER_QUERY && rows_seen < MIN_ROWS_PER_LANE_QUERY && free.len() == found.len() {
+                break;
+            }
             round = (round * 2).min(MAX_LANES_PER_QUERY);
         }
 

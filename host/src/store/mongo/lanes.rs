@@ -10,6 +10,7 @@ use futures::future::try_join_all;
 use super::MongoStore;
 use super::documents::{self, at_generations, delivery, in_flight_document, lane, lane_state};
 use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
+use crate::store::claim::MIN_ROWS_PER_LANE_QUERY;
 use crate::store::claim::{Candidate, ClaimBackend, HandlerKey, Holder, InFlight, LaneRecord, LaneState};
 use crate::store::{DeliveryId, Lease, StoreError};
 
@@ -160,7 +161,7 @@ impl ClaimBackend for Backend<'_> {
         // per lane: the cost grows with the number of lanes and rows read, never with the
         // backlog. A lane with a deep old backlog can fill the rows alone; then this round
         // yields fewer lanes, and that lane has enough work for the claim anyway.
-        let rows_wanted = (wanted * 2).clamp(64, 1_000);
+        let rows_wanted = (wanted * 2).clamp(MIN_ROWS_PER_LANE_QUERY, 1_000);
         let chunks = try_join_all(free.chunks(MAX_LANES_PER_QUERY).map(|chunk| async move {
             let rows: Vec<Document> = self
                 .store
