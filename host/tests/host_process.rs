@@ -420,10 +420,11 @@ async fn a_poison_plugin_runs_into_the_dead_letters_and_the_hook_is_delivered() 
 // ---- graceful stop ----
 
 /// A webhook receiver on 127.0.0.1 that holds every request open while `hold` is set and
-/// answers 200 otherwise; it records each request body.
+/// answers 200 otherwise (after `delay_ms`); it records each request body.
 struct Receiver {
     address: std::net::SocketAddr,
     hold: Arc<AtomicBool>,
+    delay_ms: Arc<std::sync::atomic::AtomicU64>,
     bodies: Arc<Mutex<Vec<serde_json::Value>>>,
 }
 
@@ -432,7 +433,8 @@ impl Receiver {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let address = listener.local_addr().unwrap();
         let (hold, bodies) = (Arc::new(AtomicBool::new(true)), Arc::<Mutex<Vec<serde_json::Value>>>::default());
-        let (holding, log) = (hold.clone(), bodies.clone());
+        let delay_ms = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let (holding, delay, log) = (hold.clone(), delay_ms.clone(), bodies.clone());
         std::thread::spawn(move || {
             let mut held = Vec::new();
             for stream in listener.incoming() {
@@ -442,11 +444,15 @@ impl Receiver {
                 if holding.load(Ordering::SeqCst) {
                     held.push(stream);
                 } else {
-                    let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
+                    let delay = Duration::from_millis(delay.load(Ordering::SeqCst));
+                    std::thread::spawn(move || {
+                        std::thread::sleep(delay);
+                        let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
+                    });
                 }
             }
         });
-        Self { address, hold, bodies }
+        Self { address, hold, delay_ms, bodies }
     }
 
     fn bodies(&self) -> Vec<serde_json::Value> {
@@ -543,6 +549,34 @@ async fn a_graceful_stop_releases_claimed_work_without_charging_attempts_and_an_
     assert!(bodies.iter().all(|b| b["attempt"] == 1), "{bodies:?}");
     let listed = stdout(&deployment.relayhost(&["dead", "list"]));
     assert!(listed.contains("order-3") && listed.contains("customer cancelled"), "{listed}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_running_longer_than_its_lease_keeps_it_by_renewal() {
+    let receiver = Receiver::start();
+    receiver.hold.store(false, Ordering::SeqCst);
+    // The webhook answers after 3.5 s: three and a half leases.
+    receiver.delay_ms.store(3_500, Ordering::SeqCst);
+    let extra = format!(
+        "concurrency = 1\nlease = \"1s\"\npoll_interval = \"100ms\"\n\n[plugin.webhook]\nwall_time = \"30s\"\n\
+         grants = {{ environment = [\"WEBHOOK_URL\"], http_hosts = [\"{}\"] }}",
+        receiver.address
+    );
+    let deployment = Deployment::new(&["webhook"], &extra).await;
+    let url = format!("http://{}/hooks", receiver.address);
+    let first = deployment.start_with("first", &[("WEBHOOK_URL", url.as_str())]);
+    publish_all(deployment.fixture.store(), vec![NewEvent::new("slow-1", "order.placed", doc! { "n": 1 })]).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while receiver.bodies().is_empty() {
+        assert!(Instant::now() < deadline, "the webhook was not called:\n{}", first.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A second host, polling every 100 ms, would take an expired lane over at once.
+    let second = deployment.start_with("second", &[("WEBHOOK_URL", url.as_str())]);
+    deployment.wait_until("the slow delivery completes", Duration::from_secs(60), async |d| d.drained().await).await;
+    let (first, second) = (first.stop(), second.stop());
+    assert_eq!(receiver.bodies().len(), 1, "nobody ran it a second time: {:?}", receiver.bodies());
+    assert_eq!((first["completed"], second["completed"]), (1, 0));
 }
 
 // ---- check ----
