@@ -212,22 +212,6 @@ fn parse_payload(text: &str) -> Result<Document> {
     let json: serde_json::Value = serde_json::from_str(text).context("--payload is not JSON")?;
     match bson::Bson::try_from(json).context("--payload is not valid extended JSON")? {
         bson::Bson::Document(document) => Ok(document),
-        other => bail!("--payload must be a JSON object, not {}", other.element_type_name()),
-    }
-}
-
-trait ElementTypeName {
-    fn element_type_name(&self) -> &'static str;
-}
-
-impl ElementTypeName for bson::Bson {
-    fn element_type_name(&self) -> &'static str {
-        match self {
-            bson::Bson::Array(_) => "an array",
-            bson::Bson::String(_) => "a string",
-            bson::Bson::Null => "null",
-            bson::Bson::Boolean(_) => "a boolean",
-            _ => "a number or another scalar",
-        }
+        other => bail!("--payload must be a JSON object, not {}", relayhost::event::bson_type_name(&other)),
     }
 }
