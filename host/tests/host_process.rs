@@ -85,7 +85,18 @@ impl Deployment {
 
     /// Runs an admin subcommand of the same configuration.
     fn relayhost(&self, args: &[&str]) -> Output {
-        Command::new(RELAYHOST).args(args).arg("--config").arg(&self.config).env("RUST_BACKTRACE", "0").output().unwrap()
+        self.relayhost_with(args, &[])
+    }
+
+    fn relayhost_with(&self, args: &[&str], env: &[(&str, &str)]) -> Output {
+        Command::new(RELAYHOST)
+            .args(args)
+            .arg("--config")
+            .arg(&self.config)
+            .envs(env.iter().copied())
+            .env("RUST_BACKTRACE", "0")
+            .output()
+            .unwrap()
     }
 
     fn collection(&self, name: &str) -> mongodb::Collection<Document> {
@@ -126,6 +137,24 @@ impl Deployment {
             })
             .collect();
         (ids, order)
+    }
+}
+
+impl Deployment {
+    /// Waits until `orders` are all audited and nothing is left to deliver, then checks that
+    /// the projection holds exactly those events (no gap, no duplicate) and that each key's
+    /// events were handled one at a time, in sequence.
+    async fn assert_audited_exactly(&self, orders: &[(String, String)], timeout: Duration, what: &str) {
+        let count = orders.len();
+        self.wait_until(&format!("all {count} orders are audited"), timeout, async |d| {
+            d.documents("audit_log").await.len() >= count && d.drained().await
+        })
+        .await;
+        let (ids, order) = self.audit().await;
+        let mut expected: Vec<String> = orders.iter().map(|(id, _)| id.clone()).collect();
+        expected.sort();
+        assert_eq!(ids, expected, "{what}: the projection is the set of events, no gap, no duplicate");
+        assert_eq!(order, by_key(orders), "{what}: every key was handled one event at a time, in sequence");
     }
 }
 
@@ -241,15 +270,8 @@ async fn host_delivers_what_a_publisher_committed(program: &str, script: &Path, 
     let uri = relayhost::mongod::process_server().unwrap();
     let run = Command::new(program).arg(script).args([uri, &deployment.fixture.database, "8", "--abort-odd"]).env(env.0, env.1).output().unwrap();
     assert!(run.status.success(), "{}", stdout(&run));
-    deployment.wait_until("the four committed orders are audited", Duration::from_secs(60), async |d| {
-        d.documents("audit_log").await.len() >= 4 && d.drained().await
-    }).await;
-    let (ids, order) = deployment.audit().await;
     let committed = [(0, 0), (2, 2), (4, 1), (6, 0)].map(|(n, customer)| (format!("order-placed-o-{n}"), format!("customer-{customer}")));
-    let mut expected: Vec<String> = committed.iter().map(|(id, _)| id.clone()).collect();
-    expected.sort();
-    assert_eq!(ids, expected, "aborted orders left no event; committed ones were each delivered once");
-    assert_eq!(order, by_key(&committed));
+    deployment.assert_audited_exactly(&committed, Duration::from_secs(60), "aborted orders left no event").await;
     let counters = host.stop();
     assert_eq!(counters["completed"], 4);
 }
@@ -290,14 +312,7 @@ async fn two_hosts_share_the_work_and_keep_every_keys_order() {
     for chunk in orders.chunks(100) {
         publish_orders(&deployment, chunk).await;
     }
-    deployment.wait_until("all 400 orders are audited", Duration::from_secs(180), async |d| {
-        d.documents("audit_log").await.len() == 400 && d.drained().await
-    }).await;
-    let (ids, order) = deployment.audit().await;
-    let mut expected: Vec<String> = orders.iter().map(|(id, _)| id.clone()).collect();
-    expected.sort();
-    assert_eq!(ids, expected);
-    assert_eq!(order, by_key(&orders), "every key was handled one event at a time, in sequence");
+    deployment.assert_audited_exactly(&orders, Duration::from_secs(180), "two hosts").await;
     let second_log = second.log();
     assert!(second_log.lines().all(|line| line.starts_with('{') && line.contains("\"level\"")), "JSON logs: {second_log}");
     let (first, second) = (first.stop_with(libc::SIGINT), second.stop());
@@ -333,14 +348,7 @@ async fn hosts_killed_mid_delivery_lose_nothing_and_duplicate_nothing() {
     }
     assert!(!interrupted.is_empty(), "some deliveries were cut off by the kills");
     let survivor = deployment.start("host");
-    deployment.wait_until("all 600 orders are audited", Duration::from_secs(180), async |d| {
-        d.documents("audit_log").await.len() == 600 && d.drained().await
-    }).await;
-    let (ids, order) = deployment.audit().await;
-    let mut expected: Vec<String> = orders.iter().map(|(id, _)| id.clone()).collect();
-    expected.sort();
-    assert_eq!(ids, expected, "no gap, no duplicate");
-    assert_eq!(order, by_key(&orders), "each key handled once per event, in sequence, across the kills");
+    deployment.assert_audited_exactly(&orders, Duration::from_secs(180), "across the kills").await;
     // The takeover charged the attempt the killed host had started.
     let history = deployment.collection("relayhost_completed_deliveries");
     for delivery in &interrupted {
@@ -577,6 +585,69 @@ async fn a_delivery_running_longer_than_its_lease_keeps_it_by_renewal() {
     let (first, second) = (first.stop(), second.stop());
     assert_eq!(receiver.bodies().len(), 1, "nobody ran it a second time: {:?}", receiver.bodies());
     assert_eq!((first["completed"], second["completed"]), (1, 0));
+}
+
+// ---- embedded MongoDB, admin commands, health endpoints ----
+
+/// One HTTP/1.0 GET on 127.0.0.1: the status code and the body.
+fn http_get(address: std::net::SocketAddr, path: &str) -> (u16, String) {
+    let mut stream = std::net::TcpStream::connect(address).unwrap();
+    stream.write_all(format!("GET {path} HTTP/1.0\r\nhost: relayhost\r\n\r\n").as_bytes()).unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let status = response.split_whitespace().nth(1).and_then(|code| code.parse().ok()).unwrap_or(0);
+    let body = response.split_once("\r\n\r\n").map(|(_, body)| body.to_string()).unwrap_or_default();
+    (status, body)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_embedded_server_keeps_its_data_and_admin_commands_join_a_running_host() {
+    let health: std::net::SocketAddr = format!("127.0.0.1:{}", relayhost::mongod::free_port().unwrap()).parse().unwrap();
+    let deployment = Deployment::new(&["audit_log"], &format!("health_listen = \"{health}\"")).await;
+    let data_dir = deployment.dir.join("embedded-data");
+    let data = data_dir.to_str().unwrap().to_string();
+    let embedded = [("RELAYHOST_MONGODB_URI", "embedded"), ("RELAYHOST_MONGODB_EMBEDDED_DATA_DIR", data.as_str())];
+    let state_file = data_dir.join("relayhost-embedded.json");
+
+    // Without a host, each command starts the embedded server for its own duration.
+    let setup = deployment.relayhost_with(&["setup"], &embedded);
+    assert!(setup.status.success(), "{}", stdout(&setup));
+    assert!(data_dir.join("mongod.lock").exists() && !state_file.exists(), "the server ran and was stopped");
+    let publish = |id: &str| deployment.relayhost_with(&["publish", "--type", "order.placed", "--key", "k", "--id", id, "--payload", "{\"total\": 1}"], &embedded);
+    let first = publish("e-1");
+    assert!(first.status.success() && stdout(&first).contains("published e-1 (sequence 1 of its key)"), "{}", stdout(&first));
+    // A new server on the same data still has it.
+    let again = publish("e-1");
+    assert!(again.status.success() && stdout(&again).contains("exists already"), "{}", stdout(&again));
+
+    // A host owns the server now; admin commands join it instead of starting another one.
+    let host = deployment.start_with("host", &embedded);
+    assert!(state_file.exists());
+    // (A second mongod on the same data directory would fail on its lock file.)
+    let second = publish("e-2");
+    assert!(second.status.success() && stdout(&second).contains("sequence 2 of its key"), "{}", stdout(&second));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (status, metrics) = http_get(health, "/metrics");
+        if status == 200 && metrics.contains("relayhost_completed_total 2") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "both events delivered: {status} {metrics}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(http_get(health, "/healthz").0, 200);
+    assert_eq!(http_get(health, "/readyz"), (200, "ready\n".to_string()));
+    assert_eq!(http_get(health, "/anything").0, 404);
+    let stats = deployment.relayhost_with(&["stats", "--json"], &embedded);
+    let rows: serde_json::Value = serde_json::from_slice(&stats.stdout).expect("stats --json prints JSON");
+    assert_eq!(rows[0]["handler"], "audit-log");
+    assert_eq!((rows[0]["completed"].as_u64(), rows[0]["pending"].as_u64()), (Some(2), Some(0)), "{rows}");
+
+    // The host stops the server it started.
+    let port: u16 = serde_json::from_slice::<serde_json::Value>(&std::fs::read(&state_file).unwrap()).unwrap()["port"].as_u64().unwrap() as u16;
+    assert_eq!(host.stop()["completed"], 2);
+    assert!(!state_file.exists());
+    assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_err(), "the embedded mongod is gone");
 }
 
 // ---- check ----

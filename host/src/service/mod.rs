@@ -79,7 +79,7 @@ fn retry_policies(config: &Config) -> Arc<dyn Fn(&str) -> RetryPolicy + Send + S
 /// Runs the host until `stop` resolves, then stops gracefully: claiming ends, deliveries in
 /// flight get `host.shutdown_timeout` to finish, the rest are handed back uncharged, the
 /// lanes are relinquished, and an embedded server this process started is shut down.
-pub async fn run(config: Config, stop: impl Future<Output = ()>) -> Result<Arc<DispatcherCounters>, ServiceError> {
+pub async fn run(config: Config, stop: impl Future<Output = ()>) -> Result<(), ServiceError> {
     let connection = connect(&config).await?;
     let result = serve(&config, &connection, stop).await;
     connection.close().await;
@@ -90,7 +90,7 @@ async fn serve(
     config: &Config,
     connection: &MongoConnection,
     stop: impl Future<Output = ()>,
-) -> Result<Arc<DispatcherCounters>, ServiceError> {
+) -> Result<(), ServiceError> {
     let store = Arc::new(store_for(config, connection)?);
     store.setup().await?;
     let registry = registry_for(config)?;
@@ -140,6 +140,5 @@ async fn serve(
         released = count(&counters.released),
         "relayhost stopped"
     );
-    result?;
-    Ok(counters)
+    Ok(result?)
 }
