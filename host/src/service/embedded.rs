@@ -75,11 +75,6 @@ impl MongoConnection {
         Ok(Self { client, uri, owned })
     }
 
-    /// Whether this process started the server it uses.
-    pub fn owns_server(&self) -> bool {
-        self.owned.is_some()
-    }
-
     /// Stops the embedded server this process started (a no-op otherwise).
     pub async fn close(self) {
         drop(self.client);
