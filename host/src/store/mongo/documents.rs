@@ -171,11 +171,9 @@ pub(super) fn view(document: &Document) -> Result<DeliveryView, StoreError> {
     })
 }
 
-/// `{ $or: [{ _id, claims }, ...] }` for deliveries still at the given claim generations.
-pub(super) fn at_generations(pairs: impl IntoIterator<Item = (ObjectId, i64)>) -> Document {
-    let alternatives: Vec<Document> =
-        pairs.into_iter().map(|(id, claims)| generation_filter(id, claims)).collect();
-    doc! { "$or": alternatives, delivery::STATUS: delivery::PENDING }
+/// A delivery's claim generation; see [`crate::store::Lease`].
+pub(super) fn claims(document: &Document) -> i64 {
+    integer(document, delivery::CLAIMS).unwrap_or(0)
 }
 
 /// A delivery at one claim generation.

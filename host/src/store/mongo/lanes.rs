@@ -8,7 +8,8 @@ use futures::stream::{self, StreamExt, TryStreamExt};
 use futures::future::try_join_all;
 
 use super::MongoStore;
-use super::documents::{self, at_generations, delivery, in_flight_document, lane, lane_state};
+use super::documents::{self, delivery, in_flight_document, lane, lane_state};
+use super::generations;
 use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
 use crate::store::claim::MIN_ROWS_PER_LANE_QUERY;
 use crate::store::claim::{Candidate, ClaimBackend, HandlerKey, Holder, InFlight, LaneRecord, LaneState};
@@ -21,36 +22,18 @@ pub(super) struct Backend<'a> {
     pub store: &'a MongoStore,
 }
 
+fn generation_pairs(entries: &[InFlight]) -> Vec<(DeliveryId, i64)> {
+    entries.iter().map(|entry| (entry.delivery, entry.claims)).collect()
+}
+
 fn lane_ids(ids: impl IntoIterator<Item = LaneId>) -> Vec<i32> {
     ids.into_iter().map(i32::from).collect()
 }
 
 impl Backend<'_> {
-    /// Sends conditional single-lane updates as one `update` command (unordered, majority);
-    /// returns how many matched.
+    /// Sends conditional single-lane updates as one `update` command; returns how many matched.
     async fn update_each(&self, statements: Vec<Document>) -> Result<u64, StoreError> {
-        let reply = self
-            .store
-            .client
-            .database(&self.store.location.database)
-            .run_command(doc! {
-                "update": self.store.collections.lanes.name(),
-                "updates": statements,
-                "ordered": false,
-                "writeConcern": { "w": "majority" },
-            })
-            .await?;
-        if let Ok(errors) = reply.get_array("writeErrors") {
-            return Err(StoreError::Corrupt(format!("lane update failed: {errors:?}")));
-        }
-        if let Ok(error) = reply.get_document("writeConcernError") {
-            return Err(StoreError::Corrupt(format!("lane update not acknowledged by a majority: {error}")));
-        }
-        Ok(match reply.get("n") {
-            Some(Bson::Int32(n)) => *n as u64,
-            Some(Bson::Int64(n)) => *n as u64,
-            _ => 0,
-        })
+        generations::update_each(self.store, self.store.collections.lanes.name(), statements, None).await
     }
 
     /// Those of `ids` that `holder` holds now.
@@ -229,34 +212,20 @@ impl ClaimBackend for Backend<'_> {
     }
 
     async fn charge_lost(&self, entries: &[InFlight], now: DateTime) -> Result<(), StoreError> {
-        self.store
-            .collections
-            .deliveries
-            .update_many(
-                at_generations(entries.iter().map(|e| (e.delivery, e.claims))),
-                doc! {
-                    "$inc": { delivery::ATTEMPTS: 1, delivery::CLAIMS: 1_i64 },
-                    "$set": {
-                        delivery::LAST_ERROR: "lease lost: the worker running it stopped renewing its lane",
-                        delivery::UPDATED_AT: now,
-                    },
-                },
-            )
-            .await?;
+        let update = doc! {
+            "$inc": { delivery::ATTEMPTS: 1, delivery::CLAIMS: 1_i64 },
+            "$set": {
+                delivery::LAST_ERROR: "lease lost: the worker running it stopped renewing its lane",
+                delivery::UPDATED_AT: now,
+            },
+        };
+        generations::update_current(self.store, &generation_pairs(entries), &update, None).await?;
         Ok(())
     }
 
     async fn current(&self, entries: &[InFlight]) -> Result<HashSet<DeliveryId>, StoreError> {
-        let documents: Vec<Document> = self
-            .store
-            .collections
-            .deliveries
-            .find(at_generations(entries.iter().map(|e| (e.delivery, e.claims))))
-            .projection(doc! { delivery::ID: 1 })
-            .batch_size(super::outcome::one_batch(entries.len()))
-            .await?
-            .try_collect()
-            .await?;
+        let projection = doc! { delivery::ID: 1, delivery::CLAIMS: 1 };
+        let documents = generations::find_current(self.store, &generation_pairs(entries), Some(projection), None).await?;
         Ok(documents.iter().filter_map(|d| d.get_object_id(delivery::ID).ok()).collect())
     }
 
@@ -386,11 +355,7 @@ impl ClaimBackend for Backend<'_> {
     }
 
     async fn give_back(&self, picks: &[(DeliveryId, i64)]) -> Result<(), StoreError> {
-        self.store
-            .collections
-            .deliveries
-            .update_many(at_generations(picks.iter().copied()), doc! { "$inc": { delivery::CLAIMS: 1_i64 } })
-            .await?;
+        generations::update_current(self.store, picks, &doc! { "$inc": { delivery::CLAIMS: 1_i64 } }, None).await?;
         Ok(())
     }
 
@@ -434,14 +399,8 @@ impl ClaimBackend for Backend<'_> {
                 if dropped.is_empty() {
                     continue;
                 }
-                collections
-                    .deliveries
-                    .update_many(
-                        at_generations(dropped.iter().map(|e| (e.delivery, e.claims))),
-                        doc! { "$inc": { delivery::CLAIMS: 1_i64 } },
-                    )
-                    .session(&mut *session)
-                    .await?;
+                let bump = doc! { "$inc": { delivery::CLAIMS: 1_i64 } };
+                generations::update_current(self.store, &generation_pairs(&dropped), &bump, Some(&mut *session)).await?;
                 let entries: Vec<Document> = kept.iter().map(in_flight_document).collect();
                 collections
                     .lanes

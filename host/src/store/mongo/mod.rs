@@ -28,6 +28,7 @@ macro_rules! transaction {
 
 mod documents;
 mod fan_out;
+mod generations;
 mod lanes;
 mod operations;
 mod outcome;

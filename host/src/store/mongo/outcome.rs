@@ -9,7 +9,8 @@ use bson::{Bson, DateTime, Document, doc};
 use futures::TryStreamExt;
 use mongodb::ClientSession;
 
-use super::documents::{at_generations, delivery, generation_filter, history, lane, lane_state, view};
+use super::documents::{delivery, generation_filter, history, lane, lane_state, view};
+use super::generations;
 use super::{MongoStore, MongoTx};
 use crate::lane::LaneId;
 use crate::store::{DeliveryStatus, DeliveryView, Lease, Settlement, StoreError};
@@ -18,6 +19,10 @@ use crate::store::{DeliveryStatus, DeliveryView, Lease, Settlement, StoreError};
 /// the same number of commands whatever its size.
 pub(super) fn one_batch(n: usize) -> u32 {
     u32::try_from(n + 1).unwrap_or(u32::MAX)
+}
+
+fn lease_generations<'a>(leases: impl Iterator<Item = &'a Lease>) -> Vec<(ObjectId, i64)> {
+    leases.map(|lease| (lease.delivery, lease.claims)).collect()
 }
 
 /// Lane epochs as they are now, read in `session`.
@@ -53,16 +58,7 @@ async fn complete_in_session(
     now: DateTime,
 ) -> Result<Vec<Settlement>, StoreError> {
     let epochs = lane_epochs(store, session, leases.iter().map(|l| l.lane)).await?;
-    let found: Vec<Document> = store
-        .collections
-        .deliveries
-        .find(at_generations(leases.iter().map(|l| (l.delivery, l.claims))))
-        .batch_size(one_batch(leases.len()))
-        .session(&mut *session)
-        .await?
-        .stream(&mut *session)
-        .try_collect()
-        .await?;
+    let found = generations::find_current(store, &lease_generations(leases.iter()), None, Some(&mut *session)).await?;
     let found: HashMap<ObjectId, Document> =
         found.into_iter().filter_map(|d| Some((d.get_object_id(delivery::ID).ok()?, d))).collect();
     let current: Vec<&Lease> = leases
@@ -229,15 +225,8 @@ pub(super) async fn release(store: &MongoStore, leases: &[Lease], now: DateTime)
     let released = if issued.is_empty() {
         0
     } else {
-        let result = store
-            .collections
-            .deliveries
-            .update_many(
-                at_generations(issued.iter().map(|l| (l.delivery, l.claims))),
-                doc! { "$inc": { delivery::CLAIMS: 1_i64 }, "$set": { delivery::UPDATED_AT: now } },
-            )
-            .await?;
-        result.modified_count as usize
+        let update = doc! { "$inc": { delivery::CLAIMS: 1_i64 }, "$set": { delivery::UPDATED_AT: now } };
+        generations::update_current(store, &lease_generations(issued.iter().copied()), &update, None).await? as usize
     };
     store.claimer.settled(leases);
     Ok(released)
@@ -254,16 +243,8 @@ pub(super) async fn extend_lease(store: &MongoStore, leases: &[Lease], now: Date
     // extends the lane of a newer claim.
     let extended: HashSet<ObjectId> = transaction!(store, |tx| {
         let session = tx.session();
-        let found: Vec<Document> = store
-            .collections
-            .deliveries
-            .find(at_generations(issued.iter().map(|l| (l.delivery, l.claims))))
-            .projection(doc! { delivery::ID: 1 })
-            .session(&mut *session)
-            .await?
-            .stream(&mut *session)
-            .try_collect()
-            .await?;
+        let projection = doc! { delivery::ID: 1, delivery::CLAIMS: 1 };
+        let found = generations::find_current(store, &lease_generations(issued.iter()), Some(projection), Some(&mut *session)).await?;
         let found: HashSet<ObjectId> = found.iter().filter_map(|d| d.get_object_id(delivery::ID).ok()).collect();
         let lanes: BTreeSet<(LaneId, i64)> =
             issued.iter().filter(|l| found.contains(&l.delivery)).map(|l| (l.lane, l.epoch)).collect();
