@@ -52,6 +52,7 @@ contract!(
     keyed_deliveries_run_one_at_a_time_in_sequence_order,
     concurrent_workers_never_claim_twice_and_keep_key_order,
     lanes_are_exclusive_under_a_live_lease,
+    a_claim_in_given_lanes_takes_only_those_and_keeps_the_rules,
     lanes_are_held_per_store_instance,
     relinquish_hands_lanes_back_at_once,
     a_stale_lease_changes_nothing,
@@ -399,6 +400,30 @@ async fn lanes_are_exclusive_under_a_live_lease<F: Fixture>() {
     assert!(b.claim(&handlers(&["h"]), 10, at(T0 + 1_000)).await.unwrap().is_empty());
     // a itself takes the other one from the lane it holds.
     assert_eq!(a.claim(&handlers(&["h"]), 10, at(T0 + 1_000)).await.unwrap().len(), 1);
+}
+
+async fn a_claim_in_given_lanes_takes_only_those_and_keeps_the_rules<F: Fixture>() {
+    let fixture = F::new().await;
+    let (a, b) = (fixture.worker("a"), fixture.worker("b"));
+    let key_lane = relayhost::lane::lane_of("key");
+    let (three, seven) = (id_in_lane("x", 3), id_in_lane("y", 7));
+    let other_three = id_in_lane(&format!("{three}-z"), 3);
+    publish_all(
+        fixture.store(),
+        vec![event(&three, "t"), event(&other_three, "t"), event(&seven, "t"), keyed("k-0", "t", "key"), keyed("k-1", "t", "key")],
+    )
+    .await;
+    let report = fixture.store().fan_out(&subs(&[("h", &["t"])]), 100, at(T0)).await.unwrap();
+    assert_eq!(report.lanes, [3, 7, key_lane].into_iter().collect());
+
+    // Only the lanes named are taken: both of lane 3, nothing of lane 7.
+    let claimed = a.claim_in(&handlers(&["h"]), &[3], 10, at(T0)).await.unwrap();
+    assert_eq!(ids(&claimed), { let mut both = vec![format!("{three}/h"), format!("{other_three}/h")]; both.sort(); both });
+    // A lane another worker holds is skipped, a free one is taken.
+    assert!(b.claim_in(&handlers(&["h"]), &[3], 10, at(T0 + 1)).await.unwrap().is_empty());
+    assert_eq!(ids(&b.claim_in(&handlers(&["h"]), &[7, 3], 10, at(T0 + 1)).await.unwrap()), [format!("{seven}/h")]);
+    // Per-key order holds: the head of the key, not its follower.
+    assert_eq!(ids(&b.claim_in(&handlers(&["h"]), &[key_lane], 10, at(T0 + 2)).await.unwrap()), ["k-0/h"]);
 }
 
 async fn lanes_are_held_per_store_instance<F: Fixture>() {

@@ -79,6 +79,15 @@ pub(crate) struct LaneRecord {
 
 pub(crate) type HandlerKey = (String, String);
 
+/// Where a claim looks for lanes beyond the ones its instance holds.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum LaneSearch<'a> {
+    /// Free lanes with due work, the oldest due first, in growing rounds.
+    FreeWithDueWork,
+    /// Only these lanes (where new deliveries were just fanned out), taken if free.
+    Only(&'a [LaneId]),
+}
+
 /// The fewest due rows [`ClaimBackend::free_lanes_with_due_work`] reads per query before it
 /// stops: an answer that saw fewer rows in all saw every due row of the free lanes.
 pub(crate) const MIN_ROWS_PER_LANE_QUERY: usize = 64;
@@ -208,6 +217,7 @@ impl Claimer {
         &self,
         backend: &B,
         handlers: &[String],
+        search: LaneSearch<'_>,
         limit: usize,
         now: DateTime,
     ) -> Result<Vec<ClaimedDelivery>, StoreError> {
@@ -215,7 +225,7 @@ impl Claimer {
         if limit == 0 || handlers.is_empty() {
             return Ok(Vec::new());
         }
-        match self.claim_serialized(backend, &mut held, handlers, limit, now).await {
+        match self.claim_serialized(backend, &mut held, handlers, search, limit, now).await {
             Ok(claimed) => Ok(claimed),
             Err(error) => {
                 // The claim may have reached the database without its reply reaching us.
@@ -233,39 +243,53 @@ impl Claimer {
         backend: &B,
         held: &mut BTreeMap<LaneId, i64>,
         handlers: &[String],
+        search: LaneSearch<'_>,
         limit: usize,
         now: DateTime,
     ) -> Result<Vec<ClaimedDelivery>, StoreError> {
-        backend.unpark(handlers).await?;
         let until = self.lease_until(now);
 
-        // The lanes this instance still holds, and what of theirs still runs.
-        let mut mine: BTreeMap<LaneId, HeldLane> = BTreeMap::new();
-        if !held.is_empty() {
-            let ids: Vec<LaneId> = held.keys().copied().collect();
-            for state in backend.lanes(&ids).await? {
-                if held.get(&state.id) == Some(&state.epoch) && state.held_by(&self.holder) {
+        // The lanes this instance still holds, and what of theirs still runs. Meanwhile:
+        // unparking (it touches only parked deliveries) and taking the lanes named by the
+        // search, if it names them (their due work is read only after the take).
+        let held_ids: Vec<LaneId> = held.keys().copied().collect();
+        let named: Vec<LaneId> = match search {
+            LaneSearch::Only(lanes) => lanes.iter().copied().filter(|lane| !held.contains_key(lane)).collect(),
+            LaneSearch::FreeWithDueWork => Vec::new(),
+        };
+        let holder = &self.holder;
+        let running_in_held = async {
+            let mut mine: BTreeMap<LaneId, HeldLane> = BTreeMap::new();
+            if held_ids.is_empty() {
+                return Ok((mine, HashSet::new()));
+            }
+            for state in backend.lanes(&held_ids).await? {
+                if held.get(&state.id) == Some(&state.epoch) && state.held_by(holder) {
                     mine.insert(state.id, HeldLane { epoch: state.epoch, running: state.in_flight });
                 }
             }
-            held.retain(|lane, _| mine.contains_key(lane));
-        }
-        let listed: Vec<InFlight> = mine.values().flat_map(|lane| lane.running.iter().cloned()).collect();
-        let current = if listed.is_empty() { HashSet::new() } else { backend.current(&listed).await? };
+            let listed: Vec<InFlight> = mine.values().flat_map(|lane| lane.running.iter().cloned()).collect();
+            let current = if listed.is_empty() { HashSet::new() } else { backend.current(&listed).await? };
+            Ok::<_, StoreError>((mine, current))
+        };
+        let take_named = self.take(backend, &named, now, until);
+        let ((mut mine, current), (), taken) = futures::try_join!(running_in_held, backend.unpark(handlers), take_named)?;
+        held.retain(|lane, _| mine.contains_key(lane));
         for lane in mine.values_mut() {
             lane.running.retain(|entry| current.contains(&entry.delivery));
         }
         self.issued.lock().expect("issued leases").retain(|id, _| current.contains(id));
+        adopt(held, &mut mine, taken);
 
         let mut plan = Plan::new(limit, mine.values().flat_map(|lane| lane.running.iter()));
         let lanes: Vec<LaneId> = mine.keys().copied().collect();
         scan(backend, &mut plan, &lanes, handlers, now).await?;
 
+        let mut tried: BTreeSet<LaneId> = mine.keys().copied().collect();
         // More lanes, in growing rounds (4, 8, 16, ... or as many as the due work seen in them
         // says the batch still needs, if more), while the batch is not full.
-        let mut tried: BTreeSet<LaneId> = mine.keys().copied().collect();
         let mut round = 4;
-        while !plan.full() {
+        while !plan.full() && matches!(search, LaneSearch::FreeWithDueWork) {
             let missing = plan.limit - plan.picks.len();
             let found = backend.free_lanes_with_due_work(handlers, &tried, MAX_LANES_PER_QUERY, missing, now).await?;
             if found.is_empty() {
@@ -283,18 +307,8 @@ impl Claimer {
                 .map(|(_, (lane, _))| *lane)
                 .collect();
             tried.extend(free.iter().copied());
-            let taken = backend.take_lanes(&free, &self.holder, now, until).await?;
-            // Charge what the previous owner left in flight before reading what to claim,
-            // so that a takeover and a completion never both succeed.
-            let lost: Vec<InFlight> = taken.iter().flat_map(|lane| lane.in_flight.iter().cloned()).collect();
-            if !lost.is_empty() {
-                backend.charge_lost(&lost, now).await?;
-            }
-            let new_lanes: Vec<LaneId> = taken.iter().map(|lane| lane.id).collect();
-            for lane in taken {
-                held.insert(lane.id, lane.epoch);
-                mine.insert(lane.id, HeldLane { epoch: lane.epoch, running: Vec::new() });
-            }
+            let taken = self.take(backend, &free, now, until).await?;
+            let new_lanes = adopt(held, &mut mine, taken);
             scan(backend, &mut plan, &new_lanes, handlers, now).await?;
             // The answer named every free lane with due work (fewer lanes than asked for, and
             // fewer rows than any of its reads could return) and all of them were tried: a
@@ -341,7 +355,12 @@ impl Claimer {
                 records.push(LaneRecord { lane: *lane_id, epoch: lane.epoch, in_flight, lease_until: until });
             }
         }
-        let recorded = if records.is_empty() { Vec::new() } else { backend.record(&self.holder, &records).await? };
+        // Both are conditional writes on different lanes: one round trip for the two.
+        let record = async {
+            if records.is_empty() { Ok(Vec::new()) } else { backend.record(&self.holder, &records).await }
+        };
+        let hand_back = async { if idle.is_empty() { Ok(()) } else { backend.hand_back(&self.holder, &idle, now).await } };
+        let (recorded, ()) = futures::try_join!(record, hand_back)?;
         let mut lost_lanes = HashSet::new();
         for (record, ok) in records.iter().zip(&recorded) {
             if !ok {
@@ -349,11 +368,8 @@ impl Claimer {
                 held.remove(&record.lane);
             }
         }
-        if !idle.is_empty() {
-            for (lane, _) in &idle {
-                held.remove(lane);
-            }
-            backend.hand_back(&self.holder, &idle, now).await?;
+        for (lane, _) in &idle {
+            held.remove(lane);
         }
 
         // Park long blocked runs, and everything blocked in a lane handed back: those are the
@@ -398,6 +414,40 @@ impl Claimer {
         }
         Ok(claimed)
     }
+}
+
+impl Claimer {
+    /// Takes those of `lanes` that are free and charges what their previous owners left in
+    /// flight; returns the lanes taken.
+    async fn take<B: ClaimBackend>(
+        &self,
+        backend: &B,
+        lanes: &[LaneId],
+        now: DateTime,
+        until: DateTime,
+    ) -> Result<Vec<LaneState>, StoreError> {
+        if lanes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let taken = backend.take_lanes(lanes, &self.holder, now, until).await?;
+        // Charge what the previous owner left in flight before reading what to claim,
+        // so that a takeover and a completion never both succeed.
+        let lost: Vec<InFlight> = taken.iter().flat_map(|lane| lane.in_flight.iter().cloned()).collect();
+        if !lost.is_empty() {
+            backend.charge_lost(&lost, now).await?;
+        }
+        Ok(taken)
+    }
+}
+
+/// Counts lanes just taken as held, with nothing of theirs running; returns their ids.
+fn adopt(held: &mut BTreeMap<LaneId, i64>, mine: &mut BTreeMap<LaneId, HeldLane>, taken: Vec<LaneState>) -> Vec<LaneId> {
+    let ids: Vec<LaneId> = taken.iter().map(|lane| lane.id).collect();
+    for lane in taken {
+        held.insert(lane.id, lane.epoch);
+        mine.insert(lane.id, HeldLane { epoch: lane.epoch, running: Vec::new() });
+    }
+    ids
 }
 
 struct HeldLane {

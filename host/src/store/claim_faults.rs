@@ -6,7 +6,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 
 use bson::{DateTime, Document, doc};
 
-use super::claim::{Candidate, ClaimBackend, HandlerKey, Holder, InFlight, LaneRecord, LaneState};
+use super::claim::{Candidate, ClaimBackend, HandlerKey, Holder, InFlight, LaneRecord, LaneSearch, LaneState};
 use super::memory::MemoryStore;
 use super::mongo::{MongoLocation, MongoStore};
 use super::{DeliveryId, Lease, Store, StoreError, StoreOptions, Subscription, Subscriptions, run_in_transaction};
@@ -195,7 +195,7 @@ async fn requeue_during_claim<S: Store + Parts>(a: &S, _b: &S, _c: &S) {
     // The claim picks sequence 2; the operator requeues sequence 1 before it is recorded.
     let (backend, claimer) = a.parts();
     let faulty = Faulty { inner: backend, fault: Fault::RequeueBeforeRecord(first.lease.delivery.to_hex()), store: a };
-    let claimed = claimer.claim(&faulty, &handlers, 10, DateTime::from_millis(T0 + 2)).await.unwrap();
+    let claimed = claimer.claim(&faulty, &handlers, LaneSearch::FreeWithDueWork, 10, DateTime::from_millis(T0 + 2)).await.unwrap();
     assert!(claimed.is_empty(), "sequence 2 was overtaken by the requeued sequence 1");
     let next = a.claim(&handlers, 10, DateTime::from_millis(T0 + 3)).await.unwrap();
     assert_eq!(next.iter().map(|c| c.event.sequence).collect::<Vec<_>>(), [Some(1)]);
@@ -209,7 +209,7 @@ async fn death_between_charge_and_record<S: Store + Parts>(a: &S, b: &S, c: &S) 
     // a dies; b takes the lane over, charges a's attempt, and dies before recording.
     let (backend, claimer) = b.parts();
     let faulty = Faulty { inner: backend, fault: Fault::DieBeforeRecord, store: b };
-    assert!(claimer.claim(&faulty, &handlers, 1, DateTime::from_millis(T0 + 31_000)).await.is_err());
+    assert!(claimer.claim(&faulty, &handlers, LaneSearch::FreeWithDueWork, 1, DateTime::from_millis(T0 + 31_000)).await.is_err());
     // c takes over after b's lease expired: the lane still lists a's claim, which must not
     // be charged a second time.
     let claimed = c.claim(&handlers, 1, DateTime::from_millis(T0 + 62_000)).await.unwrap();
@@ -222,7 +222,7 @@ async fn failure_after_record<S: Store + Parts>(a: &S, _b: &S, c: &S) {
     one_delivery(a).await;
     let (backend, claimer) = a.parts();
     let faulty = Faulty { inner: backend, fault: Fault::FailAfterRecord, store: a };
-    assert!(claimer.claim(&faulty, &handlers, 1, DateTime::from_millis(T0)).await.is_err());
+    assert!(claimer.claim(&faulty, &handlers, LaneSearch::FreeWithDueWork, 1, DateTime::from_millis(T0)).await.is_err());
     // Reconciled: the same instance claims it again at once, under a new claim generation,
     // with no attempt charged; the unissued lease of the failed claim matches nothing.
     let claimed = a.claim(&handlers, 1, DateTime::from_millis(T0 + 1)).await.unwrap();

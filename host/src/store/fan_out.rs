@@ -35,6 +35,8 @@ pub(crate) struct NewDelivery {
 pub(crate) struct FannedEvent {
     pub id: Bson,
     pub new_handlers: Vec<String>,
+    /// Its whole list afterwards: the handlers it listed (the readable ones) and the new.
+    pub handlers: Vec<String>,
 }
 
 #[derive(Debug, Default)]
@@ -42,6 +44,18 @@ pub(crate) struct FanOutPlan {
     pub deliveries: Vec<NewDelivery>,
     pub events: Vec<FannedEvent>,
     pub malformed: usize,
+}
+
+impl FanOutPlan {
+    /// What carrying out this plan did.
+    pub fn report(&self) -> super::FanOutReport {
+        super::FanOutReport {
+            events: self.events.len(),
+            deliveries: self.deliveries.len(),
+            malformed: self.malformed,
+            lanes: self.deliveries.iter().filter(|d| d.dead_reason.is_none()).map(|d| d.lane).collect(),
+        }
+    }
 }
 
 /// The readable string key of a raw event document, if any.
@@ -86,10 +100,11 @@ pub(crate) fn plan(batch: &[Document], subscriptions: &Subscriptions) -> FanOutP
     let mut plan = FanOutPlan::default();
     for doc in batch {
         let raw_id = doc.get(field::ID).cloned().unwrap_or(Bson::Null);
-        let listed: HashSet<&str> = match doc.get(field::HANDLERS) {
+        let listed_in_order: Vec<&str> = match doc.get(field::HANDLERS) {
             Some(Bson::Array(handlers)) => handlers.iter().filter_map(Bson::as_str).collect(),
-            _ => HashSet::new(),
+            _ => Vec::new(),
         };
+        let listed: HashSet<&str> = listed_in_order.iter().copied().collect();
         let (targets, record, dead_reason) = match EventRecord::from_document(doc) {
             Ok(record) => {
                 let targets: Vec<String> = subscriptions.handlers_for(&record.event_type).cloned().collect();
@@ -123,7 +138,13 @@ pub(crate) fn plan(batch: &[Document], subscriptions: &Subscriptions) -> FanOutP
                 dead_reason: dead_reason.clone(),
             });
         }
-        plan.events.push(FannedEvent { id: raw_id, new_handlers });
+        let mut handlers: Vec<String> = Vec::with_capacity(listed.len() + new_handlers.len());
+        for handler in listed_in_order.iter().copied().chain(new_handlers.iter().map(String::as_str)) {
+            if !handlers.iter().any(|h| h == handler) {
+                handlers.push(handler.to_string());
+            }
+        }
+        plan.events.push(FannedEvent { id: raw_id, new_handlers, handlers });
     }
     plan
 }

@@ -14,7 +14,7 @@ use bson::oid::ObjectId;
 use bson::{Bson, DateTime, Document};
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
-use super::claim::{Candidate, ClaimBackend, Claimer, HandlerKey, Holder, InFlight, LaneRecord, LaneState};
+use super::claim::{Candidate, ClaimBackend, Claimer, HandlerKey, Holder, InFlight, LaneRecord, LaneSearch, LaneState};
 use super::fan_out::{self, NewDelivery, id_text, string_key};
 use super::retention::event_expired;
 use super::{
@@ -351,11 +351,15 @@ impl Store for MemoryStore {
                 event.insert(field::HANDLERS, handlers);
             }
         }
-        Ok(FanOutReport { events: plan.events.len(), deliveries: plan.deliveries.len(), malformed: plan.malformed })
+        Ok(plan.report())
     }
 
     async fn claim(&self, handlers: &[String], limit: usize, now: DateTime) -> Result<Vec<ClaimedDelivery>, StoreError> {
-        self.claimer.claim(&Backend(&self.state), handlers, limit, now).await
+        self.claimer.claim(&Backend(&self.state), handlers, LaneSearch::FreeWithDueWork, limit, now).await
+    }
+
+    async fn claim_in(&self, handlers: &[String], lanes: &[LaneId], limit: usize, now: DateTime) -> Result<Vec<ClaimedDelivery>, StoreError> {
+        self.claimer.claim(&Backend(&self.state), handlers, LaneSearch::Only(lanes), limit, now).await
     }
 
     async fn complete_many(&self, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {

@@ -30,6 +30,7 @@ pub use lease::Lease;
 pub use transaction::{Retrying, TRANSACTION_RETRY_LIMIT, run_in_transaction};
 
 use crate::event::{EventRecord, NewEvent};
+use crate::lane::LaneId;
 
 /// A delivery's id: the `_id` of its document.
 pub type DeliveryId = ObjectId;
@@ -163,7 +164,7 @@ pub enum Settlement {
 }
 
 /// What one fan-out step did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FanOutReport {
     /// Events marked fanned out (malformed ones included).
     pub events: usize,
@@ -171,6 +172,8 @@ pub struct FanOutReport {
     pub deliveries: usize,
     /// Malformed event documents dead-lettered.
     pub malformed: usize,
+    /// The lanes of the new deliveries that can be claimed (for [`Store::claim_in`]).
+    pub lanes: BTreeSet<LaneId>,
 }
 
 /// Retention cutoffs for [`Store::purge`].
@@ -338,6 +341,12 @@ pub trait Store: Send + Sync + 'static {
 
     /// Claims up to `limit` due deliveries of `handlers` through lane leases.
     fn claim(&self, handlers: &[String], limit: usize, now: DateTime)
+    -> impl Future<Output = Result<Vec<ClaimedDelivery>, StoreError>> + Send;
+
+    /// Claims like [`Store::claim`], but takes new lanes only among `lanes` (those a fan-out
+    /// just filled, see [`FanOutReport::lanes`]) instead of searching every free lane: the
+    /// short path from a commit to its handler. Lanes held already are claimed from as usual.
+    fn claim_in(&self, handlers: &[String], lanes: &[LaneId], limit: usize, now: DateTime)
     -> impl Future<Output = Result<Vec<ClaimedDelivery>, StoreError>> + Send;
 
     /// Completes a batch in a fixed number of commands; one result per lease, in order.

@@ -61,25 +61,21 @@ pub(super) async fn run(
             let documents: Vec<Document> = plan.deliveries.iter().map(|d| new_delivery_document(d, now)).collect();
             deliveries.insert_many(documents).session(&mut *session).await?;
         }
-        // One update per distinct list of new handlers (in practice: per event type).
+        // One update per distinct resulting list (in practice: per event type). The lists were
+        // read in this transaction, so a concurrent change of one conflicts with this write;
+        // a malformed `handlers` field is replaced by the readable part of it.
         let mut by_handlers: BTreeMap<Vec<String>, Vec<Bson>> = BTreeMap::new();
         for event in &plan.events {
-            by_handlers.entry(event.new_handlers.clone()).or_default().push(event.id.clone());
+            by_handlers.entry(event.handlers.clone()).or_default().push(event.id.clone());
         }
         for (handlers, ids) in by_handlers {
-            // A pipeline update, so that a malformed `handlers` field is replaced, not fatal.
-            let update = vec![doc! { "$set": {
-                field::FANNED_OUT_AT: now,
-                field::HANDLERS: { "$setUnion": [
-                    { "$cond": [{ "$isArray": format!("${}", field::HANDLERS) }, format!("${}", field::HANDLERS), []] },
-                    handlers,
-                ] },
-            } }];
+            let update = doc! { "$set": { field::FANNED_OUT_AT: now, field::HANDLERS: handlers } };
             events
                 .update_many(doc! { field::ID: { "$in": ids }, field::FANNED_OUT_AT: Bson::Null }, update)
+                .hint(super::by_id())
                 .session(&mut *session)
                 .await?;
         }
-        Ok(FanOutReport { events: plan.events.len(), deliveries: plan.deliveries.len(), malformed: plan.malformed })
+        Ok(plan.report())
     })
 }

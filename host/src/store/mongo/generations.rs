@@ -33,6 +33,7 @@ pub(super) async fn find_current(
     let ids: Vec<ObjectId> = wanted.keys().copied().collect();
     let options = mongodb::options::FindOptions::builder()
         .projection(projection)
+        .hint(super::by_id())
         .batch_size(super::outcome::one_batch(pairs.len()))
         .build();
     let find = store
@@ -67,6 +68,7 @@ pub(super) async fn update_current(
             doc! {
                 "q": { delivery::ID: *id, delivery::CLAIMS: *claims, delivery::STATUS: delivery::PENDING },
                 "u": update.clone(),
+                "hint": { "_id": 1 },
             }
         })
         .collect();

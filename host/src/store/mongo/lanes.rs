@@ -18,6 +18,10 @@ use crate::store::{DeliveryId, Lease, StoreError};
 /// Parallel point queries per claim step (heads, unparking).
 const PARALLEL_LOOKUPS: usize = 16;
 
+/// Up to this many lanes are taken with one `findAndModify` each, in parallel, instead of
+/// one update of all and a read of them.
+const FEW_LANES: usize = 4;
+
 pub(super) struct Backend<'a> {
     pub store: &'a MongoStore,
 }
@@ -97,6 +101,7 @@ impl ClaimBackend for Backend<'_> {
                     doc! { delivery::ID: { "$in": movable }, delivery::LANE: delivery::PARKED },
                     doc! { "$set": { delivery::LANE: delivery::READY } },
                 )
+                .hint(super::by_id())
                 .await?;
         }
         Ok(())
@@ -188,21 +193,30 @@ impl ClaimBackend for Backend<'_> {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
-        let statements = ids
-            .iter()
-            .map(|id| {
-                doc! {
-                    "q": {
-                        lane::ID: i32::from(*id),
-                        "$or": [{ lane::OWNER: Bson::Null }, { lane::LEASE_EXPIRES_AT: { "$lt": now } }],
-                    },
-                    "u": {
-                        "$set": { lane::OWNER: &holder.owner, lane::INSTANCE: &holder.instance, lane::LEASE_EXPIRES_AT: until },
-                        "$inc": { lane::EPOCH: 1_i64 },
-                    },
-                }
-            })
-            .collect();
+        let free = |id: LaneId| {
+            doc! {
+                lane::ID: i32::from(id),
+                "$or": [{ lane::OWNER: Bson::Null }, { lane::LEASE_EXPIRES_AT: { "$lt": now } }],
+            }
+        };
+        let take = doc! {
+            "$set": { lane::OWNER: &holder.owner, lane::INSTANCE: &holder.instance, lane::LEASE_EXPIRES_AT: until },
+            "$inc": { lane::EPOCH: 1_i64 },
+        };
+        if ids.len() <= FEW_LANES {
+            // A few lanes (a fresh commit's): each taken and read back in one round trip.
+            let taken = try_join_all(ids.iter().map(|id| {
+                self.store
+                    .collections
+                    .lanes
+                    .find_one_and_update(free(*id), take.clone())
+                    .return_document(mongodb::options::ReturnDocument::After)
+                    .into_future()
+            }))
+            .await?;
+            return taken.iter().flatten().map(lane_state).collect();
+        }
+        let statements = ids.iter().map(|id| doc! { "q": free(*id), "u": take.clone() }).collect();
         if self.update_each(statements).await? == 0 {
             return Ok(Vec::new());
         }
@@ -291,6 +305,7 @@ impl ClaimBackend for Backend<'_> {
                 doc! { delivery::ID: { "$in": ids }, delivery::LANE: delivery::READY },
                 doc! { "$set": { delivery::LANE: delivery::PARKED } },
             )
+            .hint(super::by_id())
             .await?;
         Ok(())
     }
@@ -336,7 +351,15 @@ impl ClaimBackend for Backend<'_> {
 
     async fn events(&self, ids: &[String]) -> Result<HashMap<String, Document>, StoreError> {
         let documents: Vec<Document> =
-            self.store.collections.events.find(doc! { "_id": { "$in": ids } }).batch_size(super::outcome::one_batch(ids.len())).await?.try_collect().await?;
+            self.store
+                .collections
+                .events
+                .find(doc! { "_id": { "$in": ids } })
+                .hint(super::by_id())
+                .batch_size(super::outcome::one_batch(ids.len()))
+                .await?
+                .try_collect()
+                .await?;
         Ok(documents
             .into_iter()
             .filter_map(|doc| doc.get_str("_id").ok().map(str::to_string).map(|id| (id, doc)))

@@ -67,7 +67,13 @@ async fn complete_in_session(
         .collect();
     if !current.is_empty() {
         let ids: Vec<ObjectId> = current.iter().map(|l| l.delivery).collect();
-        store.collections.deliveries.delete_many(doc! { delivery::ID: { "$in": &ids } }).session(&mut *session).await?;
+        store
+            .collections
+            .deliveries
+            .delete_many(doc! { delivery::ID: { "$in": &ids } })
+            .hint(super::by_id())
+            .session(&mut *session)
+            .await?;
         let event_ids: Vec<Bson> = current
             .iter()
             .filter_map(|l| found[&l.delivery].get(delivery::EVENT_ID).cloned())
@@ -76,6 +82,7 @@ async fn complete_in_session(
             .collections
             .events
             .update_many(doc! { "_id": { "$in": event_ids } }, doc! { "$max": { crate::event::field::COMPLETED_AT: now } })
+            .hint(super::by_id())
             .session(&mut *session)
             .await?;
         if store.options.completion_history {
