@@ -109,6 +109,9 @@ impl Default for MongoConfig {
 pub struct HostConfig {
     /// Deliveries this host runs at once.
     pub concurrency: usize,
+    /// Deliveries a claim may take beyond the free run slots, to wait for one (bigger, fewer
+    /// claims under a backlog). 0 claims only what can start at once.
+    pub claim_ahead: usize,
     pub lease: Span,
     /// Claims happen at least this often; new events come sooner through the change stream.
     pub poll_interval: Span,
@@ -128,6 +131,7 @@ impl Default for HostConfig {
     fn default() -> Self {
         Self {
             concurrency: 32,
+            claim_ahead: 32,
             lease: Span(Duration::from_secs(30)),
             poll_interval: Span(Duration::from_secs(1)),
             shutdown_timeout: Span(Duration::from_secs(10)),
@@ -239,6 +243,9 @@ impl Config {
                 "host_concurrency" => {
                     self.host.concurrency = value.parse().map_err(|e| parse_error(format!("{value:?} is not a count: {e}")))?
                 }
+                "host_claim_ahead" => {
+                    self.host.claim_ahead = value.parse().map_err(|e| parse_error(format!("{value:?} is not a count: {e}")))?
+                }
                 "host_lease" => self.host.lease = Span(parse_duration(&value).map_err(parse_error)?),
                 "host_poll_interval" => self.host.poll_interval = Span(parse_duration(&value).map_err(parse_error)?),
                 "host_health_listen" => {
@@ -271,6 +278,9 @@ impl Config {
         }
         if !(1..=10_000).contains(&self.host.concurrency) {
             return Err(invalid("host.concurrency", "must be between 1 and 10000"));
+        }
+        if self.host.claim_ahead > 10_000 {
+            return Err(invalid("host.claim_ahead", "must be at most 10000"));
         }
         if self.host.lease.0 < Duration::from_secs(1) {
             return Err(invalid("host.lease", "must be at least 1s"));

@@ -213,14 +213,16 @@ async fn a_stop_lets_running_deliveries_finish_and_hands_the_lanes_back() {
             busy: Arc::default(),
         })
     };
-    let (stop, handle) = start(store.clone(), slow(&runs), options(2));
-    until("two deliveries running", || {
-        futures::executor::block_on(store.statistics(bson::DateTime::now())).unwrap().first().is_some_and(|s| s.running == 2)
+    // Two run at once and two more are claimed ahead, waiting for a slot.
+    let (stop, handle) = start(store.clone(), slow(&runs), DispatcherOptions { claim_ahead: 2, ..options(2) });
+    until("two deliveries running and two waiting", || {
+        futures::executor::block_on(store.statistics(bson::DateTime::now())).unwrap().first().is_some_and(|s| s.running == 4)
     })
     .await;
     stop.send(()).unwrap();
     handle.await.unwrap();
-    // The two that were running finished and completed; nothing else ran.
+    // The two that were running finished and completed; the two waiting were handed back
+    // without running; nothing else ran.
     assert_eq!(runs.lock().unwrap().len(), 2);
     let remaining = store.list_deliveries(&Default::default()).await.unwrap().deliveries;
     assert_eq!(remaining.len(), 4);

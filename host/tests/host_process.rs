@@ -520,14 +520,15 @@ async fn a_graceful_stop_releases_claimed_work_without_charging_attempts_and_an_
     let host = deployment.start_with("host", &[("WEBHOOK_URL", url.as_str())]);
     let orders: Vec<NewEvent> = (0..4).map(|n| NewEvent::new(format!("order-{n}"), "order.placed", doc! { "n": n as i32 })).collect();
     publish_all(deployment.fixture.store(), orders).await;
-    // Two deliveries are running (their requests are held), two wait for capacity.
+    // Two deliveries are running (their requests are held), two are claimed ahead and wait
+    // for a run slot.
     let deadline = Instant::now() + Duration::from_secs(60);
     while receiver.bodies().len() < 2 {
         assert!(Instant::now() < deadline, "the webhook was not called:\n{}", host.log());
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let counters = host.stop();
-    assert_eq!(counters["released"], 2, "the two cut-off runs were handed back");
+    assert_eq!(counters["released"], 4, "the two cut-off runs and the two waiting were handed back");
     assert_eq!(counters["completed"], 0);
     let pending = deployment.fixture.store().list_deliveries(&DeliveryFilter::default()).await.unwrap().deliveries;
     assert_eq!(pending.len(), 4);

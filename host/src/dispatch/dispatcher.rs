@@ -1,18 +1,22 @@
 //! The claim loop: fan out, claim up to free capacity, run each delivery, settle it.
 //!
-//! Completions that finish close together are settled with one `complete_many`; failures are
-//! rescheduled with the handler's backoff or buried with a dead letter; leases of running
-//! deliveries are renewed; a delivery whose attempts are used up (its workers kept dying) is
-//! buried without running again. A retry's due time sets a timer that wakes the loop. A stop
-//! ends claiming, lets running deliveries finish up to a timeout, cancels the rest and hands
-//! them and the lanes back without charging an attempt.
+//! Fan-out and completion run beside the loop as background steps, at most one of each at a
+//! time, so claiming, fanning out and completing overlap instead of taking turns; what
+//! finishes while a completion is being written waits and goes with the next
+//! `complete_many`. A claim may take up to `claim_ahead` more deliveries than there are free
+//! run slots: those wait for a slot under a lease that is renewed like a running one.
+//! Failures are rescheduled with the handler's backoff or buried with a dead letter; a
+//! delivery whose attempts are used up (its workers kept dying) is buried without running
+//! again. A retry's due time sets a timer that wakes the loop. A stop ends claiming, hands
+//! back at once what has not started, lets running deliveries finish up to a timeout, cancels
+//! the rest and hands them and the lanes back without charging an attempt.
 //!
 //! Store errors inside the loop (a network blip, an election) are logged and the loop goes
-//! on at the next poll: a delivery whose outcome could not be written is retried after its
-//! lease expires, so nothing is lost.
+//! on at the next poll: a completion that could not be written is tried again, and a delivery
+//! whose outcome was never written is retried after its lease expires, so nothing is lost.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BTreeSet, BinaryHeap, HashMap};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -21,10 +25,11 @@ use std::time::Duration;
 
 use bson::DateTime;
 use tokio::sync::{Notify, Semaphore, mpsc};
-use tokio::task::AbortHandle;
+use tokio::task::{AbortHandle, JoinHandle};
 use tokio::time::Instant;
 
 use super::{AttemptResult, RetryPolicy, Settle, bury_with_dead_letter, decide};
+use crate::lane::LaneId;
 use crate::store::{ClaimedDelivery, DeliveryId, Lease, Store, StoreError, Subscription, Subscriptions};
 
 /// A handler the runner offers, with its retry policy.
@@ -60,6 +65,9 @@ pub trait Runner: Send + Sync + 'static {
 pub struct DispatcherOptions {
     /// Deliveries running at once in this process.
     pub concurrency: usize,
+    /// Deliveries a claim may take beyond the free run slots, to wait for one. Bigger claims
+    /// cost fewer round trips per delivery; the waiting ones keep their lane leased.
+    pub claim_ahead: usize,
     /// Claims happen at least this often, and whenever a delivery finishes, a wakeup comes
     /// or a retry falls due.
     pub poll_interval: Duration,
@@ -73,6 +81,7 @@ impl Default for DispatcherOptions {
     fn default() -> Self {
         Self {
             concurrency: 32,
+            claim_ahead: 32,
             poll_interval: Duration::from_millis(500),
             fan_out_batch: 200,
             lease_duration: Duration::from_secs(30),
@@ -118,8 +127,27 @@ struct Running {
     task: AbortHandle,
 }
 
+/// How a background fan-out ended.
+struct FannedOut {
+    /// Its last batch made new deliveries.
+    new_deliveries: bool,
+    /// Their lanes, when it was one batch touching at most [`FEW_LANES`] lanes.
+    lanes: Option<BTreeSet<LaneId>>,
+}
+
+/// A fan-out that touched at most this many lanes is followed by a claim in just those.
+const FEW_LANES: usize = 8;
+
+/// What a background completion wrote.
+struct Completed {
+    completed: usize,
+    /// A keyed delivery was among them: its key's next one may be claimable now.
+    keyed: bool,
+}
+
 /// Loop state the settle and stop steps share.
 struct Flight {
+    /// Claimed deliveries, running or waiting for a run slot.
     running: HashMap<DeliveryId, Running>,
     /// Due times of retries this dispatcher scheduled, earliest first.
     retry_timers: BinaryHeap<Reverse<Instant>>,
@@ -129,6 +157,33 @@ struct Flight {
     claim: bool,
     /// The last claim filled all the free capacity: more may be waiting.
     backlog: bool,
+    /// The fan-out running in the background, if any.
+    fanning: Option<JoinHandle<Result<FannedOut, StoreError>>>,
+    /// Lanes a fan-out just put a few new deliveries in: the next claim looks only there.
+    claim_lanes: BTreeSet<LaneId>,
+    /// Successful runs waiting for the next `complete_many`, each with whether it was keyed.
+    to_complete: Vec<(Lease, bool)>,
+    /// The `complete_many` running in the background, if any, with what it was given.
+    completing: Option<(JoinHandle<Result<Completed, StoreError>>, Vec<(Lease, bool)>)>,
+    /// After a failed completion, the next one waits until then.
+    completion_paused_until: Option<Instant>,
+}
+
+impl Flight {
+    fn new() -> Self {
+        Self {
+            running: HashMap::new(),
+            retry_timers: BinaryHeap::new(),
+            fan_out: true,
+            claim: true,
+            backlog: false,
+            fanning: None,
+            claim_lanes: BTreeSet::new(),
+            to_complete: Vec::new(),
+            completing: None,
+            completion_paused_until: None,
+        }
+    }
 }
 
 impl<S: Store, R: Runner> Dispatcher<S, R> {
@@ -150,8 +205,8 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         tokio::pin!(stop);
         let permits = Arc::new(Semaphore::new(self.options.concurrency));
         let (finished_tx, mut finished) = mpsc::unbounded_channel::<(ClaimedDelivery, RunResult)>();
-        let mut flight =
-            Flight { running: HashMap::new(), retry_timers: BinaryHeap::new(), fan_out: true, claim: true, backlog: false };
+        let fanned = Arc::new(Notify::new());
+        let mut flight = Flight::new();
         let mut renewal = tokio::time::interval(self.options.lease_duration / 3);
         renewal.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -160,8 +215,15 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             // none, and makes a claim worth it only when it may have unblocked something.
             let step = tokio::select! {
                 () = &mut stop => break,
-                () = self.wakeup.notified() => { flight.fan_out = true; flight.claim = true; Ok(()) }
-                () = tokio::time::sleep(self.options.poll_interval) => { flight.fan_out = true; flight.claim = true; Ok(()) }
+                // New events become claimable once fanned out, which then asks for a claim.
+                () = self.wakeup.notified() => { flight.fan_out = true; Ok(()) }
+                () = tokio::time::sleep(self.options.poll_interval) => {
+                    flight.fan_out = true;
+                    flight.claim = true;
+                    flight.completion_paused_until = None;
+                    Ok(())
+                }
+                () = fanned.notified() => { flight.claim = true; Ok(()) }
                 () = sleep_until_some(next_retry) => {
                     let now = Instant::now();
                     while flight.retry_timers.peek().is_some_and(|Reverse(at)| *at <= now) {
@@ -177,10 +239,18 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                     }
                     self.settle(batch, &mut flight).await
                 }
+                fanned_out = join_some(&mut flight.fanning) => {
+                    flight.fanning = None;
+                    fanned_out.map(|done| match done.lanes {
+                        Some(lanes) => flight.claim_lanes.extend(lanes),
+                        None => flight.claim |= done.new_deliveries,
+                    })
+                }
+                completed = join_completion(&mut flight.completing) => self.completion_ended(completed, &mut flight),
                 _ = renewal.tick() => self.renew(&flight.running).await,
             };
             let step = match step {
-                Ok(()) => self.dispatch(&permits, &finished_tx, &mut flight).await,
+                Ok(()) => self.dispatch(&permits, &finished_tx, &fanned, &mut flight).await,
                 Err(error) => Err(error),
             };
             if let Err(error) = step {
@@ -190,40 +260,48 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 flight.claim = true;
             }
         }
-        self.stop(&mut flight, &mut finished).await
+        self.stop(&permits, &mut flight, &mut finished).await
     }
 
-    /// Fans out when asked to, then claims up to the free capacity and starts the runs.
+    /// Starts a fan-out when one is wanted and none runs, claims up to the free capacity and
+    /// starts the runs, and starts a completion of what waits for one.
     async fn dispatch(
         &self,
         permits: &Arc<Semaphore>,
         finished_tx: &mpsc::UnboundedSender<(ClaimedDelivery, RunResult)>,
+        fanned: &Arc<Notify>,
         flight: &mut Flight,
     ) -> Result<(), StoreError> {
+        self.start_completion(flight);
         let specs = self.runner.handlers();
         if specs.is_empty() {
             return Ok(());
         }
-        if flight.fan_out {
+        if flight.fan_out && flight.fanning.is_none() {
             let subscriptions = Subscriptions::new(
                 specs.iter().map(|s| Subscription::new(s.handler.clone(), s.event_types.iter().cloned())),
             )?;
-            // A short batch means nothing was left: no second transaction to find that out.
-            let started = Instant::now();
-            while self.store.fan_out(&subscriptions, self.options.fan_out_batch, DateTime::now()).await?.events
-                >= self.options.fan_out_batch
-            {}
-            tracing::trace!(elapsed_us = started.elapsed().as_micros() as u64, "fanned out");
             flight.fan_out = false;
+            flight.fanning = Some(self.spawn_fan_out(subscriptions, fanned.clone()));
         }
-        let free = permits.available_permits();
-        if free == 0 || !(flight.claim || flight.backlog) {
+        let capacity = self.options.concurrency + self.options.claim_ahead;
+        let free = capacity.saturating_sub(flight.running.len());
+        // Under a backlog, claim in big batches: a claim costs about the same whatever its
+        // size, and what is already claimed keeps the run slots busy meanwhile.
+        let worth_it = free > 0 && (free * 2 >= capacity || flight.running.len() <= self.options.concurrency);
+        let search_all = flight.claim || flight.backlog;
+        if !worth_it || !(search_all || !flight.claim_lanes.is_empty()) {
             return Ok(());
         }
         flight.claim = false;
+        let lanes: Vec<LaneId> = std::mem::take(&mut flight.claim_lanes).into_iter().collect();
         let handlers: Vec<String> = specs.iter().map(|s| s.handler.clone()).collect();
         let started = Instant::now();
-        let claimed = self.store.claim(&handlers, free, DateTime::now()).await?;
+        let claimed = if search_all {
+            self.store.claim(&handlers, free, DateTime::now()).await?
+        } else {
+            self.store.claim_in(&handlers, &lanes, free, DateTime::now()).await?
+        };
         tracing::trace!(elapsed_us = started.elapsed().as_micros() as u64, count = claimed.len(), "claimed");
         flight.backlog = claimed.len() >= free;
         for delivery in claimed {
@@ -238,12 +316,14 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 flight.claim = true;
                 continue;
             }
-            let permit = permits.clone().acquire_owned().await.expect("the semaphore is never closed");
-            let (runner, finished_tx) = (self.runner.clone(), finished_tx.clone());
+            let (runner, finished_tx, permits) = (self.runner.clone(), finished_tx.clone(), permits.clone());
             let lease = delivery.lease;
             let task = tokio::spawn(async move {
-                let result = runner.run(delivery.clone()).await;
-                drop(permit);
+                // A closed semaphore means the host is stopping: hand it back unstarted.
+                let result = match permits.acquire_owned().await {
+                    Ok(_permit) => runner.run(delivery.clone()).await,
+                    Err(_) => RunResult::NotRun,
+                };
                 let _ = finished_tx.send((delivery, result));
             });
             flight.running.insert(lease.delivery, Running { lease, renew: !spec.transactional, task: task.abort_handle() });
@@ -251,34 +331,97 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         Ok(())
     }
 
+    /// Fans out until a short batch says nothing is left, waking the loop after every full
+    /// batch so that claims take the new deliveries while the rest is still being fanned out.
+    fn spawn_fan_out(&self, subscriptions: Subscriptions, fanned: Arc<Notify>) -> JoinHandle<Result<FannedOut, StoreError>> {
+        let store = self.store.clone();
+        let batch = self.options.fan_out_batch;
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let mut first = true;
+            loop {
+                let report = store.fan_out(&subscriptions, batch, DateTime::now()).await?;
+                if report.events < batch {
+                    tracing::trace!(elapsed_us = started.elapsed().as_micros() as u64, "fanned out");
+                    let few = first && report.lanes.len() <= FEW_LANES;
+                    return Ok(FannedOut { new_deliveries: report.deliveries > 0, lanes: few.then_some(report.lanes) });
+                }
+                if report.deliveries > 0 {
+                    fanned.notify_one();
+                }
+                first = false;
+            }
+        })
+    }
+
+    /// Hands what waits for completion to one background `complete_many`, unless one runs.
+    fn start_completion(&self, flight: &mut Flight) {
+        let paused = flight.completion_paused_until.is_some_and(|until| Instant::now() < until);
+        if flight.completing.is_some() || flight.to_complete.is_empty() || paused {
+            return;
+        }
+        let batch = std::mem::take(&mut flight.to_complete);
+        let store = self.store.clone();
+        let leases: Vec<Lease> = batch.iter().map(|(lease, _)| *lease).collect();
+        let keyed = batch.iter().any(|(_, keyed)| *keyed);
+        let task = tokio::spawn(async move {
+            let settled = store.complete_many(&leases, DateTime::now()).await?;
+            let completed = settled.iter().filter(|s| matches!(s, crate::store::Settlement::Completed)).count();
+            Ok(Completed { completed, keyed })
+        });
+        flight.completing = Some((task, batch));
+    }
+
+    /// Counts what a background completion wrote; a failed one is tried again after a pause.
+    fn completion_ended(&self, ended: (Result<Completed, StoreError>, Vec<(Lease, bool)>), flight: &mut Flight) -> Result<(), StoreError> {
+        flight.completing = None;
+        let (result, batch) = ended;
+        match result {
+            Ok(done) => {
+                DispatcherCounters::add(&self.counters.completed, done.completed);
+                flight.claim |= done.keyed;
+                Ok(())
+            }
+            Err(error) => {
+                flight.to_complete.extend(batch);
+                flight.completion_paused_until = Some(Instant::now() + self.options.poll_interval);
+                Err(error)
+            }
+        }
+    }
+
     /// Settles finished runs, and notes what they may have made worth a fan-out or a claim.
     async fn settle(&self, batch: Vec<(ClaimedDelivery, RunResult)>, flight: &mut Flight) -> Result<(), StoreError> {
         let specs = self.runner.handlers();
         let now = DateTime::now();
-        let mut completions = Vec::new();
+        let mut not_run = Vec::new();
         for (delivery, result) in batch {
             flight.running.remove(&delivery.lease.delivery);
-            // A keyed delivery that ends (however) may let its key's next one go.
-            flight.claim |= delivery.event.key.is_some();
+            // A keyed delivery that ended may let its key's next one go: at once, or (for a
+            // completion written in the background) once that is written.
+            let keyed = delivery.event.key.is_some();
             let attempt = match result {
                 RunResult::CompletedInTransaction => {
                     DispatcherCounters::add(&self.counters.completed, 1);
+                    flight.claim |= keyed;
                     continue;
                 }
-                RunResult::LeaseLost => continue,
+                RunResult::LeaseLost => {
+                    flight.claim |= keyed;
+                    continue;
+                }
                 RunResult::NotRun => {
-                    self.store.release(&[delivery.lease], now).await?;
-                    DispatcherCounters::add(&self.counters.released, 1);
-                    flight.claim = true;
+                    not_run.push(delivery.lease);
                     continue;
                 }
                 RunResult::Attempt(attempt) => attempt,
             };
             let policy = specs.iter().find(|s| s.handler == delivery.handler).map(|s| s.retry).unwrap_or_default();
             match decide(attempt, delivery.attempts + 1, &policy, now) {
-                Settle::Complete => completions.push(delivery.lease),
+                Settle::Complete => flight.to_complete.push((delivery.lease, keyed)),
                 Settle::Reschedule { due_at, reason } => {
                     self.store.reschedule(&delivery.lease, due_at, &reason, now).await?;
+                    flight.claim |= keyed;
                     DispatcherCounters::add(&self.counters.retried, 1);
                     let wait = Duration::from_millis(due_at.timestamp_millis().saturating_sub(now.timestamp_millis()).max(0) as u64);
                     flight.retry_timers.push(Reverse(Instant::now() + wait));
@@ -292,10 +435,10 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 }
             }
         }
-        if !completions.is_empty() {
-            let settled = self.store.complete_many(&completions, now).await?;
-            let done = settled.iter().filter(|s| matches!(s, crate::store::Settlement::Completed)).count();
-            DispatcherCounters::add(&self.counters.completed, done);
+        if !not_run.is_empty() {
+            self.store.release(&not_run, now).await?;
+            DispatcherCounters::add(&self.counters.released, not_run.len());
+            flight.claim = true;
         }
         Ok(())
     }
@@ -310,19 +453,45 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
 
     async fn stop(
         &self,
+        permits: &Semaphore,
         flight: &mut Flight,
         finished: &mut mpsc::UnboundedReceiver<(ClaimedDelivery, RunResult)>,
     ) -> Result<(), StoreError> {
+        // Deliveries still waiting for a run slot come back as not run, and are released.
+        permits.close();
+        if let Some(fanning) = flight.fanning.take() {
+            // Whoever fans out next redoes an interrupted batch: its transaction never commits.
+            fanning.abort();
+        }
         let deadline = Instant::now() + self.options.shutdown_timeout;
         while !flight.running.is_empty() {
             match tokio::time::timeout_at(deadline, finished.recv()).await {
                 Ok(Some(done)) => {
-                    if let Err(error) = self.settle(vec![done], flight).await {
-                        tracing::warn!(%error, "settling a delivery during the stop failed; its lease will expire");
+                    let mut batch = vec![done];
+                    while let Ok(more) = finished.try_recv() {
+                        batch.push(more);
+                    }
+                    if let Err(error) = self.settle(batch, flight).await {
+                        tracing::warn!(%error, "settling deliveries during the stop failed; their leases will expire");
                     }
                 }
                 Ok(None) | Err(_) => break,
             }
+        }
+        if let Some((task, batch)) = flight.completing.take() {
+            let ended = match task.await {
+                Ok(result) => result,
+                Err(join) => Err(StoreError::Corrupt(format!("a completion task failed: {join}"))),
+            };
+            if let Err(error) = self.completion_ended((ended, batch), flight) {
+                tracing::warn!(%error, "a completion during the stop failed; trying once more");
+            }
+        }
+        let waiting: Vec<Lease> = flight.to_complete.drain(..).map(|(lease, _)| lease).collect();
+        if !waiting.is_empty() {
+            let settled = self.store.complete_many(&waiting, DateTime::now()).await?;
+            let done = settled.iter().filter(|s| matches!(s, crate::store::Settlement::Completed)).count();
+            DispatcherCounters::add(&self.counters.completed, done);
         }
         if !flight.running.is_empty() {
             // The host chose to stop these runs, the handlers did not fail: cancel them and
@@ -342,6 +511,32 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
 async fn sleep_until_some(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn join_some<T>(task: &mut Option<JoinHandle<Result<T, StoreError>>>) -> Result<T, StoreError> {
+    match task {
+        Some(task) => match task.await {
+            Ok(result) => result,
+            Err(join) => Err(StoreError::Corrupt(format!("a background step failed: {join}"))),
+        },
+        None => std::future::pending().await,
+    }
+}
+
+/// The outcome of the running completion, with the leases it was given.
+async fn join_completion(
+    completing: &mut Option<(JoinHandle<Result<Completed, StoreError>>, Vec<(Lease, bool)>)>,
+) -> (Result<Completed, StoreError>, Vec<(Lease, bool)>) {
+    match completing {
+        Some((task, batch)) => {
+            let result = match task.await {
+                Ok(result) => result,
+                Err(join) => Err(StoreError::Corrupt(format!("a completion task failed: {join}"))),
+            };
+            (result, std::mem::take(batch))
+        }
         None => std::future::pending().await,
     }
 }
