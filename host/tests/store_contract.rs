@@ -424,6 +424,11 @@ async fn a_claim_in_given_lanes_takes_only_those_and_keeps_the_rules<F: Fixture>
     assert_eq!(ids(&b.claim_in(&handlers(&["h"]), &[7, 3], 10, at(T0 + 1)).await.unwrap()), [format!("{seven}/h")]);
     // Per-key order holds: the head of the key, not its follower.
     assert_eq!(ids(&b.claim_in(&handlers(&["h"]), &[key_lane], 10, at(T0 + 2)).await.unwrap()), ["k-0/h"]);
+    // Once a's lease expired, a claim in lane 3 takes it over, charging what a left running.
+    let taken_over = b.claim_in(&handlers(&["h"]), &[3], 10, at(T0 + 120_000)).await.unwrap();
+    assert_eq!(ids(&taken_over), ids(&claimed));
+    assert!(taken_over.iter().all(|c| c.attempts == 1), "the lost attempts are charged");
+    assert!(a.complete_many(&[claimed[0].lease], at(T0 + 120_001)).await.unwrap() == [Settlement::LeaseLost]);
 }
 
 async fn lanes_are_held_per_store_instance<F: Fixture>() {

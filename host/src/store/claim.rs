@@ -75,6 +75,10 @@ pub(crate) struct LaneRecord {
     pub epoch: i64,
     pub in_flight: Vec<InFlight>,
     pub lease_until: DateTime,
+    /// The record also takes the lane: it applies only while the lane is still at
+    /// `epoch - 1`, free at this time (no owner, or an expired lease) and runs nothing, and it
+    /// makes the holder its owner at `epoch`.
+    pub takes_free_at: Option<DateTime>,
 }
 
 pub(crate) type HandlerKey = (String, String);
@@ -249,36 +253,57 @@ impl Claimer {
     ) -> Result<Vec<ClaimedDelivery>, StoreError> {
         let until = self.lease_until(now);
 
-        // The lanes this instance still holds, and what of theirs still runs. Meanwhile:
-        // unparking (it touches only parked deliveries) and taking the lanes named by the
-        // search, if it names them (their due work is read only after the take).
-        let held_ids: Vec<LaneId> = held.keys().copied().collect();
+        // The lanes this instance still holds, and what of theirs still runs, read with the
+        // lanes the search names (unparking goes meanwhile: it touches only parked
+        // deliveries). A named lane that is free and runs nothing is taken by the record
+        // write itself, conditional on its epoch not having moved: its due work can be read
+        // before, since nobody can claim from it without moving the epoch.
         let named: Vec<LaneId> = match search {
             LaneSearch::Only(lanes) => lanes.iter().copied().filter(|lane| !held.contains_key(lane)).collect(),
             LaneSearch::FreeWithDueWork => Vec::new(),
         };
+        let read_ids: Vec<LaneId> = held.keys().copied().chain(named.iter().copied()).collect();
         let holder = &self.holder;
         let running_in_held = async {
             let mut mine: BTreeMap<LaneId, HeldLane> = BTreeMap::new();
-            if held_ids.is_empty() {
-                return Ok((mine, HashSet::new()));
+            let mut left_over = Vec::new();
+            if read_ids.is_empty() {
+                return Ok((mine, HashSet::new(), left_over));
             }
-            for state in backend.lanes(&held_ids).await? {
+            for state in backend.lanes(&read_ids).await? {
                 if held.get(&state.id) == Some(&state.epoch) && state.held_by(holder) {
-                    mine.insert(state.id, HeldLane { epoch: state.epoch, running: state.in_flight });
+                    mine.insert(state.id, HeldLane { epoch: state.epoch, running: state.in_flight, takes_free_at: None });
+                } else if named.contains(&state.id) && (state.owner.is_none() || state.lease_expires_at < now) {
+                    if state.in_flight.is_empty() {
+                        let lane = HeldLane { epoch: state.epoch + 1, running: Vec::new(), takes_free_at: Some(now) };
+                        mine.insert(state.id, lane);
+                    } else {
+                        // A takeover: what its owner left in flight is charged before anything
+                        // of it is read.
+                        left_over.push(state.id);
+                    }
                 }
             }
-            let listed: Vec<InFlight> = mine.values().flat_map(|lane| lane.running.iter().cloned()).collect();
+            // An entry whose lease this instance settled (or never issued) runs no more: only
+            // the unsettled ones need the database's word.
+            let unsettled: HashSet<(DeliveryId, i64)> =
+                self.issued.lock().expect("issued leases").values().map(|lease| (lease.delivery, lease.claims)).collect();
+            let listed: Vec<InFlight> = mine
+                .values()
+                .flat_map(|lane| lane.running.iter())
+                .filter(|entry| unsettled.contains(&(entry.delivery, entry.claims)))
+                .cloned()
+                .collect();
             let current = if listed.is_empty() { HashSet::new() } else { backend.current(&listed).await? };
-            Ok::<_, StoreError>((mine, current))
+            Ok::<_, StoreError>((mine, current, left_over))
         };
-        let take_named = self.take(backend, &named, now, until);
-        let ((mut mine, current), (), taken) = futures::try_join!(running_in_held, backend.unpark(handlers), take_named)?;
-        held.retain(|lane, _| mine.contains_key(lane));
+        let ((mut mine, current, left_over), ()) = futures::try_join!(running_in_held, backend.unpark(handlers))?;
+        held.retain(|lane, _| mine.get(lane).is_some_and(|lane| lane.takes_free_at.is_none()));
         for lane in mine.values_mut() {
             lane.running.retain(|entry| current.contains(&entry.delivery));
         }
         self.issued.lock().expect("issued leases").retain(|id, _| current.contains(id));
+        let taken = self.take(backend, &left_over, now, until).await?;
         adopt(held, &mut mine, taken);
 
         let mut plan = Plan::new(limit, mine.values().flat_map(|lane| lane.running.iter()));
@@ -320,11 +345,43 @@ impl Claimer {
             round = (round * 2).min(MAX_LANES_PER_QUERY);
         }
 
-        // Read the events before recording, so that a failure here leaves nothing to undo.
+        // Record (one conditional write per lane that runs something), hand back the other
+        // lanes and read the picks' events, all at once: a failure in any of them fails the
+        // claim, and the reconciliation undoes what was recorded.
+        let mut records = Vec::new();
+        let mut idle = Vec::new();
+        for (lane_id, lane) in &mine {
+            let mut in_flight = lane.running.clone();
+            in_flight.extend(plan.picks.iter().filter(|pick| pick.lane == *lane_id).map(|pick| InFlight {
+                delivery: pick.id,
+                claims: pick.claims,
+                handler: pick.handler.clone(),
+                key: pick.key.clone(),
+            }));
+            match (in_flight.is_empty(), lane.takes_free_at) {
+                // Never taken, so nothing to hand back.
+                (true, Some(_)) => {}
+                (true, None) => idle.push((*lane_id, lane.epoch)),
+                (false, takes_free_at) => records.push(LaneRecord {
+                    lane: *lane_id,
+                    epoch: lane.epoch,
+                    in_flight,
+                    lease_until: until,
+                    takes_free_at,
+                }),
+            }
+        }
         let mut event_ids: Vec<String> = plan.picks.iter().map(|pick| pick.event_id.clone()).collect();
         event_ids.sort();
         event_ids.dedup();
-        let events = if event_ids.is_empty() { HashMap::new() } else { backend.events(&event_ids).await? };
+        let record = async {
+            if records.is_empty() { Ok(Vec::new()) } else { backend.record(&self.holder, &records).await }
+        };
+        let hand_back = async { if idle.is_empty() { Ok(()) } else { backend.hand_back(&self.holder, &idle, now).await } };
+        let events = async { if event_ids.is_empty() { Ok(HashMap::new()) } else { backend.events(&event_ids).await } };
+        let (recorded, (), events) = futures::try_join!(record, hand_back, events)?;
+        // A pick whose event is gone or unreadable can never run: it is buried (which also
+        // moves its claim generation on, so its lane entry no longer counts as running).
         let mut unrunnable = Vec::new();
         let mut runnable = Vec::new();
         for pick in std::mem::take(&mut plan.picks) {
@@ -337,37 +394,22 @@ impl Claimer {
         if !unrunnable.is_empty() {
             backend.bury_unrunnable(&unrunnable, now).await?;
         }
-
-        // Record: one conditional write per lane that runs something; hand back the others.
-        let mut records = Vec::new();
-        let mut idle = Vec::new();
-        for (lane_id, lane) in &mine {
-            let mut in_flight = lane.running.clone();
-            in_flight.extend(runnable.iter().filter(|(pick, _)| pick.lane == *lane_id).map(|(pick, _)| InFlight {
-                delivery: pick.id,
-                claims: pick.claims,
-                handler: pick.handler.clone(),
-                key: pick.key.clone(),
-            }));
-            if in_flight.is_empty() {
-                idle.push((*lane_id, lane.epoch));
-            } else {
-                records.push(LaneRecord { lane: *lane_id, epoch: lane.epoch, in_flight, lease_until: until });
-            }
-        }
-        // Both are conditional writes on different lanes: one round trip for the two.
-        let record = async {
-            if records.is_empty() { Ok(Vec::new()) } else { backend.record(&self.holder, &records).await }
-        };
-        let hand_back = async { if idle.is_empty() { Ok(()) } else { backend.hand_back(&self.holder, &idle, now).await } };
-        let (recorded, ()) = futures::try_join!(record, hand_back)?;
         let mut lost_lanes = HashSet::new();
         for (record, ok) in records.iter().zip(&recorded) {
             if !ok {
                 lost_lanes.insert(record.lane);
                 held.remove(&record.lane);
+            } else if record.takes_free_at.is_some() {
+                held.insert(record.lane, record.epoch);
             }
         }
+        // Lanes named but not taken are none of this claim's business any more.
+        let untaken: HashSet<LaneId> = mine
+            .iter()
+            .filter(|(id, lane)| lane.takes_free_at.is_some() && !held.contains_key(id))
+            .map(|(id, _)| *id)
+            .collect();
+        plan.forget_lanes(&untaken);
         for (lane, _) in &idle {
             held.remove(lane);
         }
@@ -445,7 +487,7 @@ fn adopt(held: &mut BTreeMap<LaneId, i64>, mine: &mut BTreeMap<LaneId, HeldLane>
     let ids: Vec<LaneId> = taken.iter().map(|lane| lane.id).collect();
     for lane in taken {
         held.insert(lane.id, lane.epoch);
-        mine.insert(lane.id, HeldLane { epoch: lane.epoch, running: Vec::new() });
+        mine.insert(lane.id, HeldLane { epoch: lane.epoch, running: Vec::new(), takes_free_at: None });
     }
     ids
 }
@@ -453,6 +495,8 @@ fn adopt(held: &mut BTreeMap<LaneId, i64>, mine: &mut BTreeMap<LaneId, HeldLane>
 struct HeldLane {
     epoch: i64,
     running: Vec<InFlight>,
+    /// Not held yet: the record takes it (see [`LaneRecord::takes_free_at`]).
+    takes_free_at: Option<DateTime>,
 }
 
 /// What one claim decided so far.
@@ -511,6 +555,16 @@ impl Plan {
             self.picks.push(row);
         } else {
             self.blocked.entry(handler_key).or_default().push((row.lane, row.id));
+        }
+    }
+
+    /// Drops what was seen in lanes this claim did not get, so nothing there is parked.
+    fn forget_lanes(&mut self, lanes: &HashSet<LaneId>) {
+        if lanes.is_empty() {
+            return;
+        }
+        for waiting in self.blocked.values_mut() {
+            waiting.retain(|(lane, _)| !lanes.contains(lane));
         }
     }
 

@@ -762,6 +762,18 @@ impl ClaimBackend for Backend<'_> {
             .iter()
             .map(|record| {
                 let lane = &mut state.lanes[usize::from(record.lane)];
+                if let Some(now) = record.takes_free_at {
+                    let free = lane.owner.is_none() || lane.lease_expires_at < now;
+                    if lane.epoch != record.epoch - 1 || !free || !lane.in_flight.is_empty() {
+                        return false;
+                    }
+                    lane.owner = Some(holder.owner.clone());
+                    lane.instance = Some(holder.instance.clone());
+                    lane.epoch = record.epoch;
+                    lane.lease_expires_at = record.lease_until;
+                    lane.in_flight = record.in_flight.clone();
+                    return true;
+                }
                 let ok = lane.epoch == record.epoch && lane.held_by(holder);
                 if ok {
                     lane.in_flight = record.in_flight.clone();

@@ -315,6 +315,25 @@ impl ClaimBackend for Backend<'_> {
             .iter()
             .map(|record| {
                 let entries: Vec<Document> = record.in_flight.iter().map(in_flight_document).collect();
+                if let Some(now) = record.takes_free_at {
+                    return doc! {
+                        "q": {
+                            lane::ID: i32::from(record.lane),
+                            lane::EPOCH: record.epoch - 1,
+                            lane::IN_FLIGHT: { "$size": 0 },
+                            "$or": [{ lane::OWNER: Bson::Null }, { lane::LEASE_EXPIRES_AT: { "$lt": now } }],
+                        },
+                        "u": {
+                            "$set": {
+                                lane::OWNER: &holder.owner,
+                                lane::INSTANCE: &holder.instance,
+                                lane::LEASE_EXPIRES_AT: record.lease_until,
+                                lane::IN_FLIGHT: entries,
+                            },
+                            "$inc": { lane::EPOCH: 1_i64 },
+                        },
+                    };
+                }
                 doc! {
                     "q": {
                         lane::ID: i32::from(record.lane),
