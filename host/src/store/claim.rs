@@ -371,6 +371,11 @@ impl Claimer {
                 }),
             }
         }
+        // Counted as held before the write: should its reply be lost, the next claim finds out
+        // from the lane itself whether the take happened.
+        for record in records.iter().filter(|record| record.takes_free_at.is_some()) {
+            held.insert(record.lane, record.epoch);
+        }
         let mut event_ids: Vec<String> = plan.picks.iter().map(|pick| pick.event_id.clone()).collect();
         event_ids.sort();
         event_ids.dedup();
@@ -399,8 +404,6 @@ impl Claimer {
             if !ok {
                 lost_lanes.insert(record.lane);
                 held.remove(&record.lane);
-            } else if record.takes_free_at.is_some() {
-                held.insert(record.lane, record.epoch);
             }
         }
         // Lanes named but not taken are none of this claim's business any more.

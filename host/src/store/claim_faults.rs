@@ -1,6 +1,6 @@
 //! Fault injection into the shared claim, against both stores: a worker that dies between
-//! charging a takeover and recording it, and a claim whose record reached the database while
-//! its reply did not.
+//! charging a takeover and recording it, a claim whose record reached the database while its
+//! reply did not (also when that record took the lane), and a requeue racing a claim.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 
@@ -176,6 +176,7 @@ impl Parts for MongoStore {
 both_stores!(death_between_takeover_charge_and_record_charges_once, death_between_charge_and_record);
 both_stores!(a_claim_failing_after_its_record_reconciles, failure_after_record);
 both_stores!(a_requeue_racing_a_claim_takes_precedence, requeue_during_claim);
+both_stores!(a_claim_in_failing_after_the_record_that_took_its_lane_reconciles, failure_after_taking_record);
 
 async fn requeue_during_claim<S: Store + Parts>(a: &S, _b: &S, _c: &S) {
     let handlers = vec!["h".to_string()];
@@ -215,6 +216,24 @@ async fn death_between_charge_and_record<S: Store + Parts>(a: &S, b: &S, c: &S) 
     let claimed = c.claim(&handlers, 1, DateTime::from_millis(T0 + 62_000)).await.unwrap();
     assert_eq!(claimed.len(), 1);
     assert_eq!(claimed[0].attempts, 1, "the lost attempt is charged exactly once");
+}
+
+async fn failure_after_taking_record<S: Store + Parts>(a: &S, _b: &S, c: &S) {
+    let handlers = vec!["h".to_string()];
+    one_delivery(a).await;
+    let lane = crate::lane::lane_for_event("e-1", None);
+    let (backend, claimer) = a.parts();
+    let faulty = Faulty { inner: backend, fault: Fault::FailAfterRecord, store: a };
+    // The lane was free: the record itself took it, and then the claim failed.
+    assert!(claimer.claim(&faulty, &handlers, LaneSearch::Only(&[lane]), 1, DateTime::from_millis(T0)).await.is_err());
+    // The lane is a's, and a claims from it again at once, under a new claim generation and
+    // with no attempt charged; nobody else sees the delivery meanwhile.
+    assert!(c.claim(&handlers, 1, DateTime::from_millis(T0 + 1)).await.unwrap().is_empty());
+    let claimed = a.claim(&handlers, 1, DateTime::from_millis(T0 + 2)).await.unwrap();
+    assert_eq!(claimed.len(), 1);
+    assert_eq!(claimed[0].lease.lane, lane);
+    assert_eq!(claimed[0].attempts, 0);
+    assert_eq!(claimed[0].lease.claims, 1);
 }
 
 async fn failure_after_record<S: Store + Parts>(a: &S, _b: &S, c: &S) {
