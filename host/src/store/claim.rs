@@ -129,13 +129,15 @@ pub(crate) trait ClaimBackend: Sync {
     fn charge_lost(&self, entries: &[InFlight], now: DateTime) -> impl Future<Output = Result<(), StoreError>> + Send;
     /// The entries whose delivery is still pending at the listed claim generation.
     fn current(&self, entries: &[InFlight]) -> impl Future<Output = Result<HashSet<DeliveryId>, StoreError>> + Send;
-    /// Due, ready deliveries of `handlers` in `lanes`, in `(dueAt, _id)` order after `after`.
+    /// Due, ready deliveries of `handlers` in `lanes`, in `(dueAt, _id)` order after `after`,
+    /// leaving out `running` (the oldest rows of a held lane are often its running ones).
     fn candidates(
         &self,
         lanes: &[LaneId],
         handlers: &[String],
         now: DateTime,
         after: Option<(DateTime, DeliveryId)>,
+        running: &HashSet<DeliveryId>,
         limit: usize,
     ) -> impl Future<Output = Result<Vec<Candidate>, StoreError>> + Send;
     /// The lowest-sequence pending delivery of each (handler, key).
@@ -594,7 +596,7 @@ async fn scan<B: ClaimBackend>(
         let mut after = None;
         while !plan.full() {
             let page = ((plan.limit - plan.picks.len()) * 2).clamp(64, 1_000);
-            let rows = backend.candidates(chunk, handlers, now, after, page).await?;
+            let rows = backend.candidates(chunk, handlers, now, after, &plan.running_ids, page).await?;
             let unknown = plan.unknown_keys(&rows);
             if !unknown.is_empty() {
                 let heads = backend.key_heads(&unknown).await?;

@@ -67,9 +67,10 @@ impl<B: ClaimBackend + Send, S: Store> ClaimBackend for Faulty<'_, B, S> {
         handlers: &[String],
         now: DateTime,
         after: Option<(DateTime, DeliveryId)>,
+        running: &HashSet<DeliveryId>,
         limit: usize,
     ) -> Result<Vec<Candidate>, StoreError> {
-        self.inner.candidates(lanes, handlers, now, after, limit).await
+        self.inner.candidates(lanes, handlers, now, after, running, limit).await
     }
     async fn key_heads(&self, keys: &[HandlerKey]) -> Result<HashMap<HandlerKey, DeliveryId>, StoreError> {
         self.inner.key_heads(keys).await

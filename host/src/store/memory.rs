@@ -695,6 +695,7 @@ impl ClaimBackend for Backend<'_> {
         handlers: &[String],
         now: DateTime,
         after: Option<(DateTime, DeliveryId)>,
+        running: &HashSet<DeliveryId>,
         limit: usize,
     ) -> Result<Vec<Candidate>, StoreError> {
         let state = self.0.lock().await;
@@ -702,7 +703,8 @@ impl ClaimBackend for Backend<'_> {
             .deliveries
             .iter()
             .filter(|(id, d)| {
-                d.lane == LaneKind::Ready
+                !running.contains(*id)
+                    && d.lane == LaneKind::Ready
                     && d.due_at <= now
                     && lanes.contains(&d.lane_id)
                     && handlers.contains(&d.handler)

@@ -249,6 +249,7 @@ impl ClaimBackend for Backend<'_> {
         handlers: &[String],
         now: DateTime,
         after: Option<(DateTime, DeliveryId)>,
+        running: &HashSet<DeliveryId>,
         limit: usize,
     ) -> Result<Vec<Candidate>, StoreError> {
         let mut filter = doc! {
@@ -257,6 +258,10 @@ impl ClaimBackend for Backend<'_> {
             delivery::DUE_AT: { "$lte": now },
             delivery::HANDLER: { "$in": handlers },
         };
+        if !running.is_empty() {
+            // `_id` is in the claim index, so these are skipped without reading a document.
+            filter.insert(delivery::ID, doc! { "$nin": running.iter().copied().collect::<Vec<_>>() });
+        }
         if let Some((due_at, id)) = after {
             filter.insert(
                 "$or",
