@@ -1,6 +1,6 @@
 //! The claim loop with native handler functions on the in-memory store (the dispatcher knows
 //! nothing of WebAssembly): delivery to every handler once, per-key order across two
-//! dispatchers, retries with backoff, dead letters, graceful stop.
+//! dispatchers, retries with backoff, dead letters, graceful stop, completions that failed.
 
 mod common;
 
@@ -15,7 +15,13 @@ use relayhost::dispatch::{
     AttemptResult, DEAD_LETTER_EVENT_TYPE, Dispatcher, DispatcherOptions, HandlerSpec, RetryPolicy, RunResult, Runner,
 };
 use relayhost::store::memory::MemoryStore;
-use relayhost::store::{ClaimedDelivery, Store, StoreOptions};
+use bson::DateTime;
+use relayhost::event::NewEvent;
+use relayhost::lane::LaneId;
+use relayhost::store::{
+    ClaimedDelivery, DeliveryFilter, DeliveryPage, DeliveryView, FanOutReport, HandlerStatistics, Lease, Published,
+    PurgeOptions, PurgeReport, Settlement, Store, StoreError, StoreOptions, Subscriptions,
+};
 
 type Behaviour = dyn Fn(&ClaimedDelivery) -> AttemptResult + Send + Sync;
 
@@ -239,4 +245,102 @@ async fn a_stop_lets_running_deliveries_finish_and_hands_the_lanes_back() {
 fn the_loop_over_mongodb_can_be_spawned(dispatcher: &'static Dispatcher<relayhost::store::mongo::MongoStore, NativeRunner>) {
     fn spawnable<T: Send + 'static>(_: T) {}
     spawnable(dispatcher.run(std::future::pending()));
+}
+
+/// The memory store, except that its first `complete_many` calls fail (a network blip).
+struct FailingCompletions {
+    inner: MemoryStore,
+    failures_left: std::sync::atomic::AtomicUsize,
+}
+
+impl Store for FailingCompletions {
+    type Tx = <MemoryStore as Store>::Tx;
+    async fn setup(&self) -> Result<(), StoreError> {
+        self.inner.setup().await
+    }
+    async fn begin(&self) -> Result<Self::Tx, StoreError> {
+        self.inner.begin().await
+    }
+    async fn publish(&self, tx: &mut Self::Tx, event: &NewEvent) -> Result<Published, StoreError> {
+        self.inner.publish(tx, event).await
+    }
+    async fn fan_out(&self, subscriptions: &Subscriptions, limit: usize, now: DateTime) -> Result<FanOutReport, StoreError> {
+        self.inner.fan_out(subscriptions, limit, now).await
+    }
+    async fn claim(&self, handlers: &[String], limit: usize, now: DateTime) -> Result<Vec<ClaimedDelivery>, StoreError> {
+        self.inner.claim(handlers, limit, now).await
+    }
+    async fn claim_in(&self, handlers: &[String], lanes: &[LaneId], limit: usize, now: DateTime) -> Result<Vec<ClaimedDelivery>, StoreError> {
+        self.inner.claim_in(handlers, lanes, limit, now).await
+    }
+    async fn complete_many(&self, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {
+        let failing = self.failures_left.fetch_update(std::sync::atomic::Ordering::SeqCst, std::sync::atomic::Ordering::SeqCst, |n| n.checked_sub(1));
+        if failing.is_ok() {
+            return Err(StoreError::Corrupt("injected: the completion's reply was lost".into()));
+        }
+        self.inner.complete_many(leases, now).await
+    }
+    async fn complete_in(&self, tx: &mut Self::Tx, lease: &Lease, now: DateTime) -> Result<(), StoreError> {
+        self.inner.complete_in(tx, lease, now).await
+    }
+    async fn reschedule(&self, lease: &Lease, due_at: DateTime, error: &str, now: DateTime) -> Result<Settlement, StoreError> {
+        self.inner.reschedule(lease, due_at, error, now).await
+    }
+    async fn release(&self, leases: &[Lease], now: DateTime) -> Result<usize, StoreError> {
+        self.inner.release(leases, now).await
+    }
+    async fn bury(&self, lease: &Lease, reason: &str, charge_attempt: bool, now: DateTime) -> Result<Settlement, StoreError> {
+        self.inner.bury(lease, reason, charge_attempt, now).await
+    }
+    async fn bury_in(&self, tx: &mut Self::Tx, lease: &Lease, reason: &str, charge_attempt: bool, now: DateTime) -> Result<(), StoreError> {
+        self.inner.bury_in(tx, lease, reason, charge_attempt, now).await
+    }
+    async fn extend_lease(&self, leases: &[Lease], now: DateTime) -> Result<Vec<bool>, StoreError> {
+        self.inner.extend_lease(leases, now).await
+    }
+    async fn relinquish(&self) -> Result<(), StoreError> {
+        self.inner.relinquish().await
+    }
+    async fn requeue(&self, delivery_id: &str, now: DateTime) -> Result<(), StoreError> {
+        self.inner.requeue(delivery_id, now).await
+    }
+    async fn bury_pending_in(&self, tx: &mut Self::Tx, delivery_id: &str, reason: &str, now: DateTime) -> Result<DeliveryView, StoreError> {
+        self.inner.bury_pending_in(tx, delivery_id, reason, now).await
+    }
+    async fn purge(&self, options: &PurgeOptions, now: DateTime) -> Result<PurgeReport, StoreError> {
+        self.inner.purge(options, now).await
+    }
+    async fn statistics(&self, now: DateTime) -> Result<Vec<HandlerStatistics>, StoreError> {
+        self.inner.statistics(now).await
+    }
+    async fn list_deliveries(&self, filter: &DeliveryFilter) -> Result<DeliveryPage, StoreError> {
+        self.inner.list_deliveries(filter).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_that_failed_is_written_later_without_running_the_handler_again() {
+    let store = Arc::new(FailingCompletions { inner: memory_store("worker"), failures_left: 2.into() });
+    publish_all(&*store, (0..3).map(|n| event(&format!("e-{n}"), "order.placed")).collect()).await;
+    let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
+    let runner = Arc::new(NativeRunner {
+        specs: vec![spec("mailer", &["order.placed"], quick_retry(3))],
+        behaviour: Arc::new(|_| AttemptResult::Completed),
+        delay: Duration::ZERO,
+        runs: runs.clone(),
+        busy: Arc::default(),
+    });
+    // The lease (30 s) outlives the test: only a retried completion can finish it in time.
+    let (stop, handle) = start(store.clone(), runner, options(4));
+    until("the deliveries completed", || {
+        runs.lock().unwrap().len() == 3
+            && futures::executor::block_on(store.list_deliveries(&DeliveryFilter::default())).unwrap().deliveries.is_empty()
+    })
+    .await;
+    stop.send(()).unwrap();
+    handle.await.unwrap();
+    assert_eq!(store.failures_left.load(std::sync::atomic::Ordering::SeqCst), 0, "both injected failures happened");
+    let mut ran: Vec<String> = runs.lock().unwrap().iter().map(|r| r.event.clone()).collect();
+    ran.sort();
+    assert_eq!(ran, ["e-0", "e-1", "e-2"], "each ran once");
 }

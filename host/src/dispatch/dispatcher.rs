@@ -1,9 +1,8 @@
 //! The claim loop: fan out, claim up to free capacity, run each delivery, settle it.
 //!
 //! Fan-out and completion run beside the loop as background steps, at most one of each at a
-//! time, so claiming, fanning out and completing overlap instead of taking turns; what
-//! finishes while a completion is being written waits and goes with the next
-//! `complete_many`. A claim may take up to `claim_ahead` more deliveries than there are free
+//! time, so claiming, fanning out and completing overlap instead of taking turns (the
+//! batching of completions lives in [`super::completion`]). A claim may take up to `claim_ahead` more deliveries than there are free
 //! run slots: those wait for a slot under a lease that is renewed like a running one.
 //! Failures are rescheduled with the handler's backoff or buried with a dead letter; a
 //! delivery whose attempts are used up (its workers kept dying) is buried without running
@@ -28,6 +27,7 @@ use tokio::sync::{Notify, Semaphore, mpsc};
 use tokio::task::{AbortHandle, JoinHandle};
 use tokio::time::Instant;
 
+use super::completion::Completions;
 use super::{AttemptResult, RetryPolicy, Settle, bury_with_dead_letter, decide};
 use crate::lane::LaneId;
 use crate::store::{ClaimedDelivery, DeliveryId, Lease, Store, StoreError, Subscription, Subscriptions};
@@ -138,15 +138,8 @@ struct FannedOut {
 /// A fan-out that touched at most this many lanes is followed by a claim in just those.
 const FEW_LANES: usize = 8;
 
-/// What a background completion wrote.
-struct Completed {
-    completed: usize,
-    /// A keyed delivery was among them: its key's next one may be claimable now.
-    keyed: bool,
-}
-
 /// Loop state the settle and stop steps share.
-struct Flight {
+struct Flight<S: Store> {
     /// Claimed deliveries, running or waiting for a run slot.
     running: HashMap<DeliveryId, Running>,
     /// Due times of retries this dispatcher scheduled, earliest first.
@@ -161,16 +154,12 @@ struct Flight {
     fanning: Option<JoinHandle<Result<FannedOut, StoreError>>>,
     /// Lanes a fan-out just put a few new deliveries in: the next claim looks only there.
     claim_lanes: BTreeSet<LaneId>,
-    /// Successful runs waiting for the next `complete_many`, each with whether it was keyed.
-    to_complete: Vec<(Lease, bool)>,
-    /// The `complete_many` running in the background, if any, with what it was given.
-    completing: Option<(JoinHandle<Result<Completed, StoreError>>, Vec<(Lease, bool)>)>,
-    /// After a failed completion, the next one waits until then.
-    completion_paused_until: Option<Instant>,
+    /// Successful runs, completed in batches in the background.
+    completions: Completions<S>,
 }
 
-impl Flight {
-    fn new() -> Self {
+impl<S: Store> Flight<S> {
+    fn new(completions: Completions<S>) -> Self {
         Self {
             running: HashMap::new(),
             retry_timers: BinaryHeap::new(),
@@ -179,9 +168,7 @@ impl Flight {
             backlog: false,
             fanning: None,
             claim_lanes: BTreeSet::new(),
-            to_complete: Vec::new(),
-            completing: None,
-            completion_paused_until: None,
+            completions,
         }
     }
 }
@@ -206,7 +193,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         let permits = Arc::new(Semaphore::new(self.options.concurrency));
         let (finished_tx, mut finished) = mpsc::unbounded_channel::<(ClaimedDelivery, RunResult)>();
         let fanned = Arc::new(Notify::new());
-        let mut flight = Flight::new();
+        let mut flight = Flight::new(Completions::new(self.store.clone(), self.options.poll_interval));
         let mut renewal = tokio::time::interval(self.options.lease_duration / 3);
         renewal.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -220,7 +207,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 () = tokio::time::sleep(self.options.poll_interval) => {
                     flight.fan_out = true;
                     flight.claim = true;
-                    flight.completion_paused_until = None;
+                    flight.completions.resume();
                     Ok(())
                 }
                 () = fanned.notified() => { flight.claim = true; Ok(()) }
@@ -246,7 +233,10 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                         None => flight.claim |= done.new_deliveries,
                     })
                 }
-                completed = join_completion(&mut flight.completing) => self.completion_ended(completed, &mut flight),
+                written = flight.completions.ended() => written.map(|written| {
+                    DispatcherCounters::add(&self.counters.completed, written.completed);
+                    flight.claim |= written.keyed;
+                }),
                 _ = renewal.tick() => self.renew(&flight.running).await,
             };
             let step = match step {
@@ -270,9 +260,9 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         permits: &Arc<Semaphore>,
         finished_tx: &mpsc::UnboundedSender<(ClaimedDelivery, RunResult)>,
         fanned: &Arc<Notify>,
-        flight: &mut Flight,
+        flight: &mut Flight<S>,
     ) -> Result<(), StoreError> {
-        self.start_completion(flight);
+        flight.completions.start();
         let specs = self.runner.handlers();
         if specs.is_empty() {
             return Ok(());
@@ -290,7 +280,8 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         // size, and what is already claimed keeps the run slots busy meanwhile.
         let worth_it = free > 0 && (free * 2 >= capacity || flight.running.len() <= self.options.concurrency);
         let search_all = flight.claim || flight.backlog;
-        if !worth_it || !(search_all || !flight.claim_lanes.is_empty()) {
+        let wanted = search_all || !flight.claim_lanes.is_empty();
+        if !worth_it || !wanted {
             return Ok(());
         }
         flight.claim = false;
@@ -354,44 +345,8 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         })
     }
 
-    /// Hands what waits for completion to one background `complete_many`, unless one runs.
-    fn start_completion(&self, flight: &mut Flight) {
-        let paused = flight.completion_paused_until.is_some_and(|until| Instant::now() < until);
-        if flight.completing.is_some() || flight.to_complete.is_empty() || paused {
-            return;
-        }
-        let batch = std::mem::take(&mut flight.to_complete);
-        let store = self.store.clone();
-        let leases: Vec<Lease> = batch.iter().map(|(lease, _)| *lease).collect();
-        let keyed = batch.iter().any(|(_, keyed)| *keyed);
-        let task = tokio::spawn(async move {
-            let settled = store.complete_many(&leases, DateTime::now()).await?;
-            let completed = settled.iter().filter(|s| matches!(s, crate::store::Settlement::Completed)).count();
-            Ok(Completed { completed, keyed })
-        });
-        flight.completing = Some((task, batch));
-    }
-
-    /// Counts what a background completion wrote; a failed one is tried again after a pause.
-    fn completion_ended(&self, ended: (Result<Completed, StoreError>, Vec<(Lease, bool)>), flight: &mut Flight) -> Result<(), StoreError> {
-        flight.completing = None;
-        let (result, batch) = ended;
-        match result {
-            Ok(done) => {
-                DispatcherCounters::add(&self.counters.completed, done.completed);
-                flight.claim |= done.keyed;
-                Ok(())
-            }
-            Err(error) => {
-                flight.to_complete.extend(batch);
-                flight.completion_paused_until = Some(Instant::now() + self.options.poll_interval);
-                Err(error)
-            }
-        }
-    }
-
     /// Settles finished runs, and notes what they may have made worth a fan-out or a claim.
-    async fn settle(&self, batch: Vec<(ClaimedDelivery, RunResult)>, flight: &mut Flight) -> Result<(), StoreError> {
+    async fn settle(&self, batch: Vec<(ClaimedDelivery, RunResult)>, flight: &mut Flight<S>) -> Result<(), StoreError> {
         let specs = self.runner.handlers();
         let now = DateTime::now();
         let mut not_run = Vec::new();
@@ -418,7 +373,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             };
             let policy = specs.iter().find(|s| s.handler == delivery.handler).map(|s| s.retry).unwrap_or_default();
             match decide(attempt, delivery.attempts + 1, &policy, now) {
-                Settle::Complete => flight.to_complete.push((delivery.lease, keyed)),
+                Settle::Complete => flight.completions.push(delivery.lease, keyed),
                 Settle::Reschedule { due_at, reason } => {
                     self.store.reschedule(&delivery.lease, due_at, &reason, now).await?;
                     flight.claim |= keyed;
@@ -454,7 +409,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
     async fn stop(
         &self,
         permits: &Semaphore,
-        flight: &mut Flight,
+        flight: &mut Flight<S>,
         finished: &mut mpsc::UnboundedReceiver<(ClaimedDelivery, RunResult)>,
     ) -> Result<(), StoreError> {
         // Deliveries still waiting for a run slot come back as not run, and are released.
@@ -478,21 +433,8 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 Ok(None) | Err(_) => break,
             }
         }
-        if let Some((task, batch)) = flight.completing.take() {
-            let ended = match task.await {
-                Ok(result) => result,
-                Err(join) => Err(StoreError::Corrupt(format!("a completion task failed: {join}"))),
-            };
-            if let Err(error) = self.completion_ended((ended, batch), flight) {
-                tracing::warn!(%error, "a completion during the stop failed; trying once more");
-            }
-        }
-        let waiting: Vec<Lease> = flight.to_complete.drain(..).map(|(lease, _)| lease).collect();
-        if !waiting.is_empty() {
-            let settled = self.store.complete_many(&waiting, DateTime::now()).await?;
-            let done = settled.iter().filter(|s| matches!(s, crate::store::Settlement::Completed)).count();
-            DispatcherCounters::add(&self.counters.completed, done);
-        }
+        let completed = flight.completions.flush().await?;
+        DispatcherCounters::add(&self.counters.completed, completed);
         if !flight.running.is_empty() {
             // The host chose to stop these runs, the handlers did not fail: cancel them and
             // hand them back uncharged (a cancelled transactional run never commits).
@@ -521,22 +463,6 @@ async fn join_some<T>(task: &mut Option<JoinHandle<Result<T, StoreError>>>) -> R
             Ok(result) => result,
             Err(join) => Err(StoreError::Corrupt(format!("a background step failed: {join}"))),
         },
-        None => std::future::pending().await,
-    }
-}
-
-/// The outcome of the running completion, with the leases it was given.
-async fn join_completion(
-    completing: &mut Option<(JoinHandle<Result<Completed, StoreError>>, Vec<(Lease, bool)>)>,
-) -> (Result<Completed, StoreError>, Vec<(Lease, bool)>) {
-    match completing {
-        Some((task, batch)) => {
-            let result = match task.await {
-                Ok(result) => result,
-                Err(join) => Err(StoreError::Corrupt(format!("a completion task failed: {join}"))),
-            };
-            (result, std::mem::take(batch))
-        }
         None => std::future::pending().await,
     }
 }

@@ -5,6 +5,7 @@
 //! handler runs (WebAssembly lives in `plugin`) nor how the outbox stores anything (that is
 //! the `store`). The claim loop, wakeups, batching and renewals build on these pieces.
 
+mod completion;
 mod dead_letter;
 mod dispatcher;
 mod settle;

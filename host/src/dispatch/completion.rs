@@ -1,0 +1,101 @@
+//! Completion batching: successful runs wait here and are completed together by one
+//! background `complete_many` at a time, so the claim loop never waits for a completion.
+//!
+//! It owns the waiting leases and the running `complete_many`; it must never decide how an
+//! attempt settles (that is [`super::decide`]) and never drops a lease whose completion failed:
+//! such a batch waits again and is tried after a pause.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bson::DateTime;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::store::{Lease, Settlement, Store, StoreError};
+
+/// What one background `complete_many` did.
+pub(super) struct Written {
+    pub completed: usize,
+    /// A keyed delivery was among them: its key's next one may be claimable now.
+    pub keyed: bool,
+}
+
+/// Leases with whether their delivery was keyed.
+type Batch = Vec<(Lease, bool)>;
+
+pub(super) struct Completions<S: Store> {
+    store: Arc<S>,
+    /// How long a failed batch waits before it is tried again (unless resumed sooner).
+    pause: Duration,
+    waiting: Batch,
+    running: Option<(JoinHandle<Result<usize, StoreError>>, Batch)>,
+    paused_until: Option<Instant>,
+}
+
+impl<S: Store> Completions<S> {
+    pub fn new(store: Arc<S>, pause: Duration) -> Self {
+        Self { store, pause, waiting: Vec::new(), running: None, paused_until: None }
+    }
+
+    pub fn push(&mut self, lease: Lease, keyed: bool) {
+        self.waiting.push((lease, keyed));
+    }
+
+    /// Lets a paused batch be tried again at the next [`Completions::start`].
+    pub fn resume(&mut self) {
+        self.paused_until = None;
+    }
+
+    /// Starts a `complete_many` of everything waiting, unless one runs or a failure paused them.
+    pub fn start(&mut self) {
+        let paused = self.paused_until.is_some_and(|until| Instant::now() < until);
+        if self.running.is_some() || self.waiting.is_empty() || paused {
+            return;
+        }
+        let batch = std::mem::take(&mut self.waiting);
+        let leases: Vec<Lease> = batch.iter().map(|(lease, _)| *lease).collect();
+        let store = self.store.clone();
+        let task = tokio::spawn(async move { complete(&*store, &leases).await });
+        self.running = Some((task, batch));
+    }
+
+    /// How the running `complete_many` ended; never resolves while none runs.
+    pub async fn ended(&mut self) -> Result<Written, StoreError> {
+        let Some((task, _)) = &mut self.running else {
+            return std::future::pending().await;
+        };
+        let result = task.await.unwrap_or_else(|join| Err(StoreError::Corrupt(format!("a completion task failed: {join}"))));
+        let (_, batch) = self.running.take().expect("a completion was running");
+        match result {
+            Ok(completed) => Ok(Written { completed, keyed: batch.iter().any(|(_, keyed)| *keyed) }),
+            Err(error) => {
+                self.waiting.extend(batch);
+                self.paused_until = Some(Instant::now() + self.pause);
+                Err(error)
+            }
+        }
+    }
+
+    /// At a stop: waits for the running `complete_many`, then completes what still waits, once.
+    /// Returns how many were completed.
+    pub async fn flush(&mut self) -> Result<usize, StoreError> {
+        let mut completed = 0;
+        if self.running.is_some() {
+            match self.ended().await {
+                Ok(written) => completed += written.completed,
+                Err(error) => tracing::warn!(%error, "a completion during the stop failed; trying once more"),
+            }
+        }
+        let leases: Vec<Lease> = self.waiting.drain(..).map(|(lease, _)| lease).collect();
+        if !leases.is_empty() {
+            completed += complete(&*self.store, &leases).await?;
+        }
+        Ok(completed)
+    }
+}
+
+async fn complete<S: Store>(store: &S, leases: &[Lease]) -> Result<usize, StoreError> {
+    let settled = store.complete_many(leases, DateTime::now()).await?;
+    Ok(settled.iter().filter(|s| matches!(s, Settlement::Completed)).count())
+}
