@@ -444,9 +444,11 @@ mod tests {
 
     #[test]
     fn the_environment_overrides_by_name_and_refuses_strangers() {
-        let config = load(EXAMPLE, &[("RELAYHOST_MONGODB_URI", "embedded"), ("RELAYHOST_HOST_CONCURRENCY", "8")]).unwrap();
+        let overrides = [("RELAYHOST_MONGODB_URI", "embedded"), ("RELAYHOST_HOST_CONCURRENCY", "8"), ("RELAYHOST_HOST_CLAIM_AHEAD", "0")];
+        let config = load(EXAMPLE, &overrides).unwrap();
         assert_eq!(config.mongodb.uri, "embedded");
         assert_eq!(config.host.concurrency, 8);
+        assert_eq!(config.host.claim_ahead, 0);
         let error = load(EXAMPLE, &[("RELAYHOST_HOST_CONCURENCY", "8")]).unwrap_err().to_string();
         assert!(error.contains("RELAYHOST_HOST_CONCURENCY"), "{error}");
         let error = load(EXAMPLE, &[("RELAYHOST_HOST_LEASE", "soon")]).unwrap_err().to_string();
@@ -461,6 +463,8 @@ mod tests {
             ("[mongodb]\ndatabase = \"a.b\"", "mongodb.database"),
             ("[host]\nlease = \"10 parsecs\"", "lease"),
             ("[host]\nlog_format = \"xml\"", "host.log_format"),
+            ("[host]\nclaim_ahead = 20000", "host.claim_ahead"),
+            ("[host]\nclaim_ahead = -1", "claim_ahead"),
             ("[plugin.x]\nmemory = \"2GiB\"", "plugin.x.memory"),
             ("[plugin.x]\nmemory = \"lots\"", "memory"),
             ("[plugin.x]\nretry = { max_attempts = 0 }", "plugin.x.retry.max_attempts"),

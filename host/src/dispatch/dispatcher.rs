@@ -131,12 +131,12 @@ struct Running {
 struct FannedOut {
     /// Its last batch made new deliveries.
     new_deliveries: bool,
-    /// Their lanes, when it was one batch touching at most [`FEW_LANES`] lanes.
+    /// Their lanes, when it was one batch touching at most [`CLAIM_IN_MAX_LANES`] lanes.
     lanes: Option<BTreeSet<LaneId>>,
 }
 
 /// A fan-out that touched at most this many lanes is followed by a claim in just those.
-const FEW_LANES: usize = 8;
+const CLAIM_IN_MAX_LANES: usize = 8;
 
 /// Loop state the settle and stop steps share.
 struct Flight<S: Store> {
@@ -334,7 +334,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 let report = store.fan_out(&subscriptions, batch, DateTime::now()).await?;
                 if report.events < batch {
                     tracing::trace!(elapsed_us = started.elapsed().as_micros() as u64, "fanned out");
-                    let few = first && report.lanes.len() <= FEW_LANES;
+                    let few = first && report.lanes.len() <= CLAIM_IN_MAX_LANES;
                     return Ok(FannedOut { new_deliveries: report.deliveries > 0, lanes: few.then_some(report.lanes) });
                 }
                 if report.deliveries > 0 {

@@ -20,7 +20,7 @@ const PARALLEL_LOOKUPS: usize = 16;
 
 /// Up to this many lanes are taken with one `findAndModify` each, in parallel, instead of
 /// one update of all and a read of them.
-const FEW_LANES: usize = 4;
+const PARALLEL_TAKES_MAX: usize = 4;
 
 pub(super) struct Backend<'a> {
     pub store: &'a MongoStore,
@@ -203,7 +203,7 @@ impl ClaimBackend for Backend<'_> {
             "$set": { lane::OWNER: &holder.owner, lane::INSTANCE: &holder.instance, lane::LEASE_EXPIRES_AT: until },
             "$inc": { lane::EPOCH: 1_i64 },
         };
-        if ids.len() <= FEW_LANES {
+        if ids.len() <= PARALLEL_TAKES_MAX {
             // A few lanes (a fresh commit's): each taken and read back in one round trip.
             let taken = try_join_all(ids.iter().map(|id| {
                 self.store
