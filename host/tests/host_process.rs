@@ -527,6 +527,11 @@ async fn a_graceful_stop_releases_claimed_work_without_charging_attempts_and_an_
         assert!(Instant::now() < deadline, "the webhook was not called:\n{}", host.log());
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    let store = deployment.fixture.store();
+    while store.statistics(bson::DateTime::now()).await.unwrap().iter().map(|s| s.running).sum::<u64>() < 4 {
+        assert!(Instant::now() < deadline, "the other two were not claimed ahead:\n{}", host.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let counters = host.stop();
     assert_eq!(counters["released"], 4, "the two cut-off runs and the two waiting were handed back");
     assert_eq!(counters["completed"], 0);
