@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bson::DateTime;
-use tokio::task::JoinHandle;
+use tokio::task::{JoinError, JoinHandle};
 use tokio::time::Instant;
 
 use crate::store::{Lease, Settlement, Store, StoreError};
@@ -65,7 +65,7 @@ impl<S: Store> Completions<S> {
         let Some((task, _)) = &mut self.running else {
             return std::future::pending().await;
         };
-        let result = task.await.unwrap_or_else(|join| Err(StoreError::Corrupt(format!("a completion task failed: {join}"))));
+        let result = step_result(task.await, "a completion");
         let (_, batch) = self.running.take().expect("a completion was running");
         match result {
             Ok(completed) => Ok(Written { completed, keyed: batch.iter().any(|(_, keyed)| *keyed) }),
@@ -93,6 +93,12 @@ impl<S: Store> Completions<S> {
         }
         Ok(completed)
     }
+}
+
+/// The result of a background step's task; a task that panicked or was cancelled is an error
+/// naming the step.
+pub(super) fn step_result<T>(joined: Result<Result<T, StoreError>, JoinError>, step: &str) -> Result<T, StoreError> {
+    joined.unwrap_or_else(|join| Err(StoreError::Corrupt(format!("{step} task failed: {join}"))))
 }
 
 async fn complete<S: Store>(store: &S, leases: &[Lease]) -> Result<usize, StoreError> {

@@ -27,7 +27,7 @@ use tokio::sync::{Notify, Semaphore, mpsc};
 use tokio::task::{AbortHandle, JoinHandle};
 use tokio::time::Instant;
 
-use super::completion::Completions;
+use super::completion::{Completions, step_result};
 use super::{AttemptResult, RetryPolicy, Settle, bury_with_dead_letter, decide};
 use crate::lane::LaneId;
 use crate::store::{ClaimedDelivery, DeliveryId, Lease, Store, StoreError, Subscription, Subscriptions};
@@ -226,7 +226,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                     }
                     self.settle(batch, &mut flight).await
                 }
-                fanned_out = join_some(&mut flight.fanning) => {
+                fanned_out = join_fan_out(&mut flight.fanning) => {
                     flight.fanning = None;
                     fanned_out.map(|done| match done.lanes {
                         Some(lanes) => flight.claim_lanes.extend(lanes),
@@ -457,12 +457,10 @@ async fn sleep_until_some(at: Option<Instant>) {
     }
 }
 
-async fn join_some<T>(task: &mut Option<JoinHandle<Result<T, StoreError>>>) -> Result<T, StoreError> {
+/// How the background fan-out ended; never resolves while none runs.
+async fn join_fan_out<T>(task: &mut Option<JoinHandle<Result<T, StoreError>>>) -> Result<T, StoreError> {
     match task {
-        Some(task) => match task.await {
-            Ok(result) => result,
-            Err(join) => Err(StoreError::Corrupt(format!("a background step failed: {join}"))),
-        },
+        Some(task) => step_result(task.await, "the fan-out"),
         None => std::future::pending().await,
     }
 }

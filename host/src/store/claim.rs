@@ -461,9 +461,7 @@ impl Claimer {
         }
         Ok(claimed)
     }
-}
 
-impl Claimer {
     /// Takes those of `lanes` that are free and charges what their previous owners left in
     /// flight; returns the lanes taken.
     async fn take<B: ClaimBackend>(
