@@ -207,6 +207,60 @@ async fn complete_many_takes_a_fixed_number_of_commands_and_claims_write_with_ma
     assert_eq!(counts[0], counts[1], "commands for 5 and for 395 completions");
 }
 
+/// How many keys each index of `collection` holds, from `validate`.
+async fn keys_per_index(client: &Client, database: &str, collection: &str) -> Document {
+    let report = client.database(database).run_command(doc! { "validate": collection }).await.unwrap();
+    report.get_document("keysPerIndex").unwrap().clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_replaces_superseded_indexes_and_pending_deliveries_stay_out_of_the_dead_letter_ones() {
+    let client = mongo_client().await;
+    let database = fresh_database();
+    let deliveries = client.database(&database).collection::<Document>("relayhost_deliveries");
+    // What an earlier version created: every delivery paid for these at fan-out and completion.
+    for (keys, name) in [(doc! { "handler": 1, "_id": 1 }, "by_handler"), (doc! { "status": 1, "updatedAt": 1 }, "status_updated")] {
+        let options = mongodb::options::IndexOptions::builder().name(name.to_string()).build();
+        deliveries.create_index(mongodb::IndexModel::builder().keys(keys).options(options).build()).await.unwrap();
+    }
+    let store = MongoStore::new(client.clone(), MongoLocation::with_default_prefix(&database).unwrap(), options());
+    store.setup().await.unwrap();
+    store.setup().await.unwrap();
+    let names = deliveries.list_index_names().await.unwrap();
+    for gone in ["by_handler", "status_updated", "by_status", "by_event_type", "due"] {
+        assert!(!names.iter().any(|n| n == gone), "{gone} is still there: {names:?}");
+    }
+    let dead_letter_indexes = ["dead_by_id", "dead_updated", "dead_by_handler", "dead_by_event_type"];
+    for wanted in dead_letter_indexes.iter().chain(&["claim", "event_handler"]) {
+        assert!(names.iter().any(|n| n == wanted), "{wanted} is missing: {names:?}");
+    }
+
+    publish_all(&store, (0..20).map(|n| event(&format!("e-{n}"), "t")).collect()).await;
+    fan_out_all(&store, &subs(&[("h", &["t"])]), at(T0)).await;
+    let keys = keys_per_index(&client, &database, "relayhost_deliveries").await;
+    assert_eq!(keys.get_i32("claim").unwrap(), 20, "{keys}");
+    for index in dead_letter_indexes {
+        assert_eq!(keys.get_i32(index).unwrap(), 0, "pending deliveries are not dead letters: {keys}");
+    }
+    let claimed = store.claim(&handlers(&["h"]), 1, at(T0)).await.unwrap();
+    store.bury(&claimed[0].lease, "poison", true, at(T0)).await.unwrap();
+    let keys = keys_per_index(&client, &database, "relayhost_deliveries").await;
+    for index in dead_letter_indexes {
+        assert_eq!(keys.get_i32(index).unwrap(), 1, "{keys}");
+    }
+    // The dead-letter listing by handler reads one of the dead-letter indexes.
+    let explained = client
+        .database(&database)
+        .run_command(doc! {
+            "explain": { "find": "relayhost_deliveries", "filter": { "status": "dead", "handler": "h" }, "sort": { "_id": 1 } },
+            "verbosity": "queryPlanner",
+        })
+        .await
+        .unwrap();
+    let winning = explained.get_document("queryPlanner").unwrap().get_document("winningPlan").unwrap().to_string();
+    assert!(winning.contains("\"indexName\": \"dead_by_"), "{winning}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_thousand_parked_followers_leave_other_keys_flowing() {
     let fixture = MongoFixture::new().await;

@@ -15,6 +15,11 @@ use crate::store::StoreError;
 
 const NAMESPACE_EXISTS: i32 = 48;
 const DUPLICATE_KEY: i32 = 11000;
+const INDEX_NOT_FOUND: i32 = 27;
+
+/// Delivery indexes earlier versions created that the store no longer uses or keeps partial
+/// now (every delivery used to pay for them twice: at fan-out and at completion).
+const SUPERSEDED_DELIVERY_INDEXES: [&str; 5] = ["due", "status_updated", "by_status", "by_handler", "by_event_type"];
 
 pub(super) async fn run(client: &Client, collections: &Collections, location: &MongoLocation) -> Result<(), StoreError> {
     check_server(client).await?;
@@ -33,6 +38,7 @@ pub(super) async fn run(client: &Client, collections: &Collections, location: &M
             Err(error) => return Err(error.into()),
         }
     }
+    drop_superseded_indexes(&collections.deliveries).await?;
     create_indexes(&collections.deliveries, delivery_indexes()).await?;
     create_indexes(&collections.events, event_indexes()).await?;
     create_indexes(&collections.history, history_indexes()).await?;
@@ -65,6 +71,10 @@ fn index(keys: Document, name: &str, partial: Option<Document>, unique: bool) ->
     IndexModel::builder().keys(keys).options(options).build()
 }
 
+fn dead() -> Document {
+    doc! { delivery::STATUS: delivery::DEAD }
+}
+
 fn delivery_indexes() -> Vec<IndexModel> {
     vec![
         // Backstop of idempotent fan-out; the code never relies on catching it.
@@ -92,17 +102,18 @@ fn delivery_indexes() -> Vec<IndexModel> {
             Some(doc! { delivery::LANE: delivery::PARKED }),
             false,
         ),
-        index(doc! { delivery::DUE_AT: 1 }, "due", Some(doc! { delivery::STATUS: delivery::PENDING }), false),
-        index(doc! { delivery::STATUS: 1, delivery::UPDATED_AT: 1 }, "status_updated", None, false),
+        // Dead letters only: the operator's listings and the purge of old dead letters. The
+        // hot path (insert at fan-out, delete at completion) never touches them.
+        index(doc! { delivery::STATUS: 1, delivery::ID: 1 }, "dead_by_id", Some(dead()), false),
+        index(doc! { delivery::STATUS: 1, delivery::UPDATED_AT: 1 }, "dead_updated", Some(dead()), false),
+        index(doc! { delivery::HANDLER: 1, delivery::ID: 1 }, "dead_by_handler", Some(dead()), false),
+        index(doc! { delivery::EVENT_TYPE: 1, delivery::ID: 1 }, "dead_by_event_type", Some(dead()), false),
         index(
             doc! { delivery::REQUEUED_AT: 1 },
             "requeued",
             Some(doc! { delivery::REQUEUED_AT: { "$exists": true } }),
             false,
         ),
-        index(doc! { delivery::STATUS: 1, delivery::ID: 1 }, "by_status", None, false),
-        index(doc! { delivery::HANDLER: 1, delivery::ID: 1 }, "by_handler", None, false),
-        index(doc! { delivery::EVENT_TYPE: 1, delivery::ID: 1 }, "by_event_type", None, false),
     ]
 }
 
@@ -145,6 +156,20 @@ async fn create_indexes(collection: &Collection<Document>, models: Vec<IndexMode
             Err(error) => return Err(error.into()),
         }
     }
+}
+
+/// Drops what [`SUPERSEDED_DELIVERY_INDEXES`] names; one already gone (another host dropped it,
+/// or it never existed) is fine.
+async fn drop_superseded_indexes(deliveries: &Collection<Document>) -> Result<(), StoreError> {
+    let existing = deliveries.list_index_names().await?;
+    for name in SUPERSEDED_DELIVERY_INDEXES.iter().filter(|name| existing.iter().any(|e| e == *name)) {
+        match deliveries.drop_index(*name).await {
+            Ok(()) => tracing::info!(index = name, collection = deliveries.name(), "dropped a superseded index"),
+            Err(error) if StoreError::from(error.clone()).server_code() == Some(INDEX_NOT_FOUND) => {}
+            Err(error) => return Err(error.into()),
+        }
+    }
+    Ok(())
 }
 
 async fn seed_lanes(lanes: &Collection<Document>) -> Result<(), StoreError> {
