@@ -180,20 +180,31 @@ async fn complete_many_takes_a_fixed_number_of_commands_and_claims_write_with_ma
     let store = MongoStore::new(client, MongoLocation::with_default_prefix(&database).unwrap(), options());
     store.setup().await.unwrap();
     publish_all(&store, (0..400).map(|n| event(&format!("e-{n}"), "t")).collect()).await;
+    let before_fan_out = log.lock().unwrap().len();
     fan_out_all(&store, &subs(&[("h", &["t"])]), at(T0)).await;
+    let before_claim = log.lock().unwrap().len();
     let claimed = store.claim(&handlers(&["h"]), 400, at(T0)).await.unwrap();
     assert_eq!(claimed.len(), 400);
 
-    let lane_writes: Vec<Document> = log
-        .lock()
-        .unwrap()
+    // The fan-out commits without waiting for durability; the claim's lane record, which
+    // comes after it on the same primary and before anything is handed out, waits for a
+    // majority, and so makes the fan-out durable first.
+    let write_concern = |command: &Document| command.get_document("writeConcern").ok().and_then(|c| c.get("w").cloned());
+    let commands = log.lock().unwrap().clone();
+    let fan_out_commits: Vec<&Document> =
+        commands[before_fan_out..before_claim].iter().filter(|(name, _)| name == "commitTransaction").map(|(_, c)| c).collect();
+    assert!(!fan_out_commits.is_empty());
+    for command in &fan_out_commits {
+        assert_eq!(write_concern(command), Some(bson::Bson::Int32(1)), "{command}");
+    }
+    let lane_writes: Vec<&Document> = commands[before_claim..]
         .iter()
         .filter(|(name, command)| name == "update" && command.get_str("update").is_ok_and(|c| c.ends_with("lanes")))
-        .map(|(_, command)| command.clone())
+        .map(|(_, command)| command)
         .collect();
     assert!(!lane_writes.is_empty());
     for command in &lane_writes {
-        assert_eq!(command.get_document("writeConcern").unwrap().get_str("w").unwrap(), "majority", "{command}");
+        assert_eq!(write_concern(command), Some(bson::Bson::String("majority".into())), "{command}");
     }
 
     let mut counts = Vec::new();

@@ -2,13 +2,20 @@
 //! see [`crate::store::fan_out`]), inserts their deliveries and marks them fanned out. Two
 //! hosts fanning out the same event both write it, so one of them conflicts and, on retry,
 //! no longer sees it as unfanned.
+//!
+//! The commit is acknowledged once applied, without waiting for the journal or a majority:
+//! nothing is handed out from a fan-out before the claim's lane record, a majority write made
+//! later on the same primary, and a majority-committed oplog entry makes every earlier one
+//! durable too. Should a crash or a failover lose a fan-out first, its events are unfanned
+//! again and the next fan-out makes their deliveries anew. That takes one journal flush (about
+//! 2 ms here) off the path from commit to handler.
 
 use std::collections::BTreeMap;
 
 use bson::{Bson, DateTime, Document, doc};
 use futures::TryStreamExt;
 
-use super::MongoStore;
+use super::{Commit, MongoStore};
 use super::documents::new_delivery_document;
 use crate::event::field;
 use crate::store::fan_out;
@@ -25,7 +32,7 @@ pub(super) async fn run(
     }
     let events = &store.collections.events;
     let deliveries = &store.collections.deliveries;
-    transaction!(store, |tx| {
+    transaction!(store, Commit::Applied, |tx| {
         let session = tx.session();
         let first: Vec<Document> = events
             .find(doc! { field::FANNED_OUT_AT: Bson::Null })

@@ -10,10 +10,13 @@
 /// Runs `$body`, which uses `$tx: &mut MongoTx` and evaluates to `Result<_, StoreError>`,
 /// in a transaction with the retry rules of [`crate::store::Retrying`].
 macro_rules! transaction {
-    ($store:expr, |$tx:ident| $body:expr) => {{
+    ($store:expr, |$tx:ident| $body:expr) => {
+        transaction!($store, $crate::store::mongo::Commit::Majority, |$tx| $body)
+    };
+    ($store:expr, $commit:expr, |$tx:ident| $body:expr) => {{
         let mut retrying = $crate::store::Retrying::new();
         loop {
-            let mut tx = $crate::store::Store::begin($store).await?;
+            let mut tx = $store.begin_with($commit).await?;
             let outcome: Result<_, $crate::store::StoreError> = async {
                 let $tx = &mut tx;
                 $body
@@ -131,6 +134,18 @@ pub struct MongoStore {
 }
 
 impl MongoStore {
+    async fn begin_with(&self, commit: Commit) -> Result<MongoTx, StoreError> {
+        let mut session = self.client.start_session().await?;
+        let options = TransactionOptions::builder()
+            .read_concern(ReadConcern::snapshot())
+            .write_concern(commit.write_concern())
+            .selection_criteria(SelectionCriteria::ReadPreference(ReadPreference::Primary))
+            .max_commit_time(self.options.transaction_budget)
+            .build();
+        session.start_transaction().with_options(options).await?;
+        Ok(MongoTx { session, started: Instant::now(), budget: self.options.transaction_budget })
+    }
+
     pub fn new(client: Client, location: MongoLocation, options: StoreOptions) -> Self {
         let database = client.database(&location.database);
         let collections = Collections::new(&database, &location.collection_prefix);
@@ -186,6 +201,27 @@ fn by_id() -> mongodb::options::Hint {
     mongodb::options::Hint::Keys(bson::doc! { "_id": 1 })
 }
 
+/// How long a transaction's commit waits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Commit {
+    /// Until a majority has it (on a single node: until it is journaled). Every write that
+    /// hands out, fences or ends work.
+    Majority,
+    /// Until the primary applied it. Only for work that is safe to lose and that nothing acts
+    /// on before a later majority write of this store, which by oplog order makes it durable
+    /// too (see the fan-out).
+    Applied,
+}
+
+impl Commit {
+    fn write_concern(self) -> WriteConcern {
+        match self {
+            Commit::Majority => WriteConcern::majority(),
+            Commit::Applied => WriteConcern::nodes(1),
+        }
+    }
+}
+
 /// A MongoDB transaction: a session with a started transaction and a time budget.
 pub struct MongoTx {
     session: ClientSession,
@@ -232,15 +268,7 @@ impl Store for MongoStore {
     }
 
     async fn begin(&self) -> Result<MongoTx, StoreError> {
-        let mut session = self.client.start_session().await?;
-        let options = TransactionOptions::builder()
-            .read_concern(ReadConcern::snapshot())
-            .write_concern(WriteConcern::majority())
-            .selection_criteria(SelectionCriteria::ReadPreference(ReadPreference::Primary))
-            .max_commit_time(self.options.transaction_budget)
-            .build();
-        session.start_transaction().with_options(options).await?;
-        Ok(MongoTx { session, started: Instant::now(), budget: self.options.transaction_budget })
+        self.begin_with(Commit::Majority).await
     }
 
     async fn publish(&self, tx: &mut MongoTx, event: &NewEvent) -> Result<Published, StoreError> {
