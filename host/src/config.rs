@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::dispatch::DispatcherOptions;
 use crate::plugin::{Grants, Limits, MAX_MEMORY_BYTES, PluginPolicy};
 
 /// Prefix of environment overrides: `RELAYHOST_MONGODB_URI`, `RELAYHOST_HOST_CONCURRENCY`, ...
@@ -110,8 +111,9 @@ pub struct HostConfig {
     /// Deliveries this host runs at once.
     pub concurrency: usize,
     /// Deliveries a claim may take beyond the free run slots, to wait for one (bigger, fewer
-    /// claims under a backlog). 0 claims only what can start at once.
-    pub claim_ahead: usize,
+    /// claims under a backlog). 0 claims only what can start at once; absent, 4 per run slot.
+    /// A host that dies charges an attempt to all it claimed, started or not.
+    pub claim_ahead: Option<usize>,
     pub lease: Span,
     /// Claims happen at least this often; new events come sooner through the change stream.
     pub poll_interval: Span,
@@ -127,14 +129,22 @@ pub struct HostConfig {
     pub health_listen: Option<std::net::SocketAddr>,
 }
 
+impl HostConfig {
+    /// `claim_ahead` as set, or its default for `concurrency`.
+    pub fn claim_ahead(&self) -> usize {
+        self.claim_ahead.unwrap_or(DispatcherOptions::default_claim_ahead(self.concurrency))
+    }
+}
+
 impl Default for HostConfig {
     fn default() -> Self {
+        let dispatch = DispatcherOptions::default();
         Self {
-            concurrency: 32,
-            claim_ahead: 32,
-            lease: Span(Duration::from_secs(30)),
+            concurrency: dispatch.concurrency,
+            claim_ahead: None,
+            lease: Span(dispatch.lease_duration),
             poll_interval: Span(Duration::from_secs(1)),
-            shutdown_timeout: Span(Duration::from_secs(10)),
+            shutdown_timeout: Span(dispatch.shutdown_timeout),
             log_format: "plain".into(),
             completion_history: false,
             artifact_cache: None,
@@ -244,7 +254,7 @@ impl Config {
                     self.host.concurrency = value.parse().map_err(|e| parse_error(format!("{value:?} is not a count: {e}")))?
                 }
                 "host_claim_ahead" => {
-                    self.host.claim_ahead = value.parse().map_err(|e| parse_error(format!("{value:?} is not a count: {e}")))?
+                    self.host.claim_ahead = Some(value.parse().map_err(|e| parse_error(format!("{value:?} is not a count: {e}")))?)
                 }
                 "host_lease" => self.host.lease = Span(parse_duration(&value).map_err(parse_error)?),
                 "host_poll_interval" => self.host.poll_interval = Span(parse_duration(&value).map_err(parse_error)?),
@@ -279,7 +289,7 @@ impl Config {
         if !(1..=10_000).contains(&self.host.concurrency) {
             return Err(invalid("host.concurrency", "must be between 1 and 10000"));
         }
-        if self.host.claim_ahead > 10_000 {
+        if self.host.claim_ahead.is_some_and(|ahead| ahead > 10_000) {
             return Err(invalid("host.claim_ahead", "must be at most 10000"));
         }
         if self.host.lease.0 < Duration::from_secs(1) {
@@ -448,7 +458,10 @@ mod tests {
         let config = load(EXAMPLE, &overrides).unwrap();
         assert_eq!(config.mongodb.uri, "embedded");
         assert_eq!(config.host.concurrency, 8);
-        assert_eq!(config.host.claim_ahead, 0);
+        assert_eq!(config.host.claim_ahead(), 0);
+        // Unset, it follows the run slots.
+        let config = load(EXAMPLE, &[("RELAYHOST_HOST_CONCURRENCY", "8")]).unwrap();
+        assert_eq!((config.host.claim_ahead, config.host.claim_ahead()), (None, 32));
         let error = load(EXAMPLE, &[("RELAYHOST_HOST_CONCURENCY", "8")]).unwrap_err().to_string();
         assert!(error.contains("RELAYHOST_HOST_CONCURENCY"), "{error}");
         let error = load(EXAMPLE, &[("RELAYHOST_HOST_LEASE", "soon")]).unwrap_err().to_string();

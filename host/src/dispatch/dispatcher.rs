@@ -66,7 +66,8 @@ pub struct DispatcherOptions {
     /// Deliveries running at once in this process.
     pub concurrency: usize,
     /// Deliveries a claim may take beyond the free run slots, to wait for one. Bigger claims
-    /// cost fewer round trips per delivery; the waiting ones keep their lane leased.
+    /// cost fewer round trips per delivery; the waiting ones keep their lane leased (so a
+    /// process that dies charges them an attempt, like the running ones).
     pub claim_ahead: usize,
     /// Claims happen at least this often, and whenever a delivery finishes, a wakeup comes
     /// or a retry falls due.
@@ -77,11 +78,23 @@ pub struct DispatcherOptions {
     pub shutdown_timeout: Duration,
 }
 
+/// The default `claim_ahead` per run slot. Claims of a few times the run slots cost about as
+/// much as small ones and keep the slots fed under a backlog (measured with `relayhost bench`);
+/// more would let one host hoard work that other hosts could run.
+pub const CLAIM_AHEAD_PER_RUN_SLOT: usize = 4;
+
+impl DispatcherOptions {
+    /// The default `claim_ahead` for `concurrency` run slots.
+    pub fn default_claim_ahead(concurrency: usize) -> usize {
+        concurrency.saturating_mul(CLAIM_AHEAD_PER_RUN_SLOT)
+    }
+}
+
 impl Default for DispatcherOptions {
     fn default() -> Self {
         Self {
             concurrency: 32,
-            claim_ahead: 32,
+            claim_ahead: Self::default_claim_ahead(32),
             poll_interval: Duration::from_millis(500),
             fan_out_batch: 200,
             lease_duration: Duration::from_secs(30),

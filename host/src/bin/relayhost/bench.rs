@@ -41,6 +41,10 @@ pub struct BenchArgs {
     /// Deliveries running at once.
     #[arg(long, default_value_t = 32)]
     concurrency: usize,
+    /// Deliveries a claim may take beyond the free run slots (`host.claim_ahead`; default: 4
+    /// per run slot, as in the host).
+    #[arg(long)]
+    claim_ahead: Option<usize>,
 }
 
 pub async fn run(args: BenchArgs) -> Result<()> {
@@ -131,7 +135,12 @@ fn store(client: &mongodb::Client, database: &str) -> Result<Arc<MongoStore>> {
 
 fn dispatcher_options(args: &BenchArgs) -> DispatcherOptions {
     // No busy polling: new events arrive by change stream, the poll is a slow safety net.
-    DispatcherOptions { concurrency: args.concurrency, poll_interval: Duration::from_secs(1), ..DispatcherOptions::default() }
+    DispatcherOptions {
+        concurrency: args.concurrency,
+        claim_ahead: args.claim_ahead.unwrap_or(DispatcherOptions::default_claim_ahead(args.concurrency)),
+        poll_interval: Duration::from_secs(1),
+        ..DispatcherOptions::default()
+    }
 }
 
 /// Deliveries per second draining a published backlog.
