@@ -102,6 +102,8 @@ pub(super) fn step_result<T>(joined: Result<Result<T, StoreError>, JoinError>, s
 }
 
 async fn complete<S: Store>(store: &S, leases: &[Lease]) -> Result<usize, StoreError> {
+    let started = Instant::now();
     let settled = store.complete_many(leases, DateTime::now()).await?;
+    tracing::trace!(elapsed_us = started.elapsed().as_micros() as u64, count = leases.len(), "completed");
     Ok(settled.iter().filter(|s| matches!(s, Settlement::Completed)).count())
 }

@@ -344,7 +344,13 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             let started = Instant::now();
             let mut first = true;
             loop {
+                let batch_started = Instant::now();
                 let report = store.fan_out(&subscriptions, batch, DateTime::now()).await?;
+                tracing::trace!(
+                    elapsed_us = batch_started.elapsed().as_micros() as u64,
+                    count = report.deliveries,
+                    "fan-out batch"
+                );
                 if report.events < batch {
                     tracing::trace!(elapsed_us = started.elapsed().as_micros() as u64, "fanned out");
                     let few = first && report.lanes.len() <= CLAIM_IN_MAX_LANES;
