@@ -66,7 +66,7 @@ impl MongoConnection {
             tracing::warn!(%error, path = %state_path.display(), "cannot record the embedded server's port; admin commands will not find it");
         }
         let uri = mongod.uri();
-        tracing::info!(%uri, "embedded MongoDB is up");
+        tracing::info!(%uri, log = %mongod.log_path().display(), "embedded MongoDB is up");
         Self::connect(uri, Some((mongod, state_path))).await
     }
 
