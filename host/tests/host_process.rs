@@ -683,3 +683,30 @@ async fn check_names_every_problem_and_exits_non_zero() {
     let output = deployment.relayhost(&["publish", "--type", "t", "--payload", "[1, 2]"]);
     assert!(!output.status.success() && stdout(&output).contains("must be a JSON object"), "{}", stdout(&output));
 }
+
+// ---- bench ----
+
+/// `relayhost bench` end to end on a small scale: every measure is printed with a number, and
+/// the goals' verdicts are there. Its speed is for the release build to measure, not for a test.
+#[test]
+fn bench_measures_the_floor_the_drain_the_latency_and_mongods_work() {
+    let output = Command::new(RELAYHOST)
+        .args(["bench", "--events", "400", "--latency-events", "20", "--rate", "100", "--plugins"])
+        .arg(plugins_dir())
+        .output()
+        .unwrap();
+    let text = stdout(&output);
+    assert!(output.status.success(), "{text}");
+    let number_after = |label: &str| -> f64 {
+        let line = text.lines().find(|line| line.starts_with(label)).unwrap_or_else(|| panic!("no {label:?} line: {text}"));
+        let rest = line[label.len()..].trim_start().trim_start_matches("p50").trim_start();
+        rest.split_whitespace().next().and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("no number in {line:?}"))
+    };
+    assert!(number_after("raw floor") > 0.0 && number_after("drain") > 0.0, "{text}");
+    assert!(number_after("latency") > 0.0 && number_after("commit") > 0.0, "{text}");
+    assert!(text.contains("% of the floor (goal >= 30 %)") && text.contains("goal <= 25"), "{text}");
+    // The drain wrote at least the delivery's insert and delete and the event's two stamps.
+    let work = text.lines().find(|line| line.starts_with("mongod work  per delivery:")).expect(&text);
+    let written: f64 = work.split(':').nth(1).and_then(|rest| rest.split_whitespace().next()).and_then(|n| n.parse().ok()).expect(work);
+    assert!(written >= 4.0, "{work}");
+}
