@@ -92,9 +92,10 @@ impl DispatcherOptions {
 
 impl Default for DispatcherOptions {
     fn default() -> Self {
+        let concurrency = 32;
         Self {
-            concurrency: 32,
-            claim_ahead: Self::default_claim_ahead(32),
+            concurrency,
+            claim_ahead: Self::default_claim_ahead(concurrency),
             poll_interval: Duration::from_millis(500),
             fan_out_batch: 200,
             lease_duration: Duration::from_secs(30),
