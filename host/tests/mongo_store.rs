@@ -226,7 +226,7 @@ async fn keys_per_index(client: &Client, database: &str, collection: &str) -> Do
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn setup_replaces_superseded_indexes_and_pending_deliveries_stay_out_of_the_dead_letter_ones() {
-    let client = mongo_client().await;
+    let (client, log) = recording_client().await;
     let database = fresh_database();
     let deliveries = client.database(&database).collection::<Document>("relayhost_deliveries");
     // What an earlier version created: every delivery paid for these at fan-out and completion.
@@ -259,17 +259,35 @@ async fn setup_replaces_superseded_indexes_and_pending_deliveries_stay_out_of_th
     for index in dead_letter_indexes {
         assert_eq!(keys.get_i32(index).unwrap(), 1, "{keys}");
     }
-    // The dead-letter listing by handler reads one of the dead-letter indexes.
-    let explained = client
-        .database(&database)
-        .run_command(doc! {
-            "explain": { "find": "relayhost_deliveries", "filter": { "status": "dead", "handler": "h" }, "sort": { "_id": 1 } },
-            "verbosity": "queryPlanner",
-        })
-        .await
-        .unwrap();
-    let winning = explained.get_document("queryPlanner").unwrap().get_document("winningPlan").unwrap().to_string();
-    assert!(winning.contains("\"indexName\": \"dead_by_"), "{winning}");
+    // The operator's dead-letter listings, all and by handler or event type, read the
+    // dead-letter indexes: their own find commands, explained.
+    let dead = Some(relayhost::store::DeliveryStatus::Dead);
+    for filter in [
+        DeliveryFilter { status: dead, ..Default::default() },
+        DeliveryFilter { status: dead, handler: Some("h".into()), ..Default::default() },
+        DeliveryFilter { status: dead, event_type: Some("t".into()), ..Default::default() },
+    ] {
+        let before = log.lock().unwrap().len();
+        assert_eq!(store.list_deliveries(&filter).await.unwrap().deliveries.len(), 1);
+        let find = log.lock().unwrap()[before..]
+            .iter()
+            .find(|(name, command)| name == "find" && command.get_str("find").is_ok_and(|c| c.ends_with("deliveries")))
+            .map(|(_, command)| command.clone())
+            .expect("the listing's find");
+        let mut explained = doc! {};
+        for field in ["find", "filter", "sort", "limit"] {
+            if let Some(value) = find.get(field) {
+                explained.insert(field, value.clone());
+            }
+        }
+        let report = client
+            .database(&database)
+            .run_command(doc! { "explain": explained, "verbosity": "queryPlanner" })
+            .await
+            .unwrap();
+        let winning = report.get_document("queryPlanner").unwrap().get_document("winningPlan").unwrap().to_string();
+        assert!(winning.contains("\"indexName\": \"dead_by_"), "{filter:?}: {winning}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
