@@ -225,14 +225,19 @@ async fn keys_per_index(client: &Client, database: &str, collection: &str) -> Do
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn setup_replaces_superseded_indexes_and_pending_deliveries_stay_out_of_the_dead_letter_ones() {
+async fn setup_replaces_superseded_indexes_pending_deliveries_stay_out_of_the_dead_letter_ones_and_completions_move_no_event_key() {
     let (client, log) = recording_client().await;
     let database = fresh_database();
     let deliveries = client.database(&database).collection::<Document>("relayhost_deliveries");
+    let events = client.database(&database).collection::<Document>("relayhost_events");
     // What an earlier version created: every delivery paid for these at fan-out and completion.
-    for (keys, name) in [(doc! { "handler": 1, "_id": 1 }, "by_handler"), (doc! { "status": 1, "updatedAt": 1 }, "status_updated")] {
+    for (collection, keys, name) in [
+        (&deliveries, doc! { "handler": 1, "_id": 1 }, "by_handler"),
+        (&deliveries, doc! { "status": 1, "updatedAt": 1 }, "status_updated"),
+        (&events, doc! { "completedAt": 1 }, "completed"),
+    ] {
         let options = mongodb::options::IndexOptions::builder().name(name.to_string()).build();
-        deliveries.create_index(mongodb::IndexModel::builder().keys(keys).options(options).build()).await.unwrap();
+        collection.create_index(mongodb::IndexModel::builder().keys(keys).options(options).build()).await.unwrap();
     }
     let store = MongoStore::new(client.clone(), MongoLocation::with_default_prefix(&database).unwrap(), options());
     store.setup().await.unwrap();
@@ -241,6 +246,10 @@ async fn setup_replaces_superseded_indexes_and_pending_deliveries_stay_out_of_th
     for gone in ["by_handler", "status_updated", "by_status", "by_event_type", "due"] {
         assert!(!names.iter().any(|n| n == gone), "{gone} is still there: {names:?}");
     }
+    let event_names = events.list_index_names().await.unwrap();
+    assert!(!event_names.iter().any(|n| n == "completed"), "{event_names:?}");
+    let history_names = client.database(&database).collection::<Document>("relayhost_completed_deliveries").list_index_names().await.unwrap();
+    assert!(history_names.iter().any(|n| n == "completed"), "the history's own index stays: {history_names:?}");
     let dead_letter_indexes = ["dead_by_id", "dead_updated", "dead_by_handler", "dead_by_event_type"];
     for wanted in dead_letter_indexes.iter().chain(&["claim", "event_handler"]) {
         assert!(names.iter().any(|n| n == wanted), "{wanted} is missing: {names:?}");
@@ -253,7 +262,15 @@ async fn setup_replaces_superseded_indexes_and_pending_deliveries_stay_out_of_th
     for index in dead_letter_indexes {
         assert_eq!(keys.get_i32(index).unwrap(), 0, "pending deliveries are not dead letters: {keys}");
     }
-    let claimed = store.claim(&handlers(&["h"]), 1, at(T0)).await.unwrap();
+    let claimed = store.claim(&handlers(&["h"]), 20, at(T0)).await.unwrap();
+    assert_eq!(claimed.len(), 20);
+    // A completion stamps its event (`completedAt`) without moving any of the event's index keys.
+    let event_keys = keys_per_index(&client, &database, "relayhost_events").await;
+    let leases: Vec<_> = claimed[1..].iter().map(|c| c.lease).collect();
+    assert!(store.complete_many(&leases, at(T0)).await.unwrap().iter().all(|s| *s == Settlement::Completed));
+    assert_eq!(keys_per_index(&client, &database, "relayhost_events").await, event_keys);
+    let stamped = events.count_documents(doc! { "completedAt": { "$type": "date" } }).await.unwrap();
+    assert_eq!(stamped, 19);
     store.bury(&claimed[0].lease, "poison", true, at(T0)).await.unwrap();
     let keys = keys_per_index(&client, &database, "relayhost_deliveries").await;
     for index in dead_letter_indexes {
