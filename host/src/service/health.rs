@@ -4,11 +4,17 @@
 //! least one plugin handler is loaded; `/metrics` prints the dispatcher's counters and each
 //! handler's delivery counts in the Prometheus text format. Read-only: nothing here changes a
 //! delivery, and no request input reaches a query.
+//!
+//! The per-handler counts come from an aggregation over every delivery, so `/metrics` reuses
+//! them for [`STATISTICS_MAX_AGE`]: however often and however many scrapers ask, the
+//! deliveries collection is aggregated at most once in that time.
 
 use std::convert::Infallible;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
+use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bson::{DateTime, doc};
 use http::{Request, Response, StatusCode};
@@ -17,12 +23,17 @@ use hyper::body::{Bytes, Incoming};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
+use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
 use crate::dispatch::DispatcherCounters;
 use crate::plugin::PluginRegistry;
-use crate::store::Store;
 use crate::store::mongo::MongoStore;
+use crate::store::{HandlerStatistics, Store, StoreError};
+
+/// How long `/metrics` reuses the per-handler delivery counts.
+pub const STATISTICS_MAX_AGE: Duration = Duration::from_secs(5);
 
 /// What the endpoints look at.
 #[derive(Clone)]
@@ -30,11 +41,12 @@ pub struct HealthState {
     store: Arc<MongoStore>,
     registry: Arc<PluginRegistry>,
     counters: Arc<DispatcherCounters>,
+    statistics: Arc<Recent<Vec<HandlerStatistics>>>,
 }
 
 impl HealthState {
     pub fn new(store: Arc<MongoStore>, registry: Arc<PluginRegistry>, counters: Arc<DispatcherCounters>) -> Self {
-        Self { store, registry, counters }
+        Self { store, registry, counters, statistics: Arc::new(Recent::new(STATISTICS_MAX_AGE)) }
     }
 
     /// Listens on `address` until the returned task is aborted.
@@ -97,7 +109,8 @@ impl HealthState {
             let _ = writeln!(out, "# HELP relayhost_{name}_total {help}\n# TYPE relayhost_{name}_total counter");
             let _ = writeln!(out, "relayhost_{name}_total {}", DispatcherCounters::get(counter));
         }
-        let statistics = self.store.statistics(DateTime::now()).await.map_err(|e| e.to_string())?;
+        let statistics =
+            self.statistics.get_or_refresh(|| self.store.statistics(DateTime::now())).await.map_err(|e| e.to_string())?;
         for (name, help) in [("pending", "Deliveries waiting"), ("running", "Deliveries under a live lease"), ("dead", "Dead deliveries")] {
             let _ = writeln!(out, "# HELP relayhost_deliveries_{name} {help}\n# TYPE relayhost_deliveries_{name} gauge");
             for s in &statistics {
@@ -115,9 +128,81 @@ impl HealthState {
     }
 }
 
+/// A value computed at most once per `max_age`; callers arriving while it is computed wait for
+/// that computation instead of starting their own. A failed computation is not kept.
+struct Recent<T> {
+    max_age: Duration,
+    value: Mutex<Option<(Instant, T)>>,
+}
+
+impl<T: Clone> Recent<T> {
+    fn new(max_age: Duration) -> Self {
+        Self { max_age, value: Mutex::new(None) }
+    }
+
+    async fn get_or_refresh<F, Fut>(&self, compute: F) -> Result<T, StoreError>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<T, StoreError>>,
+    {
+        let mut value = self.value.lock().await;
+        if let Some((at, kept)) = value.as_ref()
+            && at.elapsed() < self.max_age
+        {
+            return Ok(kept.clone());
+        }
+        let fresh = compute().await?;
+        *value = Some((Instant::now(), fresh.clone()));
+        Ok(fresh)
+    }
+}
+
 fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
     let mut response = Response::new(Full::new(Bytes::from(body)));
     *response.status_mut() = status;
     response.headers_mut().insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("text/plain; version=0.0.4"));
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    async fn count(recent: &Recent<usize>, computed: &AtomicUsize) -> Result<usize, StoreError> {
+        recent
+            .get_or_refresh(|| async {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                Ok(computed.fetch_add(1, Ordering::SeqCst) + 1)
+            })
+            .await
+    }
+
+    #[tokio::test]
+    async fn concurrent_and_recent_askers_share_one_computation() {
+        let recent = Recent::new(Duration::from_secs(3600));
+        let computed = AtomicUsize::new(0);
+        let (a, b, c) = tokio::join!(count(&recent, &computed), count(&recent, &computed), count(&recent, &computed));
+        assert_eq!((a.unwrap(), b.unwrap(), c.unwrap()), (1, 1, 1));
+        assert_eq!(count(&recent, &computed).await.unwrap(), 1);
+        assert_eq!(computed.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn an_older_value_is_computed_again() {
+        let recent = Recent::new(Duration::from_millis(1));
+        let computed = AtomicUsize::new(0);
+        assert_eq!(count(&recent, &computed).await.unwrap(), 1);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(count(&recent, &computed).await.unwrap(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_failed_computation_is_not_kept() {
+        let recent: Recent<usize> = Recent::new(Duration::from_secs(3600));
+        let failed = recent.get_or_refresh(|| async { Err(StoreError::Corrupt("statistics row".into())) }).await;
+        assert!(failed.is_err());
+        assert_eq!(recent.get_or_refresh(|| async { Ok(7) }).await.unwrap(), 7);
+    }
 }

@@ -329,6 +329,12 @@ pub trait Store: Send + Sync + 'static {
     fn setup(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Starts a transaction (snapshot reads, majority commit, bounded by the time budget).
+    ///
+    /// Everything written in it must fit `StoreOptions::transaction_budget` (5 s by default),
+    /// counted from here to the commit: a publisher writing hundreds of keyed events (each a
+    /// round trip for its key's sequence) in one transaction on a loaded server can outlast it
+    /// and have the commit refused (`StoreError::TransactionTimeout`). Publish large batches
+    /// in several transactions, or raise the budget.
     fn begin(&self) -> impl Future<Output = Result<Self::Tx, StoreError>> + Send;
 
     /// Writes `event` in `tx`; a keyed event takes its key's next sequence.
