@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use bson::{Document, doc};
 use clap::Args;
-use futures::TryStreamExt;
+use futures::{StreamExt, TryStreamExt};
 use relayhost::dispatch::{Dispatcher, DispatcherCounters, DispatcherOptions, HandlerSpec, RetryPolicy, RunResult, Runner};
 use relayhost::event::NewEvent;
 use relayhost::mongod::{Mongod, MongodOptions, find_binary};
@@ -207,13 +207,22 @@ async fn drain(args: &BenchArgs, client: &mongodb::Client, registry: &Arc<Plugin
     let store = store(client, "bench_drain")?;
     store.setup().await?;
     let events: Vec<NewEvent> = (0..args.events).map(|n| NewEvent::new(format!("bench-{n}"), "bench", doc! { "n": n as i64 })).collect();
-    for chunk in events.chunks(500) {
-        let mut tx = store.begin().await?;
-        for event in chunk {
-            store.publish(&mut tx, event).await?;
-        }
-        tx.commit().await?;
-    }
+    // Several publishers at once, as an application's would be: the backlog is written before
+    // the clock starts, and one publisher alone spends most of the run on its round trips.
+    futures::stream::iter(events.chunks(500))
+        .map(|chunk| {
+            let store = store.clone();
+            async move {
+                let mut tx = store.begin().await?;
+                for event in chunk {
+                    store.publish(&mut tx, event).await?;
+                }
+                tx.commit().await
+            }
+        })
+        .buffer_unordered(4)
+        .try_collect::<Vec<_>>()
+        .await?;
     let runner = Arc::new(PluginRunner::new(registry.clone(), store.clone(), Arc::new(|_: &str| RetryPolicy::default())));
     let dispatcher = Dispatcher::new(store.clone(), runner, dispatcher_options(args));
     let counters = dispatcher.counters();
