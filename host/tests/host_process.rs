@@ -703,7 +703,7 @@ fn bench_measures_the_floor_the_drain_the_latency_and_mongods_work() {
         rest.split_whitespace().next().and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("no number in {line:?}"))
     };
     assert!(number_after("raw floor") > 0.0 && number_after("drain") > 0.0, "{text}");
-    assert!(number_after("latency") > 0.0 && number_after("commit") > 0.0, "{text}");
+    assert!(number_after("latency") > 0.0 && number_after("commit") > 0.0 && number_after("round trip") > 0.0, "{text}");
     assert!(text.contains("% of the floor (goal >= 30 %)") && text.contains("goal <= 25"), "{text}");
     // The drain wrote at least the delivery's insert and delete and the event's two stamps.
     let work = text.lines().find(|line| line.starts_with("mongod work  per delivery:")).expect(&text);

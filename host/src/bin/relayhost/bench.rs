@@ -109,7 +109,24 @@ async fn measure(args: &BenchArgs, client: &mongodb::Client, plugins: &std::path
         "commit       p50 {commit_p50:.1} ms, p99 {commit_p99:.1} ms (the publisher's own durable commit, same run): the p50 latency is {:.1} of them",
         latency.from_sent.0 / commit_p50
     );
+    let (ping_p50, ping_p99) = round_trip(client).await?;
+    println!(
+        "round trip   p50 {ping_p50:.2} ms, p99 {ping_p99:.2} ms (a ping to the same mongod, same run): the other unit the path is made of"
+    );
     Ok(())
+}
+
+/// p50 and p99 of a `ping` to the server: what one round trip costs on this machine, apart
+/// from any work.
+async fn round_trip(client: &mongodb::Client) -> Result<(f64, f64)> {
+    let admin = client.database("admin");
+    let mut milliseconds = Vec::with_capacity(200);
+    for _ in 0..200 {
+        let started = Instant::now();
+        admin.run_command(doc! { "ping": 1 }).await?;
+        milliseconds.push(started.elapsed().as_secs_f64() * 1_000.0);
+    }
+    Ok(percentiles(milliseconds))
 }
 
 fn verdict(met: bool) -> &'static str {
