@@ -11,8 +11,8 @@
 
 use std::convert::Infallible;
 use std::fmt::Write as _;
-use std::net::SocketAddr;
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -22,8 +22,8 @@ const INDEX_NOT_FOUND: i32 = 27;
 const SUPERSEDED_DELIVERY_INDEXES: &[&str] = &["due", "status_updated", "by_status", "by_handler", "by_event_type"];
 
 /// Event indexes earlier versions created. `completed` made every completion move an index key
-/// of its event, which in MongoDB costs about four times the rest of that update; the purge
-/// reads `completedAt` while it walks `created` instead.
+/// of its event, and in MongoDB that update then costs about four times as much as without
+/// it; the purge reads `completedAt` while it walks `created` instead.
 const SUPERSEDED_EVENT_INDEXES: &[&str] = &["completed"];
 
 pub(super) async fn run(client: &Client, collections: &Collections, location: &MongoLocation) -> Result<(), StoreError> {
