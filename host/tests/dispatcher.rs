@@ -1,6 +1,7 @@
 //! The claim loop with native handler functions on the in-memory store (the dispatcher knows
 //! nothing of WebAssembly): delivery to every handler once, per-key order across two
-//! dispatchers, retries with backoff, dead letters, graceful stop, completions that failed.
+//! dispatchers, retries with backoff, dead letters, graceful stop, completions and
+//! reschedulings that failed.
 
 mod common;
 
@@ -247,13 +248,27 @@ fn the_loop_over_mongodb_can_be_spawned(dispatcher: &'static Dispatcher<relayhos
     spawnable(dispatcher.run(std::future::pending()));
 }
 
-/// The memory store, except that its first `complete_many` calls fail (a network blip).
-struct FailingCompletions {
+/// The memory store, except that its first `complete_many` and `reschedule` calls fail (a
+/// network blip).
+struct FailingWrites {
     inner: MemoryStore,
-    failures_left: std::sync::atomic::AtomicUsize,
+    completions_failing: std::sync::atomic::AtomicUsize,
+    reschedules_failing: std::sync::atomic::AtomicUsize,
 }
 
-impl Store for FailingCompletions {
+impl FailingWrites {
+    fn new(inner: MemoryStore, completions_failing: usize, reschedules_failing: usize) -> Self {
+        Self { inner, completions_failing: completions_failing.into(), reschedules_failing: reschedules_failing.into() }
+    }
+}
+
+/// Takes one of `left`'s failures, if any is left.
+fn fails(left: &std::sync::atomic::AtomicUsize) -> bool {
+    use std::sync::atomic::Ordering::SeqCst;
+    left.fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1)).is_ok()
+}
+
+impl Store for FailingWrites {
     type Tx = <MemoryStore as Store>::Tx;
     async fn setup(&self) -> Result<(), StoreError> {
         self.inner.setup().await
@@ -274,8 +289,7 @@ impl Store for FailingCompletions {
         self.inner.claim_in(handlers, lanes, limit, now).await
     }
     async fn complete_many(&self, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {
-        let failing = self.failures_left.fetch_update(std::sync::atomic::Ordering::SeqCst, std::sync::atomic::Ordering::SeqCst, |n| n.checked_sub(1));
-        if failing.is_ok() {
+        if fails(&self.completions_failing) {
             return Err(StoreError::Corrupt("injected: the completion's reply was lost".into()));
         }
         self.inner.complete_many(leases, now).await
@@ -284,6 +298,9 @@ impl Store for FailingCompletions {
         self.inner.complete_in(tx, lease, now).await
     }
     async fn reschedule(&self, lease: &Lease, due_at: DateTime, error: &str, now: DateTime) -> Result<Settlement, StoreError> {
+        if fails(&self.reschedules_failing) {
+            return Err(StoreError::Corrupt("injected: the server stepped down".into()));
+        }
         self.inner.reschedule(lease, due_at, error, now).await
     }
     async fn release(&self, leases: &[Lease], now: DateTime) -> Result<usize, StoreError> {
@@ -320,7 +337,7 @@ impl Store for FailingCompletions {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_completion_that_failed_is_written_later_without_running_the_handler_again() {
-    let store = Arc::new(FailingCompletions { inner: memory_store("worker"), failures_left: 2.into() });
+    let store = Arc::new(FailingWrites::new(memory_store("worker"), 2, 0));
     publish_all(&*store, (0..3).map(|n| event(&format!("e-{n}"), "order.placed")).collect()).await;
     let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
     let runner = Arc::new(NativeRunner {
@@ -339,8 +356,42 @@ async fn a_completion_that_failed_is_written_later_without_running_the_handler_a
     .await;
     stop.send(()).unwrap();
     handle.await.unwrap();
-    assert_eq!(store.failures_left.load(std::sync::atomic::Ordering::SeqCst), 0, "both injected failures happened");
+    assert_eq!(store.completions_failing.load(std::sync::atomic::Ordering::SeqCst), 0, "both injected failures happened");
     let mut ran: Vec<String> = runs.lock().unwrap().iter().map(|r| r.event.clone()).collect();
     ran.sort();
     assert_eq!(ran, ["e-0", "e-1", "e-2"], "each ran once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_whose_rescheduling_failed_are_written_later_without_running_the_handler_again() {
+    let store = Arc::new(FailingWrites::new(memory_store("worker"), 0, 2));
+    publish_all(&*store, (0..3).map(|n| event(&format!("e-{n}"), "order.placed")).collect()).await;
+    let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
+    let runner = Arc::new(NativeRunner {
+        specs: vec![spec("mailer", &["order.placed"], quick_retry(3))],
+        behaviour: Arc::new(|delivery| match delivery.attempts {
+            0 => AttemptResult::Retry { reason: "upstream 503".into(), not_before: None },
+            _ => AttemptResult::Completed,
+        }),
+        // All three finish together and are settled as one batch, which the first failure
+        // must not cut short.
+        delay: Duration::from_millis(50),
+        runs: runs.clone(),
+        busy: Arc::default(),
+    });
+    // The lease outlives the test: only a rescheduling written again lets the retries run.
+    let options = DispatcherOptions { lease_duration: Duration::from_secs(300), ..options(4) };
+    let (stop, handle) = start(store.clone(), runner, options);
+    until("every delivery completed on its second attempt", || {
+        runs.lock().unwrap().len() >= 6
+            && futures::executor::block_on(store.list_deliveries(&DeliveryFilter::default())).unwrap().deliveries.is_empty()
+    })
+    .await;
+    stop.send(()).unwrap();
+    handle.await.unwrap();
+    assert_eq!(store.reschedules_failing.load(std::sync::atomic::Ordering::SeqCst), 0, "both injected failures happened");
+    let mut attempts: Vec<(String, u32)> = runs.lock().unwrap().iter().map(|r| (r.event.clone(), r.attempt)).collect();
+    attempts.sort();
+    let expected: Vec<(String, u32)> = (0..3).flat_map(|n| [(format!("e-{n}"), 1), (format!("e-{n}"), 2)]).collect();
+    assert_eq!(attempts, expected, "each ran twice: the failed attempt and its retry, never more");
 }

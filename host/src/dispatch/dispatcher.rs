@@ -11,8 +11,11 @@
 //! the rest and hands them and the lanes back without charging an attempt.
 //!
 //! Store errors inside the loop (a network blip, an election) are logged and the loop goes
-//! on at the next poll: a completion that could not be written is tried again, and a delivery
-//! whose outcome was never written is retried after its lease expires, so nothing is lost.
+//! on at the next poll: a completion that could not be written is tried again, and so is any
+//! other outcome (a reschedule, a burial, a hand-back) that could not be written, while the
+//! delivery stays in flight with its lane renewed; the handler does not run again for it.
+//! A delivery whose host dies before its outcome is written is retried after its lease
+//! expires, so nothing is lost.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
@@ -170,6 +173,8 @@ struct Flight<S: Store> {
     claim_lanes: BTreeSet<LaneId>,
     /// Successful runs, completed in batches in the background.
     completions: Completions<S>,
+    /// Finished runs whose outcome could not be written yet; still in `running`.
+    unsettled: Vec<(ClaimedDelivery, RunResult)>,
 }
 
 impl<S: Store> Flight<S> {
@@ -183,6 +188,7 @@ impl<S: Store> Flight<S> {
             fanning: None,
             claim_lanes: BTreeSet::new(),
             completions,
+            unsettled: Vec::new(),
         }
     }
 }
@@ -222,7 +228,8 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                     flight.fan_out = true;
                     flight.claim = true;
                     flight.completions.resume();
-                    Ok(())
+                    let again = std::mem::take(&mut flight.unsettled);
+                    self.settle(again, &mut flight).await
                 }
                 () = fanned.notified() => { flight.claim = true; Ok(()) }
                 () = sleep_until_some(next_retry) => {
@@ -234,7 +241,8 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                     Ok(())
                 }
                 Some(done) = finished.recv() => {
-                    let mut batch = vec![done];
+                    let mut batch = std::mem::take(&mut flight.unsettled);
+                    batch.push(done);
                     while let Ok(more) = finished.try_recv() {
                         batch.push(more);
                     }
@@ -366,56 +374,86 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
     }
 
     /// Settles finished runs, and notes what they may have made worth a fan-out or a claim.
+    /// A run whose outcome could not be written stays in flight and in `flight.unsettled`, to
+    /// be settled again (the first such error is returned, after the whole batch was tried).
     async fn settle(&self, batch: Vec<(ClaimedDelivery, RunResult)>, flight: &mut Flight<S>) -> Result<(), StoreError> {
+        if batch.is_empty() {
+            return Ok(());
+        }
         let specs = self.runner.handlers();
         let now = DateTime::now();
         let mut not_run = Vec::new();
+        let mut first_error = None;
         for (delivery, result) in batch {
-            flight.running.remove(&delivery.lease.delivery);
             // A keyed delivery that ended may let its key's next one go: at once, or (for a
             // completion written in the background) once that is written.
             let keyed = delivery.event.key.is_some();
-            let attempt = match result {
+            let attempt = match &result {
                 RunResult::CompletedInTransaction => {
+                    flight.running.remove(&delivery.lease.delivery);
                     DispatcherCounters::add(&self.counters.completed, 1);
                     flight.claim |= keyed;
                     continue;
                 }
                 RunResult::LeaseLost => {
+                    flight.running.remove(&delivery.lease.delivery);
                     flight.claim |= keyed;
                     continue;
                 }
                 RunResult::NotRun => {
-                    not_run.push(delivery.lease);
+                    not_run.push((delivery, result));
                     continue;
                 }
-                RunResult::Attempt(attempt) => attempt,
+                RunResult::Attempt(attempt) => attempt.clone(),
             };
             let policy = specs.iter().find(|s| s.handler == delivery.handler).map(|s| s.retry).unwrap_or_default();
-            match decide(attempt, delivery.attempts + 1, &policy, now) {
-                Settle::Complete => flight.completions.push(delivery.lease, keyed),
-                Settle::Reschedule { due_at, reason } => {
-                    self.store.reschedule(&delivery.lease, due_at, &reason, now).await?;
-                    flight.claim |= keyed;
-                    DispatcherCounters::add(&self.counters.retried, 1);
-                    let wait = Duration::from_millis(due_at.timestamp_millis().saturating_sub(now.timestamp_millis()).max(0) as u64);
-                    flight.retry_timers.push(Reverse(Instant::now() + wait));
+            let written = match decide(attempt, delivery.attempts + 1, &policy, now) {
+                Settle::Complete => {
+                    flight.completions.push(delivery.lease, keyed);
+                    Ok(())
                 }
-                Settle::Bury { reason } => {
-                    bury_with_dead_letter(&*self.store, &delivery, &reason, true, now).await?;
+                Settle::Reschedule { due_at, reason } => {
+                    self.store.reschedule(&delivery.lease, due_at, &reason, now).await.map(|_| {
+                        flight.claim |= keyed;
+                        DispatcherCounters::add(&self.counters.retried, 1);
+                        let wait = Duration::from_millis(due_at.timestamp_millis().saturating_sub(now.timestamp_millis()).max(0) as u64);
+                        flight.retry_timers.push(Reverse(Instant::now() + wait));
+                    })
+                }
+                Settle::Bury { reason } => bury_with_dead_letter(&*self.store, &delivery, &reason, true, now).await.map(|_| {
                     DispatcherCounters::add(&self.counters.dead, 1);
                     // Its dead letter is a new event: fan it out at once.
                     flight.fan_out = true;
                     flight.claim = true;
+                }),
+            };
+            match written {
+                Ok(()) => {
+                    flight.running.remove(&delivery.lease.delivery);
+                }
+                Err(error) => {
+                    first_error.get_or_insert(error);
+                    flight.unsettled.push((delivery, result));
                 }
             }
         }
         if !not_run.is_empty() {
-            self.store.release(&not_run, now).await?;
-            DispatcherCounters::add(&self.counters.released, not_run.len());
-            flight.claim = true;
+            let leases: Vec<Lease> = not_run.iter().map(|(delivery, _)| delivery.lease).collect();
+            match self.store.release(&leases, now).await {
+                Ok(_) => {
+                    for lease in &leases {
+                        flight.running.remove(&lease.delivery);
+                    }
+                    DispatcherCounters::add(&self.counters.released, leases.len());
+                    flight.claim = true;
+                }
+                Err(error) => {
+                    first_error.get_or_insert(error);
+                    flight.unsettled.extend(not_run);
+                }
+            }
         }
-        Ok(())
+        first_error.map_or(Ok(()), Err)
     }
 
     async fn renew(&self, running: &HashMap<DeliveryId, Running>) -> Result<(), StoreError> {
@@ -439,10 +477,12 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             fanning.abort();
         }
         let deadline = Instant::now() + self.options.shutdown_timeout;
-        while !flight.running.is_empty() {
+        // Runs in flight that did not finish yet (the unsettled ones did).
+        while flight.running.len() > flight.unsettled.len() {
             match tokio::time::timeout_at(deadline, finished.recv()).await {
                 Ok(Some(done)) => {
-                    let mut batch = vec![done];
+                    let mut batch = std::mem::take(&mut flight.unsettled);
+                    batch.push(done);
                     while let Ok(more) = finished.try_recv() {
                         batch.push(more);
                     }
@@ -451,6 +491,13 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                     }
                 }
                 Ok(None) | Err(_) => break,
+            }
+        }
+        let again = std::mem::take(&mut flight.unsettled);
+        if let Err(error) = self.settle(again, flight).await {
+            tracing::warn!(%error, count = flight.unsettled.len(), "outcomes that could not be written are left to their leases, which will expire");
+            for (delivery, _) in flight.unsettled.drain(..) {
+                flight.running.remove(&delivery.lease.delivery);
             }
         }
         let completed = flight.completions.flush().await?;
