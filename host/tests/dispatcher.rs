@@ -335,25 +335,32 @@ impl Store for FailingWrites {
     }
 }
 
+/// A `mailer` handler of `order.placed` that behaves as `behaviour` after `delay`.
+fn mailer(behaviour: Arc<Behaviour>, delay: Duration, runs: &Arc<Mutex<Vec<Run>>>) -> Arc<NativeRunner> {
+    Arc::new(NativeRunner {
+        specs: vec![spec("mailer", &["order.placed"], quick_retry(3))],
+        behaviour,
+        delay,
+        runs: runs.clone(),
+        busy: Arc::default(),
+    })
+}
+
+/// At least `count` runs happened and no delivery is left.
+fn drained(store: &impl Store, runs: &Mutex<Vec<Run>>, count: usize) -> bool {
+    runs.lock().unwrap().len() >= count
+        && futures::executor::block_on(store.list_deliveries(&DeliveryFilter::default())).unwrap().deliveries.is_empty()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_completion_that_failed_is_written_later_without_running_the_handler_again() {
     let store = Arc::new(FailingWrites::new(memory_store("worker"), 2, 0));
     publish_all(&*store, (0..3).map(|n| event(&format!("e-{n}"), "order.placed")).collect()).await;
     let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
-    let runner = Arc::new(NativeRunner {
-        specs: vec![spec("mailer", &["order.placed"], quick_retry(3))],
-        behaviour: Arc::new(|_| AttemptResult::Completed),
-        delay: Duration::ZERO,
-        runs: runs.clone(),
-        busy: Arc::default(),
-    });
+    let runner = mailer(Arc::new(|_| AttemptResult::Completed), Duration::ZERO, &runs);
     // The lease (30 s) outlives the test: only a retried completion can finish it in time.
     let (stop, handle) = start(store.clone(), runner, options(4));
-    until("the deliveries completed", || {
-        runs.lock().unwrap().len() == 3
-            && futures::executor::block_on(store.list_deliveries(&DeliveryFilter::default())).unwrap().deliveries.is_empty()
-    })
-    .await;
+    until("the deliveries completed", || drained(&*store, &runs, 3)).await;
     stop.send(()).unwrap();
     handle.await.unwrap();
     assert_eq!(store.completions_failing.load(std::sync::atomic::Ordering::SeqCst), 0, "both injected failures happened");
@@ -367,26 +374,17 @@ async fn retries_whose_rescheduling_failed_are_written_later_without_running_the
     let store = Arc::new(FailingWrites::new(memory_store("worker"), 0, 2));
     publish_all(&*store, (0..3).map(|n| event(&format!("e-{n}"), "order.placed")).collect()).await;
     let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
-    let runner = Arc::new(NativeRunner {
-        specs: vec![spec("mailer", &["order.placed"], quick_retry(3))],
-        behaviour: Arc::new(|delivery| match delivery.attempts {
-            0 => AttemptResult::Retry { reason: "upstream 503".into(), not_before: None },
-            _ => AttemptResult::Completed,
-        }),
-        // All three finish together and are settled as one batch, which the first failure
-        // must not cut short.
-        delay: Duration::from_millis(50),
-        runs: runs.clone(),
-        busy: Arc::default(),
+    let fail_first = Arc::new(|delivery: &ClaimedDelivery| match delivery.attempts {
+        0 => AttemptResult::Retry { reason: "upstream 503".into(), not_before: None },
+        _ => AttemptResult::Completed,
     });
+    // All three finish together and are settled as one batch, which the first failure must
+    // not cut short.
+    let runner = mailer(fail_first, Duration::from_millis(50), &runs);
     // The lease outlives the test: only a rescheduling written again lets the retries run.
     let options = DispatcherOptions { lease_duration: Duration::from_secs(300), ..options(4) };
     let (stop, handle) = start(store.clone(), runner, options);
-    until("every delivery completed on its second attempt", || {
-        runs.lock().unwrap().len() >= 6
-            && futures::executor::block_on(store.list_deliveries(&DeliveryFilter::default())).unwrap().deliveries.is_empty()
-    })
-    .await;
+    until("every delivery completed on its second attempt", || drained(&*store, &runs, 6)).await;
     stop.send(()).unwrap();
     handle.await.unwrap();
     assert_eq!(store.reschedules_failing.load(std::sync::atomic::Ordering::SeqCst), 0, "both injected failures happened");
