@@ -241,11 +241,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                     Ok(())
                 }
                 Some(done) = finished.recv() => {
-                    let mut batch = std::mem::take(&mut flight.unsettled);
-                    batch.push(done);
-                    while let Ok(more) = finished.try_recv() {
-                        batch.push(more);
-                    }
+                    let batch = settle_batch(&mut flight, done, &mut finished);
                     self.settle(batch, &mut flight).await
                 }
                 fanned_out = join_fan_out(&mut flight.fanning) => {
@@ -481,11 +477,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         while flight.running.len() > flight.unsettled.len() {
             match tokio::time::timeout_at(deadline, finished.recv()).await {
                 Ok(Some(done)) => {
-                    let mut batch = std::mem::take(&mut flight.unsettled);
-                    batch.push(done);
-                    while let Ok(more) = finished.try_recv() {
-                        batch.push(more);
-                    }
+                    let batch = settle_batch(flight, done, finished);
                     if let Err(error) = self.settle(batch, flight).await {
                         tracing::warn!(%error, "settling deliveries during the stop failed; their leases will expire");
                     }
@@ -515,6 +507,21 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         }
         self.store.relinquish().await
     }
+}
+
+/// What to settle once `done` arrived: the outcomes still unwritten, `done`, and every other
+/// run that finished meanwhile.
+fn settle_batch<S: Store>(
+    flight: &mut Flight<S>,
+    done: (ClaimedDelivery, RunResult),
+    finished: &mut mpsc::UnboundedReceiver<(ClaimedDelivery, RunResult)>,
+) -> Vec<(ClaimedDelivery, RunResult)> {
+    let mut batch = std::mem::take(&mut flight.unsettled);
+    batch.push(done);
+    while let Ok(more) = finished.try_recv() {
+        batch.push(more);
+    }
+    batch
 }
 
 async fn sleep_until_some(at: Option<Instant>) {

@@ -39,7 +39,7 @@ pub struct BenchArgs {
     #[arg(long, default_value = "plugins/target/wasm32-wasip2/release")]
     plugins: PathBuf,
     /// Deliveries running at once.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = DispatcherOptions::default().concurrency)]
     concurrency: usize,
     /// Deliveries a claim may take beyond the free run slots (`host.claim_ahead`; default: 4
     /// per run slot, as in the host).
