@@ -18,7 +18,7 @@ use mongodb::event::command::CommandEvent;
 use mongodb::options::ClientOptions;
 use relayhost::publish::Publisher;
 use relayhost::store::mongo::{MongoLocation, MongoStore};
-use relayhost::store::{DeliveryFilter, Published, Settlement, Store, StoreError, StoreOptions};
+use relayhost::store::{DeliveryFilter, PurgeOptions, Published, Settlement, Store, StoreError, StoreOptions};
 
 fn repo_root() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
@@ -224,8 +224,28 @@ async fn keys_per_index(client: &Client, database: &str, collection: &str) -> Do
     report.get_document("keysPerIndex").unwrap().clone()
 }
 
+/// The explained winning plan of the last `find` on `collection` that `log` recorded since
+/// `since`, sent with its own filter, sort, hint and limit.
+async fn plan_of_find(client: &Client, database: &str, log: &Mutex<Vec<(String, Document)>>, since: usize, collection: &str) -> String {
+    let find = log.lock().unwrap()[since..]
+        .iter()
+        .rev()
+        .find(|(name, command)| name == "find" && command.get_str("find") == Ok(collection))
+        .map(|(_, command)| command.clone())
+        .unwrap_or_else(|| panic!("no find on {collection}"));
+    let mut explained = doc! {};
+    for field in ["find", "filter", "sort", "hint", "limit"] {
+        if let Some(value) = find.get(field) {
+            explained.insert(field, value.clone());
+        }
+    }
+    let report =
+        client.database(database).run_command(doc! { "explain": explained, "verbosity": "queryPlanner" }).await.unwrap();
+    report.get_document("queryPlanner").unwrap().get_document("winningPlan").unwrap().to_string()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn setup_replaces_superseded_indexes_pending_deliveries_stay_out_of_the_dead_letter_ones_and_completions_move_no_event_key() {
+async fn setup_replaces_superseded_indexes_and_pending_deliveries_stay_out_of_the_dead_letter_ones() {
     let (client, log) = recording_client().await;
     let database = fresh_database();
     let deliveries = client.database(&database).collection::<Document>("relayhost_deliveries");
@@ -262,15 +282,7 @@ async fn setup_replaces_superseded_indexes_pending_deliveries_stay_out_of_the_de
     for index in dead_letter_indexes {
         assert_eq!(keys.get_i32(index).unwrap(), 0, "pending deliveries are not dead letters: {keys}");
     }
-    let claimed = store.claim(&handlers(&["h"]), 20, at(T0)).await.unwrap();
-    assert_eq!(claimed.len(), 20);
-    // A completion stamps its event (`completedAt`) without moving any of the event's index keys.
-    let event_keys = keys_per_index(&client, &database, "relayhost_events").await;
-    let leases: Vec<_> = claimed[1..].iter().map(|c| c.lease).collect();
-    assert!(store.complete_many(&leases, at(T0)).await.unwrap().iter().all(|s| *s == Settlement::Completed));
-    assert_eq!(keys_per_index(&client, &database, "relayhost_events").await, event_keys);
-    let stamped = events.count_documents(doc! { "completedAt": { "$type": "date" } }).await.unwrap();
-    assert_eq!(stamped, 19);
+    let claimed = store.claim(&handlers(&["h"]), 1, at(T0)).await.unwrap();
     store.bury(&claimed[0].lease, "poison", true, at(T0)).await.unwrap();
     let keys = keys_per_index(&client, &database, "relayhost_deliveries").await;
     for index in dead_letter_indexes {
@@ -286,25 +298,38 @@ async fn setup_replaces_superseded_indexes_pending_deliveries_stay_out_of_the_de
     ] {
         let before = log.lock().unwrap().len();
         assert_eq!(store.list_deliveries(&filter).await.unwrap().deliveries.len(), 1);
-        let find = log.lock().unwrap()[before..]
-            .iter()
-            .find(|(name, command)| name == "find" && command.get_str("find").is_ok_and(|c| c.ends_with("deliveries")))
-            .map(|(_, command)| command.clone())
-            .expect("the listing's find");
-        let mut explained = doc! {};
-        for field in ["find", "filter", "sort", "limit"] {
-            if let Some(value) = find.get(field) {
-                explained.insert(field, value.clone());
-            }
-        }
-        let report = client
-            .database(&database)
-            .run_command(doc! { "explain": explained, "verbosity": "queryPlanner" })
-            .await
-            .unwrap();
-        let winning = report.get_document("queryPlanner").unwrap().get_document("winningPlan").unwrap().to_string();
+        let winning = plan_of_find(&client, &database, &log, before, "relayhost_deliveries").await;
         assert!(winning.contains("\"indexName\": \"dead_by_"), "{filter:?}: {winning}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_move_no_event_index_key_and_the_purge_walks_events_in_creation_order() {
+    let (client, log) = recording_client().await;
+    let database = fresh_database();
+    let events = client.database(&database).collection::<Document>("relayhost_events");
+    let store = MongoStore::new(client.clone(), MongoLocation::with_default_prefix(&database).unwrap(), options());
+    store.setup().await.unwrap();
+    publish_all(&store, (0..20).map(|n| event(&format!("e-{n}"), "t")).collect()).await;
+    fan_out_all(&store, &subs(&[("h", &["t"])]), at(T0)).await;
+    let claimed = store.claim(&handlers(&["h"]), 20, at(T0)).await.unwrap();
+    assert_eq!(claimed.len(), 20);
+
+    // A completion stamps its event (`completedAt`) without moving any of the event's index keys.
+    let event_keys = keys_per_index(&client, &database, "relayhost_events").await;
+    let leases: Vec<_> = claimed.iter().map(|c| c.lease).collect();
+    assert!(store.complete_many(&leases, at(T0)).await.unwrap().iter().all(|s| *s == Settlement::Completed));
+    assert_eq!(keys_per_index(&client, &database, "relayhost_events").await, event_keys);
+    let stamped = events.count_documents(doc! { "completedAt": { "$type": "date" } }).await.unwrap();
+    assert_eq!(stamped, 20);
+
+    // The purge finds expired events by walking `created`, reading `completedAt` on the way,
+    // never by sorting what another index returned.
+    let before = log.lock().unwrap().len();
+    let report = store.purge(&PurgeOptions { dead_before: None, completed_before: Some(at(T0 + 1)) }, at(T0 + 2)).await.unwrap();
+    assert_eq!(report.events, 20);
+    let plan = plan_of_find(&client, &database, &log, before, "relayhost_events").await;
+    assert!(plan.contains("\"indexName\": \"created\"") && !plan.contains("\"stage\": \"SORT\""), "{plan}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
