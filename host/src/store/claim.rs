@@ -21,6 +21,13 @@ use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
 /// How far back a claim looks for requeues that may have overtaken its picks.
 const REQUEUE_RACE_WINDOW_MS: i64 = 60_000;
 
+/// How long an unsettled lease counts as running on this instance's word alone. Older ones
+/// are checked against their delivery at every claim, which drops the entries of deliveries
+/// that changed under the lease (an operator buried a stuck one, a takeover charged it) and
+/// that this instance will never settle. Under a backlog nearly every lease settles well
+/// within this, so the claims skip a read of a few hundred deliveries each.
+const UNSETTLED_TRUSTED_FOR_MS: i64 = 2_000;
+
 /// Who holds a lane: a worker name and the store instance inside it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Holder {
@@ -176,7 +183,15 @@ pub(crate) struct Claimer {
     /// Lane -> epoch under which this instance holds it. The async lock also serializes the
     /// claims of this instance, so overlapping claims never read the same in-flight list.
     held: tokio::sync::Mutex<BTreeMap<LaneId, i64>>,
-    issued: Mutex<HashMap<DeliveryId, Lease>>,
+    issued: Mutex<HashMap<DeliveryId, Issued>>,
+}
+
+/// A lease this instance handed out and has not seen settled.
+#[derive(Debug, Clone, Copy)]
+struct Issued {
+    lease: Lease,
+    /// The `now` of the claim that issued it.
+    at: DateTime,
 }
 
 impl Claimer {
@@ -196,16 +211,23 @@ impl Claimer {
     /// Whether this instance issued exactly this lease and has not seen it settled. A lease
     /// it cannot have issued is refused without a database call.
     pub fn issued(&self, lease: &Lease) -> bool {
-        self.issued.lock().expect("issued leases").get(&lease.delivery) == Some(lease)
+        self.issued.lock().expect("issued leases").get(&lease.delivery).map(|issued| &issued.lease) == Some(lease)
     }
 
     pub fn settled<'a>(&self, leases: impl IntoIterator<Item = &'a Lease>) {
         let mut issued = self.issued.lock().expect("issued leases");
         for lease in leases {
-            if issued.get(&lease.delivery) == Some(lease) {
+            if issued.get(&lease.delivery).map(|issued| &issued.lease) == Some(lease) {
                 issued.remove(&lease.delivery);
             }
         }
+    }
+
+    /// Counts `lease` as issued at `at` and unsettled again, as if the reply of the write that
+    /// settled it had been lost.
+    #[cfg(test)]
+    pub fn lose_settlement_reply(&self, lease: Lease, at: DateTime) {
+        self.issued.lock().expect("issued leases").insert(lease.delivery, Issued { lease, at });
     }
 
     /// Forgets every held lane and returns them (graceful stop), each with whether a lease
@@ -215,7 +237,7 @@ impl Claimer {
         let issued = self.issued.lock().expect("issued leases");
         std::mem::take(&mut *held)
             .into_iter()
-            .map(|(lane, epoch)| (lane, epoch, issued.values().any(|l| l.lane == lane && l.epoch == epoch)))
+            .map(|(lane, epoch)| (lane, epoch, issued.values().any(|i| i.lease.lane == lane && i.lease.epoch == epoch)))
             .collect()
     }
 
@@ -235,7 +257,7 @@ impl Claimer {
             Ok(claimed) => Ok(claimed),
             Err(error) => {
                 // The claim may have reached the database without its reply reaching us.
-                let issued: HashSet<Lease> = self.issued.lock().expect("issued leases").values().copied().collect();
+                let issued: HashSet<Lease> = self.issued.lock().expect("issued leases").values().map(|i| i.lease).collect();
                 if let Err(reconcile_error) = backend.reconcile(&self.holder, &issued).await {
                     tracing::warn!(%reconcile_error, claim_error = %error, "reconciling lanes after a failed claim failed");
                 }
@@ -287,16 +309,29 @@ impl Claimer {
                 }
             }
             // An entry whose lease this instance settled (or never issued) runs no more: only
-            // the unsettled ones need the database's word.
-            let unsettled: HashSet<(DeliveryId, i64)> =
-                self.issued.lock().expect("issued leases").values().map(|lease| (lease.delivery, lease.claims)).collect();
-            let listed: Vec<InFlight> = mine
+            // the unsettled ones count, and only the older ones need the database's word.
+            let trusted_since = DateTime::from_millis(now.timestamp_millis().saturating_sub(UNSETTLED_TRUSTED_FOR_MS));
+            let unsettled: HashMap<(DeliveryId, i64), bool> = self
+                .issued
+                .lock()
+                .expect("issued leases")
                 .values()
-                .flat_map(|lane| lane.running.iter())
-                .filter(|entry| unsettled.contains(&(entry.delivery, entry.claims)))
-                .cloned()
+                .map(|i| ((i.lease.delivery, i.lease.claims), i.at >= trusted_since))
                 .collect();
-            let current = if listed.is_empty() { HashSet::new() } else { backend.current(&listed).await? };
+            let mut current = HashSet::new();
+            let mut to_check = Vec::new();
+            for entry in mine.values().flat_map(|lane| lane.running.iter()) {
+                match unsettled.get(&(entry.delivery, entry.claims)) {
+                    Some(true) => {
+                        current.insert(entry.delivery);
+                    }
+                    Some(false) => to_check.push(entry.clone()),
+                    None => {}
+                }
+            }
+            if !to_check.is_empty() {
+                current.extend(backend.current(&to_check).await?);
+            }
             Ok::<_, StoreError>((mine, current, left_over))
         };
         let ((mut mine, current, left_over), ()) = futures::try_join!(running_in_held, backend.unpark(handlers))?;
@@ -456,7 +491,7 @@ impl Claimer {
         for (pick, event) in runnable {
             let epoch = mine[&pick.lane].epoch;
             let lease = Lease { delivery: pick.id, lane: pick.lane, epoch, claims: pick.claims };
-            issued.insert(pick.id, lease);
+            issued.insert(pick.id, Issued { lease, at: now });
             claimed.push(ClaimedDelivery { lease, handler: pick.handler, attempts: pick.attempts, event });
         }
         Ok(claimed)

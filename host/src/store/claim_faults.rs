@@ -1,8 +1,11 @@
 //! Fault injection into the shared claim, against both stores: a worker that dies between
 //! charging a takeover and recording it, a claim whose record reached the database while its
-//! reply did not (also when that record took the lane), and a requeue racing a claim.
+//! reply did not (also when that record took the lane), a requeue racing a claim, and a
+//! settling write whose reply was lost (the claim trusts its own unsettled leases only for a
+//! while).
 
 use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use bson::{DateTime, Document, doc};
 
@@ -23,12 +26,22 @@ enum Fault {
     DieBeforeRecord,
     /// The record is written but the claim fails afterwards (its reply was lost).
     FailAfterRecord,
+    /// Nothing goes wrong in the claim itself.
+    Nothing,
 }
 
 struct Faulty<'s, B, S> {
     inner: B,
     fault: Fault,
     store: &'s S,
+    /// How often the claim asked the database which unsettled entries are still current.
+    current_reads: AtomicUsize,
+}
+
+impl<'s, B, S> Faulty<'s, B, S> {
+    fn new(inner: B, fault: Fault, store: &'s S) -> Self {
+        Self { inner, fault, store, current_reads: AtomicUsize::new(0) }
+    }
 }
 
 fn injected() -> StoreError {
@@ -59,6 +72,7 @@ impl<B: ClaimBackend + Send, S: Store> ClaimBackend for Faulty<'_, B, S> {
         self.inner.charge_lost(entries, now).await
     }
     async fn current(&self, entries: &[InFlight]) -> Result<HashSet<DeliveryId>, StoreError> {
+        self.current_reads.fetch_add(1, Ordering::SeqCst);
         self.inner.current(entries).await
     }
     async fn candidates(
@@ -89,6 +103,7 @@ impl<B: ClaimBackend + Send, S: Store> ClaimBackend for Faulty<'_, B, S> {
                 self.store.requeue(id, DateTime::from_millis(T0 + 1)).await?;
                 self.inner.record(holder, records).await
             }
+            Fault::Nothing => self.inner.record(holder, records).await,
         }
     }
     async fn hand_back(&self, holder: &Holder, lanes: &[(LaneId, i64)], now: DateTime) -> Result<(), StoreError> {
@@ -178,6 +193,7 @@ both_stores!(death_between_takeover_charge_and_record_charges_once, death_betwee
 both_stores!(a_claim_failing_after_its_record_reconciles, failure_after_record);
 both_stores!(a_requeue_racing_a_claim_takes_precedence, requeue_during_claim);
 both_stores!(a_claim_in_failing_after_the_record_that_took_its_lane_reconciles, failure_after_taking_record);
+both_stores!(an_unsettled_lease_is_trusted_for_a_while_then_checked, settled_without_a_reply);
 
 async fn requeue_during_claim<S: Store + Parts>(a: &S, _b: &S, _c: &S) {
     let handlers = vec!["h".to_string()];
@@ -196,7 +212,7 @@ async fn requeue_during_claim<S: Store + Parts>(a: &S, _b: &S, _c: &S) {
     a.bury(&first.lease, "poison", true, DateTime::from_millis(T0)).await.unwrap();
     // The claim picks sequence 2; the operator requeues sequence 1 before it is recorded.
     let (backend, claimer) = a.parts();
-    let faulty = Faulty { inner: backend, fault: Fault::RequeueBeforeRecord(first.lease.delivery.to_hex()), store: a };
+    let faulty = Faulty::new(backend, Fault::RequeueBeforeRecord(first.lease.delivery.to_hex()), a);
     let claimed = claimer.claim(&faulty, &handlers, LaneSearch::FreeWithDueWork, 10, DateTime::from_millis(T0 + 2)).await.unwrap();
     assert!(claimed.is_empty(), "sequence 2 was overtaken by the requeued sequence 1");
     let next = a.claim(&handlers, 10, DateTime::from_millis(T0 + 3)).await.unwrap();
@@ -210,7 +226,7 @@ async fn death_between_charge_and_record<S: Store + Parts>(a: &S, b: &S, c: &S) 
     assert_eq!(a.claim(&handlers, 1, DateTime::from_millis(T0)).await.unwrap().len(), 1);
     // a dies; b takes the lane over, charges a's attempt, and dies before recording.
     let (backend, claimer) = b.parts();
-    let faulty = Faulty { inner: backend, fault: Fault::DieBeforeRecord, store: b };
+    let faulty = Faulty::new(backend, Fault::DieBeforeRecord, b);
     assert!(claimer.claim(&faulty, &handlers, LaneSearch::FreeWithDueWork, 1, DateTime::from_millis(T0 + 31_000)).await.is_err());
     // c takes over after b's lease expired: the lane still lists a's claim, which must not
     // be charged a second time.
@@ -224,7 +240,7 @@ async fn failure_after_taking_record<S: Store + Parts>(a: &S, _b: &S, c: &S) {
     one_delivery(a).await;
     let lane = crate::lane::lane_for_event("e-1", None);
     let (backend, claimer) = a.parts();
-    let faulty = Faulty { inner: backend, fault: Fault::FailAfterRecord, store: a };
+    let faulty = Faulty::new(backend, Fault::FailAfterRecord, a);
     // The lane was free: the record itself took it, and then the claim failed.
     assert!(claimer.claim(&faulty, &handlers, LaneSearch::Only(&[lane]), 1, DateTime::from_millis(T0)).await.is_err());
     // The lane is a's, and a claims from it again at once, under a new claim generation and
@@ -241,7 +257,7 @@ async fn failure_after_record<S: Store + Parts>(a: &S, _b: &S, c: &S) {
     let handlers = vec!["h".to_string()];
     one_delivery(a).await;
     let (backend, claimer) = a.parts();
-    let faulty = Faulty { inner: backend, fault: Fault::FailAfterRecord, store: a };
+    let faulty = Faulty::new(backend, Fault::FailAfterRecord, a);
     assert!(claimer.claim(&faulty, &handlers, LaneSearch::FreeWithDueWork, 1, DateTime::from_millis(T0)).await.is_err());
     // Reconciled: the same instance claims it again at once, under a new claim generation,
     // with no attempt charged; the unissued lease of the failed claim matches nothing.
@@ -251,4 +267,34 @@ async fn failure_after_record<S: Store + Parts>(a: &S, _b: &S, c: &S) {
     assert_eq!(claimed[0].lease.claims, 1);
     // Nobody else sees it while a holds it.
     assert!(c.claim(&handlers, 1, DateTime::from_millis(T0 + 2)).await.unwrap().is_empty());
+}
+
+async fn settled_without_a_reply<S: Store + Parts>(a: &S, _b: &S, _c: &S) {
+    let handlers = vec!["h".to_string()];
+    let subscriptions = Subscriptions::new([Subscription::new("h", ["t"])]).unwrap();
+    run_in_transaction(a, async |tx| {
+        for n in 1..=2 {
+            a.publish(tx, &NewEvent::new(format!("e-{n}"), "t", doc! {}).with_key("k")).await?;
+        }
+        Ok(())
+    })
+    .await
+    .unwrap();
+    a.fan_out(&subscriptions, 10, DateTime::from_millis(T0)).await.unwrap();
+    let first = a.claim(&handlers, 10, DateTime::from_millis(T0)).await.unwrap();
+    assert_eq!(first.iter().map(|c| c.event.sequence).collect::<Vec<_>>(), [Some(1)]);
+    let lease = first[0].lease;
+    a.complete_many(&[lease], DateTime::from_millis(T0 + 1)).await.unwrap();
+    // The completion was written but its reply never came: the instance still counts the
+    // lease as issued to a run of its own.
+    let (backend, claimer) = a.parts();
+    claimer.lose_settlement_reply(lease, DateTime::from_millis(T0));
+    let faulty = Faulty::new(backend, Fault::Nothing, a);
+    let soon = claimer.claim(&faulty, &handlers, LaneSearch::FreeWithDueWork, 10, DateTime::from_millis(T0 + 1_000)).await.unwrap();
+    assert!(soon.is_empty(), "a young unsettled lease keeps its key busy");
+    assert_eq!(faulty.current_reads.load(Ordering::SeqCst), 0, "young leases are trusted without a read");
+    let later = claimer.claim(&faulty, &handlers, LaneSearch::FreeWithDueWork, 10, DateTime::from_millis(T0 + 2_500)).await.unwrap();
+    assert_eq!(faulty.current_reads.load(Ordering::SeqCst), 1, "an older one is checked");
+    assert_eq!(later.iter().map(|c| c.event.sequence).collect::<Vec<_>>(), [Some(2)], "and found gone, so the key moves on");
+    assert!(!claimer.issued(&lease));
 }
