@@ -131,7 +131,7 @@ pub struct HostConfig {
 
 impl HostConfig {
     /// `claim_ahead` as set, or its default for `concurrency`.
-    pub fn claim_ahead(&self) -> usize {
+    pub fn claim_ahead_or_default(&self) -> usize {
         self.claim_ahead.unwrap_or(DispatcherOptions::default_claim_ahead(self.concurrency))
     }
 }
@@ -458,10 +458,10 @@ mod tests {
         let config = load(EXAMPLE, &overrides).unwrap();
         assert_eq!(config.mongodb.uri, "embedded");
         assert_eq!(config.host.concurrency, 8);
-        assert_eq!(config.host.claim_ahead(), 0);
+        assert_eq!(config.host.claim_ahead_or_default(), 0);
         // Unset, it follows the run slots.
         let config = load(EXAMPLE, &[("RELAYHOST_HOST_CONCURRENCY", "8")]).unwrap();
-        assert_eq!((config.host.claim_ahead, config.host.claim_ahead()), (None, 32));
+        assert_eq!((config.host.claim_ahead, config.host.claim_ahead_or_default()), (None, 32));
         let error = load(EXAMPLE, &[("RELAYHOST_HOST_CONCURENCY", "8")]).unwrap_err().to_string();
         assert!(error.contains("RELAYHOST_HOST_CONCURENCY"), "{error}");
         let error = load(EXAMPLE, &[("RELAYHOST_HOST_LEASE", "soon")]).unwrap_err().to_string();

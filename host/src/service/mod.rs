@@ -109,7 +109,7 @@ async fn serve(
     let runner = Arc::new(PluginRunner::new(registry.clone(), store.clone(), retry_policies(config)));
     let options = DispatcherOptions {
         concurrency: config.host.concurrency,
-        claim_ahead: config.host.claim_ahead(),
+        claim_ahead: config.host.claim_ahead_or_default(),
         poll_interval: config.host.poll_interval.0,
         lease_duration: config.host.lease.0,
         shutdown_timeout: config.host.shutdown_timeout.0,
