@@ -58,7 +58,10 @@ async fn complete_in_session(
     now: DateTime,
 ) -> Result<Vec<Settlement>, StoreError> {
     let epochs = lane_epochs(store, session, leases.iter().map(|l| l.lane)).await?;
-    let found = generations::find_current(store, &lease_generations(leases.iter()), None, Some(&mut *session)).await?;
+    // The history copies whole documents; without it the generation and the event id do.
+    let projection =
+        (!store.options.completion_history).then(|| doc! { delivery::ID: 1, delivery::EVENT_ID: 1, delivery::CLAIMS: 1 });
+    let found = generations::find_current(store, &lease_generations(leases.iter()), projection, Some(&mut *session)).await?;
     let found: HashMap<ObjectId, Document> =
         found.into_iter().filter_map(|d| Some((d.get_object_id(delivery::ID).ok()?, d))).collect();
     let current: Vec<&Lease> = leases
