@@ -54,6 +54,7 @@ contract!(
     lanes_are_exclusive_under_a_live_lease,
     a_claim_in_given_lanes_takes_only_those_and_keeps_the_rules,
     lanes_are_held_per_store_instance,
+    older_work_in_a_free_lane_goes_before_younger_work_of_a_held_lane,
     relinquish_hands_lanes_back_at_once,
     a_stale_lease_changes_nothing,
     an_expired_lease_nobody_took_is_still_honoured,
@@ -429,6 +430,29 @@ async fn a_claim_in_given_lanes_takes_only_those_and_keeps_the_rules<F: Fixture>
     assert_eq!(ids(&taken_over), ids(&claimed));
     assert!(taken_over.iter().all(|c| c.attempts == 1), "the lost attempts are charged");
     assert!(a.complete_many(&[claimed[0].lease], at(T0 + 120_001)).await.unwrap() == [Settlement::LeaseLost]);
+}
+
+async fn older_work_in_a_free_lane_goes_before_younger_work_of_a_held_lane<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    let subscriptions = subs(&[("h", &["t"])]);
+    let held: Vec<String> = (0..15).map(|n| id_in_lane(&format!("held-{n}"), 5)).collect();
+    let waiting = id_in_lane("waiting", 200);
+    publish_all(store, held[..5].iter().map(|id| event(id, "t")).collect()).await;
+    fan_out_all(store, &subscriptions, at(T0)).await;
+    let first = store.claim(&handlers(&["h"]), 5, at(T0)).await.unwrap();
+    assert_eq!(first.iter().map(|c| c.lease.lane).collect::<Vec<_>>(), [5; 5]);
+    // Then one event in another lane, then a new backlog in the lane the store holds.
+    publish_all(store, vec![event(&waiting, "t")]).await;
+    fan_out_all(store, &subscriptions, at(T0 + 1)).await;
+    publish_all(store, held[5..].iter().map(|id| event(id, "t")).collect()).await;
+    fan_out_all(store, &subscriptions, at(T0 + 2)).await;
+    let leases: Vec<_> = first.iter().map(|c| c.lease).collect();
+    store.complete_many(&leases, at(T0 + 3)).await.unwrap();
+    // Lane 5 alone could fill the next claim, but with younger work than lane 200 waits with.
+    let next = store.claim(&handlers(&["h"]), 5, at(T0 + 4)).await.unwrap();
+    assert_eq!(next.len(), 5);
+    assert!(ids(&next).contains(&format!("{waiting}/h")), "the oldest due delivery is claimed: {:?}", ids(&next));
 }
 
 async fn lanes_are_held_per_store_instance<F: Fixture>() {

@@ -9,6 +9,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::future::Future;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use bson::oid::ObjectId;
@@ -99,6 +100,11 @@ pub(crate) enum LaneSearch<'a> {
     Only(&'a [LaneId]),
 }
 
+/// How often a claim whose held lanes filled it looks for older work in free lanes.
+const FAIRNESS_CHECK_INTERVAL_MS: i64 = 1_000;
+/// How many free lanes with older work such a look takes at most.
+const FAIRNESS_LANES: usize = 16;
+
 /// The fewest due rows [`ClaimBackend::free_lanes_with_due_work`] reads per query before it
 /// stops: an answer that saw fewer rows in all saw every due row of the free lanes.
 pub(crate) const MIN_ROWS_PER_LANE_QUERY: usize = 64;
@@ -184,6 +190,8 @@ pub(crate) struct Claimer {
     /// claims of this instance, so overlapping claims never read the same in-flight list.
     held: tokio::sync::Mutex<BTreeMap<LaneId, i64>>,
     issued: Mutex<HashMap<DeliveryId, Issued>>,
+    /// When (the claim's `now`, in ms) a claim last looked for older work in free lanes.
+    fairness_checked_at: AtomicI64,
 }
 
 /// A lease this instance handed out and has not seen settled.
@@ -201,6 +209,7 @@ impl Claimer {
             lease_duration,
             held: tokio::sync::Mutex::new(BTreeMap::new()),
             issued: Mutex::new(HashMap::new()),
+            fairness_checked_at: AtomicI64::new(i64::MIN),
         }
     }
 
@@ -220,6 +229,17 @@ impl Claimer {
             if issued.get(&lease.delivery).map(|issued| &issued.lease) == Some(lease) {
                 issued.remove(&lease.delivery);
             }
+        }
+    }
+
+    /// Whether a claim at `now` should look for older work in free lanes (see the claim);
+    /// true at most once a second.
+    fn fairness_check_due(&self, now: DateTime) -> bool {
+        let now = now.timestamp_millis();
+        let last = self.fairness_checked_at.load(Ordering::Relaxed);
+        now.saturating_sub(last) >= FAIRNESS_CHECK_INTERVAL_MS && {
+            self.fairness_checked_at.store(now, Ordering::Relaxed);
+            true
         }
     }
 
@@ -348,6 +368,26 @@ impl Claimer {
         scan(backend, &mut plan, &lanes, handlers, now).await?;
 
         let mut tried: BTreeSet<LaneId> = mine.keys().copied().collect();
+        // Held lanes can fill a claim on their own with work younger than what waits in lanes
+        // nobody holds: a lane kept busy by a steady stream would then keep the others waiting
+        // for as long as the stream lasts. At most once a second (it costs a query), free lanes
+        // with work due before the claim's youngest pick are taken and scanned for that work,
+        // which takes the place of the youngest picks.
+        if plan.full() && matches!(search, LaneSearch::FreeWithDueWork) && self.fairness_check_due(now) {
+            if let Some(youngest) = plan.youngest_due() {
+                let before = DateTime::from_millis(youngest.timestamp_millis() - 1);
+                let half = (plan.limit / 2).max(1);
+                let older = backend.free_lanes_with_due_work(handlers, &tried, FAIRNESS_LANES, half, before).await?;
+                if !older.is_empty() {
+                    let lanes: Vec<LaneId> = older.iter().map(|(lane, _)| *lane).collect();
+                    tried.extend(lanes.iter().copied());
+                    let taken = self.take(backend, &lanes, now, until).await?;
+                    let new_lanes = adopt(held, &mut mine, taken);
+                    plan.make_room(older.iter().map(|(_, due)| due).sum::<usize>().min(half));
+                    scan(backend, &mut plan, &new_lanes, handlers, before).await?;
+                }
+            }
+        }
         // More lanes, in growing rounds (4, 8, 16, ... or as many as the due work seen in them
         // says the batch still needs, if more), while the batch is not full.
         let mut round = 4;
@@ -563,6 +603,21 @@ impl Plan {
 
     fn full(&self) -> bool {
         self.picks.len() >= self.limit
+    }
+
+    fn youngest_due(&self) -> Option<DateTime> {
+        self.picks.iter().map(|pick| pick.due_at).max()
+    }
+
+    /// Drops the `n` youngest picks, freeing their keys.
+    fn make_room(&mut self, n: usize) {
+        self.picks.sort_by_key(|pick| (pick.due_at, pick.id));
+        let keep = self.picks.len().saturating_sub(n);
+        for pick in self.picks.drain(keep..) {
+            if let Some(key) = pick.key {
+                self.busy_keys.remove(&(pick.handler, key));
+            }
+        }
     }
 
     /// Keyed candidates whose head is not known yet and whose key is not busy.
