@@ -24,9 +24,9 @@ const REQUEUE_RACE_WINDOW_MS: i64 = 60_000;
 
 /// How long an unsettled lease counts as running on this instance's word alone. Older ones
 /// are checked against their delivery at every claim, which drops the entries of deliveries
-/// that changed under the lease (an operator buried a stuck one, a takeover charged it) and
-/// that this instance will never settle. Under a backlog nearly every lease settles well
-/// within this, so the claims skip a read of a few hundred deliveries each.
+/// that changed under the lease without this instance seeing it (a settling write whose reply
+/// was lost) and that it would otherwise keep as running. Under a backlog nearly every lease
+/// settles well within this, so the claims skip a read of a few hundred deliveries each.
 const UNSETTLED_TRUSTED_FOR_MS: i64 = 2_000;
 
 /// Who holds a lane: a worker name and the store instance inside it.
@@ -609,7 +609,7 @@ impl Plan {
         self.picks.iter().map(|pick| pick.due_at).max()
     }
 
-    /// Drops the `n` youngest picks, freeing their keys.
+    /// Drops the `n` youngest picks, freeing their keys; the rest stay in due order.
     fn make_room(&mut self, n: usize) {
         self.picks.sort_by_key(|pick| (pick.due_at, pick.id));
         let keep = self.picks.len().saturating_sub(n);
