@@ -1,7 +1,7 @@
 //! The claim loop with native handler functions on the in-memory store (the dispatcher knows
 //! nothing of WebAssembly): delivery to every handler once, per-key order across two
-//! dispatchers, retries with backoff, dead letters, graceful stop, completions and
-//! reschedulings that failed.
+//! dispatchers, retries with backoff, dead letters, graceful stop (also while a fan-out
+//! hangs), completions and reschedulings that failed.
 
 mod common;
 
@@ -249,16 +249,38 @@ fn the_loop_over_mongodb_can_be_spawned(dispatcher: &'static Dispatcher<relayhos
 }
 
 /// The memory store, except that its first `complete_many` and `reschedule` calls fail (a
-/// network blip).
+/// network blip) and its first `fan_out` calls never answer (a server that hangs).
 struct FailingWrites {
     inner: MemoryStore,
     completions_failing: std::sync::atomic::AtomicUsize,
     reschedules_failing: std::sync::atomic::AtomicUsize,
+    fan_outs_hanging: std::sync::atomic::AtomicUsize,
+    /// Hanging fan-outs whose caller gave up on them (dropped their future).
+    fan_outs_abandoned: std::sync::atomic::AtomicUsize,
+}
+
+/// Counts one up when dropped.
+struct CountOnDrop<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl Drop for CountOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 impl FailingWrites {
     fn new(inner: MemoryStore, completions_failing: usize, reschedules_failing: usize) -> Self {
-        Self { inner, completions_failing: completions_failing.into(), reschedules_failing: reschedules_failing.into() }
+        Self {
+            inner,
+            completions_failing: completions_failing.into(),
+            reschedules_failing: reschedules_failing.into(),
+            fan_outs_hanging: 0.into(),
+            fan_outs_abandoned: 0.into(),
+        }
+    }
+
+    fn with_hanging_fan_outs(self, count: usize) -> Self {
+        Self { fan_outs_hanging: count.into(), ..self }
     }
 }
 
@@ -280,6 +302,10 @@ impl Store for FailingWrites {
         self.inner.publish(tx, event).await
     }
     async fn fan_out(&self, subscriptions: &Subscriptions, limit: usize, now: DateTime) -> Result<FanOutReport, StoreError> {
+        if fails(&self.fan_outs_hanging) {
+            let _abandoned = CountOnDrop(&self.fan_outs_abandoned);
+            std::future::pending::<()>().await;
+        }
         self.inner.fan_out(subscriptions, limit, now).await
     }
     async fn claim(&self, handlers: &[String], limit: usize, now: DateTime) -> Result<Vec<ClaimedDelivery>, StoreError> {
@@ -392,4 +418,26 @@ async fn retries_whose_rescheduling_failed_are_written_later_without_running_the
     attempts.sort();
     let expected: Vec<(String, u32)> = (0..3).flat_map(|n| [(format!("e-{n}"), 1), (format!("e-{n}"), 2)]).collect();
     assert_eq!(attempts, expected, "each ran twice: the failed attempt and its retry, never more");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_cancels_a_fan_out_that_hangs_and_the_next_host_loses_nothing() {
+    let store = Arc::new(FailingWrites::new(memory_store("worker"), 0, 0).with_hanging_fan_outs(1));
+    publish_all(&*store, (0..3).map(|n| event(&format!("e-{n}"), "order.placed")).collect()).await;
+    let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
+    let runner = mailer(Arc::new(|_| AttemptResult::Completed), Duration::ZERO, &runs);
+    let (stop, handle) = start(store.clone(), runner.clone(), options(4));
+    until("the fan-out hangs", || store.fan_outs_hanging.load(std::sync::atomic::Ordering::SeqCst) == 0).await;
+    stop.send(()).unwrap();
+    // The stop does not wait for the fan-out: it cancels it (a real one never commits).
+    tokio::time::timeout(Duration::from_secs(30), handle).await.expect("the stop waited for the fan-out").unwrap();
+    until("the fan-out was cancelled", || store.fan_outs_abandoned.load(std::sync::atomic::Ordering::SeqCst) == 1).await;
+    assert!(runs.lock().unwrap().is_empty());
+    let (stop, handle) = start(store.clone(), runner, options(4));
+    until("the deliveries completed", || drained(&*store, &runs, 3)).await;
+    stop.send(()).unwrap();
+    handle.await.unwrap();
+    let mut ran: Vec<String> = runs.lock().unwrap().iter().map(|r| r.event.clone()).collect();
+    ran.sort();
+    assert_eq!(ran, ["e-0", "e-1", "e-2"], "each ran once");
 }
