@@ -1,7 +1,7 @@
 //! The claim loop with native handler functions on the in-memory store (the dispatcher knows
 //! nothing of WebAssembly): delivery to every handler once, per-key order across two
 //! dispatchers, retries with backoff, dead letters, graceful stop (also while a fan-out
-//! hangs), completions and reschedulings that failed.
+//! hangs), completions and reschedulings that failed, claims batched under a backlog.
 
 mod common;
 
@@ -249,7 +249,8 @@ fn the_loop_over_mongodb_can_be_spawned(dispatcher: &'static Dispatcher<relayhos
 }
 
 /// The memory store, except that its first `complete_many` and `reschedule` calls fail (a
-/// network blip) and its first `fan_out` calls never answer (a server that hangs).
+/// network blip) and its first `fan_out` calls never answer (a server that hangs); it notes
+/// the size of every claim.
 struct FailingWrites {
     inner: MemoryStore,
     completions_failing: std::sync::atomic::AtomicUsize,
@@ -257,6 +258,8 @@ struct FailingWrites {
     fan_outs_hanging: std::sync::atomic::AtomicUsize,
     /// Hanging fan-outs whose caller gave up on them (dropped their future).
     fan_outs_abandoned: std::sync::atomic::AtomicUsize,
+    /// The `limit` of every claim.
+    claim_limits: Mutex<Vec<usize>>,
 }
 
 /// Counts one up when dropped.
@@ -276,6 +279,7 @@ impl FailingWrites {
             reschedules_failing: reschedules_failing.into(),
             fan_outs_hanging: 0.into(),
             fan_outs_abandoned: 0.into(),
+            claim_limits: Mutex::default(),
         }
     }
 
@@ -309,9 +313,11 @@ impl Store for FailingWrites {
         self.inner.fan_out(subscriptions, limit, now).await
     }
     async fn claim(&self, handlers: &[String], limit: usize, now: DateTime) -> Result<Vec<ClaimedDelivery>, StoreError> {
+        self.claim_limits.lock().unwrap().push(limit);
         self.inner.claim(handlers, limit, now).await
     }
     async fn claim_in(&self, handlers: &[String], lanes: &[LaneId], limit: usize, now: DateTime) -> Result<Vec<ClaimedDelivery>, StoreError> {
+        self.claim_limits.lock().unwrap().push(limit);
         self.inner.claim_in(handlers, lanes, limit, now).await
     }
     async fn complete_many(&self, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {
@@ -440,4 +446,22 @@ async fn a_stop_cancels_a_fan_out_that_hangs_and_the_next_host_loses_nothing() {
     let mut ran: Vec<String> = runs.lock().unwrap().iter().map(|r| r.event.clone()).collect();
     ran.sort();
     assert_eq!(ran, ["e-0", "e-1", "e-2"], "each ran once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_a_backlog_claims_wait_until_half_the_capacity_is_free() {
+    let store = Arc::new(FailingWrites::new(memory_store("worker"), 0, 0));
+    publish_all(&*store, (0..200).map(|n| event(&format!("e-{n}"), "order.placed")).collect()).await;
+    let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
+    let runner = mailer(Arc::new(|_| AttemptResult::Completed), Duration::from_millis(2), &runs);
+    // Run slots 4, claimed ahead 16: 20 in all.
+    let options = DispatcherOptions { claim_ahead: 16, ..options(4) };
+    let (stop, handle) = start(store.clone(), runner, options);
+    until("the backlog drained", || drained(&*store, &runs, 200)).await;
+    stop.send(()).unwrap();
+    handle.await.unwrap();
+    let limits = store.claim_limits.lock().unwrap().clone();
+    // Never a claim for a delivery or two each time one finished: each waited for half the
+    // capacity (or found the run slots idle, with the whole claim-ahead free).
+    assert!(limits.iter().all(|limit| *limit >= 10), "claim limits {limits:?}");
 }
