@@ -146,6 +146,20 @@ async fn mongo_store() -> MongoStore {
     store
 }
 
+/// Deliveries of `e-1` and `e-2`, in this order, of key `k` to handler `h`.
+async fn two_of_one_key<S: Store>(store: &S) {
+    run_in_transaction(store, async |tx| {
+        for n in 1..=2 {
+            store.publish(tx, &NewEvent::new(format!("e-{n}"), "t", doc! {}).with_key("k")).await?;
+        }
+        Ok(())
+    })
+    .await
+    .unwrap();
+    let subscriptions = Subscriptions::new([Subscription::new("h", ["t"])]).unwrap();
+    store.fan_out(&subscriptions, 10, DateTime::from_millis(T0)).await.unwrap();
+}
+
 async fn one_delivery<S: Store>(store: &S) {
     run_in_transaction(store, async |tx| store.publish(tx, &NewEvent::new("e-1", "t", doc! {})).await.map(|_| ()))
         .await
@@ -197,16 +211,7 @@ both_stores!(an_unsettled_lease_is_trusted_for_a_while_then_checked, settled_wit
 
 async fn requeue_during_claim<S: Store + Parts>(a: &S, _b: &S, _c: &S) {
     let handlers = vec!["h".to_string()];
-    let subscriptions = Subscriptions::new([Subscription::new("h", ["t"])]).unwrap();
-    run_in_transaction(a, async |tx| {
-        for n in 1..=2 {
-            a.publish(tx, &NewEvent::new(format!("e-{n}"), "t", doc! {}).with_key("k")).await?;
-        }
-        Ok(())
-    })
-    .await
-    .unwrap();
-    a.fan_out(&subscriptions, 10, DateTime::from_millis(T0)).await.unwrap();
+    two_of_one_key(a).await;
     let first = a.claim(&handlers, 1, DateTime::from_millis(T0)).await.unwrap().remove(0);
     assert_eq!(first.event.sequence, Some(1));
     a.bury(&first.lease, "poison", true, DateTime::from_millis(T0)).await.unwrap();
@@ -271,16 +276,7 @@ async fn failure_after_record<S: Store + Parts>(a: &S, _b: &S, c: &S) {
 
 async fn settled_without_a_reply<S: Store + Parts>(a: &S, _b: &S, _c: &S) {
     let handlers = vec!["h".to_string()];
-    let subscriptions = Subscriptions::new([Subscription::new("h", ["t"])]).unwrap();
-    run_in_transaction(a, async |tx| {
-        for n in 1..=2 {
-            a.publish(tx, &NewEvent::new(format!("e-{n}"), "t", doc! {}).with_key("k")).await?;
-        }
-        Ok(())
-    })
-    .await
-    .unwrap();
-    a.fan_out(&subscriptions, 10, DateTime::from_millis(T0)).await.unwrap();
+    two_of_one_key(a).await;
     let first = a.claim(&handlers, 10, DateTime::from_millis(T0)).await.unwrap();
     assert_eq!(first.iter().map(|c| c.event.sequence).collect::<Vec<_>>(), [Some(1)]);
     let lease = first[0].lease;
