@@ -248,10 +248,10 @@ fn the_loop_over_mongodb_can_be_spawned(dispatcher: &'static Dispatcher<relayhos
     spawnable(dispatcher.run(std::future::pending()));
 }
 
-/// The memory store, except that its first `complete_many` and `reschedule` calls fail (a
-/// network blip) and its first `fan_out` calls never answer (a server that hangs); it notes
-/// the size of every claim.
-struct FailingWrites {
+/// The memory store with faults injected: its first `complete_many` and `reschedule` calls
+/// fail (a network blip) and its first `fan_out` calls never answer (a server that hangs). It
+/// notes the size of every claim.
+struct FaultyStore {
     inner: MemoryStore,
     completions_failing: std::sync::atomic::AtomicUsize,
     reschedules_failing: std::sync::atomic::AtomicUsize,
@@ -271,7 +271,7 @@ impl Drop for CountOnDrop<'_> {
     }
 }
 
-impl FailingWrites {
+impl FaultyStore {
     fn new(inner: MemoryStore, completions_failing: usize, reschedules_failing: usize) -> Self {
         Self {
             inner,
@@ -294,7 +294,7 @@ fn fails(left: &std::sync::atomic::AtomicUsize) -> bool {
     left.fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1)).is_ok()
 }
 
-impl Store for FailingWrites {
+impl Store for FaultyStore {
     type Tx = <MemoryStore as Store>::Tx;
     async fn setup(&self) -> Result<(), StoreError> {
         self.inner.setup().await
@@ -386,7 +386,7 @@ fn drained(store: &impl Store, runs: &Mutex<Vec<Run>>, count: usize) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_completion_that_failed_is_written_later_without_running_the_handler_again() {
-    let store = Arc::new(FailingWrites::new(memory_store("worker"), 2, 0));
+    let store = Arc::new(FaultyStore::new(memory_store("worker"), 2, 0));
     publish_all(&*store, (0..3).map(|n| event(&format!("e-{n}"), "order.placed")).collect()).await;
     let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
     let runner = mailer(Arc::new(|_| AttemptResult::Completed), Duration::ZERO, &runs);
@@ -403,7 +403,7 @@ async fn a_completion_that_failed_is_written_later_without_running_the_handler_a
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retries_whose_rescheduling_failed_are_written_later_without_running_the_handler_again() {
-    let store = Arc::new(FailingWrites::new(memory_store("worker"), 0, 2));
+    let store = Arc::new(FaultyStore::new(memory_store("worker"), 0, 2));
     publish_all(&*store, (0..3).map(|n| event(&format!("e-{n}"), "order.placed")).collect()).await;
     let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
     let fail_first = Arc::new(|delivery: &ClaimedDelivery| match delivery.attempts {
@@ -428,7 +428,7 @@ async fn retries_whose_rescheduling_failed_are_written_later_without_running_the
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_cancels_a_fan_out_that_hangs_and_the_next_host_loses_nothing() {
-    let store = Arc::new(FailingWrites::new(memory_store("worker"), 0, 0).with_hanging_fan_outs(1));
+    let store = Arc::new(FaultyStore::new(memory_store("worker"), 0, 0).with_hanging_fan_outs(1));
     publish_all(&*store, (0..3).map(|n| event(&format!("e-{n}"), "order.placed")).collect()).await;
     let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
     let runner = mailer(Arc::new(|_| AttemptResult::Completed), Duration::ZERO, &runs);
@@ -450,7 +450,7 @@ async fn a_stop_cancels_a_fan_out_that_hangs_and_the_next_host_loses_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_a_backlog_claims_wait_until_half_the_capacity_is_free() {
-    let store = Arc::new(FailingWrites::new(memory_store("worker"), 0, 0));
+    let store = Arc::new(FaultyStore::new(memory_store("worker"), 0, 0));
     publish_all(&*store, (0..200).map(|n| event(&format!("e-{n}"), "order.placed")).collect()).await;
     let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
     let runner = mailer(Arc::new(|_| AttemptResult::Completed), Duration::from_millis(2), &runs);
