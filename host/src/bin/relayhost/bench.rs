@@ -226,7 +226,9 @@ async fn drain(args: &BenchArgs, client: &mongodb::Client, registry: &Arc<Plugin
     let events: Vec<NewEvent> = (0..args.events).map(|n| NewEvent::new(format!("bench-{n}"), "bench", doc! { "n": n as i64 })).collect();
     // Several publishers at once, as an application's would be: the backlog is written before
     // the clock starts, and one publisher alone spends most of the run on its round trips.
-    futures::stream::iter(events.chunks(500))
+    // Transactions of 100 events stay far inside the store's 5 s transaction budget even when
+    // the disk is slow (500 once ran past it).
+    futures::stream::iter(events.chunks(100))
         .map(|chunk| {
             let store = store.clone();
             async move {
