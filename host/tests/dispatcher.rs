@@ -378,6 +378,13 @@ fn mailer(behaviour: Arc<Behaviour>, delay: Duration, runs: &Arc<Mutex<Vec<Run>>
     })
 }
 
+/// The event of every run, sorted.
+fn events_run(runs: &Mutex<Vec<Run>>) -> Vec<String> {
+    let mut ran: Vec<String> = runs.lock().unwrap().iter().map(|r| r.event.clone()).collect();
+    ran.sort();
+    ran
+}
+
 /// At least `count` runs happened and no delivery is left.
 fn drained(store: &impl Store, runs: &Mutex<Vec<Run>>, count: usize) -> bool {
     runs.lock().unwrap().len() >= count
@@ -396,9 +403,7 @@ async fn a_completion_that_failed_is_written_later_without_running_the_handler_a
     stop.send(()).unwrap();
     handle.await.unwrap();
     assert_eq!(store.completions_failing.load(std::sync::atomic::Ordering::SeqCst), 0, "both injected failures happened");
-    let mut ran: Vec<String> = runs.lock().unwrap().iter().map(|r| r.event.clone()).collect();
-    ran.sort();
-    assert_eq!(ran, ["e-0", "e-1", "e-2"], "each ran once");
+    assert_eq!(events_run(&runs), ["e-0", "e-1", "e-2"], "each ran once");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -443,9 +448,7 @@ async fn a_stop_cancels_a_fan_out_that_hangs_and_the_next_host_loses_nothing() {
     until("the deliveries completed", || drained(&*store, &runs, 3)).await;
     stop.send(()).unwrap();
     handle.await.unwrap();
-    let mut ran: Vec<String> = runs.lock().unwrap().iter().map(|r| r.event.clone()).collect();
-    ran.sort();
-    assert_eq!(ran, ["e-0", "e-1", "e-2"], "each ran once");
+    assert_eq!(events_run(&runs), ["e-0", "e-1", "e-2"], "each ran once");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
