@@ -8,6 +8,7 @@ mod common;
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -101,6 +102,25 @@ async fn until(what: &str, check: impl Fn() -> bool) {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// Runs a dispatcher until `check` holds, then stops it gracefully.
+async fn run_until<S: Store, R: Runner>(
+    store: Arc<S>,
+    runner: Arc<R>,
+    options: DispatcherOptions,
+    what: &str,
+    check: impl Fn() -> bool,
+) {
+    let (stop, handle) = start(store, runner, options);
+    until(what, check).await;
+    stop.send(()).unwrap();
+    handle.await.unwrap();
+}
+
+/// Publishes the `order.placed` events `e-0`, `e-1`, ... in one transaction.
+async fn publish_orders(store: &impl Store, count: usize) {
+    publish_all(store, (0..count).map(|n| event(&format!("e-{n}"), "order.placed")).collect()).await;
 }
 
 /// Starts a dispatcher; the returned sender stops it, the handle ends when it has stopped.
@@ -209,7 +229,7 @@ async fn failures_retry_with_backoff_and_poison_ends_in_the_dead_letters() {
 async fn a_stop_lets_running_deliveries_finish_and_hands_the_lanes_back() {
     let store = Arc::new(memory_store("leaving"));
     let successor = Arc::new(store.instance("successor"));
-    publish_all(&*store, (0..6).map(|n| event(&format!("e-{n}"), "order.placed")).collect()).await;
+    publish_orders(&*store, 6).await;
     let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
     let slow = |runs: &Arc<Mutex<Vec<Run>>>| {
         Arc::new(NativeRunner {
@@ -235,10 +255,7 @@ async fn a_stop_lets_running_deliveries_finish_and_hands_the_lanes_back() {
     assert_eq!(remaining.len(), 4);
     assert!(remaining.iter().all(|d| d.attempts == 0), "a graceful stop charges nothing");
     // The lanes were handed back: a successor takes the rest at once, not after the lease.
-    let (stop, handle) = start(successor.clone(), slow(&runs), options(8));
-    until("the rest", || runs.lock().unwrap().len() == 6).await;
-    stop.send(()).unwrap();
-    handle.await.unwrap();
+    run_until(successor.clone(), slow(&runs), options(8), "the rest", || runs.lock().unwrap().len() == 6).await;
 }
 
 /// The host spawns the loop over the MongoDB store: its future must be `Send`.
@@ -253,21 +270,21 @@ fn the_loop_over_mongodb_can_be_spawned(dispatcher: &'static Dispatcher<relayhos
 /// notes the size of every claim.
 struct FaultyStore {
     inner: MemoryStore,
-    completions_failing: std::sync::atomic::AtomicUsize,
-    reschedules_failing: std::sync::atomic::AtomicUsize,
-    fan_outs_hanging: std::sync::atomic::AtomicUsize,
+    completions_failing: AtomicUsize,
+    reschedules_failing: AtomicUsize,
+    fan_outs_hanging: AtomicUsize,
     /// Hanging fan-outs whose caller gave up on them (dropped their future).
-    fan_outs_abandoned: std::sync::atomic::AtomicUsize,
+    fan_outs_abandoned: AtomicUsize,
     /// The `limit` of every claim.
     claim_limits: Mutex<Vec<usize>>,
 }
 
 /// Counts one up when dropped.
-struct CountOnDrop<'a>(&'a std::sync::atomic::AtomicUsize);
+struct CountOnDrop<'a>(&'a AtomicUsize);
 
 impl Drop for CountOnDrop<'_> {
     fn drop(&mut self) {
-        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.0.fetch_add(1, SeqCst);
     }
 }
 
@@ -289,8 +306,7 @@ impl FaultyStore {
 }
 
 /// Takes one of `left`'s failures, if any is left.
-fn fails(left: &std::sync::atomic::AtomicUsize) -> bool {
-    use std::sync::atomic::Ordering::SeqCst;
+fn fails(left: &AtomicUsize) -> bool {
     left.fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1)).is_ok()
 }
 
@@ -394,22 +410,19 @@ fn drained(store: &impl Store, runs: &Mutex<Vec<Run>>, count: usize) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_completion_that_failed_is_written_later_without_running_the_handler_again() {
     let store = Arc::new(FaultyStore::new(memory_store("worker"), 2, 0));
-    publish_all(&*store, (0..3).map(|n| event(&format!("e-{n}"), "order.placed")).collect()).await;
+    publish_orders(&*store, 3).await;
     let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
     let runner = mailer(Arc::new(|_| AttemptResult::Completed), Duration::ZERO, &runs);
     // The lease (30 s) outlives the test: only a retried completion can finish it in time.
-    let (stop, handle) = start(store.clone(), runner, options(4));
-    until("the deliveries completed", || drained(&*store, &runs, 3)).await;
-    stop.send(()).unwrap();
-    handle.await.unwrap();
-    assert_eq!(store.completions_failing.load(std::sync::atomic::Ordering::SeqCst), 0, "both injected failures happened");
+    run_until(store.clone(), runner, options(4), "the deliveries completed", || drained(&*store, &runs, 3)).await;
+    assert_eq!(store.completions_failing.load(SeqCst), 0, "both injected failures happened");
     assert_eq!(events_run(&runs), ["e-0", "e-1", "e-2"], "each ran once");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retries_whose_rescheduling_failed_are_written_later_without_running_the_handler_again() {
     let store = Arc::new(FaultyStore::new(memory_store("worker"), 0, 2));
-    publish_all(&*store, (0..3).map(|n| event(&format!("e-{n}"), "order.placed")).collect()).await;
+    publish_orders(&*store, 3).await;
     let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
     let fail_first = Arc::new(|delivery: &ClaimedDelivery| match delivery.attempts {
         0 => AttemptResult::Retry { reason: "upstream 503".into(), not_before: None },
@@ -420,11 +433,9 @@ async fn retries_whose_rescheduling_failed_are_written_later_without_running_the
     let runner = mailer(fail_first, Duration::from_millis(50), &runs);
     // The lease outlives the test: only a rescheduling written again lets the retries run.
     let options = DispatcherOptions { lease_duration: Duration::from_secs(300), ..options(4) };
-    let (stop, handle) = start(store.clone(), runner, options);
-    until("every delivery completed on its second attempt", || drained(&*store, &runs, 6)).await;
-    stop.send(()).unwrap();
-    handle.await.unwrap();
-    assert_eq!(store.reschedules_failing.load(std::sync::atomic::Ordering::SeqCst), 0, "both injected failures happened");
+    let what = "every delivery completed on its second attempt";
+    run_until(store.clone(), runner, options, what, || drained(&*store, &runs, 6)).await;
+    assert_eq!(store.reschedules_failing.load(SeqCst), 0, "both injected failures happened");
     let mut attempts: Vec<(String, u32)> = runs.lock().unwrap().iter().map(|r| (r.event.clone(), r.attempt)).collect();
     attempts.sort();
     let expected: Vec<(String, u32)> = (0..3).flat_map(|n| [(format!("e-{n}"), 1), (format!("e-{n}"), 2)]).collect();
@@ -434,35 +445,29 @@ async fn retries_whose_rescheduling_failed_are_written_later_without_running_the
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_cancels_a_fan_out_that_hangs_and_the_next_host_loses_nothing() {
     let store = Arc::new(FaultyStore::new(memory_store("worker"), 0, 0).with_hanging_fan_outs(1));
-    publish_all(&*store, (0..3).map(|n| event(&format!("e-{n}"), "order.placed")).collect()).await;
+    publish_orders(&*store, 3).await;
     let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
     let runner = mailer(Arc::new(|_| AttemptResult::Completed), Duration::ZERO, &runs);
     let (stop, handle) = start(store.clone(), runner.clone(), options(4));
-    until("the fan-out hangs", || store.fan_outs_hanging.load(std::sync::atomic::Ordering::SeqCst) == 0).await;
+    until("the fan-out hangs", || store.fan_outs_hanging.load(SeqCst) == 0).await;
     stop.send(()).unwrap();
     // The stop does not wait for the fan-out: it cancels it (a real one never commits).
     tokio::time::timeout(Duration::from_secs(30), handle).await.expect("the stop waited for the fan-out").unwrap();
-    until("the fan-out was cancelled", || store.fan_outs_abandoned.load(std::sync::atomic::Ordering::SeqCst) == 1).await;
+    until("the fan-out was cancelled", || store.fan_outs_abandoned.load(SeqCst) == 1).await;
     assert!(runs.lock().unwrap().is_empty());
-    let (stop, handle) = start(store.clone(), runner, options(4));
-    until("the deliveries completed", || drained(&*store, &runs, 3)).await;
-    stop.send(()).unwrap();
-    handle.await.unwrap();
+    run_until(store.clone(), runner, options(4), "the deliveries completed", || drained(&*store, &runs, 3)).await;
     assert_eq!(events_run(&runs), ["e-0", "e-1", "e-2"], "each ran once");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_a_backlog_claims_wait_until_half_the_capacity_is_free() {
     let store = Arc::new(FaultyStore::new(memory_store("worker"), 0, 0));
-    publish_all(&*store, (0..200).map(|n| event(&format!("e-{n}"), "order.placed")).collect()).await;
+    publish_orders(&*store, 200).await;
     let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
     let runner = mailer(Arc::new(|_| AttemptResult::Completed), Duration::from_millis(2), &runs);
     // Run slots 4, claimed ahead 16: 20 in all.
     let options = DispatcherOptions { claim_ahead: 16, ..options(4) };
-    let (stop, handle) = start(store.clone(), runner, options);
-    until("the backlog drained", || drained(&*store, &runs, 200)).await;
-    stop.send(()).unwrap();
-    handle.await.unwrap();
+    run_until(store.clone(), runner, options, "the backlog drained", || drained(&*store, &runs, 200)).await;
     let limits = store.claim_limits.lock().unwrap().clone();
     // Never a claim for a delivery or two each time one finished: each waited for half the
     // capacity (or found the run slots idle, with the whole claim-ahead free).
