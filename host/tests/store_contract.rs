@@ -57,6 +57,7 @@ contract!(
     older_work_in_a_free_lane_goes_before_younger_work_of_a_held_lane,
     relinquish_hands_lanes_back_at_once,
     a_stale_lease_changes_nothing,
+    a_lane_taken_over_gives_its_old_holder_nothing,
     an_expired_lease_nobody_took_is_still_honoured,
     takeover_charges_the_lost_attempt_once,
     reschedule_release_and_bury,
@@ -509,6 +510,28 @@ async fn a_stale_lease_changes_nothing<F: Fixture>() {
     assert_eq!(a.complete_many(&[taken[0].lease], now).await.unwrap(), [Settlement::LeaseLost]);
     // b's claim is intact.
     assert_eq!(b.complete_many(&[taken[0].lease], now).await.unwrap(), [Settlement::Completed]);
+}
+
+async fn a_lane_taken_over_gives_its_old_holder_nothing<F: Fixture>() {
+    let fixture = F::new().await;
+    let (a, b) = (fixture.worker("a"), fixture.worker("b"));
+    let lane = relayhost::lane::lane_for_event("e-1", None);
+    let neighbour = (0..)
+        .map(|n| format!("x-{n}"))
+        .find(|id| relayhost::lane::lane_for_event(id, None) == lane)
+        .expect("some id shares the lane");
+    publish(fixture.store(), event("e-1", "t")).await.unwrap();
+    fan_out_all(fixture.store(), &subs(&[("h", &["t"])]), at(T0)).await;
+    assert_eq!(a.claim(&handlers(&["h"]), 1, at(T0)).await.unwrap().len(), 1);
+    // a stops renewing; b takes the lane over, and new work arrives in it.
+    assert_eq!(b.claim(&handlers(&["h"]), 1, at(T0 + 31_000)).await.unwrap().len(), 1);
+    publish(fixture.store(), event(&neighbour, "t")).await.unwrap();
+    fan_out_all(fixture.store(), &subs(&[("h", &["t"])]), at(T0 + 31_001)).await;
+    // a still counts the lane among its own until a claim reads it: that claim takes nothing
+    // from it, while b's next claim does.
+    assert!(a.claim(&handlers(&["h"]), 10, at(T0 + 31_002)).await.unwrap().is_empty());
+    let next = b.claim(&handlers(&["h"]), 10, at(T0 + 31_003)).await.unwrap();
+    assert_eq!(ids(&next), [format!("{neighbour}/h")]);
 }
 
 async fn an_expired_lease_nobody_took_is_still_honoured<F: Fixture>() {
