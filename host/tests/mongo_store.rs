@@ -218,6 +218,25 @@ async fn complete_many_takes_a_fixed_number_of_commands_and_claims_write_with_ma
     assert_eq!(counts[0], counts[1], "commands for 5 and for 395 completions");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_sends_the_same_commands_for_one_handler_as_for_twenty() {
+    let (client, log) = recording_client().await;
+    let twenty: Vec<String> = (0..20).map(|n| format!("h{n}")).collect();
+    let mut sent = Vec::new();
+    for wanted in [handlers(&["h0"]), twenty] {
+        let store = MongoStore::new(client.clone(), MongoLocation::with_default_prefix(&fresh_database()).unwrap(), options());
+        store.setup().await.unwrap();
+        publish_all(&store, (0..3).map(|n| keyed(&format!("e-{n}"), "t", &format!("k{n}"))).collect()).await;
+        fan_out_all(&store, &subs(&[("h0", &["t"])]), at(T0)).await;
+        let before = log.lock().unwrap().len();
+        assert_eq!(store.claim(&wanted, 10, at(T0)).await.unwrap().len(), 3);
+        let mut names: Vec<String> = log.lock().unwrap()[before..].iter().map(|(name, _)| name.clone()).collect();
+        names.sort();
+        sent.push(names);
+    }
+    assert_eq!(sent[0], sent[1], "commands of a claim for one handler and for twenty");
+}
+
 /// How many keys each index of `collection` holds, from `validate`.
 async fn keys_per_index(client: &Client, database: &str, collection: &str) -> Document {
     let report = client.database(database).run_command(doc! { "validate": collection }).await.unwrap();
@@ -361,6 +380,17 @@ async fn ten_thousand_parked_followers_leave_other_keys_flowing() {
     assert_eq!(head[0].event.sequence, Some(1));
     let stats = store.statistics(at(T0)).await.unwrap();
     assert_eq!(stats[0].parked, 10_000);
+    // Every claim asks which handlers have parked deliveries: one index entry per handler
+    // read, however many are parked.
+    let explained = database
+        .run_command(doc! {
+            "explain": { "distinct": "relayhost_deliveries", "key": "handler", "query": { "lane": "parked", "handler": { "$in": ["h", "g"] } } },
+            "verbosity": "executionStats",
+        })
+        .await
+        .unwrap();
+    let examined = explained.get_document("executionStats").unwrap().get("totalKeysExamined").and_then(bson::Bson::as_i32);
+    assert!(examined.is_some_and(|keys| keys <= 4), "{explained}");
 
     // While the head runs, other keys keep flowing, claim after claim.
     for round in 0..5_i64 {

@@ -78,13 +78,21 @@ impl Backend<'_> {
 impl ClaimBackend for Backend<'_> {
     async fn unpark(&self, handlers: &[String]) -> Result<(), StoreError> {
         let deliveries = &self.store.collections.deliveries;
-        let mut parked_keys: Vec<HandlerKey> = Vec::new();
-        for handler in handlers {
+        // Every claim gets here, mostly with nothing parked: one skip scan over the `parked`
+        // index names the handlers that have parked deliveries, so a host serving many
+        // handlers pays one command, not one per handler, before its claim can go on.
+        let parked_handlers = deliveries
+            .distinct(delivery::HANDLER, doc! { delivery::LANE: delivery::PARKED, delivery::HANDLER: { "$in": handlers } })
+            .await?;
+        let parked_handlers: Vec<String> = parked_handlers.iter().filter_map(|h| h.as_str().map(str::to_string)).collect();
+        let per_handler: Vec<Vec<HandlerKey>> = try_join_all(parked_handlers.iter().map(|handler| async move {
             let keys = deliveries
-                .distinct(delivery::KEY, doc! { delivery::HANDLER: handler, delivery::LANE: delivery::PARKED })
+                .distinct(delivery::KEY, doc! { delivery::LANE: delivery::PARKED, delivery::HANDLER: handler })
                 .await?;
-            parked_keys.extend(keys.into_iter().filter_map(|k| k.as_str().map(|k| (handler.clone(), k.to_string()))));
-        }
+            Ok::<_, StoreError>(keys.into_iter().filter_map(|k| k.as_str().map(|k| (handler.clone(), k.to_string()))).collect())
+        }))
+        .await?;
+        let parked_keys: Vec<HandlerKey> = per_handler.into_iter().flatten().collect();
         if parked_keys.is_empty() {
             return Ok(());
         }
