@@ -219,6 +219,40 @@ async fn complete_many_takes_a_fixed_number_of_commands_and_claims_write_with_ma
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fan_out_of_many_event_types_marks_its_events_with_one_command() {
+    let (client, log) = recording_client().await;
+    let database = fresh_database();
+    let store = MongoStore::new(client.clone(), MongoLocation::with_default_prefix(&database).unwrap(), options());
+    store.setup().await.unwrap();
+    let types: Vec<String> = (0..12).map(|n| format!("type-{n}")).collect();
+    publish_all(&store, types.iter().map(|t| event(t, t)).collect()).await;
+    // Every type gets its own list of handlers: handler h-n serves the first n + 1 types.
+    let subscriptions = relayhost::store::Subscriptions::new(
+        (0..types.len()).map(|n| relayhost::store::Subscription::new(format!("h-{n}"), types[..=n].to_vec())),
+    )
+    .unwrap();
+    let before = log.lock().unwrap().len();
+    let report = store.fan_out(&subscriptions, 100, at(T0)).await.unwrap();
+    assert_eq!((report.events, report.deliveries), (12, (1..=12).sum()));
+    let event_updates = log.lock().unwrap()[before..]
+        .iter()
+        .filter(|(name, command)| name == "update" && command.get_str("update").is_ok_and(|c| c.ends_with("events")))
+        .count();
+    assert_eq!(event_updates, 1);
+    // ...and each event got its own list.
+    let events = client.database(&database).collection::<Document>("relayhost_events");
+    for (n, event_type) in types.iter().enumerate() {
+        let stored = events.find_one(doc! { "_id": event_type }).await.unwrap().unwrap();
+        assert!(stored.get_datetime("fannedOutAt").is_ok(), "{stored}");
+        let mut listed: Vec<&str> = stored.get_array("handlers").unwrap().iter().filter_map(bson::Bson::as_str).collect();
+        listed.sort();
+        let mut expected: Vec<String> = (n..types.len()).map(|h| format!("h-{h}")).collect();
+        expected.sort();
+        assert_eq!(listed, expected, "{event_type}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_sends_the_same_commands_for_one_handler_as_for_twenty() {
     let (client, log) = recording_client().await;
     let twenty: Vec<String> = (0..20).map(|n| format!("h{n}")).collect();

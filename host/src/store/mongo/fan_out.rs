@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use bson::{Bson, DateTime, Document, doc};
 use futures::TryStreamExt;
 
-use super::{Commit, MongoStore};
+use super::{Commit, MongoStore, generations};
 use super::documents::new_delivery_document;
 use crate::event::field;
 use crate::store::fan_out;
@@ -68,21 +68,26 @@ pub(super) async fn run(
             let documents: Vec<Document> = plan.deliveries.iter().map(|d| new_delivery_document(d, now)).collect();
             deliveries.insert_many(documents).session(&mut *session).await?;
         }
-        // One update per distinct resulting list (in practice: per event type). The lists were
-        // read in this transaction, so a concurrent change of one conflicts with this write;
-        // a malformed `handlers` field is replaced by the readable part of it.
+        // One statement per distinct resulting list (in practice: per event type), all in one
+        // command, so a batch of many types costs one round trip too. The lists were read in
+        // this transaction, so a concurrent change of one conflicts with this write; a
+        // malformed `handlers` field is replaced by the readable part of it.
         let mut by_handlers: BTreeMap<Vec<String>, Vec<Bson>> = BTreeMap::new();
         for event in &plan.events {
             by_handlers.entry(event.handlers.clone()).or_default().push(event.id.clone());
         }
-        for (handlers, ids) in by_handlers {
-            let update = doc! { "$set": { field::FANNED_OUT_AT: now, field::HANDLERS: handlers } };
-            events
-                .update_many(doc! { field::ID: { "$in": ids }, field::FANNED_OUT_AT: Bson::Null }, update)
-                .hint(super::by_id())
-                .session(&mut *session)
-                .await?;
-        }
+        let statements = by_handlers
+            .into_iter()
+            .map(|(handlers, ids)| {
+                doc! {
+                    "q": { field::ID: { "$in": ids }, field::FANNED_OUT_AT: Bson::Null },
+                    "u": { "$set": { field::FANNED_OUT_AT: now, field::HANDLERS: handlers } },
+                    "multi": true,
+                    "hint": { field::ID: 1 },
+                }
+            })
+            .collect();
+        generations::update_each(store, events.name(), statements, Some(&mut *session)).await?;
         Ok(plan.report())
     })
 }

@@ -1,5 +1,5 @@
 //! Reads and writes of deliveries conditional on their claim generation, and batches of
-//! single-document update statements.
+//! update statements sent as one command.
 //!
 //! A filter `{ $or: [{ _id, claims }, ...] }` looks natural but makes the query planner
 //! enumerate a plan per clause: 128 clauses took 350 ms on a collection with the store's
