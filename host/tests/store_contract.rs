@@ -15,7 +15,7 @@ use common::*;
 use relayhost::event::{EventError, NewEvent};
 use relayhost::store::{
     DeliveryFilter, DeliveryStatus, PurgeOptions, Published, Settlement, Store, StoreError, StoreOptions,
-    StoreTransaction, MALFORMED_EVENT_HANDLER, PARK_THRESHOLD, run_in_transaction,
+    StoreTransaction, MALFORMED_EVENT_HANDLER, run_in_transaction,
 };
 
 macro_rules! contract {
@@ -65,8 +65,10 @@ contract!(
     an_operator_buries_a_stuck_delivery_unless_its_lane_is_leased,
     operator_inputs_never_become_query_operators,
     long_blocked_backlogs_are_parked_and_drain_in_order,
+    followers_wait_parked_and_each_leads_as_soon_as_its_predecessor_settles,
     complete_many_settles_each_lease,
     transactional_completion_commits_with_the_callers_writes,
+    a_transactional_completion_frees_its_key_for_the_next_claim,
     extend_lease_renews_only_current_leases,
     purge_keeps_what_is_referenced_or_recent,
     purge_racing_fan_out_never_orphans_a_delivery,
@@ -670,7 +672,7 @@ async fn operator_inputs_never_become_query_operators<F: Fixture>() {
 async fn long_blocked_backlogs_are_parked_and_drain_in_order<F: Fixture>() {
     let fixture = F::new().await;
     let store = fixture.store();
-    let followers = PARK_THRESHOLD + 8;
+    let followers = 40;
     publish_all(store, (0..=followers).map(|n| keyed(&format!("k-{n}"), "t", "hot")).collect()).await;
     publish_all(store, (0..5).map(|n| keyed(&format!("o-{n}"), "t", &format!("other-{n}"))).collect()).await;
     let subscriptions = subs(&[("h", &["t"])]);
@@ -704,6 +706,31 @@ async fn long_blocked_backlogs_are_parked_and_drain_in_order<F: Fixture>() {
     assert!(store.statistics(at(T0 + 100)).await.unwrap().iter().all(|s| s.parked == 0 && s.pending == 0));
 }
 
+async fn followers_wait_parked_and_each_leads_as_soon_as_its_predecessor_settles<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    publish_all(store, (1..=3).map(|n| keyed(&format!("k-{n}"), "t", "k")).collect()).await;
+    fan_out_all(store, &subs(&[("h", &["t"])]), at(T0)).await;
+    let parked = async |now: i64| store.statistics(at(now)).await.unwrap()[0].parked;
+    let first = store.claim(&handlers(&["h"]), 10, at(T0)).await.unwrap().remove(0);
+    assert_eq!(first.event.sequence, Some(1));
+    // Even two followers are moved out of the claims' way while their key is busy.
+    assert_eq!(parked(T0).await, 2);
+    // Each one leads, and runs, the moment the one before it settles.
+    store.complete_many(&[first.lease], at(T0)).await.unwrap();
+    let second = store.claim(&handlers(&["h"]), 10, at(T0)).await.unwrap().remove(0);
+    assert_eq!((second.event.sequence, parked(T0).await), (Some(2), 1));
+    store.reschedule(&second.lease, at(T0 + 10_000), "flaky", at(T0)).await.unwrap();
+    assert!(store.claim(&handlers(&["h"]), 10, at(T0 + 1)).await.unwrap().is_empty(), "a retrying head holds its key");
+    let again = store.claim(&handlers(&["h"]), 10, at(T0 + 10_000)).await.unwrap().remove(0);
+    assert_eq!((again.event.sequence, again.attempts), (Some(2), 1));
+    let buried = store.bury(&again.lease, "unprocessable", true, at(T0 + 10_000)).await.unwrap();
+    assert_eq!(buried, Settlement::Completed);
+    let third = store.claim(&handlers(&["h"]), 10, at(T0 + 10_000)).await.unwrap();
+    assert_eq!(third.iter().map(|c| c.event.sequence).collect::<Vec<_>>(), [Some(3)]);
+    assert_eq!(parked(T0 + 10_000).await, 0);
+}
+
 async fn complete_many_settles_each_lease<F: Fixture>() {
     let fixture = F::with_options(StoreOptions { completion_history: true, ..options() }).await;
     let store = fixture.store();
@@ -723,6 +750,26 @@ async fn complete_many_settles_each_lease<F: Fixture>() {
     assert_eq!((stats[0].pending, stats[0].completed), (1, Some(299)));
     let event = fixture.raw_event("e-7").await.unwrap();
     assert_eq!(event.get_datetime("completedAt").unwrap(), &at(T0));
+}
+
+async fn a_transactional_completion_frees_its_key_for_the_next_claim<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    publish_all(store, (1..=3).map(|n| keyed(&format!("k-{n}"), "t", "k")).collect()).await;
+    fan_out_all(store, &subs(&[("h", &["t"])]), at(T0)).await;
+    let mut lease = store.claim(&handlers(&["h"]), 10, at(T0)).await.unwrap().remove(0).lease;
+    // An aborted completion leaves the key busy...
+    let mut tx = store.begin().await.unwrap();
+    store.complete_in(&mut tx, &lease, at(T0)).await.unwrap();
+    tx.abort().await.unwrap();
+    assert!(store.claim(&handlers(&["h"]), 10, at(T0)).await.unwrap().is_empty());
+    // ...a committed one lets the key's next delivery go at once, claim after claim.
+    for (step, sequence) in [(1, 2), (2, 3)] {
+        run_in_transaction(store, async |tx| store.complete_in(tx, &lease, at(T0 + step)).await).await.unwrap();
+        let next = store.claim(&handlers(&["h"]), 10, at(T0 + step)).await.unwrap();
+        assert_eq!(next.iter().map(|c| c.event.sequence).collect::<Vec<_>>(), [Some(sequence)]);
+        lease = next[0].lease;
+    }
 }
 
 async fn transactional_completion_commits_with_the_callers_writes<F: Fixture>() {

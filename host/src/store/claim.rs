@@ -15,7 +15,7 @@ use std::time::Duration;
 use bson::oid::ObjectId;
 use bson::{DateTime, Document};
 
-use super::{ClaimedDelivery, DeliveryId, Lease, PARK_THRESHOLD, StoreError};
+use super::{ClaimedDelivery, DeliveryId, Lease, StoreError};
 use crate::event::EventRecord;
 use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
 
@@ -100,6 +100,22 @@ pub(crate) enum LaneSearch<'a> {
     Only(&'a [LaneId]),
 }
 
+/// How often (in claim time) a claim unparks by looking at every key with parked deliveries.
+/// In between, a claim looks only at the keys whose deliveries this instance settled since
+/// the previous claim: it settles nearly every delivery of the lanes it holds, and all of a
+/// key's deliveries share a lane. The sweep catches the rest (a predecessor settled by a host
+/// that then died, or buried by an operator) without paying per claim for every parked key.
+const UNPARK_SWEEP_INTERVAL_MS: i64 = 5_000;
+
+/// Which keys a claim's unparking looks at.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Unpark {
+    /// Every key of the claim's handlers with parked deliveries.
+    Everything,
+    /// Only these keys.
+    Keys(Vec<HandlerKey>),
+}
+
 /// How often a claim whose held lanes filled it looks for older work in free lanes.
 const FAIRNESS_CHECK_INTERVAL_MS: i64 = 1_000;
 /// How many free lanes with older work such a look takes at most.
@@ -111,9 +127,9 @@ pub(crate) const MIN_ROWS_PER_LANE_QUERY: usize = 64;
 
 /// The primitives a claim is made of. Each is one small, bounded database step.
 pub(crate) trait ClaimBackend: Sync {
-    /// Moves the lowest parked delivery of every key with no unfinished predecessor back to
-    /// the ready lane.
-    fn unpark(&self, handlers: &[String]) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// Moves the lowest parked delivery of every key in `scope` (of `handlers`) that has no
+    /// unfinished predecessor back to the ready lane.
+    fn unpark(&self, handlers: &[String], scope: &Unpark) -> impl Future<Output = Result<(), StoreError>> + Send;
     fn lanes(&self, ids: &[LaneId]) -> impl Future<Output = Result<Vec<LaneState>, StoreError>> + Send;
     /// Up to `count` lanes that are free (no owner or an expired lease), not in `exclude`,
     /// and have due ready deliveries of `handlers`, the one with the oldest due delivery first,
@@ -192,14 +208,19 @@ pub(crate) struct Claimer {
     issued: Mutex<HashMap<DeliveryId, Issued>>,
     /// When (the claim's `now`, in ms) a claim last looked for older work in free lanes.
     fairness_checked_at: AtomicI64,
+    /// Keys whose deliveries this instance settled since the last claim's unparking.
+    moved_keys: Mutex<HashSet<HandlerKey>>,
+    /// When (the claim's `now`, in ms) a claim last unparked every key.
+    swept_at: AtomicI64,
 }
 
 /// A lease this instance handed out and has not seen settled.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Issued {
     lease: Lease,
     /// The `now` of the claim that issued it.
     at: DateTime,
+    key: Option<HandlerKey>,
 }
 
 impl Claimer {
@@ -210,6 +231,8 @@ impl Claimer {
             held: tokio::sync::Mutex::new(BTreeMap::new()),
             issued: Mutex::new(HashMap::new()),
             fairness_checked_at: AtomicI64::new(i64::MIN),
+            moved_keys: Mutex::new(HashSet::new()),
+            swept_at: AtomicI64::new(i64::MIN),
         }
     }
 
@@ -223,12 +246,39 @@ impl Claimer {
         self.issued.lock().expect("issued leases").get(&lease.delivery).map(|issued| &issued.lease) == Some(lease)
     }
 
+    /// Counts `leases` as settled: they run no more, and their keys may have moved on.
     pub fn settled<'a>(&self, leases: impl IntoIterator<Item = &'a Lease>) {
         let mut issued = self.issued.lock().expect("issued leases");
+        let mut moved = Vec::new();
         for lease in leases {
             if issued.get(&lease.delivery).map(|issued| &issued.lease) == Some(lease) {
-                issued.remove(&lease.delivery);
+                moved.extend(issued.remove(&lease.delivery).and_then(|issued| issued.key));
             }
+        }
+        drop(issued);
+        if !moved.is_empty() {
+            self.moved_keys.lock().expect("moved keys").extend(moved);
+        }
+    }
+
+    /// What a claim at `now` unparks: every key at most every [`UNPARK_SWEEP_INTERVAL_MS`],
+    /// otherwise the keys that moved since the last claim; `None` when there are none.
+    fn unpark_scope(&self, now: DateTime) -> Option<Unpark> {
+        let now = now.timestamp_millis();
+        let keys = std::mem::take(&mut *self.moved_keys.lock().expect("moved keys"));
+        if now.saturating_sub(self.swept_at.load(Ordering::Relaxed)) >= UNPARK_SWEEP_INTERVAL_MS {
+            self.swept_at.store(now, Ordering::Relaxed);
+            return Some(Unpark::Everything);
+        }
+        (!keys.is_empty()).then(|| Unpark::Keys(keys.into_iter().collect()))
+    }
+
+    /// Keeps what `scope` was to unpark for the next claim, after it failed.
+    fn unpark_later(&self, scope: Option<Unpark>) {
+        match scope {
+            Some(Unpark::Everything) => self.swept_at.store(i64::MIN, Ordering::Relaxed),
+            Some(Unpark::Keys(keys)) => self.moved_keys.lock().expect("moved keys").extend(keys),
+            None => {}
         }
     }
 
@@ -246,8 +296,8 @@ impl Claimer {
     /// Counts `lease` as issued at `at` and unsettled again, as if the reply of the write that
     /// settled it had been lost.
     #[cfg(test)]
-    pub fn lose_settlement_reply(&self, lease: Lease, at: DateTime) {
-        self.issued.lock().expect("issued leases").insert(lease.delivery, Issued { lease, at });
+    pub fn lose_settlement_reply(&self, lease: Lease, key: Option<HandlerKey>, at: DateTime) {
+        self.issued.lock().expect("issued leases").insert(lease.delivery, Issued { lease, at, key });
     }
 
     /// Forgets every held lane and returns them (graceful stop), each with whether a lease
@@ -354,12 +404,39 @@ impl Claimer {
             }
             Ok::<_, StoreError>((mine, current, left_over))
         };
-        let ((mut mine, current, left_over), ()) = futures::try_join!(running_in_held, backend.unpark(handlers))?;
+        let scope = self.unpark_scope(now);
+        let unpark = async {
+            match &scope {
+                Some(scope) => backend.unpark(handlers, scope).await,
+                None => Ok(()),
+            }
+        };
+        let ((mut mine, current, left_over), ()) = match futures::try_join!(running_in_held, unpark) {
+            Ok(read) => read,
+            Err(error) => {
+                self.unpark_later(scope);
+                return Err(error);
+            }
+        };
         held.retain(|lane, _| mine.get(lane).is_some_and(|lane| lane.takes_free_at.is_none()));
         for lane in mine.values_mut() {
             lane.running.retain(|entry| current.contains(&entry.delivery));
         }
-        self.issued.lock().expect("issued leases").retain(|id, _| current.contains(id));
+        // Leases that ended without this instance seeing it: their keys may have moved on, so
+        // what waits parked behind them is unparked before the scan.
+        let ended: Vec<HandlerKey> = {
+            let mut issued = self.issued.lock().expect("issued leases");
+            let ended = issued.iter().filter(|(id, _)| !current.contains(id)).filter_map(|(_, i)| i.key.clone()).collect();
+            issued.retain(|id, _| current.contains(id));
+            ended
+        };
+        if !ended.is_empty() {
+            let scope = Unpark::Keys(ended);
+            if let Err(error) = backend.unpark(handlers, &scope).await {
+                self.unpark_later(Some(scope));
+                return Err(error);
+            }
+        }
         let taken = self.take(backend, &left_over, now, until).await?;
         adopt(held, &mut mine, taken);
 
@@ -465,17 +542,25 @@ impl Claimer {
         // A pick whose event is gone or unreadable can never run: it is buried (which also
         // moves its claim generation on, so its lane entry no longer counts as running).
         let mut unrunnable = Vec::new();
+        let mut buried_keys = Vec::new();
         let mut runnable = Vec::new();
         for pick in std::mem::take(&mut plan.picks) {
-            match events.get(&pick.event_id).map(EventRecord::from_document) {
-                Some(Ok(event)) => runnable.push((pick, event)),
-                Some(Err(error)) => unrunnable.push((pick.id, pick.claims, format!("event document is malformed: {error}"))),
-                None => unrunnable.push((pick.id, pick.claims, "event document is missing".to_string())),
-            }
+            let reason = match events.get(&pick.event_id).map(EventRecord::from_document) {
+                Some(Ok(event)) => {
+                    runnable.push((pick, event));
+                    continue;
+                }
+                Some(Err(error)) => format!("event document is malformed: {error}"),
+                None => "event document is missing".to_string(),
+            };
+            buried_keys.extend(pick.key.clone().map(|key| (pick.handler.clone(), key)));
+            unrunnable.push((pick.id, pick.claims, reason));
         }
         if !unrunnable.is_empty() {
             backend.bury_unrunnable(&unrunnable, now).await?;
         }
+        // Their keys move on like those of any other burial.
+        self.moved_keys.lock().expect("moved keys").extend(buried_keys);
         let mut lost_lanes = HashSet::new();
         for (record, ok) in records.iter().zip(&recorded) {
             if !ok {
@@ -494,12 +579,12 @@ impl Claimer {
             held.remove(lane);
         }
 
-        // Park long blocked runs, and everything blocked in a lane handed back: those are the
-        // only due work of that lane, and leaving them ready would make every claim take the
-        // lane for nothing. Best effort: unparking is level-triggered, so a failure here can
-        // delay a key until the next claim but never strand it.
-        let idle_lanes: HashSet<LaneId> = idle.iter().map(|(lane, _)| *lane).collect();
-        let to_park = plan.to_park(&idle_lanes);
+        // Park everything seen blocked behind an unfinished predecessor: left ready, it would
+        // be read again by every claim for as long as its key is busy, and a lane handed back
+        // would be taken again for nothing. Each delivery is parked once and unparked once,
+        // when it becomes its key's head. Best effort: a failure here costs the next claims
+        // some reading but never strands a key.
+        let to_park = plan.to_park();
         if !to_park.is_empty() {
             if let Err(error) = backend.park(&to_park).await {
                 tracing::warn!(%error, count = to_park.len(), "parking blocked deliveries failed");
@@ -531,7 +616,8 @@ impl Claimer {
         for (pick, event) in runnable {
             let epoch = mine[&pick.lane].epoch;
             let lease = Lease { delivery: pick.id, lane: pick.lane, epoch, claims: pick.claims };
-            issued.insert(pick.id, Issued { lease, at: now });
+            let key = pick.key.clone().map(|key| (pick.handler.clone(), key));
+            issued.insert(pick.id, Issued { lease, at: now, key });
             claimed.push(ClaimedDelivery { lease, handler: pick.handler, attempts: pick.attempts, event });
         }
         Ok(claimed)
@@ -661,13 +747,8 @@ impl Plan {
         }
     }
 
-    fn to_park(&self, idle_lanes: &HashSet<LaneId>) -> Vec<DeliveryId> {
-        let mut ids = Vec::new();
-        for waiting in self.blocked.values() {
-            let long_run = waiting.len() >= PARK_THRESHOLD;
-            ids.extend(waiting.iter().filter(|(lane, _)| long_run || idle_lanes.contains(lane)).map(|(_, id)| *id));
-        }
-        ids
+    fn to_park(&self) -> Vec<DeliveryId> {
+        self.blocked.values().flatten().map(|(_, id)| *id).collect()
     }
 }
 

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use bson::{DateTime, Document, doc};
 
-use super::claim::{Candidate, ClaimBackend, HandlerKey, Holder, InFlight, LaneRecord, LaneSearch, LaneState};
+use super::claim::{Candidate, ClaimBackend, HandlerKey, Holder, InFlight, LaneRecord, LaneSearch, LaneState, Unpark};
 use super::memory::MemoryStore;
 use super::mongo::{MongoLocation, MongoStore};
 use super::{DeliveryId, Lease, Store, StoreError, StoreOptions, Subscription, Subscriptions, run_in_transaction};
@@ -49,8 +49,8 @@ fn injected() -> StoreError {
 }
 
 impl<B: ClaimBackend + Send, S: Store> ClaimBackend for Faulty<'_, B, S> {
-    async fn unpark(&self, handlers: &[String]) -> Result<(), StoreError> {
-        self.inner.unpark(handlers).await
+    async fn unpark(&self, handlers: &[String], scope: &Unpark) -> Result<(), StoreError> {
+        self.inner.unpark(handlers, scope).await
     }
     async fn lanes(&self, ids: &[LaneId]) -> Result<Vec<LaneState>, StoreError> {
         self.inner.lanes(ids).await
@@ -284,7 +284,7 @@ async fn settled_without_a_reply<S: Store + Parts>(a: &S, _b: &S, _c: &S) {
     // The completion was written but its reply never came: the instance still counts the
     // lease as issued to a run of its own.
     let (backend, claimer) = a.parts();
-    claimer.lose_settlement_reply(lease, DateTime::from_millis(T0));
+    claimer.lose_settlement_reply(lease, Some(("h".to_string(), "k".to_string())), DateTime::from_millis(T0));
     let faulty = Faulty::new(backend, Fault::Nothing, a);
     let soon = claimer.claim(&faulty, &handlers, LaneSearch::FreeWithDueWork, 10, DateTime::from_millis(T0 + 1_000)).await.unwrap();
     assert!(soon.is_empty(), "a young unsettled lease keeps its key busy");

@@ -14,7 +14,7 @@ use bson::oid::ObjectId;
 use bson::{Bson, DateTime, Document};
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
-use super::claim::{Candidate, ClaimBackend, Claimer, HandlerKey, Holder, InFlight, LaneRecord, LaneSearch, LaneState};
+use super::claim::{Candidate, ClaimBackend, Claimer, HandlerKey, Holder, InFlight, LaneRecord, LaneSearch, LaneState, Unpark};
 use super::fan_out::{self, NewDelivery, id_text, string_key};
 use super::retention::event_expired;
 use super::{
@@ -172,20 +172,20 @@ impl State {
 /// An in-process outbox. Clones of the data are made with [`MemoryStore::instance`].
 pub struct MemoryStore {
     state: Arc<Mutex<State>>,
-    claimer: Claimer,
+    claimer: Arc<Claimer>,
     options: StoreOptions,
 }
 
 impl MemoryStore {
     pub fn new(options: StoreOptions) -> Self {
-        let claimer = Claimer::new(&options.owner, options.lease_duration);
+        let claimer = Arc::new(Claimer::new(&options.owner, options.lease_duration));
         Self { state: Arc::new(Mutex::new(State::new())), claimer, options }
     }
 
     /// Another worker on the same data, with its own lanes and leases (like a second host).
     pub fn instance(&self, owner: &str) -> Self {
         let options = StoreOptions { owner: owner.to_string(), ..self.options.clone() };
-        Self { state: self.state.clone(), claimer: Claimer::new(owner, options.lease_duration), options }
+        Self { state: self.state.clone(), claimer: Arc::new(Claimer::new(owner, options.lease_duration)), options }
     }
 
     /// Inserts an event document exactly as given, the way another driver would.
@@ -217,6 +217,9 @@ pub struct MemoryTx {
     backup: Option<State>,
     started: Instant,
     budget: std::time::Duration,
+    claimer: Arc<Claimer>,
+    /// Leases this transaction settles: settled for the claimer once it commits.
+    settles: Vec<Lease>,
 }
 
 impl MemoryTx {
@@ -234,6 +237,7 @@ impl StoreTransaction for MemoryTx {
             return Err(StoreError::TransactionTimeout(budget));
         }
         self.backup = None;
+        self.claimer.settled(&self.settles);
         Ok(())
     }
 
@@ -296,7 +300,14 @@ impl Store for MemoryStore {
     async fn begin(&self) -> Result<MemoryTx, StoreError> {
         let state = self.state.clone().lock_owned().await;
         let backup = Some(state.clone());
-        Ok(MemoryTx { state, backup, started: Instant::now(), budget: self.options.transaction_budget })
+        Ok(MemoryTx {
+            state,
+            backup,
+            started: Instant::now(),
+            budget: self.options.transaction_budget,
+            claimer: self.claimer.clone(),
+            settles: Vec::new(),
+        })
     }
 
     async fn publish(&self, tx: &mut MemoryTx, event: &NewEvent) -> Result<Published, StoreError> {
@@ -382,6 +393,7 @@ impl Store for MemoryStore {
         if !self.claimer.issued(lease) || tx.state.complete(lease, now, self.options.completion_history) != Settlement::Completed {
             return Err(StoreError::LeaseLost(lease.to_string()));
         }
+        tx.settles.push(*lease);
         Ok(())
     }
 
@@ -429,6 +441,7 @@ impl Store for MemoryStore {
         if !self.claimer.issued(lease) || tx.state.bury(lease, reason, charge_attempt, now) != Settlement::Completed {
             return Err(StoreError::LeaseLost(lease.to_string()));
         }
+        tx.settles.push(*lease);
         Ok(())
     }
 
@@ -506,6 +519,17 @@ impl Store for MemoryStore {
         delivery.claims += 1;
         delivery.last_error = Some(reason.to_string());
         delivery.updated_at = Some(now);
+        if let Some(key) = &before.key {
+            // Its key's next delivery may wait parked behind it: it leads the key now.
+            let next = state
+                .deliveries
+                .values_mut()
+                .filter(|d| d.status == DeliveryStatus::Pending && d.handler == before.handler && d.key.as_ref() == Some(key))
+                .min_by_key(|d| d.sequence);
+            if let Some(next) = next.filter(|next| next.lane == LaneKind::Parked) {
+                next.lane = LaneKind::Ready;
+            }
+        }
         Ok(before)
     }
 
@@ -592,14 +616,24 @@ impl Store for MemoryStore {
 struct Backend<'a>(&'a Arc<Mutex<State>>);
 
 impl ClaimBackend for Backend<'_> {
-    async fn unpark(&self, handlers: &[String]) -> Result<(), StoreError> {
+    async fn unpark(&self, handlers: &[String], scope: &Unpark) -> Result<(), StoreError> {
         let mut state = self.0.lock().await;
+        let keys: Option<HashSet<&HandlerKey>> = match scope {
+            Unpark::Everything => None,
+            Unpark::Keys(keys) => Some(keys.iter().collect()),
+        };
+        let in_scope = |handler: &str, key: &str| {
+            keys.as_ref().is_none_or(|keys| keys.contains(&(handler.to_string(), key.to_string())))
+        };
         let mut lowest: HashMap<HandlerKey, (i64, DeliveryId, LaneKind)> = HashMap::new();
         for (id, d) in &state.deliveries {
             if d.status != DeliveryStatus::Pending || !handlers.contains(&d.handler) {
                 continue;
             }
             let (Some(key), Some(sequence)) = (&d.key, d.sequence) else { continue };
+            if !in_scope(&d.handler, key) {
+                continue;
+            }
             let slot = lowest.entry((d.handler.clone(), key.clone())).or_insert((sequence, *id, d.lane));
             if sequence < slot.0 {
                 *slot = (sequence, *id, d.lane);

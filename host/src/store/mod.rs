@@ -39,10 +39,6 @@ pub type DeliveryId = ObjectId;
 /// no subscription can be chosen for it.
 pub const MALFORMED_EVENT_HANDLER: &str = "relayhost.malformed";
 
-/// Followers of a key waiting behind an unfinished predecessor that make one claim move
-/// them out of the claim index.
-pub const PARK_THRESHOLD: usize = 32;
-
 /// Longest handler id, in characters.
 pub const MAX_HANDLER_CHARS: usize = 128;
 

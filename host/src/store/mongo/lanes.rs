@@ -12,7 +12,7 @@ use super::documents::{self, delivery, in_flight_document, lane, lane_state};
 use super::generations;
 use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
 use crate::store::claim::MIN_ROWS_PER_LANE_QUERY;
-use crate::store::claim::{Candidate, ClaimBackend, HandlerKey, Holder, InFlight, LaneRecord, LaneState};
+use crate::store::claim::{Candidate, ClaimBackend, HandlerKey, Holder, InFlight, LaneRecord, LaneState, Unpark};
 use crate::store::{DeliveryId, Lease, StoreError};
 
 /// Parallel point queries per claim step (heads, unparking).
@@ -58,6 +58,25 @@ impl Backend<'_> {
         documents.iter().map(lane_state).collect()
     }
 
+    /// Every key of `handlers` with parked deliveries. One skip scan over the `parked` index
+    /// names the handlers that have any (usually none), so a host serving many handlers pays
+    /// one command, not one per handler; then one skip scan per such handler names its keys.
+    async fn parked_keys(&self, handlers: &[String]) -> Result<Vec<HandlerKey>, StoreError> {
+        let deliveries = &self.store.collections.deliveries;
+        let parked_handlers = deliveries
+            .distinct(delivery::HANDLER, doc! { delivery::LANE: delivery::PARKED, delivery::HANDLER: { "$in": handlers } })
+            .await?;
+        let parked_handlers: Vec<String> = parked_handlers.iter().filter_map(|h| h.as_str().map(str::to_string)).collect();
+        let per_handler: Vec<Vec<HandlerKey>> = try_join_all(parked_handlers.iter().map(|handler| async move {
+            let keys = deliveries
+                .distinct(delivery::KEY, doc! { delivery::LANE: delivery::PARKED, delivery::HANDLER: handler })
+                .await?;
+            Ok::<_, StoreError>(keys.into_iter().filter_map(|k| k.as_str().map(|k| (handler.clone(), k.to_string()))).collect())
+        }))
+        .await?;
+        Ok(per_handler.into_iter().flatten().collect())
+    }
+
     /// The lowest pending delivery of a key: `(id, claim lane)`.
     async fn head(&self, handler: &str, key: &str) -> Result<Option<(DeliveryId, String)>, StoreError> {
         let head = self
@@ -76,23 +95,12 @@ impl Backend<'_> {
 }
 
 impl ClaimBackend for Backend<'_> {
-    async fn unpark(&self, handlers: &[String]) -> Result<(), StoreError> {
+    async fn unpark(&self, handlers: &[String], scope: &Unpark) -> Result<(), StoreError> {
         let deliveries = &self.store.collections.deliveries;
-        // Every claim gets here, mostly with nothing parked: one skip scan over the `parked`
-        // index names the handlers that have parked deliveries, so a host serving many
-        // handlers pays one command, not one per handler, before its claim can go on.
-        let parked_handlers = deliveries
-            .distinct(delivery::HANDLER, doc! { delivery::LANE: delivery::PARKED, delivery::HANDLER: { "$in": handlers } })
-            .await?;
-        let parked_handlers: Vec<String> = parked_handlers.iter().filter_map(|h| h.as_str().map(str::to_string)).collect();
-        let per_handler: Vec<Vec<HandlerKey>> = try_join_all(parked_handlers.iter().map(|handler| async move {
-            let keys = deliveries
-                .distinct(delivery::KEY, doc! { delivery::LANE: delivery::PARKED, delivery::HANDLER: handler })
-                .await?;
-            Ok::<_, StoreError>(keys.into_iter().filter_map(|k| k.as_str().map(|k| (handler.clone(), k.to_string()))).collect())
-        }))
-        .await?;
-        let parked_keys: Vec<HandlerKey> = per_handler.into_iter().flatten().collect();
+        let parked_keys: Vec<HandlerKey> = match scope {
+            Unpark::Everything => self.parked_keys(handlers).await?,
+            Unpark::Keys(keys) => keys.iter().filter(|(handler, _)| handlers.contains(handler)).cloned().collect(),
+        };
         if parked_keys.is_empty() {
             return Ok(());
         }

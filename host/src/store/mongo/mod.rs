@@ -40,6 +40,7 @@ mod wakeup;
 
 pub use wakeup::EventWakeups;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bson::{DateTime, Document};
@@ -128,7 +129,7 @@ pub struct MongoStore {
     client: Client,
     collections: Collections,
     publisher: Publisher,
-    claimer: Claimer,
+    claimer: Arc<Claimer>,
     options: StoreOptions,
     location: MongoLocation,
 }
@@ -143,7 +144,13 @@ impl MongoStore {
             .max_commit_time(self.options.transaction_budget)
             .build();
         session.start_transaction().with_options(options).await?;
-        Ok(MongoTx { session, started: Instant::now(), budget: self.options.transaction_budget })
+        Ok(MongoTx {
+            session,
+            started: Instant::now(),
+            budget: self.options.transaction_budget,
+            claimer: self.claimer.clone(),
+            settles: Vec::new(),
+        })
     }
 
     pub fn new(client: Client, location: MongoLocation, options: StoreOptions) -> Self {
@@ -151,7 +158,7 @@ impl MongoStore {
         let collections = Collections::new(&database, &location.collection_prefix);
         let publisher =
             Publisher::new(&database, &location.collection_prefix).with_max_payload_bytes(options.max_payload_bytes);
-        let claimer = Claimer::new(&options.owner, options.lease_duration);
+        let claimer = Arc::new(Claimer::new(&options.owner, options.lease_duration));
         Self { client, collections, publisher, claimer, options, location }
     }
 
@@ -227,12 +234,20 @@ pub struct MongoTx {
     session: ClientSession,
     started: Instant,
     budget: Duration,
+    claimer: Arc<Claimer>,
+    /// Leases this transaction settles (a handler's completion, a burial): settled for the
+    /// claimer once it commits.
+    settles: Vec<Lease>,
 }
 
 impl MongoTx {
     /// The session, for the caller's own writes in this transaction.
     pub fn session(&mut self) -> &mut ClientSession {
         &mut self.session
+    }
+
+    fn settles_on_commit(&mut self, lease: Lease) {
+        self.settles.push(lease);
     }
 }
 
@@ -245,7 +260,10 @@ impl StoreTransaction for MongoTx {
         let deadline = Instant::now() + super::TRANSACTION_RETRY_LIMIT;
         loop {
             match self.session.commit_transaction().await.map_err(StoreError::from) {
-                Ok(()) => return Ok(()),
+                Ok(()) => {
+                    self.claimer.settled(&self.settles);
+                    return Ok(());
+                }
                 Err(error) if error.server_code() == Some(MAX_TIME_MS_EXPIRED) => {
                     return Err(StoreError::TransactionTimeout(self.budget));
                 }

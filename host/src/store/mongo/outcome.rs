@@ -137,7 +137,10 @@ pub(super) async fn complete_in(store: &MongoStore, tx: &mut MongoTx, lease: &Le
         return Err(StoreError::LeaseLost(lease.to_string()));
     }
     match complete_in_session(store, tx.session(), std::slice::from_ref(lease), now).await?[0] {
-        Settlement::Completed => Ok(()),
+        Settlement::Completed => {
+            tx.settles_on_commit(*lease);
+            Ok(())
+        }
         Settlement::LeaseLost => Err(StoreError::LeaseLost(lease.to_string())),
     }
 }
@@ -227,7 +230,11 @@ pub(super) async fn bury_in(
     filter.insert(delivery::STATUS, delivery::PENDING);
     let result =
         store.collections.deliveries.update_one(filter, burial(reason, charge_attempt, now)).session(&mut *session).await?;
-    if result.matched_count == 1 { Ok(()) } else { Err(lost()) }
+    if result.matched_count != 1 {
+        return Err(lost());
+    }
+    tx.settles_on_commit(*lease);
+    Ok(())
 }
 
 pub(super) async fn release(store: &MongoStore, leases: &[Lease], now: DateTime) -> Result<usize, StoreError> {
@@ -385,6 +392,27 @@ pub(super) async fn bury_pending_in(
     let result = store.collections.deliveries.update_one(filter, burial(reason, false, now)).session(&mut *session).await?;
     if result.matched_count != 1 {
         return Err(refused("it changed while it was being buried; try again".into()));
+    }
+    if let Some(key) = &before.key {
+        // Its key's next delivery may wait parked behind it: it leads the key now. Hosts
+        // unpark only the keys they settled themselves between their sweeps.
+        let next = store
+            .collections
+            .deliveries
+            .find_one(doc! { delivery::HANDLER: &before.handler, delivery::KEY: key, delivery::STATUS: delivery::PENDING })
+            .sort(doc! { delivery::SEQUENCE: 1 })
+            .projection(doc! { delivery::ID: 1, delivery::LANE: 1 })
+            .hint(mongodb::options::Hint::Name("ordering".to_string()))
+            .session(&mut *session)
+            .await?;
+        if let Some(next) = next.filter(|next| next.get_str(delivery::LANE) == Ok(delivery::PARKED)) {
+            store
+                .collections
+                .deliveries
+                .update_one(doc! { delivery::ID: next.get(delivery::ID) }, doc! { "$set": { delivery::LANE: delivery::READY } })
+                .session(&mut *session)
+                .await?;
+        }
     }
     Ok(before)
 }
