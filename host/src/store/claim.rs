@@ -128,8 +128,13 @@ pub(crate) const MIN_ROWS_PER_LANE_QUERY: usize = 64;
 /// The primitives a claim is made of. Each is one small, bounded database step.
 pub(crate) trait ClaimBackend: Sync {
     /// Moves the lowest parked delivery of every key in `scope` (of `handlers`) that has no
-    /// unfinished predecessor back to the ready lane.
-    fn unpark(&self, handlers: &[String], scope: &Unpark) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// unfinished predecessor back to the ready lane; returns the head (lowest pending
+    /// delivery) it found for each key it looked at.
+    fn unpark(
+        &self,
+        handlers: &[String],
+        scope: &Unpark,
+    ) -> impl Future<Output = Result<HashMap<HandlerKey, DeliveryId>, StoreError>> + Send;
     fn lanes(&self, ids: &[LaneId]) -> impl Future<Output = Result<Vec<LaneState>, StoreError>> + Send;
     /// Up to `count` lanes that are free (no owner or an expired lease), not in `exclude`,
     /// and have due ready deliveries of `handlers`, the one with the oldest due delivery first,
@@ -408,10 +413,12 @@ impl Claimer {
         let unpark = async {
             match &scope {
                 Some(scope) => backend.unpark(handlers, scope).await,
-                None => Ok(()),
+                None => Ok(HashMap::new()),
             }
         };
-        let ((mut mine, current, left_over), ()) = match futures::try_join!(running_in_held, unpark) {
+        // The heads unparking found spare the scan a lookup of each of those keys (they are
+        // the keys that just moved, whose next deliveries this claim is most likely to see).
+        let ((mut mine, current, left_over), mut heads) = match futures::try_join!(running_in_held, unpark) {
             Ok(read) => read,
             Err(error) => {
                 self.unpark_later(scope);
@@ -432,15 +439,19 @@ impl Claimer {
         };
         if !ended.is_empty() {
             let scope = Unpark::Keys(ended);
-            if let Err(error) = backend.unpark(handlers, &scope).await {
-                self.unpark_later(Some(scope));
-                return Err(error);
+            match backend.unpark(handlers, &scope).await {
+                Ok(found) => heads.extend(found),
+                Err(error) => {
+                    self.unpark_later(Some(scope));
+                    return Err(error);
+                }
             }
         }
         let taken = self.take(backend, &left_over, now, until).await?;
         adopt(held, &mut mine, taken);
 
         let mut plan = Plan::new(limit, mine.values().flat_map(|lane| lane.running.iter()));
+        plan.heads.extend(heads.into_iter().map(|(key, head)| (key, Some(head))));
         let lanes: Vec<LaneId> = mine.keys().copied().collect();
         scan(backend, &mut plan, &lanes, handlers, now).await?;
 

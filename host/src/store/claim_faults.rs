@@ -49,7 +49,7 @@ fn injected() -> StoreError {
 }
 
 impl<B: ClaimBackend + Send, S: Store> ClaimBackend for Faulty<'_, B, S> {
-    async fn unpark(&self, handlers: &[String], scope: &Unpark) -> Result<(), StoreError> {
+    async fn unpark(&self, handlers: &[String], scope: &Unpark) -> Result<HashMap<HandlerKey, DeliveryId>, StoreError> {
         self.inner.unpark(handlers, scope).await
     }
     async fn lanes(&self, ids: &[LaneId]) -> Result<Vec<LaneState>, StoreError> {

@@ -616,7 +616,7 @@ impl Store for MemoryStore {
 struct Backend<'a>(&'a Arc<Mutex<State>>);
 
 impl ClaimBackend for Backend<'_> {
-    async fn unpark(&self, handlers: &[String], scope: &Unpark) -> Result<(), StoreError> {
+    async fn unpark(&self, handlers: &[String], scope: &Unpark) -> Result<HashMap<HandlerKey, DeliveryId>, StoreError> {
         let mut state = self.0.lock().await;
         let keys: Option<HashSet<&HandlerKey>> = match scope {
             Unpark::Everything => None,
@@ -639,12 +639,14 @@ impl ClaimBackend for Backend<'_> {
                 *slot = (sequence, *id, d.lane);
             }
         }
-        for (_, id, lane) in lowest.into_values() {
+        let mut heads = HashMap::with_capacity(lowest.len());
+        for (key, (_, id, lane)) in lowest {
             if lane == LaneKind::Parked {
                 state.deliveries.get_mut(&id).expect("exists").lane = LaneKind::Ready;
             }
+            heads.insert(key, id);
         }
-        Ok(())
+        Ok(heads)
     }
 
     async fn lanes(&self, ids: &[LaneId]) -> Result<Vec<LaneState>, StoreError> {

@@ -95,22 +95,31 @@ impl Backend<'_> {
 }
 
 impl ClaimBackend for Backend<'_> {
-    async fn unpark(&self, handlers: &[String], scope: &Unpark) -> Result<(), StoreError> {
+    async fn unpark(&self, handlers: &[String], scope: &Unpark) -> Result<HashMap<HandlerKey, DeliveryId>, StoreError> {
         let deliveries = &self.store.collections.deliveries;
         let parked_keys: Vec<HandlerKey> = match scope {
             Unpark::Everything => self.parked_keys(handlers).await?,
             Unpark::Keys(keys) => keys.iter().filter(|(handler, _)| handlers.contains(handler)).cloned().collect(),
         };
         if parked_keys.is_empty() {
-            return Ok(());
+            return Ok(HashMap::new());
         }
-        let heads: Vec<Option<(DeliveryId, String)>> = stream::iter(parked_keys)
-            .map(|(handler, key)| async move { self.head(&handler, &key).await })
+        let found: Vec<(HandlerKey, Option<(DeliveryId, String)>)> = stream::iter(parked_keys)
+            .map(|key| async move {
+                let head = self.head(&key.0, &key.1).await?;
+                Ok::<_, StoreError>((key, head))
+            })
             .buffer_unordered(PARALLEL_LOOKUPS)
             .try_collect()
             .await?;
-        let movable: Vec<DeliveryId> =
-            heads.into_iter().flatten().filter(|(_, lane)| lane == delivery::PARKED).map(|(id, _)| id).collect();
+        let mut heads = HashMap::with_capacity(found.len());
+        let mut movable = Vec::new();
+        for (key, (id, lane)) in found.into_iter().filter_map(|(key, head)| Some((key, head?))) {
+            if lane == delivery::PARKED {
+                movable.push(id);
+            }
+            heads.insert(key, id);
+        }
         if !movable.is_empty() {
             deliveries
                 .update_many(
@@ -120,7 +129,7 @@ impl ClaimBackend for Backend<'_> {
                 .hint(super::by_id())
                 .await?;
         }
-        Ok(())
+        Ok(heads)
     }
 
     async fn lanes(&self, ids: &[LaneId]) -> Result<Vec<LaneState>, StoreError> {
