@@ -596,20 +596,25 @@ impl Claimer {
         // when it becomes its key's head. Best effort: a failure here costs the next claims
         // some reading but never strands a key.
         let to_park = plan.to_park();
-        if !to_park.is_empty() {
-            if let Err(error) = backend.park(&to_park).await {
-                tracing::warn!(%error, count = to_park.len(), "parking blocked deliveries failed");
+        let park = async {
+            if !to_park.is_empty() {
+                if let Err(error) = backend.park(&to_park).await {
+                    tracing::warn!(%error, count = to_park.len(), "parking blocked deliveries failed");
+                }
             }
-        }
+        };
 
         // A requeue racing this claim can have put an earlier delivery of a picked key back in
         // front of it: such picks are given back, uncharged. Requeues are operator actions, so
         // a window of a minute covers clock skew between hosts at the cost of rare re-checks.
+        // The check goes alongside the parking, which the picks do not wait for otherwise.
         runnable.retain(|(pick, _)| !lost_lanes.contains(&pick.lane));
         let keyed: Vec<HandlerKey> =
             runnable.iter().filter_map(|(pick, _)| pick.key.clone().map(|key| (pick.handler.clone(), key))).collect();
         let window = DateTime::from_millis(now.timestamp_millis() - REQUEUE_RACE_WINDOW_MS);
-        if !keyed.is_empty() && backend.requeued_since(window).await? {
+        let requeued = async { if keyed.is_empty() { Ok(false) } else { backend.requeued_since(window).await } };
+        let ((), requeued) = futures::join!(park, requeued);
+        if requeued? {
             let heads = backend.key_heads(&keyed).await?;
             let (keep, overtaken): (Vec<_>, Vec<_>) = runnable.into_iter().partition(|(pick, _)| match &pick.key {
                 Some(key) => heads.get(&(pick.handler.clone(), key.clone())) == Some(&pick.id),
