@@ -618,13 +618,11 @@ struct Backend<'a>(&'a Arc<Mutex<State>>);
 impl ClaimBackend for Backend<'_> {
     async fn unpark(&self, handlers: &[String], scope: &Unpark) -> Result<HashMap<HandlerKey, DeliveryId>, StoreError> {
         let mut state = self.0.lock().await;
-        let keys: Option<HashSet<&HandlerKey>> = match scope {
+        let keys: Option<HashSet<(&str, &str)>> = match scope {
             Unpark::Everything => None,
-            Unpark::Keys(keys) => Some(keys.iter().collect()),
+            Unpark::Keys(keys) => Some(keys.iter().map(|(handler, key)| (handler.as_str(), key.as_str())).collect()),
         };
-        let in_scope = |handler: &str, key: &str| {
-            keys.as_ref().is_none_or(|keys| keys.contains(&(handler.to_string(), key.to_string())))
-        };
+        let in_scope = |handler: &str, key: &str| keys.as_ref().is_none_or(|keys| keys.contains(&(handler, key)));
         let mut lowest: HashMap<HandlerKey, (i64, DeliveryId, LaneKind)> = HashMap::new();
         for (id, d) in &state.deliveries {
             if d.status != DeliveryStatus::Pending || !handlers.contains(&d.handler) {

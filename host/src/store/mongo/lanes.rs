@@ -6,6 +6,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use bson::{Bson, DateTime, Document, doc};
 use futures::stream::{self, StreamExt, TryStreamExt};
 use futures::future::try_join_all;
+use mongodb::ClientSession;
 
 use super::MongoStore;
 use super::documents::{self, delivery, in_flight_document, lane, lane_state};
@@ -77,21 +78,32 @@ impl Backend<'_> {
         Ok(per_handler.into_iter().flatten().collect())
     }
 
-    /// The lowest pending delivery of a key: `(id, claim lane)`.
     async fn head(&self, handler: &str, key: &str) -> Result<Option<(DeliveryId, String)>, StoreError> {
-        let head = self
-            .store
-            .collections
-            .deliveries
-            .find_one(doc! { delivery::HANDLER: handler, delivery::KEY: key, delivery::STATUS: delivery::PENDING })
-            .sort(doc! { delivery::SEQUENCE: 1 })
-            .projection(doc! { delivery::ID: 1, delivery::LANE: 1 })
-            .hint(mongodb::options::Hint::Name("ordering".to_string()))
-            .await?;
-        Ok(head.and_then(|doc| {
-            Some((doc.get_object_id(delivery::ID).ok()?, doc.get_str(delivery::LANE).unwrap_or_default().to_string()))
-        }))
+        key_head(self.store, handler, key, None).await
     }
+}
+
+/// The lowest pending delivery of a key, `(id, claim lane)`, read in `session` if given.
+pub(super) async fn key_head(
+    store: &MongoStore,
+    handler: &str,
+    key: &str,
+    session: Option<&mut ClientSession>,
+) -> Result<Option<(DeliveryId, String)>, StoreError> {
+    let find = store
+        .collections
+        .deliveries
+        .find_one(doc! { delivery::HANDLER: handler, delivery::KEY: key, delivery::STATUS: delivery::PENDING })
+        .sort(doc! { delivery::SEQUENCE: 1 })
+        .projection(doc! { delivery::ID: 1, delivery::LANE: 1 })
+        .hint(mongodb::options::Hint::Name("ordering".to_string()));
+    let head = match session {
+        Some(session) => find.session(session).await?,
+        None => find.await?,
+    };
+    Ok(head.and_then(|doc| {
+        Some((doc.get_object_id(delivery::ID).ok()?, doc.get_str(delivery::LANE).unwrap_or_default().to_string()))
+    }))
 }
 
 impl ClaimBackend for Backend<'_> {

@@ -396,20 +396,12 @@ pub(super) async fn bury_pending_in(
     if let Some(key) = &before.key {
         // Its key's next delivery may wait parked behind it: it leads the key now. Hosts
         // unpark only the keys they settled themselves between their sweeps.
-        let next = store
-            .collections
-            .deliveries
-            .find_one(doc! { delivery::HANDLER: &before.handler, delivery::KEY: key, delivery::STATUS: delivery::PENDING })
-            .sort(doc! { delivery::SEQUENCE: 1 })
-            .projection(doc! { delivery::ID: 1, delivery::LANE: 1 })
-            .hint(mongodb::options::Hint::Name("ordering".to_string()))
-            .session(&mut *session)
-            .await?;
-        if let Some(next) = next.filter(|next| next.get_str(delivery::LANE) == Ok(delivery::PARKED)) {
+        let next = super::lanes::key_head(store, &before.handler, key, Some(&mut *session)).await?;
+        if let Some((next, _)) = next.filter(|(_, lane)| lane == delivery::PARKED) {
             store
                 .collections
                 .deliveries
-                .update_one(doc! { delivery::ID: next.get(delivery::ID) }, doc! { "$set": { delivery::LANE: delivery::READY } })
+                .update_one(doc! { delivery::ID: next }, doc! { "$set": { delivery::LANE: delivery::READY } })
                 .session(&mut *session)
                 .await?;
         }
