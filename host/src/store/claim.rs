@@ -3,8 +3,8 @@
 //! This module owns the algorithm both stores share, written once against the small set of
 //! primitives in [`ClaimBackend`], so that the MongoDB store and the memory store cannot drift
 //! apart. It owns the per-instance record of held lanes and issued leases. It must never
-//! decide anything about backoff or attempt limits, and must never write a delivery document
-//! on the normal path (parking and charging lost attempts are the slow paths).
+//! decide anything about backoff or attempt limits. The only delivery documents it writes are
+//! followers of busy keys it parks and brings back, and lost attempts it charges.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::future::Future;
@@ -607,7 +607,7 @@ impl Claimer {
         // A requeue racing this claim can have put an earlier delivery of a picked key back in
         // front of it: such picks are given back, uncharged. Requeues are operator actions, so
         // a window of a minute covers clock skew between hosts at the cost of rare re-checks.
-        // The check goes alongside the parking, which the picks do not wait for otherwise.
+        // The check and the parking go at once: a claim that parks pays no round trip more.
         runnable.retain(|(pick, _)| !lost_lanes.contains(&pick.lane));
         let keyed: Vec<HandlerKey> =
             runnable.iter().filter_map(|(pick, _)| pick.key.clone().map(|key| (pick.handler.clone(), key))).collect();
