@@ -78,8 +78,17 @@ impl Backend<'_> {
         Ok(per_handler.into_iter().flatten().collect())
     }
 
-    async fn head(&self, handler: &str, key: &str) -> Result<Option<(DeliveryId, String)>, StoreError> {
-        key_head(self.store, handler, key, None).await
+    /// The head of each of `keys` that has one, with its claim lane, looked up in parallel.
+    async fn heads(&self, keys: Vec<HandlerKey>) -> Result<Vec<(HandlerKey, DeliveryId, String)>, StoreError> {
+        let found: Vec<(HandlerKey, Option<(DeliveryId, String)>)> = stream::iter(keys)
+            .map(|key| async move {
+                let head = key_head(self.store, &key.0, &key.1, None).await?;
+                Ok::<_, StoreError>((key, head))
+            })
+            .buffer_unordered(PARALLEL_LOOKUPS)
+            .try_collect()
+            .await?;
+        Ok(found.into_iter().filter_map(|(key, head)| head.map(|(id, lane)| (key, id, lane))).collect())
     }
 }
 
@@ -116,17 +125,9 @@ impl ClaimBackend for Backend<'_> {
         if parked_keys.is_empty() {
             return Ok(HashMap::new());
         }
-        let found: Vec<(HandlerKey, Option<(DeliveryId, String)>)> = stream::iter(parked_keys)
-            .map(|key| async move {
-                let head = self.head(&key.0, &key.1).await?;
-                Ok::<_, StoreError>((key, head))
-            })
-            .buffer_unordered(PARALLEL_LOOKUPS)
-            .try_collect()
-            .await?;
-        let mut heads = HashMap::with_capacity(found.len());
+        let mut heads = HashMap::with_capacity(parked_keys.len());
         let mut movable = Vec::new();
-        for (key, (id, lane)) in found.into_iter().filter_map(|(key, head)| Some((key, head?))) {
+        for (key, id, lane) in self.heads(parked_keys).await? {
             if lane == delivery::PARKED {
                 movable.push(id);
             }
@@ -328,15 +329,7 @@ impl ClaimBackend for Backend<'_> {
     }
 
     async fn key_heads(&self, keys: &[HandlerKey]) -> Result<HashMap<HandlerKey, DeliveryId>, StoreError> {
-        let heads: Vec<(HandlerKey, Option<(DeliveryId, String)>)> = stream::iter(keys.iter().cloned())
-            .map(|key| async move {
-                let head = self.head(&key.0, &key.1).await?;
-                Ok::<_, StoreError>((key, head))
-            })
-            .buffer_unordered(PARALLEL_LOOKUPS)
-            .try_collect()
-            .await?;
-        Ok(heads.into_iter().filter_map(|(key, head)| head.map(|(id, _)| (key, id))).collect())
+        Ok(self.heads(keys.to_vec()).await?.into_iter().map(|(key, id, _)| (key, id)).collect())
     }
 
     async fn park(&self, ids: &[DeliveryId]) -> Result<(), StoreError> {
