@@ -76,6 +76,13 @@ pub(crate) struct Candidate {
     pub attempts: u32,
 }
 
+impl Candidate {
+    /// Its handler and key, if it is keyed: what per-key order is kept for.
+    pub fn handler_key(&self) -> Option<HandlerKey> {
+        self.key.clone().map(|key| (self.handler.clone(), key))
+    }
+}
+
 /// The new state of a lane after a claim.
 #[derive(Debug, Clone)]
 pub(crate) struct LaneRecord {
@@ -211,12 +218,38 @@ pub(crate) struct Claimer {
     /// claims of this instance, so overlapping claims never read the same in-flight list.
     held: tokio::sync::Mutex<BTreeMap<LaneId, i64>>,
     issued: Mutex<HashMap<DeliveryId, Issued>>,
-    /// When (the claim's `now`, in ms) a claim last looked for older work in free lanes.
-    fairness_checked_at: AtomicI64,
+    /// The look for older work in free lanes (see the claim).
+    fairness_check: Periodic,
     /// Keys whose deliveries this instance settled since the last claim's unparking.
     moved_keys: Mutex<HashSet<HandlerKey>>,
-    /// When (the claim's `now`, in ms) a claim last unparked every key.
-    swept_at: AtomicI64,
+    /// The unparking of every key with parked deliveries.
+    unpark_sweep: Periodic,
+}
+
+/// A step a claim takes at most once per interval of claim time (its `now`).
+struct Periodic {
+    interval_ms: i64,
+    last: AtomicI64,
+}
+
+impl Periodic {
+    fn new(interval_ms: i64) -> Self {
+        Self { interval_ms, last: AtomicI64::new(i64::MIN) }
+    }
+
+    /// Whether the step is due at `now`; if it is, it counts as taken.
+    fn due(&self, now: DateTime) -> bool {
+        let now = now.timestamp_millis();
+        now.saturating_sub(self.last.load(Ordering::Relaxed)) >= self.interval_ms && {
+            self.last.store(now, Ordering::Relaxed);
+            true
+        }
+    }
+
+    /// Makes the step due again at once (it was due, but did not happen).
+    fn again(&self) {
+        self.last.store(i64::MIN, Ordering::Relaxed);
+    }
 }
 
 /// A lease this instance handed out and has not seen settled.
@@ -235,9 +268,9 @@ impl Claimer {
             lease_duration,
             held: tokio::sync::Mutex::new(BTreeMap::new()),
             issued: Mutex::new(HashMap::new()),
-            fairness_checked_at: AtomicI64::new(i64::MIN),
+            fairness_check: Periodic::new(FAIRNESS_CHECK_INTERVAL_MS),
             moved_keys: Mutex::new(HashSet::new()),
-            swept_at: AtomicI64::new(i64::MIN),
+            unpark_sweep: Periodic::new(UNPARK_SWEEP_INTERVAL_MS),
         }
     }
 
@@ -269,10 +302,8 @@ impl Claimer {
     /// What a claim at `now` unparks: every key at most every [`UNPARK_SWEEP_INTERVAL_MS`],
     /// otherwise the keys that moved since the last claim; `None` when there are none.
     fn unpark_scope(&self, now: DateTime) -> Option<Unpark> {
-        let now = now.timestamp_millis();
         let keys = std::mem::take(&mut *self.moved_keys.lock().expect("moved keys"));
-        if now.saturating_sub(self.swept_at.load(Ordering::Relaxed)) >= UNPARK_SWEEP_INTERVAL_MS {
-            self.swept_at.store(now, Ordering::Relaxed);
+        if self.unpark_sweep.due(now) {
             return Some(Unpark::Everything);
         }
         (!keys.is_empty()).then(|| Unpark::Keys(keys.into_iter().collect()))
@@ -281,20 +312,9 @@ impl Claimer {
     /// Keeps what `scope` was to unpark for the next claim, after it failed.
     fn unpark_later(&self, scope: Option<Unpark>) {
         match scope {
-            Some(Unpark::Everything) => self.swept_at.store(i64::MIN, Ordering::Relaxed),
+            Some(Unpark::Everything) => self.unpark_sweep.again(),
             Some(Unpark::Keys(keys)) => self.moved_keys.lock().expect("moved keys").extend(keys),
             None => {}
-        }
-    }
-
-    /// Whether a claim at `now` should look for older work in free lanes (see the claim);
-    /// true at most once a second.
-    fn fairness_check_due(&self, now: DateTime) -> bool {
-        let now = now.timestamp_millis();
-        let last = self.fairness_checked_at.load(Ordering::Relaxed);
-        now.saturating_sub(last) >= FAIRNESS_CHECK_INTERVAL_MS && {
-            self.fairness_checked_at.store(now, Ordering::Relaxed);
-            true
         }
     }
 
@@ -461,7 +481,7 @@ impl Claimer {
         // for as long as the stream lasts. At most once a second (it costs a query), free lanes
         // with work due before the claim's youngest pick are taken and scanned for that work,
         // which takes the place of the youngest picks.
-        if plan.full() && matches!(search, LaneSearch::FreeWithDueWork) && self.fairness_check_due(now) {
+        if plan.full() && matches!(search, LaneSearch::FreeWithDueWork) && self.fairness_check.due(now) {
             if let Some(youngest) = plan.youngest_due() {
                 let before = DateTime::from_millis(youngest.timestamp_millis() - 1);
                 let half = (plan.limit / 2).max(1);
@@ -564,7 +584,7 @@ impl Claimer {
                 Some(Err(error)) => format!("event document is malformed: {error}"),
                 None => "event document is missing".to_string(),
             };
-            buried_keys.extend(pick.key.clone().map(|key| (pick.handler.clone(), key)));
+            buried_keys.extend(pick.handler_key());
             unrunnable.push((pick.id, pick.claims, reason));
         }
         if !unrunnable.is_empty() {
@@ -610,7 +630,7 @@ impl Claimer {
         // The check and the parking go at once: a claim that parks pays no round trip more.
         runnable.retain(|(pick, _)| !lost_lanes.contains(&pick.lane));
         let keyed: Vec<HandlerKey> =
-            runnable.iter().filter_map(|(pick, _)| pick.key.clone().map(|key| (pick.handler.clone(), key))).collect();
+            runnable.iter().filter_map(|(pick, _)| pick.handler_key()).collect();
         let window = DateTime::from_millis(now.timestamp_millis() - REQUEUE_RACE_WINDOW_MS);
         let requeued = async { if keyed.is_empty() { Ok(false) } else { backend.requeued_since(window).await } };
         let ((), requeued) = futures::join!(park, requeued);
@@ -632,8 +652,7 @@ impl Claimer {
         for (pick, event) in runnable {
             let epoch = mine[&pick.lane].epoch;
             let lease = Lease { delivery: pick.id, lane: pick.lane, epoch, claims: pick.claims };
-            let key = pick.key.clone().map(|key| (pick.handler.clone(), key));
-            issued.insert(pick.id, Issued { lease, at: now, key });
+            issued.insert(pick.id, Issued { lease, at: now, key: pick.handler_key() });
             claimed.push(ClaimedDelivery { lease, handler: pick.handler, attempts: pick.attempts, event });
         }
         Ok(claimed)
@@ -687,7 +706,8 @@ struct Plan {
     busy_keys: HashSet<HandlerKey>,
     heads: HashMap<HandlerKey, Option<DeliveryId>>,
     picks: Vec<Candidate>,
-    blocked: HashMap<HandlerKey, Vec<(LaneId, DeliveryId)>>,
+    /// Seen waiting behind an unfinished predecessor of their key.
+    blocked: Vec<(LaneId, DeliveryId)>,
 }
 
 impl Plan {
@@ -700,7 +720,7 @@ impl Plan {
                 busy_keys.insert((entry.handler.clone(), key.clone()));
             }
         }
-        Self { limit, running_ids, busy_keys, heads: HashMap::new(), picks: Vec::new(), blocked: HashMap::new() }
+        Self { limit, running_ids, busy_keys, heads: HashMap::new(), picks: Vec::new(), blocked: Vec::new() }
     }
 
     fn full(&self) -> bool {
@@ -727,7 +747,7 @@ impl Plan {
         let mut keys: Vec<HandlerKey> = rows
             .iter()
             .filter(|row| !self.running_ids.contains(&row.id))
-            .filter_map(|row| row.key.as_ref().map(|key| (row.handler.clone(), key.clone())))
+            .filter_map(Candidate::handler_key)
             .filter(|key| !self.busy_keys.contains(key) && !self.heads.contains_key(key))
             .collect();
         keys.sort();
@@ -749,7 +769,7 @@ impl Plan {
             self.busy_keys.insert(handler_key);
             self.picks.push(row);
         } else {
-            self.blocked.entry(handler_key).or_default().push((row.lane, row.id));
+            self.blocked.push((row.lane, row.id));
         }
     }
 
@@ -758,13 +778,11 @@ impl Plan {
         if lanes.is_empty() {
             return;
         }
-        for waiting in self.blocked.values_mut() {
-            waiting.retain(|(lane, _)| !lanes.contains(lane));
-        }
+        self.blocked.retain(|(lane, _)| !lanes.contains(lane));
     }
 
     fn to_park(&self) -> Vec<DeliveryId> {
-        self.blocked.values().flatten().map(|(_, id)| *id).collect()
+        self.blocked.iter().map(|(_, id)| *id).collect()
     }
 }
 
