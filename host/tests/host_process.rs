@@ -710,3 +710,20 @@ fn bench_measures_the_floor_the_drain_the_latency_and_mongods_work() {
     let written: f64 = work.split(':').nth(1).and_then(|rest| rest.split_whitespace().next()).and_then(|n| n.parse().ok()).expect(work);
     assert!(written >= 4.0, "{work}");
 }
+
+/// The keyed drain finishes (the bench waits until every delivery completed, and fails if any
+/// died) and says what it drained. A smoke test of the option: what keyed drains cost is
+/// measured, not asserted.
+#[test]
+fn bench_drains_a_keyed_backlog_when_asked() {
+    let output = Command::new(RELAYHOST)
+        .args(["bench", "--events", "400", "--keys", "20", "--latency-events", "5", "--rate", "100", "--plugins"])
+        .arg(plugins_dir())
+        .output()
+        .unwrap();
+    let text = stdout(&output);
+    assert!(output.status.success(), "{text}");
+    let drain = text.lines().find(|line| line.starts_with("drain")).unwrap_or_else(|| panic!("no drain line: {text}"));
+    assert!(drain.contains("(400 events over 20 keys through the no-op plugin)"), "{drain}");
+    assert!(drain.contains("set for unkeyed events"), "{drain}");
+}
