@@ -79,6 +79,37 @@ struct State {
 }
 
 impl State {
+    /// What [`ClaimBackend::unpark`] does, on this data.
+    fn unpark(&mut self, handlers: &[String], scope: &Unpark) -> HashMap<HandlerKey, DeliveryId> {
+        let keys: Option<HashSet<(&str, &str)>> = match scope {
+            Unpark::Everything => None,
+            Unpark::Keys(keys) => Some(keys.iter().map(|(handler, key)| (handler.as_str(), key.as_str())).collect()),
+        };
+        let in_scope = |handler: &str, key: &str| keys.as_ref().is_none_or(|keys| keys.contains(&(handler, key)));
+        let mut lowest: HashMap<HandlerKey, (i64, DeliveryId, LaneKind)> = HashMap::new();
+        for (id, d) in &self.deliveries {
+            if d.status != DeliveryStatus::Pending || !handlers.contains(&d.handler) {
+                continue;
+            }
+            let (Some(key), Some(sequence)) = (&d.key, d.sequence) else { continue };
+            if !in_scope(&d.handler, key) {
+                continue;
+            }
+            let slot = lowest.entry((d.handler.clone(), key.clone())).or_insert((sequence, *id, d.lane));
+            if sequence < slot.0 {
+                *slot = (sequence, *id, d.lane);
+            }
+        }
+        let mut heads = HashMap::with_capacity(lowest.len());
+        for (key, (_, id, lane)) in lowest {
+            if lane == LaneKind::Parked {
+                self.deliveries.get_mut(&id).expect("exists").lane = LaneKind::Ready;
+            }
+            heads.insert(key, id);
+        }
+        heads
+    }
+
     fn new() -> Self {
         let lanes = (0..LANE_COUNT)
             .map(|id| LaneState {
@@ -521,14 +552,7 @@ impl Store for MemoryStore {
         delivery.updated_at = Some(now);
         if let Some(key) = &before.key {
             // Its key's next delivery may wait parked behind it: it leads the key now.
-            let next = state
-                .deliveries
-                .values_mut()
-                .filter(|d| d.status == DeliveryStatus::Pending && d.handler == before.handler && d.key.as_ref() == Some(key))
-                .min_by_key(|d| d.sequence);
-            if let Some(next) = next.filter(|next| next.lane == LaneKind::Parked) {
-                next.lane = LaneKind::Ready;
-            }
+            state.unpark(std::slice::from_ref(&before.handler), &Unpark::Keys(vec![(before.handler.clone(), key.clone())]));
         }
         Ok(before)
     }
@@ -617,34 +641,7 @@ struct Backend<'a>(&'a Arc<Mutex<State>>);
 
 impl ClaimBackend for Backend<'_> {
     async fn unpark(&self, handlers: &[String], scope: &Unpark) -> Result<HashMap<HandlerKey, DeliveryId>, StoreError> {
-        let mut state = self.0.lock().await;
-        let keys: Option<HashSet<(&str, &str)>> = match scope {
-            Unpark::Everything => None,
-            Unpark::Keys(keys) => Some(keys.iter().map(|(handler, key)| (handler.as_str(), key.as_str())).collect()),
-        };
-        let in_scope = |handler: &str, key: &str| keys.as_ref().is_none_or(|keys| keys.contains(&(handler, key)));
-        let mut lowest: HashMap<HandlerKey, (i64, DeliveryId, LaneKind)> = HashMap::new();
-        for (id, d) in &state.deliveries {
-            if d.status != DeliveryStatus::Pending || !handlers.contains(&d.handler) {
-                continue;
-            }
-            let (Some(key), Some(sequence)) = (&d.key, d.sequence) else { continue };
-            if !in_scope(&d.handler, key) {
-                continue;
-            }
-            let slot = lowest.entry((d.handler.clone(), key.clone())).or_insert((sequence, *id, d.lane));
-            if sequence < slot.0 {
-                *slot = (sequence, *id, d.lane);
-            }
-        }
-        let mut heads = HashMap::with_capacity(lowest.len());
-        for (key, (_, id, lane)) in lowest {
-            if lane == LaneKind::Parked {
-                state.deliveries.get_mut(&id).expect("exists").lane = LaneKind::Ready;
-            }
-            heads.insert(key, id);
-        }
-        Ok(heads)
+        Ok(self.0.lock().await.unpark(handlers, scope))
     }
 
     async fn lanes(&self, ids: &[LaneId]) -> Result<Vec<LaneState>, StoreError> {
