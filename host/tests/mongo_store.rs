@@ -271,6 +271,65 @@ async fn a_claim_sends_the_same_commands_for_one_handler_as_for_twenty() {
     assert_eq!(sent[0], sent[1], "commands of a claim for one handler and for twenty");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_reads_no_lane_it_holds_and_rewrites_only_lanes_with_new_picks_or_an_ending_lease() {
+    let (client, log) = recording_client().await;
+    let database = fresh_database();
+    let store = MongoStore::new(client.clone(), MongoLocation::with_default_prefix(&database).unwrap(), options());
+    store.setup().await.unwrap();
+    let h = handlers(&["h"]);
+    let lanes_commands = |since: usize, name: &str| -> Vec<Document> {
+        log.lock().unwrap()[since..]
+            .iter()
+            .filter(|(n, command)| n == name && command.get_str(name).is_ok_and(|c| c.ends_with("lanes")))
+            .map(|(_, command)| command.clone())
+            .collect()
+    };
+    let rewritten = |updates: &[Document]| -> Vec<i32> {
+        let mut lanes: Vec<i32> = updates
+            .iter()
+            .flat_map(|u| u.get_array("updates").unwrap().clone())
+            .map(|statement| statement.as_document().unwrap().get_document("q").unwrap().get_i32("_id").unwrap())
+            .collect();
+        lanes.sort();
+        lanes
+    };
+    let (a1, a2, b1) = (id_in_lane("a1", 3), id_in_lane("a2", 3), id_in_lane("b1", 7));
+    publish_all(&store, vec![event(&a1, "t"), event(&b1, "t")]).await;
+    fan_out_all(&store, &subs(&[("h", &["t"])]), at(T0)).await;
+    assert_eq!(store.claim(&h, 10, at(T0)).await.unwrap().len(), 2);
+
+    // New work in lane 3 only: the claim trusts what it wrote to both lanes, and lane 7, which
+    // runs b1 and got nothing new, keeps its record as it is.
+    publish_all(&store, vec![event(&a2, "t")]).await;
+    fan_out_all(&store, &subs(&[("h", &["t"])]), at(T0 + 1_000)).await;
+    let before = log.lock().unwrap().len();
+    assert_eq!(ids(&store.claim(&h, 10, at(T0 + 1_000)).await.unwrap()), vec![format!("{a2}/h")]);
+    // (The search for free lanes with due work reads the lanes collection too, by owner.)
+    let by_id: Vec<Document> =
+        lanes_commands(before, "find").into_iter().filter(|find| find.get_document("filter").unwrap().contains_key("_id")).collect();
+    assert!(by_id.is_empty(), "a held lane was read again: {by_id:?}");
+    assert_eq!(rewritten(&lanes_commands(before, "update")), vec![3]);
+    let lanes = client.database(&database).collection::<Document>("relayhost_lanes");
+    let listed = |lane: i32| {
+        let lanes = lanes.clone();
+        async move {
+            let document = lanes.find_one(doc! { "_id": lane }).await.unwrap().unwrap();
+            (document.get_array("inFlight").unwrap().len(), document.get_datetime("leaseExpiresAt").unwrap().timestamp_millis())
+        }
+    };
+    assert_eq!(listed(3).await, (2, T0 + 31_000));
+    assert_eq!(listed(7).await, (1, T0 + 30_000));
+
+    // Past half of the lease, both lanes still run something: a claim rewrites both, which
+    // extends their leases, although it picked nothing.
+    let before = log.lock().unwrap().len();
+    assert!(store.claim(&h, 10, at(T0 + 16_000)).await.unwrap().is_empty());
+    assert_eq!(rewritten(&lanes_commands(before, "update")), vec![3, 7]);
+    assert_eq!(listed(3).await, (2, T0 + 46_000));
+    assert_eq!(listed(7).await, (1, T0 + 46_000));
+}
+
 /// How many keys each index of `collection` holds, from `validate`.
 async fn keys_per_index(client: &Client, database: &str, collection: &str) -> Document {
     let report = client.database(database).run_command(doc! { "validate": collection }).await.unwrap();

@@ -529,8 +529,9 @@ async fn a_lane_taken_over_gives_its_old_holder_nothing<F: Fixture>() {
     assert_eq!(b.claim(&handlers(&["h"]), 1, at(T0 + 31_000)).await.unwrap().len(), 1);
     publish(fixture.store(), event(&neighbour, "t")).await.unwrap();
     fan_out_all(fixture.store(), &subs(&[("h", &["t"])]), at(T0 + 31_001)).await;
-    // a still counts the lane among its own until a claim reads it: that claim takes nothing
-    // from it, while b's next claim does.
+    // a still counts the lane among its own: its claim finds the new work there, but the
+    // record, conditional on the epoch a held it under, is refused, so a takes nothing from
+    // it, while b's next claim does.
     assert!(a.claim(&handlers(&["h"]), 10, at(T0 + 31_002)).await.unwrap().is_empty());
     let next = b.claim(&handlers(&["h"]), 10, at(T0 + 31_003)).await.unwrap();
     assert_eq!(ids(&next), [format!("{neighbour}/h")]);

@@ -214,9 +214,9 @@ pub(crate) trait ClaimBackend: Sync {
 pub(crate) struct Claimer {
     pub holder: Holder,
     pub lease_duration: Duration,
-    /// Lane -> epoch under which this instance holds it. The async lock also serializes the
-    /// claims of this instance, so overlapping claims never read the same in-flight list.
-    held: tokio::sync::Mutex<BTreeMap<LaneId, i64>>,
+    /// The lanes this instance holds. The async lock also serializes the claims of this
+    /// instance, so overlapping claims never read or write the same in-flight list.
+    held: tokio::sync::Mutex<BTreeMap<LaneId, Held>>,
     issued: Mutex<HashMap<DeliveryId, Issued>>,
     /// The look for older work in free lanes (see the claim).
     fairness_check: Periodic,
@@ -224,6 +224,28 @@ pub(crate) struct Claimer {
     moved_keys: Mutex<HashSet<HandlerKey>>,
     /// The unparking of every key with parked deliveries.
     unpark_sweep: Periodic,
+}
+
+/// A lane this instance holds.
+#[derive(Debug, Clone)]
+struct Held {
+    /// The epoch under which it holds the lane.
+    epoch: i64,
+    /// What this instance listed in flight there and may still be running, as of its last
+    /// claim, and the lease its last record wrote; `None` when unknown (a write whose reply
+    /// was lost, a reconciliation): the next claim reads the lane.
+    ///
+    /// Nobody else writes a lane while its lease runs without moving its epoch, so a claim
+    /// trusts this instead of reading every held lane again; a lane another claimer took
+    /// meanwhile refuses the record (conditional on the epoch), and nothing of it is handed
+    /// out.
+    known: Option<Listed>,
+}
+
+#[derive(Debug, Clone)]
+struct Listed {
+    in_flight: Vec<InFlight>,
+    lease_until: DateTime,
 }
 
 /// A step a claim takes at most once per interval of claim time (its `now`).
@@ -332,7 +354,9 @@ impl Claimer {
         let issued = self.issued.lock().expect("issued leases");
         std::mem::take(&mut *held)
             .into_iter()
-            .map(|(lane, epoch)| (lane, epoch, issued.values().any(|i| i.lease.lane == lane && i.lease.epoch == epoch)))
+            .map(|(lane, Held { epoch, .. })| {
+                (lane, epoch, issued.values().any(|i| i.lease.lane == lane && i.lease.epoch == epoch))
+            })
             .collect()
     }
 
@@ -351,7 +375,11 @@ impl Claimer {
         match self.claim_serialized(backend, &mut held, handlers, search, limit, now).await {
             Ok(claimed) => Ok(claimed),
             Err(error) => {
-                // The claim may have reached the database without its reply reaching us.
+                // The claim may have reached the database without its reply reaching us, and
+                // the reconciliation rewrites the lanes: the next claim reads them all.
+                for lane in held.values_mut() {
+                    lane.known = None;
+                }
                 let issued: HashSet<Lease> = self.issued.lock().expect("issued leases").values().map(|i| i.lease).collect();
                 if let Err(reconcile_error) = backend.reconcile(&self.holder, &issued).await {
                     tracing::warn!(%reconcile_error, claim_error = %error, "reconciling lanes after a failed claim failed");
@@ -364,7 +392,7 @@ impl Claimer {
     async fn claim_serialized<B: ClaimBackend>(
         &self,
         backend: &B,
-        held: &mut BTreeMap<LaneId, i64>,
+        held: &mut BTreeMap<LaneId, Held>,
         handlers: &[String],
         search: LaneSearch<'_>,
         limit: usize,
@@ -372,29 +400,43 @@ impl Claimer {
     ) -> Result<Vec<ClaimedDelivery>, StoreError> {
         let until = self.lease_until(now);
 
-        // The lanes this instance still holds, and what of theirs still runs, read with the
-        // lanes the search names (unparking goes meanwhile: it touches only parked
-        // deliveries). A named lane that is free and runs nothing is taken by the record
-        // write itself, conditional on its epoch not having moved: its due work can be read
-        // before, since nobody can claim from it without moving the epoch.
+        // The lanes this instance still holds, and what of theirs still runs (as its last
+        // claim left them, or read where that is unknown), with the lanes the search names
+        // (unparking goes meanwhile: it touches only parked deliveries). A named lane that is
+        // free and runs nothing is taken by the record write itself, conditional on its epoch
+        // not having moved: its due work can be read before, since nobody can claim from it
+        // without moving the epoch.
         let named: Vec<LaneId> = match search {
             LaneSearch::Only(lanes) => lanes.iter().copied().filter(|lane| !held.contains_key(lane)).collect(),
             LaneSearch::FreeWithDueWork => Vec::new(),
         };
-        let read_ids: Vec<LaneId> = held.keys().copied().chain(named.iter().copied()).collect();
+        let unknown = held.iter().filter(|(_, lane)| lane.known.is_none()).map(|(id, _)| *id);
+        let read_ids: Vec<LaneId> = unknown.chain(named.iter().copied()).collect();
         let holder = &self.holder;
         let running_in_held = async {
-            let mut mine: BTreeMap<LaneId, HeldLane> = BTreeMap::new();
+            let mut mine: BTreeMap<LaneId, HeldLane> = held
+                .iter()
+                .filter_map(|(id, lane)| {
+                    let known = lane.known.as_ref()?;
+                    let running = known.in_flight.clone();
+                    Some((*id, HeldLane { epoch: lane.epoch, running, takes_free_at: None, lease_until: known.lease_until }))
+                })
+                .collect();
             let mut left_over = Vec::new();
-            if read_ids.is_empty() {
-                return Ok((mine, HashSet::new(), left_over));
-            }
-            for state in backend.lanes(&read_ids).await? {
-                if held.get(&state.id) == Some(&state.epoch) && state.held_by(holder) {
-                    mine.insert(state.id, HeldLane { epoch: state.epoch, running: state.in_flight, takes_free_at: None });
+            let states = if read_ids.is_empty() { Vec::new() } else { backend.lanes(&read_ids).await? };
+            for state in states {
+                if held.get(&state.id).map(|lane| lane.epoch) == Some(state.epoch) && state.held_by(holder) {
+                    let lane = HeldLane {
+                        epoch: state.epoch,
+                        running: state.in_flight,
+                        takes_free_at: None,
+                        lease_until: state.lease_expires_at,
+                    };
+                    mine.insert(state.id, lane);
                 } else if named.contains(&state.id) && (state.owner.is_none() || state.lease_expires_at < now) {
                     if state.in_flight.is_empty() {
-                        let lane = HeldLane { epoch: state.epoch + 1, running: Vec::new(), takes_free_at: Some(now) };
+                        let lane =
+                            HeldLane { epoch: state.epoch + 1, running: Vec::new(), takes_free_at: Some(now), lease_until: now };
                         mine.insert(state.id, lane);
                     } else {
                         // A takeover: what its owner left in flight is charged before anything
@@ -530,23 +572,34 @@ impl Claimer {
             round = (round * 2).min(MAX_LANES_PER_QUERY);
         }
 
-        // Record (one conditional write per lane that runs something), hand back the other
-        // lanes and read the picks' events, all at once: a failure in any of them fails the
+        // Record (one conditional write per lane with new picks), hand back the lanes that run
+        // nothing and read the picks' events, all at once: a failure in any of them fails the
         // claim, and the reconciliation undoes what was recorded.
         let mut records = Vec::new();
         let mut idle = Vec::new();
+        let mut unchanged = Vec::new();
+        // A lane that runs something and picked nothing new keeps its list and lease as
+        // written (entries settled since are harmless there: a takeover charges only those
+        // still at their listed generation), unless its lease is running out.
+        let lease_ms = i64::try_from(self.lease_duration.as_millis()).unwrap_or(i64::MAX);
+        let refresh_before = DateTime::from_millis(now.timestamp_millis().saturating_add(lease_ms / 2));
         for (lane_id, lane) in &mine {
             let mut in_flight = lane.running.clone();
+            let before = in_flight.len();
             in_flight.extend(plan.picks.iter().filter(|pick| pick.lane == *lane_id).map(|pick| InFlight {
                 delivery: pick.id,
                 claims: pick.claims,
                 handler: pick.handler.clone(),
                 key: pick.key.clone(),
             }));
+            let picked = in_flight.len() > before;
             match (in_flight.is_empty(), lane.takes_free_at) {
                 // Never taken, so nothing to hand back.
                 (true, Some(_)) => {}
                 (true, None) => idle.push((*lane_id, lane.epoch)),
+                (false, None) if !picked && lane.lease_until > refresh_before => {
+                    unchanged.push((*lane_id, Listed { in_flight, lease_until: lane.lease_until }));
+                }
                 (false, takes_free_at) => records.push(LaneRecord {
                     lane: *lane_id,
                     epoch: lane.epoch,
@@ -559,7 +612,7 @@ impl Claimer {
         // Counted as held before the write: should its reply be lost, the next claim finds out
         // from the lane itself whether the take happened.
         for record in records.iter().filter(|record| record.takes_free_at.is_some()) {
-            held.insert(record.lane, record.epoch);
+            held.insert(record.lane, Held { epoch: record.epoch, known: None });
         }
         let mut event_ids: Vec<String> = plan.picks.iter().map(|pick| pick.event_id.clone()).collect();
         event_ids.sort();
@@ -597,13 +650,23 @@ impl Claimer {
             if !ok {
                 lost_lanes.insert(record.lane);
                 held.remove(&record.lane);
+            } else if let Some(lane) = held.get_mut(&record.lane) {
+                lane.known = Some(Listed { in_flight: record.in_flight.clone(), lease_until: record.lease_until });
             }
         }
-        // Lanes named but not taken are none of this claim's business any more.
+        for (lane_id, listed) in unchanged {
+            if let Some(lane) = held.get_mut(&lane_id) {
+                lane.known = Some(listed);
+            }
+        }
+        // Lanes named but not taken, and lanes another claimer took meanwhile, are none of
+        // this claim's business any more: what it saw blocked there was judged by what this
+        // instance ran there, which may be stale.
         let untaken: HashSet<LaneId> = mine
             .iter()
             .filter(|(id, lane)| lane.takes_free_at.is_some() && !held.contains_key(id))
             .map(|(id, _)| *id)
+            .chain(lost_lanes.iter().copied())
             .collect();
         plan.forget_lanes(&untaken);
         for (lane, _) in &idle {
@@ -682,11 +745,12 @@ impl Claimer {
 }
 
 /// Counts lanes just taken as held, with nothing of theirs running; returns their ids.
-fn adopt(held: &mut BTreeMap<LaneId, i64>, mine: &mut BTreeMap<LaneId, HeldLane>, taken: Vec<LaneState>) -> Vec<LaneId> {
+fn adopt(held: &mut BTreeMap<LaneId, Held>, mine: &mut BTreeMap<LaneId, HeldLane>, taken: Vec<LaneState>) -> Vec<LaneId> {
     let ids: Vec<LaneId> = taken.iter().map(|lane| lane.id).collect();
     for lane in taken {
-        held.insert(lane.id, lane.epoch);
-        mine.insert(lane.id, HeldLane { epoch: lane.epoch, running: Vec::new(), takes_free_at: None });
+        held.insert(lane.id, Held { epoch: lane.epoch, known: None });
+        let lease_until = lane.lease_expires_at;
+        mine.insert(lane.id, HeldLane { epoch: lane.epoch, running: Vec::new(), takes_free_at: None, lease_until });
     }
     ids
 }
@@ -696,6 +760,8 @@ struct HeldLane {
     running: Vec<InFlight>,
     /// Not held yet: the record takes it (see [`LaneRecord::takes_free_at`]).
     takes_free_at: Option<DateTime>,
+    /// When its lease ends as last written.
+    lease_until: DateTime,
 }
 
 /// What one claim decided so far.
