@@ -727,3 +727,22 @@ fn bench_drains_a_keyed_backlog_when_asked() {
     assert!(drain.contains("(400 events over 20 keys through the no-op plugin)"), "{drain}");
     assert!(drain.contains("set for unkeyed events"), "{drain}");
 }
+
+/// A drain whose deliveries never complete fails, naming how far it got, instead of waiting
+/// forever: here the plugin the bench loads subscribes to something else entirely.
+#[test]
+fn bench_fails_a_drain_that_stalls() {
+    let plugins = std::env::temp_dir().join(format!("relayhost-bench-stall-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&plugins);
+    std::fs::create_dir_all(&plugins).unwrap();
+    std::fs::copy(plugins_dir().join("dead_letter_alert.wasm"), plugins.join("noop.wasm")).unwrap();
+    let output = Command::new(RELAYHOST)
+        .args(["bench", "--events", "50", "--latency-events", "5", "--stall-after", "2", "--plugins"])
+        .arg(&plugins)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&plugins);
+    let text = format!("{}{}", stdout(&output), String::from_utf8_lossy(&output.stderr));
+    assert!(!output.status.success(), "{text}");
+    assert!(text.contains("the drain stalled: 0 of 50 deliveries completed, none in the last 2 s"), "{text}");
+}

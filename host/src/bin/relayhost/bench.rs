@@ -49,6 +49,9 @@ pub struct BenchArgs {
     /// is what the drain goal is set for). Keyed events run one at a time per key.
     #[arg(long, default_value_t = 0)]
     keys: usize,
+    /// Give up on a drain that completes nothing for this many seconds.
+    #[arg(long, default_value_t = 60)]
+    stall_after: u64,
 }
 
 pub async fn run(args: BenchArgs) -> Result<()> {
@@ -261,18 +264,36 @@ async fn drain(args: &BenchArgs, client: &mongodb::Client, registry: &Arc<Plugin
     let dispatcher = Dispatcher::new(store.clone(), runner, dispatcher_options(args));
     let counters = dispatcher.counters();
     let target = args.events as u64;
+    let stall = Duration::from_secs(args.stall_after);
     let work = ServerWork::now(client).await?;
     let started = Instant::now();
+    // Ends when every delivery completed, or when none did for a while: a drain that stalls
+    // is reported as a failure instead of waiting forever.
     let done = {
         let counters = counters.clone();
         async move {
-            while DispatcherCounters::get(&counters.completed) < target {
+            let mut progress = (0, Instant::now());
+            loop {
+                let completed = DispatcherCounters::get(&counters.completed);
+                if completed >= target || progress.1.elapsed() > stall {
+                    break;
+                }
+                if completed > progress.0 {
+                    progress = (completed, Instant::now());
+                }
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
         }
     };
     dispatcher.run(done).await?;
     let elapsed = started.elapsed();
+    let completed = DispatcherCounters::get(&counters.completed);
+    if completed < target {
+        bail!(
+            "the drain stalled: {completed} of {target} deliveries completed, none in the last {} s",
+            stall.as_secs()
+        );
+    }
     let work = ServerWork::now(client).await?.since(work);
     if DispatcherCounters::get(&counters.dead) > 0 {
         bail!("deliveries died during the drain");
