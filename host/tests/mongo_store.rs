@@ -330,6 +330,60 @@ async fn a_claim_reads_no_lane_it_holds_and_rewrites_only_lanes_with_new_picks_o
     assert_eq!(listed(7).await, (1, T0 + 46_000));
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_looks_up_the_heads_of_many_keys_with_one_command_per_handler() {
+    let (client, log) = recording_client().await;
+    let database = fresh_database();
+    let store = MongoStore::new(client.clone(), MongoLocation::with_default_prefix(&database).unwrap(), options());
+    store.setup().await.unwrap();
+    // Thirty keys, two events each, for two handlers; one key looks like a field path, which
+    // must stay data on its way into the lookup.
+    let keys: Vec<String> = (0..29).map(|n| format!("k-{n}")).chain(["$k".to_string()]).collect();
+    let events: Vec<_> =
+        (0..2).flat_map(|round| keys.iter().map(move |key| keyed(&format!("{key}-{round}"), "t", key))).collect();
+    publish_all(&store, events).await;
+    fan_out_all(&store, &subs(&[("h", &["t"]), ("g", &["t"])]), at(T0)).await;
+
+    let before = log.lock().unwrap().len();
+    let claimed = store.claim(&handlers(&["h", "g"]), 200, at(T0)).await.unwrap();
+    let mut expected: Vec<String> =
+        ["h", "g"].iter().flat_map(|h| keys.iter().map(move |key| format!("{key}-0/{h}"))).collect();
+    expected.sort();
+    assert_eq!(ids(&claimed), expected, "each key's first event, for each handler");
+
+    let commands: Vec<Document> = log.lock().unwrap()[before..]
+        .iter()
+        .filter(|(name, _)| name == "aggregate" || name == "find")
+        .map(|(_, command)| command.clone())
+        .collect();
+    let point_lookups = commands.iter().filter(|c| c.get_document("sort").is_ok_and(|s| s.contains_key("sequence"))).count();
+    assert_eq!(point_lookups, 0, "heads looked up one by one");
+    let lookups: Vec<&Document> = commands.iter().filter(|c| c.contains_key("aggregate")).collect();
+    assert_eq!(lookups.len(), 2, "one head lookup per handler: {lookups:?}");
+
+    // Each key costs one probe of the `ordering` index, however many deliveries it has.
+    let explained = client
+        .database(&database)
+        .run_command(doc! {
+            "explain": { "aggregate": 1, "pipeline": lookups[0].get_array("pipeline").unwrap().clone(), "cursor": {} },
+            "verbosity": "executionStats",
+        })
+        .await
+        .unwrap();
+    let lookup = explained
+        .get_array("stages")
+        .unwrap()
+        .iter()
+        .filter_map(bson::Bson::as_document)
+        .find(|stage| stage.contains_key("$lookup"))
+        .unwrap_or_else(|| panic!("{explained}"));
+    let number = |field: &str| lookup.get(field).and_then(|n| n.as_i64().or(n.as_i32().map(i64::from))).unwrap_or(-1);
+    // (Each key has two pending deliveries: reading keys whole would examine 60.)
+    assert!((1..=keys.len() as i64).contains(&number("totalKeysExamined")), "{lookup}");
+    assert_eq!(number("collectionScans"), 0, "{lookup}");
+    assert_eq!(lookup.get_array("indexesUsed").unwrap(), &vec![bson::Bson::String("ordering".into())], "{lookup}");
+}
+
 /// How many keys each index of `collection` holds, from `validate`.
 async fn keys_per_index(client: &Client, database: &str, collection: &str) -> Document {
     let report = client.database(database).run_command(doc! { "validate": collection }).await.unwrap();

@@ -1,10 +1,10 @@
 //! The claim primitives in MongoDB: each is one query or one write (or a bounded parallel
 //! set of them), on the claim, ordering and parked indexes.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use bson::{Bson, DateTime, Document, doc};
-use futures::stream::{self, StreamExt, TryStreamExt};
+use futures::TryStreamExt;
 use futures::future::try_join_all;
 use mongodb::ClientSession;
 
@@ -16,8 +16,8 @@ use crate::store::claim::MIN_ROWS_PER_LANE_QUERY;
 use crate::store::claim::{Candidate, ClaimBackend, HandlerKey, Holder, InFlight, LaneRecord, LaneState, Unpark};
 use crate::store::{DeliveryId, Lease, StoreError};
 
-/// Parallel point queries per claim step (heads, unparking).
-const PARALLEL_LOOKUPS: usize = 16;
+/// Keys whose heads one command looks up.
+const HEADS_PER_COMMAND: usize = 1_000;
 
 /// Up to this many lanes are taken with one `findAndModify` each, in parallel, instead of
 /// one update of all and a read of them.
@@ -78,17 +78,62 @@ impl Backend<'_> {
         Ok(per_handler.into_iter().flatten().collect())
     }
 
-    /// The head of each of `keys` that has one, with its claim lane, looked up in parallel.
+    /// The head of each of `keys` that has one, with its claim lane: one command per handler
+    /// (per thousand keys), whatever the number of keys.
     async fn heads(&self, keys: Vec<HandlerKey>) -> Result<Vec<(HandlerKey, DeliveryId, String)>, StoreError> {
-        let found: Vec<(HandlerKey, Option<(DeliveryId, String)>)> = stream::iter(keys)
-            .map(|key| async move {
-                let head = key_head(self.store, &key.0, &key.1, None).await?;
-                Ok::<_, StoreError>((key, head))
-            })
-            .buffer_unordered(PARALLEL_LOOKUPS)
+        let mut by_handler: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for (handler, key) in keys {
+            by_handler.entry(handler).or_default().push(key);
+        }
+        let lookups = by_handler
+            .iter()
+            .flat_map(|(handler, keys)| keys.chunks(HEADS_PER_COMMAND).map(move |chunk| self.heads_of(handler, chunk)));
+        Ok(try_join_all(lookups).await?.into_iter().flatten().collect())
+    }
+
+    /// The heads of `keys` of one handler. The keys go in as literal documents, and each one
+    /// is joined with its lowest pending delivery: one `ordering` index probe per key, as
+    /// [`key_head`] makes, but in one round trip instead of one each.
+    async fn heads_of(&self, handler: &str, keys: &[String]) -> Result<Vec<(HandlerKey, DeliveryId, String)>, StoreError> {
+        // `$literal`: `$documents` evaluates expressions, and a key is data, whatever it says.
+        let keys: Vec<Document> = keys.iter().map(|key| doc! { "k": { "$literal": key } }).collect();
+        let pipeline = vec![
+            doc! { "$documents": keys },
+            doc! { "$lookup": {
+                "from": self.store.collections.deliveries.name(),
+                "localField": "k",
+                "foreignField": delivery::KEY,
+                "pipeline": [
+                    { "$match": { delivery::HANDLER: handler, delivery::STATUS: delivery::PENDING } },
+                    { "$sort": { delivery::SEQUENCE: 1 } },
+                    { "$limit": 1 },
+                    { "$project": { delivery::ID: 1, delivery::LANE: 1 } },
+                ],
+                "as": "head",
+            } },
+            doc! { "$unwind": "$head" },
+        ];
+        let found: Vec<Document> = self
+            .store
+            .database()
+            .aggregate(pipeline)
+            .selection_criteria(mongodb::options::SelectionCriteria::ReadPreference(
+                mongodb::options::ReadPreference::Primary,
+            ))
+            .await?
             .try_collect()
             .await?;
-        Ok(found.into_iter().filter_map(|(key, head)| head.map(|(id, lane)| (key, id, lane))).collect())
+        // A head whose id is not an ObjectId was not written by a host: as with `key_head`,
+        // its key counts as having none.
+        Ok(found
+            .iter()
+            .filter_map(|row| {
+                let head = row.get_document("head").ok()?;
+                let id = head.get_object_id(delivery::ID).ok()?;
+                let lane = head.get_str(delivery::LANE).unwrap_or_default().to_string();
+                Some(((handler.to_string(), row.get_str("k").ok()?.to_string()), id, lane))
+            })
+            .collect())
     }
 }
 
