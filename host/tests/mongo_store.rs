@@ -384,6 +384,28 @@ async fn a_claim_looks_up_the_heads_of_many_keys_with_one_command_per_handler() 
     assert_eq!(lookup.get_array("indexesUsed").unwrap(), &vec![bson::Bson::String("ordering".into())], "{lookup}");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_does_not_look_up_again_a_head_an_earlier_claim_found() {
+    let (client, log) = recording_client().await;
+    let database = fresh_database();
+    let store = MongoStore::new(client.clone(), MongoLocation::with_default_prefix(&database).unwrap(), options());
+    store.setup().await.unwrap();
+    let h = handlers(&["h"]);
+    let other = (0..).map(|n| format!("kb-{n}")).find(|k| relayhost::lane::lane_of(k) != relayhost::lane::lane_of("ka")).unwrap();
+    publish_all(&store, vec![keyed("ka-1", "t", "ka")]).await;
+    fan_out_all(&store, &subs(&[("h", &["t"])]), at(T0)).await;
+    publish_all(&store, vec![keyed("kb-1", "t", &other)]).await;
+    fan_out_all(&store, &subs(&[("h", &["t"])]), at(T0 + 1)).await;
+    let lookups = |since: usize| log.lock().unwrap()[since..].iter().filter(|(name, _)| name == "aggregate").count();
+
+    let before = log.lock().unwrap().len();
+    assert_eq!(ids(&store.claim(&h, 1, at(T0 + 2)).await.unwrap()), ["ka-1/h"]);
+    assert_eq!(lookups(before), 1, "the first claim looks up both heads at once");
+    let before = log.lock().unwrap().len();
+    assert_eq!(ids(&store.claim(&h, 10, at(T0 + 3)).await.unwrap()), ["kb-1/h"]);
+    assert_eq!(lookups(before), 0, "kb-1 was known as its key's head");
+}
+
 /// How many keys each index of `collection` holds, from `validate`.
 async fn keys_per_index(client: &Client, database: &str, collection: &str) -> Document {
     let report = client.database(database).run_command(doc! { "validate": collection }).await.unwrap();

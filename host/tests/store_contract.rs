@@ -58,6 +58,7 @@ contract!(
     relinquish_hands_lanes_back_at_once,
     a_stale_lease_changes_nothing,
     a_lane_taken_over_gives_its_old_holder_nothing,
+    a_head_another_instance_settled_does_not_hold_back_its_key,
     an_expired_lease_nobody_took_is_still_honoured,
     takeover_charges_the_lost_attempt_once,
     reschedule_release_and_bury,
@@ -535,6 +536,38 @@ async fn a_lane_taken_over_gives_its_old_holder_nothing<F: Fixture>() {
     assert!(a.claim(&handlers(&["h"]), 10, at(T0 + 31_002)).await.unwrap().is_empty());
     let next = b.claim(&handlers(&["h"]), 10, at(T0 + 31_003)).await.unwrap();
     assert_eq!(ids(&next), [format!("{neighbour}/h")]);
+}
+
+/// Two keyed events whose keys lie in different lanes, the first due before the second.
+fn keys_in_two_lanes() -> (String, String) {
+    let first = "ka".to_string();
+    let second = (0..)
+        .map(|n| format!("kb-{n}"))
+        .find(|key| relayhost::lane::lane_of(key) != relayhost::lane::lane_of(&first))
+        .expect("some key lies in another lane");
+    (first, second)
+}
+
+async fn a_head_another_instance_settled_does_not_hold_back_its_key<F: Fixture>() {
+    let fixture = F::new().await;
+    let (a, b) = (fixture.worker("a"), fixture.worker("b"));
+    let h = handlers(&["h"]);
+    let (ka, kb) = keys_in_two_lanes();
+    publish(fixture.store(), keyed("ka-1", "t", &ka)).await.unwrap();
+    fan_out_all(fixture.store(), &subs(&[("h", &["t"])]), at(T0)).await;
+    publish_all(fixture.store(), vec![keyed("kb-1", "t", &kb), keyed("kb-2", "t", &kb)]).await;
+    fan_out_all(fixture.store(), &subs(&[("h", &["t"])]), at(T0 + 1)).await;
+    // a looks up the heads of both keys but has room for one delivery only: kb-1 stays, and
+    // kb's lane, where a runs nothing, goes back.
+    assert_eq!(ids(&a.claim(&h, 1, at(T0 + 2)).await.unwrap()), ["ka-1/h"]);
+    // b runs and completes kb-1, then hands the lane back (its next claim is for another
+    // handler, so nothing of kb's lane runs or is picked).
+    let kb1 = b.claim(&h, 1, at(T0 + 3)).await.unwrap();
+    assert_eq!(ids(&kb1), ["kb-1/h"]);
+    b.complete_many(&[kb1[0].lease], at(T0 + 4)).await.unwrap();
+    assert!(b.claim(&handlers(&["other"]), 10, at(T0 + 5)).await.unwrap().is_empty());
+    // a still knows kb-1 as kb's head; kb-2 is the head now, and a runs it.
+    assert_eq!(ids(&a.claim(&h, 10, at(T0 + 6)).await.unwrap()), ["kb-2/h"]);
 }
 
 async fn an_expired_lease_nobody_took_is_still_honoured<F: Fixture>() {

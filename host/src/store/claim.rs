@@ -224,7 +224,13 @@ pub(crate) struct Claimer {
     moved_keys: Mutex<HashSet<HandlerKey>>,
     /// The unparking of every key with parked deliveries.
     unpark_sweep: Periodic,
+    /// Heads of keys this instance's claims looked up (see [`Plan::recall_heads`]).
+    known_heads: Mutex<HashMap<HandlerKey, DeliveryId>>,
 }
+
+/// How many known heads a claimer keeps at most; beyond that it forgets them all and looks
+/// them up again as it meets their keys.
+const KNOWN_HEADS_MAX: usize = 100_000;
 
 /// A lane this instance holds.
 #[derive(Debug, Clone)]
@@ -293,6 +299,7 @@ impl Claimer {
             fairness_check: Periodic::new(FAIRNESS_CHECK_INTERVAL_MS),
             moved_keys: Mutex::new(HashSet::new()),
             unpark_sweep: Periodic::new(UNPARK_SWEEP_INTERVAL_MS),
+            known_heads: Mutex::new(HashMap::new()),
         }
     }
 
@@ -514,6 +521,9 @@ impl Claimer {
 
         let mut plan = Plan::new(limit, mine.values().flat_map(|lane| lane.running.iter()));
         plan.heads.extend(heads.into_iter().map(|(key, head)| (key, Some(head))));
+        // Taken for the claim (claims of an instance never overlap) and put back, with what it
+        // learned, when it succeeds; a failed claim only costs the next one some lookups.
+        plan.known_heads = std::mem::take(&mut *self.known_heads.lock().expect("known heads"));
         let lanes: Vec<LaneId> = mine.keys().copied().collect();
         scan(backend, &mut plan, &lanes, handlers, now).await?;
 
@@ -708,7 +718,13 @@ impl Claimer {
                 backend.give_back(&back).await?;
             }
             runnable = keep;
+            for key in keyed {
+                let head = heads.get(&key).copied();
+                plan.heads.insert(key, head);
+            }
         }
+
+        *self.known_heads.lock().expect("known heads") = plan.into_known_heads();
 
         let mut claimed = Vec::with_capacity(runnable.len());
         let mut issued = self.issued.lock().expect("issued leases");
@@ -771,6 +787,8 @@ struct Plan {
     /// Keys with a running delivery, or one already picked by this claim.
     busy_keys: HashSet<HandlerKey>,
     heads: HashMap<HandlerKey, Option<DeliveryId>>,
+    /// Heads earlier claims looked up, not confirmed by this one yet.
+    known_heads: HashMap<HandlerKey, DeliveryId>,
     picks: Vec<Candidate>,
     /// Seen waiting behind an unfinished predecessor of their key.
     blocked: Vec<(LaneId, DeliveryId)>,
@@ -786,7 +804,15 @@ impl Plan {
                 busy_keys.insert((entry.handler.clone(), key.clone()));
             }
         }
-        Self { limit, running_ids, busy_keys, heads: HashMap::new(), picks: Vec::new(), blocked: Vec::new() }
+        Self {
+            limit,
+            running_ids,
+            busy_keys,
+            heads: HashMap::new(),
+            known_heads: HashMap::new(),
+            picks: Vec::new(),
+            blocked: Vec::new(),
+        }
     }
 
     fn full(&self) -> bool {
@@ -806,6 +832,36 @@ impl Plan {
                 self.busy_keys.remove(&(pick.handler, key));
             }
         }
+    }
+
+    /// Confirms the known heads that `rows` contain. A delivery that was its key's lowest
+    /// pending one when an earlier claim looked it up still is while it is pending: a fan-out
+    /// never creates a lower sequence after a higher one, and an operator's requeue, the one
+    /// way back for a lower one, is what the claim's requeue check is for. A key whose known
+    /// head is not among the rows (it ran elsewhere, or is further on) is looked up again.
+    fn recall_heads(&mut self, rows: &[Candidate]) {
+        for row in rows {
+            if let Some(key) = row.handler_key() {
+                if self.known_heads.get(&key) == Some(&row.id) {
+                    self.heads.entry(key).or_insert(Some(row.id));
+                }
+            }
+        }
+    }
+
+    /// The known heads after this claim: what it looked up or confirmed replaces what was
+    /// known of those keys.
+    fn into_known_heads(mut self) -> HashMap<HandlerKey, DeliveryId> {
+        if self.known_heads.len() + self.heads.len() > KNOWN_HEADS_MAX {
+            self.known_heads.clear();
+        }
+        for (key, head) in self.heads {
+            match head {
+                Some(head) => self.known_heads.insert(key, head),
+                None => self.known_heads.remove(&key),
+            };
+        }
+        self.known_heads
     }
 
     /// Keyed candidates whose head is not known yet and whose key is not busy.
@@ -866,6 +922,7 @@ async fn scan<B: ClaimBackend>(
         while !plan.full() {
             let page = ((plan.limit - plan.picks.len()) * 2).clamp(64, 1_000);
             let rows = backend.candidates(chunk, handlers, now, after, &plan.running_ids, page).await?;
+            plan.recall_heads(&rows);
             let unknown = plan.unknown_keys(&rows);
             if !unknown.is_empty() {
                 let heads = backend.key_heads(&unknown).await?;
