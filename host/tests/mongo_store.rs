@@ -173,12 +173,25 @@ async fn recording_client() -> (Client, Arc<Mutex<Vec<(String, Document)>>>) {
     (Client::with_options(options).unwrap(), log)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn complete_many_takes_a_fixed_number_of_commands_and_claims_write_with_majority() {
+/// A set-up store in a fresh database, on a client that records every command it sends.
+struct Recorded {
+    client: Client,
+    log: Arc<Mutex<Vec<(String, Document)>>>,
+    database: String,
+    store: MongoStore,
+}
+
+async fn recorded_store() -> Recorded {
     let (client, log) = recording_client().await;
     let database = fresh_database();
-    let store = MongoStore::new(client, MongoLocation::with_default_prefix(&database).unwrap(), options());
+    let store = MongoStore::new(client.clone(), MongoLocation::with_default_prefix(&database).unwrap(), options());
     store.setup().await.unwrap();
+    Recorded { client, log, database, store }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn complete_many_takes_a_fixed_number_of_commands_and_claims_write_with_majority() {
+    let Recorded { log, store, .. } = recorded_store().await;
     publish_all(&store, (0..400).map(|n| event(&format!("e-{n}"), "t")).collect()).await;
     let before_fan_out = log.lock().unwrap().len();
     fan_out_all(&store, &subs(&[("h", &["t"])]), at(T0)).await;
@@ -220,10 +233,7 @@ async fn complete_many_takes_a_fixed_number_of_commands_and_claims_write_with_ma
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fan_out_of_many_event_types_marks_its_events_with_one_command() {
-    let (client, log) = recording_client().await;
-    let database = fresh_database();
-    let store = MongoStore::new(client.clone(), MongoLocation::with_default_prefix(&database).unwrap(), options());
-    store.setup().await.unwrap();
+    let Recorded { client, log, database, store } = recorded_store().await;
     let types: Vec<String> = (0..12).map(|n| format!("type-{n}")).collect();
     publish_all(&store, types.iter().map(|t| event(t, t)).collect()).await;
     // Every type gets its own list of handlers: handler h-n serves the first n + 1 types.
@@ -273,10 +283,7 @@ async fn a_claim_sends_the_same_commands_for_one_handler_as_for_twenty() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_reads_no_lane_it_holds_and_rewrites_only_lanes_with_new_picks_or_an_ending_lease() {
-    let (client, log) = recording_client().await;
-    let database = fresh_database();
-    let store = MongoStore::new(client.clone(), MongoLocation::with_default_prefix(&database).unwrap(), options());
-    store.setup().await.unwrap();
+    let Recorded { client, log, database, store } = recorded_store().await;
     let h = handlers(&["h"]);
     let lanes_commands = |since: usize, name: &str| -> Vec<Document> {
         log.lock().unwrap()[since..]
@@ -332,10 +339,7 @@ async fn a_claim_reads_no_lane_it_holds_and_rewrites_only_lanes_with_new_picks_o
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_looks_up_the_heads_of_many_keys_with_one_command_per_handler() {
-    let (client, log) = recording_client().await;
-    let database = fresh_database();
-    let store = MongoStore::new(client.clone(), MongoLocation::with_default_prefix(&database).unwrap(), options());
-    store.setup().await.unwrap();
+    let Recorded { client, log, database, store } = recorded_store().await;
     // Thirty keys, two events each, for two handlers; one key looks like a field path, which
     // must stay data on its way into the lookup.
     let keys: Vec<String> = (0..29).map(|n| format!("k-{n}")).chain(["$k".to_string()]).collect();
@@ -386,10 +390,7 @@ async fn a_claim_looks_up_the_heads_of_many_keys_with_one_command_per_handler() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_does_not_look_up_again_a_head_an_earlier_claim_found() {
-    let (client, log) = recording_client().await;
-    let database = fresh_database();
-    let store = MongoStore::new(client.clone(), MongoLocation::with_default_prefix(&database).unwrap(), options());
-    store.setup().await.unwrap();
+    let Recorded { log, store, .. } = recorded_store().await;
     let h = handlers(&["h"]);
     let other = (0..).map(|n| format!("kb-{n}")).find(|k| relayhost::lane::lane_of(k) != relayhost::lane::lane_of("ka")).unwrap();
     publish_all(&store, vec![keyed("ka-1", "t", "ka")]).await;
