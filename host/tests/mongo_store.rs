@@ -392,10 +392,10 @@ async fn a_claim_looks_up_the_heads_of_many_keys_with_one_command_per_handler() 
 async fn a_claim_does_not_look_up_again_a_head_an_earlier_claim_found() {
     let Recorded { log, store, .. } = recorded_store().await;
     let h = handlers(&["h"]);
-    let other = (0..).map(|n| format!("kb-{n}")).find(|k| relayhost::lane::lane_of(k) != relayhost::lane::lane_of("ka")).unwrap();
-    publish_all(&store, vec![keyed("ka-1", "t", "ka")]).await;
+    let (ka, kb) = keys_in_two_lanes();
+    publish_all(&store, vec![keyed("ka-1", "t", &ka)]).await;
     fan_out_all(&store, &subs(&[("h", &["t"])]), at(T0)).await;
-    publish_all(&store, vec![keyed("kb-1", "t", &other)]).await;
+    publish_all(&store, vec![keyed("kb-1", "t", &kb)]).await;
     fan_out_all(&store, &subs(&[("h", &["t"])]), at(T0 + 1)).await;
     let lookups = |since: usize| log.lock().unwrap()[since..].iter().filter(|(name, _)| name == "aggregate").count();
 

@@ -538,16 +538,6 @@ async fn a_lane_taken_over_gives_its_old_holder_nothing<F: Fixture>() {
     assert_eq!(ids(&next), [format!("{neighbour}/h")]);
 }
 
-/// Two keyed events whose keys lie in different lanes, the first due before the second.
-fn keys_in_two_lanes() -> (String, String) {
-    let first = "ka".to_string();
-    let second = (0..)
-        .map(|n| format!("kb-{n}"))
-        .find(|key| relayhost::lane::lane_of(key) != relayhost::lane::lane_of(&first))
-        .expect("some key lies in another lane");
-    (first, second)
-}
-
 async fn a_head_another_instance_settled_does_not_hold_back_its_key<F: Fixture>() {
     let fixture = F::new().await;
     let (a, b) = (fixture.worker("a"), fixture.worker("b"));

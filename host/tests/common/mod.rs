@@ -201,6 +201,16 @@ pub fn ids(claimed: &[ClaimedDelivery]) -> Vec<String> {
     ids
 }
 
+/// Two ordering keys whose lanes differ.
+pub fn keys_in_two_lanes() -> (String, String) {
+    let first = "ka".to_string();
+    let second = (0..)
+        .map(|n| format!("kb-{n}"))
+        .find(|key| relayhost::lane::lane_of(key) != relayhost::lane::lane_of(&first))
+        .expect("some key lies in another lane");
+    (first, second)
+}
+
 /// An unkeyed event id whose lane is `lane`.
 pub fn id_in_lane(prefix: &str, lane: u8) -> String {
     (0..).map(|n| format!("{prefix}-{n}")).find(|id| relayhost::lane::lane_of(id) == lane).unwrap()
