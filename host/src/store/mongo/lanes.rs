@@ -80,60 +80,18 @@ impl Backend<'_> {
 
     /// The head of each of `keys` that has one, with its claim lane: one command per handler
     /// (per thousand keys), whatever the number of keys.
-    async fn heads(&self, keys: Vec<HandlerKey>) -> Result<Vec<(HandlerKey, DeliveryId, String)>, StoreError> {
-        let mut by_handler: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    async fn heads(&self, keys: &[HandlerKey]) -> Result<Vec<(HandlerKey, DeliveryId, String)>, StoreError> {
+        let mut by_handler: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
         for (handler, key) in keys {
             by_handler.entry(handler).or_default().push(key);
         }
-        let lookups = by_handler
-            .iter()
-            .flat_map(|(handler, keys)| keys.chunks(HEADS_PER_COMMAND).map(move |chunk| self.heads_of(handler, chunk)));
-        Ok(try_join_all(lookups).await?.into_iter().flatten().collect())
-    }
-
-    /// The heads of `keys` of one handler. The keys go in as literal documents, and each one
-    /// is joined with its lowest pending delivery: one `ordering` index probe per key, as
-    /// [`key_head`] makes, but in one round trip instead of one each.
-    async fn heads_of(&self, handler: &str, keys: &[String]) -> Result<Vec<(HandlerKey, DeliveryId, String)>, StoreError> {
-        // `$literal`: `$documents` evaluates expressions, and a key is data, whatever it says.
-        let keys: Vec<Document> = keys.iter().map(|key| doc! { "k": { "$literal": key } }).collect();
-        let pipeline = vec![
-            doc! { "$documents": keys },
-            doc! { "$lookup": {
-                "from": self.store.collections.deliveries.name(),
-                "localField": "k",
-                "foreignField": delivery::KEY,
-                "pipeline": [
-                    { "$match": { delivery::HANDLER: handler, delivery::STATUS: delivery::PENDING } },
-                    { "$sort": { delivery::SEQUENCE: 1 } },
-                    { "$limit": 1 },
-                    { "$project": { delivery::ID: 1, delivery::LANE: 1 } },
-                ],
-                "as": "head",
-            } },
-            doc! { "$unwind": "$head" },
-        ];
-        let found: Vec<Document> = self
-            .store
-            .database()
-            .aggregate(pipeline)
-            .selection_criteria(mongodb::options::SelectionCriteria::ReadPreference(
-                mongodb::options::ReadPreference::Primary,
-            ))
-            .await?
-            .try_collect()
-            .await?;
-        // A head whose id is not an ObjectId was not written by a host: as with `key_head`,
-        // its key counts as having none.
-        Ok(found
-            .iter()
-            .filter_map(|row| {
-                let head = row.get_document("head").ok()?;
-                let id = head.get_object_id(delivery::ID).ok()?;
-                let lane = head.get_str(delivery::LANE).unwrap_or_default().to_string();
-                Some(((handler.to_string(), row.get_str("k").ok()?.to_string()), id, lane))
+        let lookups = by_handler.iter().flat_map(|(handler, keys)| {
+            keys.chunks(HEADS_PER_COMMAND).map(move |chunk| async move {
+                let found = heads_of(self.store, handler, chunk, None).await?;
+                Ok::<_, StoreError>(found.into_iter().map(|(key, id, lane)| ((handler.to_string(), key), id, lane)))
             })
-            .collect())
+        });
+        Ok(try_join_all(lookups).await?.into_iter().flatten().collect())
     }
 }
 
@@ -144,20 +102,60 @@ pub(super) async fn key_head(
     key: &str,
     session: Option<&mut ClientSession>,
 ) -> Result<Option<(DeliveryId, String)>, StoreError> {
-    let find = store
-        .collections
-        .deliveries
-        .find_one(doc! { delivery::HANDLER: handler, delivery::KEY: key, delivery::STATUS: delivery::PENDING })
-        .sort(doc! { delivery::SEQUENCE: 1 })
-        .projection(doc! { delivery::ID: 1, delivery::LANE: 1 })
-        .hint(mongodb::options::Hint::Name("ordering".to_string()));
-    let head = match session {
-        Some(session) => find.session(session).await?,
-        None => find.await?,
+    Ok(heads_of(store, handler, &[key], session).await?.pop().map(|(_, id, lane)| (id, lane)))
+}
+
+/// The heads of `keys` of one handler, `(key, id, claim lane)`, read in `session` if given.
+/// The keys go in as literal documents, and each one is joined with its lowest pending
+/// delivery: one `ordering` index probe per key, all in one round trip.
+async fn heads_of(
+    store: &MongoStore,
+    handler: &str,
+    keys: &[&str],
+    session: Option<&mut ClientSession>,
+) -> Result<Vec<(String, DeliveryId, String)>, StoreError> {
+    // `$literal`: `$documents` evaluates expressions, and a key is data, whatever it says.
+    let keys: Vec<Document> = keys.iter().map(|key| doc! { "k": { "$literal": *key } }).collect();
+    let pipeline = vec![
+        doc! { "$documents": keys },
+        doc! { "$lookup": {
+            "from": store.collections.deliveries.name(),
+            "localField": "k",
+            "foreignField": delivery::KEY,
+            "pipeline": [
+                { "$match": { delivery::HANDLER: handler, delivery::STATUS: delivery::PENDING } },
+                { "$sort": { delivery::SEQUENCE: 1 } },
+                { "$limit": 1 },
+                { "$project": { delivery::ID: 1, delivery::LANE: 1 } },
+            ],
+            "as": "head",
+        } },
+        doc! { "$unwind": "$head" },
+    ];
+    let database = store.database();
+    let aggregate = database.aggregate(pipeline);
+    let found: Vec<Document> = match session {
+        // A transaction reads from its primary already.
+        Some(session) => aggregate.session(&mut *session).await?.stream(&mut *session).try_collect().await?,
+        None => aggregate
+            .selection_criteria(mongodb::options::SelectionCriteria::ReadPreference(
+                mongodb::options::ReadPreference::Primary,
+            ))
+            .await?
+            .try_collect()
+            .await?,
     };
-    Ok(head.and_then(|doc| {
-        Some((doc.get_object_id(delivery::ID).ok()?, doc.get_str(delivery::LANE).unwrap_or_default().to_string()))
-    }))
+    // A head whose id is not an ObjectId was not written by a host: its key counts as having
+    // none.
+    Ok(found
+        .iter()
+        .filter_map(|row| {
+            let head = row.get_document("head").ok()?;
+            let id = head.get_object_id(delivery::ID).ok()?;
+            let lane = head.get_str(delivery::LANE).unwrap_or_default().to_string();
+            Some((row.get_str("k").ok()?.to_string(), id, lane))
+        })
+        .collect())
 }
 
 impl ClaimBackend for Backend<'_> {
@@ -172,7 +170,7 @@ impl ClaimBackend for Backend<'_> {
         }
         let mut heads = HashMap::with_capacity(parked_keys.len());
         let mut movable = Vec::new();
-        for (key, id, lane) in self.heads(parked_keys).await? {
+        for (key, id, lane) in self.heads(&parked_keys).await? {
             if lane == delivery::PARKED {
                 movable.push(id);
             }
@@ -374,7 +372,7 @@ impl ClaimBackend for Backend<'_> {
     }
 
     async fn key_heads(&self, keys: &[HandlerKey]) -> Result<HashMap<HandlerKey, DeliveryId>, StoreError> {
-        Ok(self.heads(keys.to_vec()).await?.into_iter().map(|(key, id, _)| (key, id)).collect())
+        Ok(self.heads(keys).await?.into_iter().map(|(key, id, _)| (key, id)).collect())
     }
 
     async fn park(&self, ids: &[DeliveryId]) -> Result<(), StoreError> {
