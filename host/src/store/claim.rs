@@ -238,8 +238,8 @@ struct Held {
     /// The epoch under which it holds the lane.
     epoch: i64,
     /// What this instance listed in flight there and may still be running, as of its last
-    /// claim, and the lease its last record wrote; `None` when unknown (a write whose reply
-    /// was lost, a reconciliation): the next claim reads the lane.
+    /// claim, and the lease its last record wrote; `None` while a claim works on it, and when
+    /// unknown (a write whose reply was lost, a reconciliation): the next claim reads the lane.
     ///
     /// Nobody else writes a lane while its lease runs without moving its epoch, so a claim
     /// trusts this instead of reading every held lane again; a lane another claimer took
@@ -417,18 +417,19 @@ impl Claimer {
             LaneSearch::Only(lanes) => lanes.iter().copied().filter(|lane| !held.contains_key(lane)).collect(),
             LaneSearch::FreeWithDueWork => Vec::new(),
         };
-        let unknown = held.iter().filter(|(_, lane)| lane.known.is_none()).map(|(id, _)| *id);
+        // Taken for the claim: a successful one leaves every lane it still holds known again.
+        let known: BTreeMap<LaneId, HeldLane> = held
+            .iter_mut()
+            .filter_map(|(id, lane)| {
+                let Listed { in_flight, lease_until } = lane.known.take()?;
+                Some((*id, HeldLane { epoch: lane.epoch, running: in_flight, takes_free_at: None, lease_until }))
+            })
+            .collect();
+        let unknown = held.keys().filter(|id| !known.contains_key(id)).copied();
         let read_ids: Vec<LaneId> = unknown.chain(named.iter().copied()).collect();
         let holder = &self.holder;
         let running_in_held = async {
-            let mut mine: BTreeMap<LaneId, HeldLane> = held
-                .iter()
-                .filter_map(|(id, lane)| {
-                    let known = lane.known.as_ref()?;
-                    let running = known.in_flight.clone();
-                    Some((*id, HeldLane { epoch: lane.epoch, running, takes_free_at: None, lease_until: known.lease_until }))
-                })
-                .collect();
+            let mut mine = known;
             let mut left_over = Vec::new();
             let states = if read_ids.is_empty() { Vec::new() } else { backend.lanes(&read_ids).await? };
             for state in states {
@@ -587,7 +588,6 @@ impl Claimer {
         // claim, and the reconciliation undoes what was recorded.
         let mut records = Vec::new();
         let mut idle = Vec::new();
-        let mut unchanged = Vec::new();
         // A lane that runs something and picked nothing new keeps its list and lease as
         // written (entries settled since are harmless there: a takeover charges only those
         // still at their listed generation), unless its lease is running out.
@@ -608,7 +608,9 @@ impl Claimer {
                 (true, Some(_)) => {}
                 (true, None) => idle.push((*lane_id, lane.epoch)),
                 (false, None) if !picked && lane.lease_until > refresh_before => {
-                    unchanged.push((*lane_id, Listed { in_flight, lease_until: lane.lease_until }));
+                    if let Some(held) = held.get_mut(lane_id) {
+                        held.known = Some(Listed { in_flight, lease_until: lane.lease_until });
+                    }
                 }
                 (false, takes_free_at) => records.push(LaneRecord {
                     lane: *lane_id,
@@ -662,11 +664,6 @@ impl Claimer {
                 held.remove(&record.lane);
             } else if let Some(lane) = held.get_mut(&record.lane) {
                 lane.known = Some(Listed { in_flight: record.in_flight.clone(), lease_until: record.lease_until });
-            }
-        }
-        for (lane_id, listed) in unchanged {
-            if let Some(lane) = held.get_mut(&lane_id) {
-                lane.known = Some(listed);
             }
         }
         // Lanes named but not taken, and lanes another claimer took meanwhile, are none of
@@ -840,6 +837,9 @@ impl Plan {
     /// way back for a lower one, is what the claim's requeue check is for. A key whose known
     /// head is not among the rows (it ran elsewhere, or is further on) is looked up again.
     fn recall_heads(&mut self, rows: &[Candidate]) {
+        if self.known_heads.is_empty() {
+            return;
+        }
         for row in rows {
             if let Some(key) = row.handler_key() {
                 if self.known_heads.get(&key) == Some(&row.id) {
