@@ -59,6 +59,7 @@ contract!(
     a_stale_lease_changes_nothing,
     a_lane_taken_over_gives_its_old_holder_nothing,
     a_head_another_instance_settled_does_not_hold_back_its_key,
+    what_a_stale_holder_sees_blocked_in_a_lane_it_lost_is_not_parked,
     an_expired_lease_nobody_took_is_still_honoured,
     takeover_charges_the_lost_attempt_once,
     reschedule_release_and_bury,
@@ -558,6 +559,29 @@ async fn a_head_another_instance_settled_does_not_hold_back_its_key<F: Fixture>(
     assert!(b.claim(&handlers(&["other"]), 10, at(T0 + 5)).await.unwrap().is_empty());
     // a still knows kb-1 as kb's head; kb-2 is the head now, and a runs it.
     assert_eq!(ids(&a.claim(&h, 10, at(T0 + 6)).await.unwrap()), ["kb-2/h"]);
+}
+
+async fn what_a_stale_holder_sees_blocked_in_a_lane_it_lost_is_not_parked<F: Fixture>() {
+    // Leases shorter than the 2 s a claimer trusts its own unsettled leases: a takeover can
+    // happen while a still counts its delivery as running.
+    let fixture = F::with_options(StoreOptions { lease_duration: Duration::from_secs(1), ..options() }).await;
+    let (a, b) = (fixture.worker("a"), fixture.worker("b"));
+    let h = handlers(&["h"]);
+    publish(fixture.store(), keyed("k-1", "t", "k")).await.unwrap();
+    fan_out_all(fixture.store(), &subs(&[("h", &["t"])]), at(T0)).await;
+    assert_eq!(ids(&a.claim(&h, 10, at(T0)).await.unwrap()), ["k-1/h"]);
+    // a's lease runs out; b takes the lane over, runs k-1 to the end and hands the lane back
+    // (its next claim is for another handler).
+    let taken = b.claim(&h, 10, at(T0 + 1_100)).await.unwrap();
+    assert_eq!(ids(&taken), ["k-1/h"]);
+    b.complete_many(&[taken[0].lease], at(T0 + 1_100)).await.unwrap();
+    assert!(b.claim(&handlers(&["other"]), 10, at(T0 + 1_150)).await.unwrap().is_empty());
+    publish(fixture.store(), keyed("k-2", "t", "k")).await.unwrap();
+    fan_out_all(fixture.store(), &subs(&[("h", &["t"])]), at(T0 + 1_200)).await;
+    // a still takes k-1 for running, so k-2 looks blocked to it; but the lane is no longer
+    // a's (its record is refused), and k-2, the key's head, must stay ready for the next claim.
+    assert!(a.claim(&h, 10, at(T0 + 1_300)).await.unwrap().is_empty());
+    assert_eq!(ids(&b.claim(&h, 10, at(T0 + 1_400)).await.unwrap()), ["k-2/h"]);
 }
 
 async fn an_expired_lease_nobody_took_is_still_honoured<F: Fixture>() {
