@@ -190,7 +190,7 @@ async fn recorded_store() -> Recorded {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn complete_many_takes_a_fixed_number_of_commands_and_claims_write_with_majority() {
+async fn complete_many_takes_a_fixed_number_of_commands_without_a_transaction_and_claims_write_with_majority() {
     let Recorded { log, store, .. } = recorded_store().await;
     publish_all(&store, (0..400).map(|n| event(&format!("e-{n}"), "t")).collect()).await;
     let before_fan_out = log.lock().unwrap().len();
@@ -226,7 +226,18 @@ async fn complete_many_takes_a_fixed_number_of_commands_and_claims_write_with_ma
         let before = log.lock().unwrap().len();
         let settled = store.complete_many(&leases, at(T0)).await.unwrap();
         assert!(settled.iter().all(|s| *s == Settlement::Completed));
-        counts.push(log.lock().unwrap().len() - before);
+        let sent = log.lock().unwrap()[before..].to_vec();
+        counts.push(sent.len());
+        // Outside any transaction (each transactional write pays for every index of its
+        // collection), and the deliveries, all of one claim generation, go by one statement
+        // of a majority-acknowledged delete.
+        for (name, command) in &sent {
+            assert!(name != "commitTransaction" && !command.contains_key("txnNumber"), "{name}: {command}");
+        }
+        let deletes: Vec<&Document> = sent.iter().filter(|(name, _)| name == "delete").map(|(_, c)| c).collect();
+        assert_eq!(deletes.len(), 1, "{deletes:?}");
+        assert_eq!(deletes[0].get_array("deletes").unwrap().len(), 1, "{}", deletes[0]);
+        assert_eq!(write_concern(deletes[0]), Some(bson::Bson::String("majority".into())));
     }
     assert_eq!(counts[0], counts[1], "commands for 5 and for 395 completions");
 }

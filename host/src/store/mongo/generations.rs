@@ -3,11 +3,12 @@
 //!
 //! A filter `{ $or: [{ _id, claims }, ...] }` looks natural but makes the query planner
 //! enumerate a plan per clause: 128 clauses took 350 ms on a collection with the store's
-//! indexes. So reads here fetch by `_id: { $in }` and compare the generation in the host, and
-//! writes send one point statement per delivery in a single `update` command. This module
-//! must never decide what a generation means; it only matches it.
+//! indexes. So reads here fetch by `_id: { $in }` and compare the generation in the host,
+//! updates send one point statement per delivery in a single `update` command, and deletes
+//! one `_id: { $in }` statement per generation in a single `delete` command. This module must
+//! never decide what a generation means; it only matches it.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use bson::oid::ObjectId;
 use bson::{Bson, Document, doc};
@@ -75,6 +76,41 @@ pub(super) async fn update_current(
     update_each(store, store.collections.deliveries.name(), statements, session).await
 }
 
+/// Deletes every pending delivery among `pairs` still at its listed generation, in one
+/// majority-acknowledged command; returns how many were deleted.
+///
+/// One statement per distinct generation, `_id: { $in }` within it: most deliveries of a batch
+/// share their generation, and each statement of a write command is planned and executed on
+/// its own (one per delivery made the deletes half again as expensive).
+pub(super) async fn delete_current(store: &MongoStore, pairs: &[(ObjectId, i64)]) -> Result<u64, StoreError> {
+    if pairs.is_empty() {
+        return Ok(0);
+    }
+    let mut by_generation: BTreeMap<i64, Vec<ObjectId>> = BTreeMap::new();
+    for (id, claims) in pairs {
+        by_generation.entry(*claims).or_default().push(*id);
+    }
+    let statements: Vec<Document> = by_generation
+        .into_iter()
+        .map(|(claims, ids)| {
+            doc! {
+                "q": { delivery::ID: { "$in": ids }, delivery::CLAIMS: claims, delivery::STATUS: delivery::PENDING },
+                "limit": 0,
+                "hint": { "_id": 1 },
+            }
+        })
+        .collect();
+    let collection = store.collections.deliveries.name();
+    let command = doc! {
+        "delete": collection,
+        "deletes": statements,
+        "ordered": false,
+        "writeConcern": { "w": "majority" },
+    };
+    let reply = store.client.database(&store.location.database).run_command(command).await?;
+    matched(collection, "delete", &reply)
+}
+
 /// Sends `{ q, u }` statements as one unordered `update` command; returns how many matched.
 /// Outside a transaction it asks for majority acknowledgement itself, because a raw command
 /// does not inherit the collection's write concern.
@@ -96,11 +132,17 @@ pub(super) async fn update_each(
             database.run_command(command).await?
         }
     };
+    matched(collection, "update", &reply)
+}
+
+/// How many documents a raw write command's `reply` says it matched; its write errors and a
+/// missing majority acknowledgement are errors naming `what` of `collection`.
+fn matched(collection: &str, what: &str, reply: &Document) -> Result<u64, StoreError> {
     if let Ok(errors) = reply.get_array("writeErrors") {
-        return Err(StoreError::Corrupt(format!("update of {collection} failed: {errors:?}")));
+        return Err(StoreError::Corrupt(format!("{what} of {collection} failed: {errors:?}")));
     }
     if let Ok(error) = reply.get_document("writeConcernError") {
-        return Err(StoreError::Corrupt(format!("update of {collection} not acknowledged by a majority: {error}")));
+        return Err(StoreError::Corrupt(format!("{what} of {collection} not acknowledged by a majority: {error}")));
     }
     Ok(match reply.get("n") {
         Some(Bson::Int32(n)) => *n as u64,
