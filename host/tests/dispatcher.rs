@@ -473,3 +473,28 @@ async fn under_a_backlog_claims_wait_until_half_the_capacity_is_free() {
     // capacity (or found the run slots idle, with the whole claim-ahead free).
     assert!(limits.iter().all(|limit| *limit >= 10), "claim limits {limits:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_wait_for_completions_that_fall_behind() {
+    // Every completion fails until the test lets them through.
+    let store = Arc::new(FaultyStore::new(memory_store("worker"), usize::MAX, 0));
+    publish_orders(&*store, 20).await;
+    let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
+    let runner = mailer(Arc::new(|_| AttemptResult::Completed), Duration::ZERO, &runs);
+    // Run slots 2, claimed ahead 2: 4 in all, and as many again finished and waiting for
+    // their completion.
+    let options = DispatcherOptions { claim_ahead: 2, ..options(2) };
+    let (stop, handle) = start(store.clone(), runner, options);
+    until("the capacity ran", || runs.lock().unwrap().len() >= 4).await;
+    // Twenty-five polls, each of which claims whatever capacity is free.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let ran = runs.lock().unwrap().len();
+    assert!(ran <= 8, "claims went on while {ran} finished runs waited for their completion");
+    store.completions_failing.store(0, SeqCst);
+    until("the backlog drained", || drained(&*store, &runs, 20)).await;
+    stop.send(()).unwrap();
+    handle.await.unwrap();
+    let mut all: Vec<String> = (0..20).map(|n| format!("e-{n}")).collect();
+    all.sort();
+    assert_eq!(events_run(&runs), all, "each ran once");
+}

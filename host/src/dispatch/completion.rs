@@ -42,6 +42,11 @@ impl<S: Store> Completions<S> {
         self.waiting.push((lease, keyed));
     }
 
+    /// Successful runs whose completion is not written yet.
+    pub fn pending(&self) -> usize {
+        self.waiting.len() + self.running.as_ref().map_or(0, |(_, batch)| batch.len())
+    }
+
     /// Lets a paused batch be tried again at the next [`Completions::start`].
     pub fn resume(&mut self) {
         self.paused_until = None;

@@ -2,8 +2,11 @@
 //!
 //! Fan-out and completion run beside the loop as background steps, at most one of each at a
 //! time, so claiming, fanning out and completing overlap instead of taking turns (the
-//! batching of completions lives in [`super::completion`]). A claim may take up to `claim_ahead` more deliveries than there are free
-//! run slots: those wait for a slot under a lease that is renewed like a running one.
+//! batching of completions lives in [`super::completion`]). A claim may take up to
+//! `claim_ahead` more deliveries than there are free run slots: those wait for a slot under a
+//! lease that is renewed like a running one. Finished runs waiting for their completion to
+//! be written may fill as many places again; beyond that each takes a place from the claims,
+//! so claims never outrun completions.
 //! Failures are rescheduled with the handler's backoff or buried with a dead letter; a
 //! delivery whose attempts are used up (its workers kept dying) is buried without running
 //! again. A retry's due time sets a timer that wakes the loop. A stop ends claiming, hands
@@ -70,7 +73,8 @@ pub struct DispatcherOptions {
     pub concurrency: usize,
     /// Deliveries a claim may take beyond the free run slots, to wait for one. Bigger claims
     /// cost fewer round trips per delivery; the waiting ones keep their lane leased (so a
-    /// process that dies charges them an attempt, like the running ones).
+    /// process that dies charges them an attempt, like the running ones). Finished runs whose
+    /// completion is not written yet may add as many again before claims wait for them.
     pub claim_ahead: usize,
     /// Claims happen at least this often, and whenever a delivery finishes, a wakeup comes
     /// or a retry falls due.
@@ -293,10 +297,16 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             flight.fanning = Some(self.spawn_fan_out(subscriptions, fanned.clone()));
         }
         let capacity = self.options.concurrency + self.options.claim_ahead;
-        let free = capacity.saturating_sub(flight.running.len());
+        // Completions are written in batches, one at a time, so a capacity's worth of finished
+        // runs may wait for theirs without holding claims back; beyond that they count, or a
+        // claimer whose completions fall behind would keep claiming, and every claim would
+        // step over all the finished but unwritten deliveries of its lanes (over a thousand in
+        // drains, which made each claim slower than the one before).
+        let in_flight = flight.running.len() + flight.completions.pending().saturating_sub(capacity);
+        let free = capacity.saturating_sub(in_flight);
         // Under a backlog, claim in big batches: a claim costs about the same whatever its
         // size, and what is already claimed keeps the run slots busy meanwhile.
-        let worth_it = free > 0 && (free * 2 >= capacity || flight.running.len() <= self.options.concurrency);
+        let worth_it = free > 0 && (free * 2 >= capacity || in_flight <= self.options.concurrency);
         let search_all = flight.claim || flight.backlog;
         let wanted = search_all || !flight.claim_lanes.is_empty();
         if !worth_it || !wanted {
