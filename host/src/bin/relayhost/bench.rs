@@ -151,6 +151,8 @@ struct ServerWork {
     returned: i64,
     keys_scanned: i64,
     documents_scanned: i64,
+    commands: i64,
+    transactions: i64,
 }
 
 impl ServerWork {
@@ -164,6 +166,13 @@ impl ServerWork {
             returned: count(document, "returned"),
             keys_scanned: count(executor, "scanned"),
             documents_scanned: count(executor, "scannedObjects"),
+            commands: metrics
+                .get_document("commands")?
+                .values()
+                .filter_map(|command| command.as_document())
+                .map(|command| count(command, "total"))
+                .sum(),
+            transactions: count(status.get_document("transactions")?, "totalCommitted"),
         })
     }
 
@@ -173,17 +182,21 @@ impl ServerWork {
             returned: self.returned - earlier.returned,
             keys_scanned: self.keys_scanned - earlier.keys_scanned,
             documents_scanned: self.documents_scanned - earlier.documents_scanned,
+            commands: self.commands - earlier.commands,
+            transactions: self.transactions - earlier.transactions,
         }
     }
 
     fn per(self, items: usize) -> String {
         let per = |n: i64| n as f64 / items.max(1) as f64;
         format!(
-            "{:.1} documents written, {:.1} returned, {:.1} index keys and {:.1} documents scanned",
+            "{:.1} documents written, {:.1} returned, {:.1} index keys and {:.1} documents scanned, {:.3} commands and {:.4} transactions",
             per(self.written),
             per(self.returned),
             per(self.keys_scanned),
-            per(self.documents_scanned)
+            per(self.documents_scanned),
+            per(self.commands),
+            per(self.transactions)
         )
     }
 }
