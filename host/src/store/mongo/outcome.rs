@@ -48,14 +48,21 @@ async fn lane_epochs(
         .collect())
 }
 
+/// The leases among `leases` whose lane still has their epoch and whose delivery was `found`
+/// at their generation.
+fn current<'a, T>(leases: &'a [Lease], epochs: &HashMap<LaneId, i64>, found: &HashMap<ObjectId, T>) -> Vec<&'a Lease> {
+    leases.iter().filter(|lease| epochs.get(&lease.lane) == Some(&lease.epoch) && found.contains_key(&lease.delivery)).collect()
+}
+
 /// Completes the current ones among `leases` in `session`'s transaction: reads the lanes and
 /// the deliveries, deletes, stamps the events, writes history. A fixed number of commands.
+/// Returns the deliveries it completed.
 async fn complete_in_session(
     store: &MongoStore,
     session: &mut ClientSession,
     leases: &[Lease],
     now: DateTime,
-) -> Result<Vec<Settlement>, StoreError> {
+) -> Result<HashSet<ObjectId>, StoreError> {
     let epochs = lane_epochs(store, Some(&mut *session), leases.iter().map(|l| l.lane)).await?;
     // The history copies whole documents; without it the generation and the event id do.
     let projection =
@@ -63,10 +70,7 @@ async fn complete_in_session(
     let found = generations::find_current(store, &lease_generations(leases.iter()), projection, Some(&mut *session)).await?;
     let found: HashMap<ObjectId, Document> =
         found.into_iter().filter_map(|d| Some((d.get_object_id(delivery::ID).ok()?, d))).collect();
-    let current: Vec<&Lease> = leases
-        .iter()
-        .filter(|lease| epochs.get(&lease.lane) == Some(&lease.epoch) && found.contains_key(&lease.delivery))
-        .collect();
+    let current = current(leases, &epochs, &found);
     if !current.is_empty() {
         let ids: Vec<ObjectId> = current.iter().map(|l| l.delivery).collect();
         store
@@ -104,11 +108,7 @@ async fn complete_in_session(
             store.collections.history.insert_many(records).session(&mut *session).await?;
         }
     }
-    let completed: HashSet<ObjectId> = current.iter().map(|l| l.delivery).collect();
-    Ok(leases
-        .iter()
-        .map(|l| if completed.contains(&l.delivery) { Settlement::Completed } else { Settlement::LeaseLost })
-        .collect())
+    Ok(current.iter().map(|l| l.delivery).collect())
 }
 
 /// Completes the current ones among `leases` without a transaction: every delivery is
@@ -121,8 +121,8 @@ async fn complete_in_session(
 /// Nothing here needs the atomicity: the generation fences each delete on its own (a takeover
 /// moves it before anything else), and an event is stamped before its delivery goes, so a
 /// crash in between leaves a stamped event whose delivery runs again, never a finished
-/// delivery whose event looks never completed.
-async fn complete_each(store: &MongoStore, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {
+/// delivery whose event looks never completed. Returns the deliveries it completed.
+async fn complete_each(store: &MongoStore, leases: &[Lease], now: DateTime) -> Result<HashSet<ObjectId>, StoreError> {
     let projection = doc! { delivery::ID: 1, delivery::EVENT_ID: 1, delivery::CLAIMS: 1 };
     let generations = lease_generations(leases.iter());
     let (epochs, found) = futures::try_join!(
@@ -133,10 +133,7 @@ async fn complete_each(store: &MongoStore, leases: &[Lease], now: DateTime) -> R
         .into_iter()
         .filter_map(|d| Some((d.get_object_id(delivery::ID).ok()?, d.get(delivery::EVENT_ID)?.clone())))
         .collect();
-    let current: Vec<&Lease> = leases
-        .iter()
-        .filter(|lease| epochs.get(&lease.lane) == Some(&lease.epoch) && events.contains_key(&lease.delivery))
-        .collect();
+    let current = current(leases, &epochs, &events);
     let mut completed: HashSet<ObjectId> = current.iter().map(|l| l.delivery).collect();
     if !current.is_empty() {
         let event_ids: Vec<&Bson> = current.iter().map(|l| &events[&l.delivery]).collect();
@@ -170,16 +167,13 @@ async fn complete_each(store: &MongoStore, leases: &[Lease], now: DateTime) -> R
             }
         }
     }
-    Ok(leases
-        .iter()
-        .map(|l| if completed.contains(&l.delivery) { Settlement::Completed } else { Settlement::LeaseLost })
-        .collect())
+    Ok(completed)
 }
 
 pub(super) async fn complete_many(store: &MongoStore, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {
     let issued: Vec<Lease> = leases.iter().filter(|l| store.claimer.issued(l)).copied().collect();
-    let results = if issued.is_empty() {
-        Vec::new()
+    let completed = if issued.is_empty() {
+        HashSet::new()
     } else if store.options.completion_history {
         // A history record is written exactly when its delivery goes.
         transaction!(store, |tx| complete_in_session(store, tx.session(), &issued, now).await)?
@@ -187,12 +181,6 @@ pub(super) async fn complete_many(store: &MongoStore, leases: &[Lease], now: Dat
         complete_each(store, &issued, now).await?
     };
     store.claimer.settled(leases);
-    let completed: HashSet<ObjectId> = issued
-        .iter()
-        .zip(&results)
-        .filter(|(_, s)| **s == Settlement::Completed)
-        .map(|(l, _)| l.delivery)
-        .collect();
     Ok(leases
         .iter()
         .map(|l| if completed.contains(&l.delivery) { Settlement::Completed } else { Settlement::LeaseLost })
@@ -203,12 +191,11 @@ pub(super) async fn complete_in(store: &MongoStore, tx: &mut MongoTx, lease: &Le
     if !store.claimer.issued(lease) {
         return Err(StoreError::LeaseLost(lease.to_string()));
     }
-    match complete_in_session(store, tx.session(), std::slice::from_ref(lease), now).await?[0] {
-        Settlement::Completed => {
-            tx.settles_on_commit(*lease);
-            Ok(())
-        }
-        Settlement::LeaseLost => Err(StoreError::LeaseLost(lease.to_string())),
+    if complete_in_session(store, tx.session(), std::slice::from_ref(lease), now).await?.contains(&lease.delivery) {
+        tx.settles_on_commit(*lease);
+        Ok(())
+    } else {
+        Err(StoreError::LeaseLost(lease.to_string()))
     }
 }
 
