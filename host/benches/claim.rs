@@ -33,7 +33,7 @@ async fn backlog(store: &MongoStore, documents: Vec<Document>, due: DateTime) {
     for chunk in documents.chunks(10_000) {
         store.events_collection().insert_many(chunk.to_vec()).await.unwrap();
     }
-    while store.fan_out(&subscriptions(), 2_000, due).await.unwrap().events > 0 {}
+    while store.fan_out(&subscriptions(), 2_000, 0, due).await.unwrap().events > 0 {}
 }
 
 fn unkeyed(count: usize) -> Vec<Document> {

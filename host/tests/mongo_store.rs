@@ -253,7 +253,7 @@ async fn a_fan_out_of_many_event_types_marks_its_events_with_one_command() {
     )
     .unwrap();
     let before = log.lock().unwrap().len();
-    let report = store.fan_out(&subscriptions, 100, at(T0)).await.unwrap();
+    let report = store.fan_out(&subscriptions, 100, 0, at(T0)).await.unwrap();
     assert_eq!((report.events, report.deliveries), (12, (1..=12).sum()));
     let event_updates = log.lock().unwrap()[before..]
         .iter()
@@ -554,7 +554,7 @@ async fn ten_thousand_parked_followers_leave_other_keys_flowing() {
         .insert_one(doc! { "_id": "hot", "value": 10_001_i64 })
         .await
         .unwrap();
-    while store.fan_out(&subscriptions, 1_000, at(T0)).await.unwrap().events > 0 {}
+    while store.fan_out(&subscriptions, 1_000, 0, at(T0)).await.unwrap().events > 0 {}
 
     let head = store.claim(&handlers(&["h"]), 50, at(T0)).await.unwrap();
     assert_eq!(head.len(), 1);

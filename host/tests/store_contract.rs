@@ -53,6 +53,7 @@ contract!(
     concurrent_workers_never_claim_twice_and_keep_key_order,
     lanes_are_exclusive_under_a_live_lease,
     a_claim_in_given_lanes_takes_only_those_and_keeps_the_rules,
+    a_fan_out_hands_out_unkeyed_deliveries_in_free_or_own_lanes_only,
     lanes_are_held_per_store_instance,
     older_work_in_a_free_lane_goes_before_younger_work_of_a_held_lane,
     relinquish_hands_lanes_back_at_once,
@@ -163,10 +164,10 @@ async fn fan_out_creates_one_delivery_per_subscribed_handler_once<F: Fixture>() 
     let store = fixture.store();
     publish_all(store, vec![event("a", "order.placed"), event("b", "order.paid"), event("c", "other")]).await;
     let subscriptions = subs(&[("mailer", &["order.placed"]), ("ledger", &["order.placed", "order.paid"])]);
-    let report = store.fan_out(&subscriptions, 100, at(T0)).await.unwrap();
+    let report = store.fan_out(&subscriptions, 100, 0, at(T0)).await.unwrap();
     assert_eq!((report.events, report.deliveries, report.malformed), (3, 3, 0));
     // A second fan-out, by this or another worker, finds nothing to do.
-    assert_eq!(fixture.worker("w2").fan_out(&subscriptions, 100, at(T0)).await.unwrap().events, 0);
+    assert_eq!(fixture.worker("w2").fan_out(&subscriptions, 100, 0, at(T0)).await.unwrap().events, 0);
     let all = list_all(store, DeliveryFilter::default()).await;
     let mut pairs: Vec<(String, String)> = all.iter().map(|d| (d.event_id.clone(), d.handler.clone())).collect();
     pairs.sort();
@@ -232,7 +233,7 @@ async fn malformed_event_documents_are_dead_lettered_and_block_nothing<F: Fixtur
     publish_all(store, vec![event("fine-1", "t"), keyed("fine-2", "t", "k")]).await;
 
     let subscriptions = subs(&[("h", &["t"])]);
-    let report = store.fan_out(&subscriptions, 100, at(T0)).await.unwrap();
+    let report = store.fan_out(&subscriptions, 100, 0, at(T0)).await.unwrap();
     assert_eq!(report.malformed, 6);
     let claimed = store.claim(&handlers(&["h"]), 10, at(T0)).await.unwrap();
     assert_eq!(ids(&claimed), ["fine-1/h", "fine-2/h"]);
@@ -252,7 +253,7 @@ async fn malformed_event_documents_are_dead_lettered_and_block_nothing<F: Fixtur
     assert!(reasons["bad-headers"].1.contains("`headers` must be a document of strings"));
     assert!(reasons["7"].1.contains("`_id` must be a string"));
     // Nothing is left unfanned: a malformed document never holds the fan-out back.
-    assert_eq!(store.fan_out(&subscriptions, 100, at(T0)).await.unwrap().events, 0);
+    assert_eq!(store.fan_out(&subscriptions, 100, 0, at(T0)).await.unwrap().events, 0);
 }
 
 async fn skewed_clocks_and_split_batches_keep_sequence_order<F: Fixture>() {
@@ -270,7 +271,7 @@ async fn skewed_clocks_and_split_batches_keep_sequence_order<F: Fixture>() {
     // Fan-out batches of one event split the key; claims in between must never see a later
     // sequence of the key before an earlier one.
     for step in 0..40 {
-        store.fan_out(&subscriptions, 1, at(T0)).await.unwrap();
+        store.fan_out(&subscriptions, 1, 0, at(T0)).await.unwrap();
         let claimed = store.claim(&handlers(&["h"]), 10, at(T0 + step)).await.unwrap();
         for c in &claimed {
             if c.event.key.is_some() {
@@ -419,7 +420,7 @@ async fn a_claim_in_given_lanes_takes_only_those_and_keeps_the_rules<F: Fixture>
         vec![event(&three, "t"), event(&other_three, "t"), event(&seven, "t"), keyed("k-0", "t", "key"), keyed("k-1", "t", "key")],
     )
     .await;
-    let report = fixture.store().fan_out(&subs(&[("h", &["t"])]), 100, at(T0)).await.unwrap();
+    let report = fixture.store().fan_out(&subs(&[("h", &["t"])]), 100, 0, at(T0)).await.unwrap();
     assert_eq!(report.lanes, [3, 7, key_lane].into_iter().collect());
 
     // Only the lanes named are taken: both of lane 3, nothing of lane 7.
@@ -435,6 +436,64 @@ async fn a_claim_in_given_lanes_takes_only_those_and_keeps_the_rules<F: Fixture>
     assert_eq!(ids(&taken_over), ids(&claimed));
     assert!(taken_over.iter().all(|c| c.attempts == 1), "the lost attempts are charged");
     assert!(a.complete_many(&[claimed[0].lease], at(T0 + 120_001)).await.unwrap() == [Settlement::LeaseLost]);
+}
+
+async fn a_fan_out_hands_out_unkeyed_deliveries_in_free_or_own_lanes_only<F: Fixture>() {
+    let fixture = F::new().await;
+    let (a, b) = (fixture.worker("a"), fixture.worker("b"));
+    let subscriptions = subs(&[("h", &["t"])]);
+    // b holds lane 9, running something there.
+    let b_runs = id_in_lane("b-runs", 9);
+    publish_all(&a, vec![event(&b_runs, "t")]).await;
+    a.fan_out(&subscriptions, 100, 0, at(T0)).await.unwrap();
+    let running = b.claim(&handlers(&["h"]), 10, at(T0)).await.unwrap();
+    assert_eq!(ids(&running), [format!("{b_runs}/h")]);
+
+    let free: Vec<String> = (0..4).map(|n| id_in_lane(&format!("free-{n}"), 20 + n)).collect();
+    let in_b_lane = id_in_lane("in-b-lane", 9);
+    let key_lane = relayhost::lane::lane_of("key");
+    let mut events: Vec<_> = free.iter().map(|id| event(id, "t")).collect();
+    events.extend([event(&in_b_lane, "t"), keyed("k-0", "t", "key")]);
+    publish_all(&a, events).await;
+    // Three of the four unkeyed ones in free lanes (the budget); never the keyed one (only a
+    // claim looks for what may be ahead of it), nor the one in b's lane.
+    let report = a.fan_out(&subscriptions, 100, 3, at(T0 + 1)).await.unwrap();
+    assert_eq!((report.events, report.deliveries), (6, 6));
+    let handed_out = ids(&report.claimed);
+    assert_eq!(handed_out.len(), 3, "{handed_out:?}");
+    assert!(handed_out.iter().all(|id| id.starts_with("free-")), "{handed_out:?}");
+    assert!(report.claimed.iter().all(|c| c.attempts == 0 && c.event.event_type == "t"));
+    let handed_lanes: HashSet<u8> = report.claimed.iter().map(|c| c.lease.lane).collect();
+    // The lanes left to a claim are those of everything not handed out.
+    let not_handed = free.iter().find(|id| !handed_out.contains(&format!("{id}/h"))).unwrap();
+    let expected: std::collections::BTreeSet<u8> =
+        [9, key_lane, relayhost::lane::lane_for_event(not_handed, None)].into_iter().collect();
+    assert_eq!(report.lanes, expected);
+    assert!(handed_lanes.is_disjoint(&report.lanes.iter().copied().collect()));
+
+    // They are a's: b's claim takes everything else (its own lane's too), and a's own claim
+    // does not hand them out twice.
+    let b_claimed = b.claim(&handlers(&["h"]), 10, at(T0 + 2)).await.unwrap();
+    let mut expected = vec![format!("{in_b_lane}/h"), "k-0/h".to_string(), format!("{not_handed}/h")];
+    expected.sort();
+    assert_eq!(ids(&b_claimed), expected);
+    assert!(a.claim(&handlers(&["h"]), 10, at(T0 + 2)).await.unwrap().is_empty());
+    let leases: Vec<_> = report.claimed.iter().map(|c| c.lease).collect();
+    assert_eq!(a.complete_many(&leases, at(T0 + 3)).await.unwrap(), [Settlement::Completed; 3]);
+
+    // A lane a holds is handed out from under the lease a holds it by, its epoch unchanged.
+    let lane = report.claimed[0].lease.lane;
+    let again = id_in_lane("again", lane);
+    publish_all(&a, vec![event(&again, "t")]).await;
+    let report_again = a.fan_out(&subscriptions, 100, 3, at(T0 + 4)).await.unwrap();
+    assert_eq!(ids(&report_again.claimed), [format!("{again}/h")]);
+    assert_eq!(report_again.claimed[0].lease.epoch, report.claimed[0].lease.epoch);
+    assert!(report_again.lanes.is_empty());
+    // With a budget of none, nothing is handed out.
+    publish_all(&a, vec![event("none", "t")]).await;
+    let plain = a.fan_out(&subscriptions, 100, 0, at(T0 + 5)).await.unwrap();
+    assert!(plain.claimed.is_empty());
+    assert_eq!(plain.lanes.len(), 1);
 }
 
 async fn older_work_in_a_free_lane_goes_before_younger_work_of_a_held_lane<F: Fixture>() {

@@ -25,7 +25,7 @@ use std::collections::{BTreeSet, BinaryHeap, HashMap};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bson::DateTime;
@@ -150,10 +150,14 @@ struct Running {
 
 /// How a background fan-out ended.
 struct FannedOut {
-    /// Its last batch made new deliveries.
+    /// Its last batch made new deliveries that are left to a claim.
     new_deliveries: bool,
     /// Their lanes, when it was one batch touching at most [`CLAIM_IN_MAX_LANES`] lanes.
     lanes: Option<BTreeSet<LaneId>>,
+    /// What its first batch handed out (see [`Store::fan_out`]): claimed, to be run.
+    claimed: Vec<ClaimedDelivery>,
+    /// It stopped after a full batch that handed something out: more may wait.
+    more: bool,
 }
 
 /// A fan-out that touched at most this many lanes is followed by a claim in just those.
@@ -173,6 +177,10 @@ struct Flight<S: Store> {
     backlog: bool,
     /// The fan-out running in the background, if any.
     fanning: Option<JoinHandle<Result<FannedOut, StoreError>>>,
+    /// Asks the background fan-out to end after its current batch (a stop).
+    stop_fanning: Arc<AtomicBool>,
+    /// Deliveries the last fan-out handed out, started by the next dispatch step.
+    handed_out: Vec<ClaimedDelivery>,
     /// Lanes a fan-out just put a few new deliveries in: the next claim looks only there.
     claim_lanes: BTreeSet<LaneId>,
     /// Successful runs, completed in batches in the background.
@@ -190,6 +198,8 @@ impl<S: Store> Flight<S> {
             claim: true,
             backlog: false,
             fanning: None,
+            stop_fanning: Arc::default(),
+            handed_out: Vec::new(),
             claim_lanes: BTreeSet::new(),
             completions,
             unsettled: Vec::new(),
@@ -250,9 +260,13 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 }
                 fanned_out = join_fan_out(&mut flight.fanning) => {
                     flight.fanning = None;
-                    fanned_out.map(|done| match done.lanes {
-                        Some(lanes) => flight.claim_lanes.extend(lanes),
-                        None => flight.claim |= done.new_deliveries,
+                    fanned_out.map(|done| {
+                        match done.lanes {
+                            Some(lanes) => flight.claim_lanes.extend(lanes),
+                            None => flight.claim |= done.new_deliveries,
+                        }
+                        flight.fan_out |= done.more;
+                        flight.handed_out.extend(done.claimed);
                     })
                 }
                 written = flight.completions.ended() => written.map(|written| {
@@ -272,7 +286,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 flight.claim = true;
             }
         }
-        self.stop(&permits, &mut flight, &mut finished).await
+        self.stop(&permits, &finished_tx, &mut flight, &mut finished).await
     }
 
     /// Starts a fan-out when one is wanted and none runs, claims up to the free capacity and
@@ -286,6 +300,8 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
     ) -> Result<(), StoreError> {
         flight.completions.start();
         let specs = self.runner.handlers();
+        let handed_out = std::mem::take(&mut flight.handed_out);
+        self.start(handed_out, &specs, permits, finished_tx, flight).await?;
         if specs.is_empty() {
             return Ok(());
         }
@@ -294,7 +310,9 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 specs.iter().map(|s| Subscription::new(s.handler.clone(), s.event_types.iter().cloned())),
             )?;
             flight.fan_out = false;
-            flight.fanning = Some(self.spawn_fan_out(subscriptions, fanned.clone()));
+            // What it hands out runs at once: as many as there are free run slots.
+            let hand_out = self.options.concurrency.saturating_sub(flight.running.len());
+            flight.fanning = Some(self.spawn_fan_out(subscriptions, fanned.clone(), hand_out, flight.stop_fanning.clone()));
         }
         let capacity = self.options.concurrency + self.options.claim_ahead;
         // Completions are written in batches, one at a time, so a capacity's worth of finished
@@ -323,6 +341,19 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         };
         tracing::trace!(elapsed_us = started.elapsed().as_micros() as u64, count = claimed.len(), "claimed");
         flight.backlog = claimed.len() >= free;
+        self.start(claimed, &specs, permits, finished_tx, flight).await
+    }
+
+    /// Starts runs of claimed deliveries (each waits for a run slot), or buries those whose
+    /// attempts are used up.
+    async fn start(
+        &self,
+        claimed: Vec<ClaimedDelivery>,
+        specs: &[HandlerSpec],
+        permits: &Arc<Semaphore>,
+        finished_tx: &mpsc::UnboundedSender<(ClaimedDelivery, RunResult)>,
+        flight: &mut Flight<S>,
+    ) -> Result<(), StoreError> {
         for delivery in claimed {
             let Some(spec) = specs.iter().find(|s| s.handler == delivery.handler) else { continue };
             if delivery.attempts >= spec.retry.max_attempts {
@@ -352,29 +383,46 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
 
     /// Fans out until a short batch says nothing is left, waking the loop after every full
     /// batch so that claims take the new deliveries while the rest is still being fanned out.
-    fn spawn_fan_out(&self, subscriptions: Subscriptions, fanned: Arc<Notify>) -> JoinHandle<Result<FannedOut, StoreError>> {
+    /// The first batch hands out up to `hand_out` of its deliveries; if it handed out any, the
+    /// fan-out ends there so that they run at once (the loop fans out again if it was full).
+    fn spawn_fan_out(
+        &self,
+        subscriptions: Subscriptions,
+        fanned: Arc<Notify>,
+        hand_out: usize,
+        stop: Arc<AtomicBool>,
+    ) -> JoinHandle<Result<FannedOut, StoreError>> {
         let store = self.store.clone();
         let batch = self.options.fan_out_batch;
         tokio::spawn(async move {
             let started = Instant::now();
+            let mut hand_out = hand_out;
             let mut first = true;
             loop {
                 let batch_started = Instant::now();
-                let report = store.fan_out(&subscriptions, batch, DateTime::now()).await?;
+                let report = store.fan_out(&subscriptions, batch, hand_out, DateTime::now()).await?;
                 tracing::trace!(
                     elapsed_us = batch_started.elapsed().as_micros() as u64,
                     count = report.deliveries,
+                    handed_out = report.claimed.len(),
                     "fan-out batch"
                 );
-                if report.events < batch {
+                let full = report.events >= batch;
+                if !full || !report.claimed.is_empty() || stop.load(Ordering::Relaxed) {
                     tracing::trace!(elapsed_us = started.elapsed().as_micros() as u64, "fanned out");
                     let few = first && report.lanes.len() <= CLAIM_IN_MAX_LANES;
-                    return Ok(FannedOut { new_deliveries: report.deliveries > 0, lanes: few.then_some(report.lanes) });
+                    return Ok(FannedOut {
+                        new_deliveries: !report.lanes.is_empty(),
+                        lanes: few.then_some(report.lanes),
+                        claimed: report.claimed,
+                        more: full,
+                    });
                 }
                 if report.deliveries > 0 {
                     fanned.notify_one();
                 }
                 first = false;
+                hand_out = 0;
             }
         })
     }
@@ -472,17 +520,30 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
 
     async fn stop(
         &self,
-        permits: &Semaphore,
+        permits: &Arc<Semaphore>,
+        finished_tx: &mpsc::UnboundedSender<(ClaimedDelivery, RunResult)>,
         flight: &mut Flight<S>,
         finished: &mut mpsc::UnboundedReceiver<(ClaimedDelivery, RunResult)>,
     ) -> Result<(), StoreError> {
         // Deliveries still waiting for a run slot come back as not run, and are released.
         permits.close();
-        if let Some(fanning) = flight.fanning.take() {
-            // Whoever fans out next redoes an interrupted batch: its transaction never commits.
-            fanning.abort();
-        }
         let deadline = Instant::now() + self.options.shutdown_timeout;
+        // The fan-out ends after its batch, and what that handed out is released unstarted.
+        // Past the deadline it is cut short: whoever fans out next redoes an interrupted
+        // batch, whose transaction never commits.
+        flight.stop_fanning.store(true, Ordering::Relaxed);
+        if let Some(mut fanning) = flight.fanning.take() {
+            match tokio::time::timeout_at(deadline, &mut fanning).await {
+                Ok(done) => match step_result(done, "the fan-out") {
+                    Ok(done) => flight.handed_out.extend(done.claimed),
+                    Err(error) => tracing::warn!(%error, "the last fan-out failed during the stop"),
+                },
+                Err(_) => fanning.abort(),
+            }
+        }
+        let handed_out = std::mem::take(&mut flight.handed_out);
+        let specs = self.runner.handlers();
+        self.start(handed_out, &specs, permits, finished_tx, flight).await?;
         // Runs in flight that did not finish yet (the unsettled ones did).
         while flight.running.len() > flight.unsettled.len() {
             match tokio::time::timeout_at(deadline, finished.recv()).await {

@@ -83,6 +83,14 @@ impl Candidate {
     }
 }
 
+/// A new delivery a fan-out may hand out as it commits it (see [`Claimer::hand_out`]): one
+/// that nothing can be ahead of (unkeyed), with its event.
+#[derive(Debug, Clone)]
+pub(crate) struct Fresh {
+    pub candidate: Candidate,
+    pub event: EventRecord,
+}
+
 /// The new state of a lane after a claim.
 #[derive(Debug, Clone)]
 pub(crate) struct LaneRecord {
@@ -732,6 +740,117 @@ impl Claimer {
             claimed.push(ClaimedDelivery { lease, handler: pick.handler, attempts: pick.attempts, event });
         }
         Ok(claimed)
+    }
+
+    /// Hands out `fresh` deliveries of a fan-out while `commit` writes them: lists them in
+    /// their lanes' in-flight lists (lanes this instance holds, as it knows them, and free
+    /// lanes that run nothing, which the list's write takes) beside the commit, and issues
+    /// their leases once both are written. The way from a commit to its handler is then one
+    /// durable write long, not a fan-out's and then a claim's.
+    ///
+    /// Returns what `commit` returned and the deliveries handed out. Fresh deliveries it does
+    /// not hand out (their lane is another instance's, or its list is unknown here, or a claim
+    /// of this instance is under way and owns the lists) are left to a claim. A list written
+    /// for a commit that then failed names deliveries that may not exist: harmless, since only
+    /// issued leases count as running here, and the lanes are read again by the next claim.
+    pub async fn hand_out<B: ClaimBackend, T>(
+        &self,
+        backend: &B,
+        fresh: Vec<Fresh>,
+        commit: impl Future<Output = Result<T, StoreError>>,
+        now: DateTime,
+    ) -> Result<(T, Vec<ClaimedDelivery>), StoreError> {
+        let mut held = match self.held.try_lock() {
+            Ok(held) if !fresh.is_empty() => held,
+            _ => return Ok((commit.await?, Vec::new())),
+        };
+        let until = self.lease_until(now);
+        let mut by_lane: BTreeMap<LaneId, Vec<InFlight>> = BTreeMap::new();
+        for Fresh { candidate, .. } in &fresh {
+            by_lane.entry(candidate.lane).or_default().push(InFlight {
+                delivery: candidate.id,
+                claims: candidate.claims,
+                handler: candidate.handler.clone(),
+                key: candidate.key.clone(),
+            });
+        }
+        let mut records = Vec::new();
+        let mut to_read = Vec::new();
+        for (lane, entries) in &by_lane {
+            match held.get(lane) {
+                Some(Held { epoch, known: Some(listed) }) => records.push(LaneRecord {
+                    lane: *lane,
+                    epoch: *epoch,
+                    in_flight: listed.in_flight.iter().chain(entries).cloned().collect(),
+                    lease_until: until,
+                    takes_free_at: None,
+                }),
+                Some(Held { known: None, .. }) => {}
+                None => to_read.push(*lane),
+            }
+        }
+        let recording = async {
+            let mut records = records;
+            if !to_read.is_empty() {
+                let states = match backend.lanes(&to_read).await {
+                    Ok(states) => states,
+                    Err(error) => return (records, Err(error)),
+                };
+                for state in states {
+                    if (state.owner.is_none() || state.lease_expires_at < now) && state.in_flight.is_empty() {
+                        records.push(LaneRecord {
+                            lane: state.id,
+                            epoch: state.epoch + 1,
+                            in_flight: by_lane[&state.id].clone(),
+                            lease_until: until,
+                            takes_free_at: Some(now),
+                        });
+                    }
+                }
+            }
+            let written = if records.is_empty() { Ok(Vec::new()) } else { backend.record(&self.holder, &records).await };
+            (records, written)
+        };
+        let (committed, (records, written)) = futures::join!(commit, recording);
+        let written = match (committed, written) {
+            (Ok(committed), Ok(written)) => (committed, written),
+            (committed, written) => {
+                // What was written names deliveries that may not exist, or was written without
+                // this instance learning it: the next claim reads those lanes (and finds out
+                // whether it took the free ones), and only issued leases count as running.
+                for record in &records {
+                    held.insert(record.lane, Held { epoch: record.epoch, known: None });
+                }
+                if !records.is_empty() {
+                    let issued: HashSet<Lease> = self.issued.lock().expect("issued leases").values().map(|i| i.lease).collect();
+                    if let Err(error) = backend.reconcile(&self.holder, &issued).await {
+                        tracing::warn!(%error, "reconciling lanes after a failed hand-out failed");
+                    }
+                }
+                let committed = committed?;
+                return written.map(|_| (committed, Vec::new()));
+            }
+        };
+        let (committed, flags) = written;
+        let mut events: HashMap<DeliveryId, (Candidate, EventRecord)> =
+            fresh.into_iter().map(|Fresh { candidate, event }| (candidate.id, (candidate, event))).collect();
+        let mut claimed = Vec::new();
+        let mut issued = self.issued.lock().expect("issued leases");
+        for (record, ok) in records.into_iter().zip(flags) {
+            if !ok {
+                held.remove(&record.lane);
+                continue;
+            }
+            for entry in by_lane.get(&record.lane).into_iter().flatten() {
+                let Some((candidate, event)) = events.remove(&entry.delivery) else { continue };
+                let lease = Lease { delivery: candidate.id, lane: record.lane, epoch: record.epoch, claims: candidate.claims };
+                issued.insert(candidate.id, Issued { lease, at: now, key: candidate.handler_key() });
+                claimed.push(ClaimedDelivery { lease, handler: candidate.handler, attempts: candidate.attempts, event });
+            }
+            let listed = Listed { in_flight: record.in_flight, lease_until: record.lease_until };
+            held.insert(record.lane, Held { epoch: record.epoch, known: Some(listed) });
+        }
+        Ok((committed, claimed))
     }
 
     /// Takes those of `lanes` that are free and charges what their previous owners left in

@@ -157,7 +157,7 @@ async fn two_of_one_key<S: Store>(store: &S) {
     .await
     .unwrap();
     let subscriptions = Subscriptions::new([Subscription::new("h", ["t"])]).unwrap();
-    store.fan_out(&subscriptions, 10, DateTime::from_millis(T0)).await.unwrap();
+    store.fan_out(&subscriptions, 10, 0, DateTime::from_millis(T0)).await.unwrap();
 }
 
 async fn one_delivery<S: Store>(store: &S) {
@@ -165,7 +165,7 @@ async fn one_delivery<S: Store>(store: &S) {
         .await
         .unwrap();
     let subscriptions = Subscriptions::new([Subscription::new("h", ["t"])]).unwrap();
-    store.fan_out(&subscriptions, 10, DateTime::from_millis(T0)).await.unwrap();
+    store.fan_out(&subscriptions, 10, 0, DateTime::from_millis(T0)).await.unwrap();
 }
 
 macro_rules! both_stores {

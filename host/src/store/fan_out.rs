@@ -7,12 +7,13 @@
 //! publishers' clocks said (a lower sequence always committed first, so it is visible).
 //! This module is pure: it decides, the stores write.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use bson::oid::ObjectId;
-use bson::{Bson, Document};
+use bson::{Bson, DateTime, Document};
 
-use super::{DeliveryId, MALFORMED_EVENT_HANDLER, Subscriptions};
+use super::claim::{Candidate, Fresh};
+use super::{ClaimedDelivery, DeliveryId, MALFORMED_EVENT_HANDLER, Subscriptions};
 use crate::event::{EventRecord, field};
 use crate::lane::{LaneId, lane_for_event};
 
@@ -47,13 +48,20 @@ pub(crate) struct FanOutPlan {
 }
 
 impl FanOutPlan {
-    /// What carrying out this plan did.
-    pub fn report(&self) -> super::FanOutReport {
+    /// What carrying out this plan did, `claimed` being the deliveries it handed out.
+    pub fn report(&self, claimed: Vec<ClaimedDelivery>) -> super::FanOutReport {
+        let handed_out: HashSet<DeliveryId> = claimed.iter().map(|c| c.lease.delivery).collect();
         super::FanOutReport {
             events: self.events.len(),
             deliveries: self.deliveries.len(),
             malformed: self.malformed,
-            lanes: self.deliveries.iter().filter(|d| d.dead_reason.is_none()).map(|d| d.lane).collect(),
+            lanes: self
+                .deliveries
+                .iter()
+                .filter(|d| d.dead_reason.is_none() && !handed_out.contains(&d.id))
+                .map(|d| d.lane)
+                .collect(),
+            claimed,
         }
     }
 }
@@ -149,12 +157,46 @@ pub(crate) fn plan(batch: &[Document], subscriptions: &Subscriptions) -> FanOutP
     plan
 }
 
+/// Up to `budget` deliveries of `plan` that may be handed out as the fan-out commits them:
+/// live, unkeyed ones (a keyed one may have an unfinished predecessor, which only a claim
+/// looks for), with the events of `batch` they are for.
+pub(crate) fn fresh(plan: &FanOutPlan, batch: &[Document], budget: usize, now: DateTime) -> Vec<Fresh> {
+    if budget == 0 {
+        return Vec::new();
+    }
+    let events: HashMap<String, EventRecord> = batch
+        .iter()
+        .filter(|doc| string_key(doc).is_none())
+        .filter_map(|doc| Some((id_text(doc.get(field::ID)?), EventRecord::from_document(doc).ok()?)))
+        .collect();
+    plan.deliveries
+        .iter()
+        .filter(|d| d.dead_reason.is_none() && d.key.is_none())
+        .filter_map(|d| {
+            let event_id = id_text(&d.event_id);
+            let event = events.get(&event_id)?.clone();
+            let candidate = Candidate {
+                id: d.id,
+                event_id,
+                handler: d.handler.clone(),
+                key: None,
+                lane: d.lane,
+                due_at: now,
+                claims: 0,
+                attempts: 0,
+            };
+            Some(Fresh { candidate, event })
+        })
+        .take(budget)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::event::NewEvent;
     use crate::store::Subscription;
-    use bson::{DateTime, doc};
+    use bson::doc;
 
     fn keyed(id: &str, key: &str, sequence: i64) -> Document {
         NewEvent::new(id, "t", doc! {}).with_key(key).to_document(Some(sequence), DateTime::from_millis(0))

@@ -15,7 +15,7 @@ use bson::{Bson, DateTime, Document};
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use super::claim::{Candidate, ClaimBackend, Claimer, HandlerKey, Holder, InFlight, LaneRecord, LaneSearch, LaneState, Unpark};
-use super::fan_out::{self, NewDelivery, id_text, string_key};
+use super::fan_out::{self, FanOutPlan, NewDelivery, id_text, string_key};
 use super::retention::event_expired;
 use super::{
     ClaimedDelivery, DeliveryFilter, DeliveryId, DeliveryPage, DeliveryStatus, DeliveryView, FanOutReport,
@@ -136,6 +136,45 @@ impl State {
             && self.deliveries.get(&lease.delivery).is_some_and(|d| {
                 d.claims == lease.claims && d.status == DeliveryStatus::Pending && d.lane_id == lease.lane
             })
+    }
+
+    /// Inserts a fan-out's deliveries and marks its events fanned out.
+    fn write_fan_out(&mut self, plan: &FanOutPlan, now: DateTime) {
+        let state = self;
+    for NewDelivery { id, event_id, event_type, handler, key, sequence, lane, dead_reason } in &plan.deliveries {
+        let dead = dead_reason.is_some();
+        state.deliveries.insert(
+            *id,
+            Delivery {
+                event_id: event_id.clone(),
+                event_type: event_type.clone(),
+                handler: handler.clone(),
+                key: key.clone(),
+                sequence: *sequence,
+                lane_id: *lane,
+                lane: if dead { LaneKind::Dead } else { LaneKind::Ready },
+                status: if dead { DeliveryStatus::Dead } else { DeliveryStatus::Pending },
+                attempts: 0,
+                claims: 0,
+                due_at: now,
+                created_at: now,
+                updated_at: dead.then_some(now),
+                requeued_at: None,
+                last_error: dead_reason.clone(),
+            },
+        );
+    }
+    for fanned in &plan.events {
+        if let Some(event) = state.events.get_mut(&id_text(&fanned.id)) {
+            event.insert(field::FANNED_OUT_AT, now);
+            let mut handlers: Vec<Bson> = match event.get(field::HANDLERS) {
+                Some(Bson::Array(list)) => list.clone(),
+                _ => Vec::new(),
+            };
+            handlers.extend(fanned.new_handlers.iter().cloned().map(Bson::String));
+            event.insert(field::HANDLERS, handlers);
+        }
+    }
     }
 
     fn complete(&mut self, lease: &Lease, now: DateTime, history: bool) -> Settlement {
@@ -345,7 +384,7 @@ impl Store for MemoryStore {
         tx.publish(event, self.options.max_payload_bytes)
     }
 
-    async fn fan_out(&self, subscriptions: &Subscriptions, limit: usize, now: DateTime) -> Result<FanOutReport, StoreError> {
+    async fn fan_out(&self, subscriptions: &Subscriptions, limit: usize, hand_out: usize, now: DateTime) -> Result<FanOutReport, StoreError> {
         let mut state = self.state.lock().await;
         let mut unfanned: Vec<&Document> =
             state.events.values().filter(|doc| !doc.contains_key(field::FANNED_OUT_AT)).collect();
@@ -358,42 +397,15 @@ impl Store for MemoryStore {
         let prefixes: Vec<Document> = prefixes.into_iter().take(limit.saturating_mul(4)).cloned().collect();
         let batch = fan_out::assemble(first, prefixes);
         let plan = fan_out::plan(&batch, subscriptions);
-
-        for NewDelivery { id, event_id, event_type, handler, key, sequence, lane, dead_reason } in &plan.deliveries {
-            let dead = dead_reason.is_some();
-            state.deliveries.insert(
-                *id,
-                Delivery {
-                    event_id: event_id.clone(),
-                    event_type: event_type.clone(),
-                    handler: handler.clone(),
-                    key: key.clone(),
-                    sequence: *sequence,
-                    lane_id: *lane,
-                    lane: if dead { LaneKind::Dead } else { LaneKind::Ready },
-                    status: if dead { DeliveryStatus::Dead } else { DeliveryStatus::Pending },
-                    attempts: 0,
-                    claims: 0,
-                    due_at: now,
-                    created_at: now,
-                    updated_at: dead.then_some(now),
-                    requeued_at: None,
-                    last_error: dead_reason.clone(),
-                },
-            );
-        }
-        for fanned in &plan.events {
-            if let Some(event) = state.events.get_mut(&id_text(&fanned.id)) {
-                event.insert(field::FANNED_OUT_AT, now);
-                let mut handlers: Vec<Bson> = match event.get(field::HANDLERS) {
-                    Some(Bson::Array(list)) => list.clone(),
-                    _ => Vec::new(),
-                };
-                handlers.extend(fanned.new_handlers.iter().cloned().map(Bson::String));
-                event.insert(field::HANDLERS, handlers);
-            }
-        }
-        Ok(plan.report())
+        let fresh = fan_out::fresh(&plan, &batch, hand_out, now);
+        // Written while the claimer waits to list what it hands out (it locks the state after
+        // this), as a MongoDB fan-out commits while the lists are written.
+        let commit = async move {
+            state.write_fan_out(&plan, now);
+            Ok(plan)
+        };
+        let (plan, claimed) = self.claimer.hand_out(&Backend(&self.state), fresh, commit, now).await?;
+        Ok(plan.report(claimed))
     }
 
     async fn claim(&self, handlers: &[String], limit: usize, now: DateTime) -> Result<Vec<ClaimedDelivery>, StoreError> {

@@ -160,7 +160,7 @@ pub enum Settlement {
 }
 
 /// What one fan-out step did.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct FanOutReport {
     /// Events marked fanned out (malformed ones included).
     pub events: usize,
@@ -168,8 +168,12 @@ pub struct FanOutReport {
     pub deliveries: usize,
     /// Malformed event documents dead-lettered.
     pub malformed: usize,
-    /// The lanes of the new deliveries that can be claimed (for [`Store::claim_in`]).
+    /// The lanes of the new deliveries that are left to a claim (for [`Store::claim_in`]):
+    /// all of them but those handed out.
     pub lanes: BTreeSet<LaneId>,
+    /// New deliveries handed out to this store instance as the fan-out committed them: claimed,
+    /// under leases like those of [`Store::claim`].
+    pub claimed: Vec<ClaimedDelivery>,
 }
 
 /// Retention cutoffs for [`Store::purge`].
@@ -337,8 +341,11 @@ pub trait Store: Send + Sync + 'static {
     fn publish(&self, tx: &mut Self::Tx, event: &NewEvent)
     -> impl Future<Output = Result<Published, StoreError>> + Send;
 
-    /// Turns up to `limit` committed events into one delivery per subscribed handler.
-    fn fan_out(&self, subscriptions: &Subscriptions, limit: usize, now: DateTime)
+    /// Turns up to `limit` committed events into one delivery per subscribed handler, and
+    /// hands out up to `hand_out` of the new ones that nothing can be ahead of (unkeyed) to
+    /// this instance as it commits them, where their lanes are free or its own (see
+    /// [`FanOutReport::claimed`]): the short way from a commit to its handler.
+    fn fan_out(&self, subscriptions: &Subscriptions, limit: usize, hand_out: usize, now: DateTime)
     -> impl Future<Output = Result<FanOutReport, StoreError>> + Send;
 
     /// Claims up to `limit` due deliveries of `handlers` through lane leases.

@@ -171,7 +171,7 @@ pub fn keyed(id: &str, event_type: &str, key: &str) -> NewEvent {
 pub async fn fan_out_all<S: Store>(store: &S, subscriptions: &Subscriptions, now: DateTime) -> usize {
     let mut total = 0;
     loop {
-        let report = store.fan_out(subscriptions, 100, now).await.unwrap();
+        let report = store.fan_out(subscriptions, 100, 0, now).await.unwrap();
         total += report.deliveries;
         if report.events == 0 {
             return total;

@@ -293,8 +293,8 @@ impl Store for MongoStore {
         self.publisher.publish(&mut tx.session, event).await
     }
 
-    async fn fan_out(&self, subscriptions: &Subscriptions, limit: usize, now: DateTime) -> Result<FanOutReport, StoreError> {
-        fan_out::run(self, subscriptions, limit, now).await
+    async fn fan_out(&self, subscriptions: &Subscriptions, limit: usize, hand_out: usize, now: DateTime) -> Result<FanOutReport, StoreError> {
+        fan_out::run(self, subscriptions, limit, hand_out, now).await
     }
 
     async fn claim(&self, handlers: &[String], limit: usize, now: DateTime) -> Result<Vec<ClaimedDelivery>, StoreError> {
