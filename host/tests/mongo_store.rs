@@ -17,7 +17,7 @@ use mongodb::event::EventHandler;
 use mongodb::event::command::CommandEvent;
 use mongodb::options::ClientOptions;
 use relayhost::publish::Publisher;
-use relayhost::store::mongo::{MongoLocation, MongoStore};
+use relayhost::store::mongo::{EventWakeups, MongoLocation, MongoStore};
 use relayhost::store::{DeliveryFilter, PurgeOptions, Published, Settlement, Store, StoreError, StoreOptions};
 
 fn repo_root() -> std::path::PathBuf {
@@ -187,6 +187,54 @@ async fn recorded_store() -> Recorded {
     let store = MongoStore::new(client.clone(), MongoLocation::with_default_prefix(&database).unwrap(), options());
     store.setup().await.unwrap();
     Recorded { client, log, database, store }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fan_out_hands_out_heard_events_without_reading_them_and_never_one_fanned_out_already() {
+    let Recorded { log, store, .. } = recorded_store().await;
+    let subscriptions = subs(&[("h", &["t"])]);
+    let waker = Arc::new(tokio::sync::Notify::new());
+    let wakeups = EventWakeups::default().spawn(&store, waker.clone());
+    let woken = || async { tokio::time::timeout(Duration::from_secs(10), waker.notified()).await.expect("a wakeup") };
+    woken().await;
+    // A fan-out that read every unfanned event: from here on, what is heard is all there is.
+    assert_eq!(store.fan_out(&subscriptions, 100, 5, at(T0)).await.unwrap().events, 0);
+    let events = store.events_collection().name().to_string();
+    let reads_of_events = |since: usize| {
+        log.lock().unwrap()[since..].iter().filter(|(name, command)| name == "find" && command.get_str("find") == Ok(&events)).count()
+    };
+
+    publish_all(&store, vec![event("e-1", "t")]).await;
+    woken().await;
+    let before = log.lock().unwrap().len();
+    let report = store.fan_out(&subscriptions, 100, 5, at(T0)).await.unwrap();
+    assert_eq!(ids(&report.claimed), ["e-1/h"]);
+    assert_eq!(reads_of_events(before), 0, "a heard event is not read again");
+    assert_eq!(store.complete_many(&[report.claimed[0].lease], at(T0)).await.unwrap(), [Settlement::Completed]);
+
+    // Another worker fans out, runs and completes a heard event first: the fan-out finds the
+    // event marked already and creates nothing again (its delivery is gone, so only that
+    // check can tell).
+    publish_all(&store, vec![event("e-2", "t")]).await;
+    woken().await;
+    let other = store.instance("other");
+    assert_eq!(other.fan_out(&subscriptions, 100, 0, at(T0)).await.unwrap().events, 1);
+    let claimed = other.claim(&handlers(&["h"]), 10, at(T0)).await.unwrap();
+    assert_eq!(ids(&claimed), ["e-2/h"]);
+    assert_eq!(other.complete_many(&[claimed[0].lease], at(T0)).await.unwrap(), [Settlement::Completed]);
+    let before = log.lock().unwrap().len();
+    let report = store.fan_out(&subscriptions, 100, 5, at(T0)).await.unwrap();
+    assert_eq!((report.events, report.claimed.len()), (0, 0));
+    assert!(list_all(&store, DeliveryFilter::default()).await.is_empty(), "nothing was created again");
+    assert_eq!(reads_of_events(before), 1, "it read the collection instead");
+
+    // A heard keyed event is fanned out by reading, in the same call, and left to a claim.
+    publish_all(&store, vec![keyed("k-0", "t", "key")]).await;
+    woken().await;
+    let report = store.fan_out(&subscriptions, 100, 5, at(T0)).await.unwrap();
+    assert_eq!((report.events, report.claimed.len()), (1, 0));
+    assert_eq!(report.lanes, [relayhost::lane::lane_of("key")].into_iter().collect());
+    wakeups.abort();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

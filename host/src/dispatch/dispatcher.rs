@@ -2,16 +2,18 @@
 //!
 //! Fan-out and completion run beside the loop as background steps, at most one of each at a
 //! time, so claiming, fanning out and completing overlap instead of taking turns (the
-//! batching of completions lives in [`super::completion`]). A claim may take up to
-//! `claim_ahead` more deliveries than there are free run slots: those wait for a slot under a
-//! lease that is renewed like a running one. Finished runs waiting for their completion to
-//! be written may fill as many places again; beyond that each takes a place from the claims,
-//! so claims never outrun completions.
+//! batching of completions lives in [`super::completion`]). A fan-out may hand out up to the
+//! free run slots of what it creates (see [`Store::fan_out`]): those start like claimed ones.
+//! A claim may take up to `claim_ahead` more deliveries than there are free run slots: those
+//! wait for a slot under a lease that is renewed like a running one. Finished runs waiting for
+//! their completion to be written may fill as many places again; beyond that each takes a
+//! place from the claims, so claims never outrun completions.
 //! Failures are rescheduled with the handler's backoff or buried with a dead letter; a
 //! delivery whose attempts are used up (its workers kept dying) is buried without running
-//! again. A retry's due time sets a timer that wakes the loop. A stop ends claiming, hands
-//! back at once what has not started, lets running deliveries finish up to a timeout, cancels
-//! the rest and hands them and the lanes back without charging an attempt.
+//! again. A retry's due time sets a timer that wakes the loop. A stop ends claiming, lets a
+//! running fan-out finish its batch (up to the stop's timeout), hands back at once what has
+//! not started (what that fan-out handed out included), lets running deliveries finish up to
+//! a timeout, cancels the rest and hands them and the lanes back without charging an attempt.
 //!
 //! Store errors inside the loop (a network blip, an election) are logged and the loop goes
 //! on at the next poll: a completion that could not be written is tried again, and so is any

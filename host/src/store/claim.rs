@@ -173,6 +173,16 @@ pub(crate) trait ClaimBackend: Sync {
         now: DateTime,
         until: DateTime,
     ) -> impl Future<Output = Result<Vec<LaneState>, StoreError>> + Send;
+    /// Takes those of `lanes` that are free and run nothing, each in one write that also lists
+    /// its given entries in flight; returns the lanes taken, each with the epoch it is now held
+    /// at. Lanes that are not free, or list something, are skipped.
+    fn take_listing(
+        &self,
+        lanes: &[(LaneId, Vec<InFlight>)],
+        holder: &Holder,
+        now: DateTime,
+        until: DateTime,
+    ) -> impl Future<Output = Result<Vec<(LaneId, i64)>, StoreError>> + Send;
     /// Charges one attempt to every entry still at its listed claim generation, and moves the
     /// generation on. Conditional on the generation, so repeating it charges nothing twice.
     fn charge_lost(&self, entries: &[InFlight], now: DateTime) -> impl Future<Output = Result<(), StoreError>> + Send;
@@ -775,7 +785,7 @@ impl Claimer {
             });
         }
         let mut records = Vec::new();
-        let mut to_read = Vec::new();
+        let mut to_take = Vec::new();
         for (lane, entries) in &by_lane {
             match held.get(lane) {
                 Some(Held { epoch, known: Some(listed) }) => records.push(LaneRecord {
@@ -786,69 +796,64 @@ impl Claimer {
                     takes_free_at: None,
                 }),
                 Some(Held { known: None, .. }) => {}
-                None => to_read.push(*lane),
+                None => to_take.push((*lane, entries.clone())),
             }
         }
         let recording = async {
-            let mut records = records;
-            if !to_read.is_empty() {
-                let states = match backend.lanes(&to_read).await {
-                    Ok(states) => states,
-                    Err(error) => return (records, Err(error)),
-                };
-                for state in states {
-                    if (state.owner.is_none() || state.lease_expires_at < now) && state.in_flight.is_empty() {
-                        records.push(LaneRecord {
-                            lane: state.id,
-                            epoch: state.epoch + 1,
-                            in_flight: by_lane[&state.id].clone(),
-                            lease_until: until,
-                            takes_free_at: Some(now),
-                        });
-                    }
-                }
-            }
-            let written = if records.is_empty() { Ok(Vec::new()) } else { backend.record(&self.holder, &records).await };
-            (records, written)
+            let record = async { if records.is_empty() { Ok(Vec::new()) } else { backend.record(&self.holder, &records).await } };
+            let take = async {
+                if to_take.is_empty() { Ok(Vec::new()) } else { backend.take_listing(&to_take, &self.holder, now, until).await }
+            };
+            futures::try_join!(record, take)
         };
-        let (committed, (records, written)) = futures::join!(commit, recording);
+        let (committed, written) = futures::join!(commit, recording);
         let written = match (committed, written) {
             (Ok(committed), Ok(written)) => (committed, written),
             (committed, written) => {
-                // What was written names deliveries that may not exist, or was written without
-                // this instance learning it: the next claim reads those lanes (and finds out
-                // whether it took the free ones), and only issued leases count as running.
+                // The next claim reads every lane involved. Lists written for a commit that
+                // failed name deliveries that were never inserted, harmless since only issued
+                // leases count as running; lists written without this instance learning it
+                // for a commit that happened name real deliveries, which the reconciliation
+                // moves on as for a claim. A lane taken without this instance learning it
+                // stays its owner's, empty, until its lease ends.
                 for record in &records {
                     held.insert(record.lane, Held { epoch: record.epoch, known: None });
                 }
-                if !records.is_empty() {
-                    let issued: HashSet<Lease> = self.issued.lock().expect("issued leases").values().map(|i| i.lease).collect();
-                    if let Err(error) = backend.reconcile(&self.holder, &issued).await {
-                        tracing::warn!(%error, "reconciling lanes after a failed hand-out failed");
+                if let Ok((_, taken)) = &written {
+                    for (lane, epoch) in taken {
+                        held.insert(*lane, Held { epoch: *epoch, known: None });
                     }
                 }
                 let committed = committed?;
+                let issued: HashSet<Lease> = self.issued.lock().expect("issued leases").values().map(|i| i.lease).collect();
+                if let Err(error) = backend.reconcile(&self.holder, &issued).await {
+                    tracing::warn!(%error, "reconciling lanes after a failed hand-out failed");
+                }
                 return written.map(|_| (committed, Vec::new()));
             }
         };
-        let (committed, flags) = written;
+        let (committed, (flags, taken)) = written;
+        let mut listed: Vec<(LaneId, i64, Vec<InFlight>)> = Vec::new();
+        for (record, ok) in records.into_iter().zip(flags) {
+            if ok {
+                listed.push((record.lane, record.epoch, record.in_flight));
+            } else {
+                held.remove(&record.lane);
+            }
+        }
+        listed.extend(taken.into_iter().map(|(lane, epoch)| (lane, epoch, by_lane[&lane].clone())));
         let mut events: HashMap<DeliveryId, (Candidate, EventRecord)> =
             fresh.into_iter().map(|Fresh { candidate, event }| (candidate.id, (candidate, event))).collect();
         let mut claimed = Vec::new();
         let mut issued = self.issued.lock().expect("issued leases");
-        for (record, ok) in records.into_iter().zip(flags) {
-            if !ok {
-                held.remove(&record.lane);
-                continue;
-            }
-            for entry in by_lane.get(&record.lane).into_iter().flatten() {
+        for (lane, epoch, in_flight) in listed {
+            for entry in &by_lane[&lane] {
                 let Some((candidate, event)) = events.remove(&entry.delivery) else { continue };
-                let lease = Lease { delivery: candidate.id, lane: record.lane, epoch: record.epoch, claims: candidate.claims };
+                let lease = Lease { delivery: candidate.id, lane, epoch, claims: candidate.claims };
                 issued.insert(candidate.id, Issued { lease, at: now, key: candidate.handler_key() });
                 claimed.push(ClaimedDelivery { lease, handler: candidate.handler, attempts: candidate.attempts, event });
             }
-            let listed = Listed { in_flight: record.in_flight, lease_until: record.lease_until };
-            held.insert(record.lane, Held { epoch: record.epoch, known: Some(listed) });
+            held.insert(lane, Held { epoch, known: Some(Listed { in_flight, lease_until: until }) });
         }
         Ok((committed, claimed))
     }

@@ -68,6 +68,15 @@ impl<B: ClaimBackend + Send, S: Store> ClaimBackend for Faulty<'_, B, S> {
     async fn take_lanes(&self, lanes: &[LaneId], holder: &Holder, now: DateTime, until: DateTime) -> Result<Vec<LaneState>, StoreError> {
         self.inner.take_lanes(lanes, holder, now, until).await
     }
+    async fn take_listing(
+        &self,
+        lanes: &[(LaneId, Vec<InFlight>)],
+        holder: &Holder,
+        now: DateTime,
+        until: DateTime,
+    ) -> Result<Vec<(LaneId, i64)>, StoreError> {
+        self.inner.take_listing(lanes, holder, now, until).await
+    }
     async fn charge_lost(&self, entries: &[InFlight], now: DateTime) -> Result<(), StoreError> {
         self.inner.charge_lost(entries, now).await
     }

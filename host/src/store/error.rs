@@ -37,6 +37,8 @@ pub enum StoreError {
     InvalidArgument(String),
     #[error("stored document is malformed: {0}")]
     Corrupt(String),
+    #[error("another worker did this first, and nothing was written: {0}")]
+    Raced(String),
     #[error("transaction gave up after {attempts} attempts over {elapsed:?}: {last}")]
     RetriesExhausted { attempts: u32, elapsed: Duration, last: Box<StoreError> },
     #[error("MongoDB: {0}")]

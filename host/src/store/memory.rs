@@ -706,6 +706,30 @@ impl ClaimBackend for Backend<'_> {
         Ok(taken)
     }
 
+    async fn take_listing(
+        &self,
+        lanes: &[(LaneId, Vec<InFlight>)],
+        holder: &Holder,
+        now: DateTime,
+        until: DateTime,
+    ) -> Result<Vec<(LaneId, i64)>, StoreError> {
+        let mut state = self.0.lock().await;
+        let mut taken = Vec::new();
+        for (id, entries) in lanes {
+            let lane = &mut state.lanes[usize::from(*id)];
+            if (lane.owner.is_some() && lane.lease_expires_at >= now) || !lane.in_flight.is_empty() {
+                continue;
+            }
+            lane.owner = Some(holder.owner.clone());
+            lane.instance = Some(holder.instance.clone());
+            lane.lease_expires_at = until;
+            lane.epoch += 1;
+            lane.in_flight = entries.clone();
+            taken.push((*id, lane.epoch));
+        }
+        Ok(taken)
+    }
+
     async fn charge_lost(&self, entries: &[InFlight], now: DateTime) -> Result<(), StoreError> {
         let mut state = self.0.lock().await;
         for entry in entries {

@@ -176,6 +176,18 @@ pub struct FanOutReport {
     pub claimed: Vec<ClaimedDelivery>,
 }
 
+impl FanOutReport {
+    /// This report and `other`'s, for a fan-out made of both.
+    pub fn and(mut self, other: FanOutReport) -> FanOutReport {
+        self.events += other.events;
+        self.deliveries += other.deliveries;
+        self.malformed += other.malformed;
+        self.lanes.extend(other.lanes);
+        self.claimed.extend(other.claimed);
+        self
+    }
+}
+
 /// Retention cutoffs for [`Store::purge`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PurgeOptions {

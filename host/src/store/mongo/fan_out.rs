@@ -4,13 +4,18 @@
 //! no longer sees it as unfanned.
 //!
 //! The commit is acknowledged once applied, without waiting for the journal or a majority:
-//! nothing is handed out from a fan-out before the claim's lane record, a majority write made
-//! later on the same primary, and a majority-committed oplog entry makes every earlier one
-//! durable too. Should a crash or a failover lose a fan-out first, its events are unfanned
-//! again and the next fan-out makes their deliveries anew. That takes one journal flush (about
-//! 2 ms here) off the path from commit to handler.
+//! nothing is handed out from a fan-out before a lane list names it, a majority write, and
+//! a fan-out lost in a crash or a failover leaves its events unfanned, to be fanned out again
+//! (see [`handing_out`] for the deliveries a fan-out hands out itself).
+//!
+//! A fan-out that may hand out first takes the unkeyed events its host's change stream
+//! reported ([`Heard`]) instead of reading them, and checks in its transaction that each is
+//! still unfanned. The way from a commit to its handler is then the transaction's inserts and
+//! marks beside one lane write, with nothing read first.
 
 use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use bson::{Bson, DateTime, Document, doc};
 use futures::TryStreamExt;
@@ -23,6 +28,48 @@ use crate::event::field;
 use crate::store::fan_out::{self, FanOutPlan};
 use crate::store::{FanOutReport, StoreError, StoreTransaction, Subscriptions};
 
+/// Events the change stream reported inserted, kept for the next fan-out that hands out, so
+/// that it need not read them (see [`run`]). A hint only: that fan-out's transaction checks
+/// that every one is still unfanned, and reads the collection instead if not.
+#[derive(Debug)]
+pub(super) struct Heard {
+    events: Mutex<Vec<Document>>,
+    /// Unfanned events may exist that were not heard: before the first fan-out that read
+    /// everything, after a fan-out batch that came back full, after the stream reopened without
+    /// its history, or after more were heard than are kept.
+    behind: AtomicBool,
+}
+
+/// At most this many heard events are kept; more means a backlog, which reading serves.
+const HEARD_MAX: usize = 256;
+
+impl Default for Heard {
+    fn default() -> Self {
+        Self { events: Mutex::new(Vec::new()), behind: AtomicBool::new(true) }
+    }
+}
+
+impl Heard {
+    pub fn push(&self, event: Document) {
+        let mut events = self.events.lock().expect("heard events");
+        if events.len() < HEARD_MAX {
+            events.push(event);
+        } else {
+            events.clear();
+            self.behind.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Events may have been committed that the stream will never report.
+    pub fn missed_some(&self) {
+        self.behind.store(true, Ordering::Relaxed);
+    }
+
+    fn take(&self) -> Vec<Document> {
+        std::mem::take(&mut *self.events.lock().expect("heard events"))
+    }
+}
+
 pub(super) async fn run(
     store: &MongoStore,
     subscriptions: &Subscriptions,
@@ -33,19 +80,48 @@ pub(super) async fn run(
     if limit == 0 {
         return Ok(FanOutReport::default());
     }
+    let mut report = FanOutReport::default();
     if hand_out > 0 {
-        match handing_out(store, subscriptions, limit, hand_out, now).await {
-            // Another fan-out wrote the same events first: the retrying path sorts it out.
-            Err(error) if error.is_transient() => {}
-            done => return done,
+        // The heard events, unkeyed ones only: a keyed event needs its key's lower unfanned
+        // events with it, which only reading finds.
+        let heard = store.heard.take();
+        if heard.len() > limit {
+            store.heard.missed_some();
+        }
+        let (unkeyed, keyed): (Vec<Document>, Vec<Document>) =
+            heard.into_iter().take(limit).partition(|event| fan_out::string_key(event).is_none());
+        if !unkeyed.is_empty() {
+            match handing_out(store, subscriptions, Batch::Heard(unkeyed), hand_out, now).await {
+                Ok(heard) if keyed.is_empty() && !store.heard.behind.load(Ordering::Relaxed) => return Ok(heard),
+                Ok(heard) => report = heard,
+                Err(error) => tracing::debug!(%error, "fanning out heard events failed; reading them instead"),
+            }
+        }
+        let hand_out = hand_out.saturating_sub(report.claimed.len());
+        if hand_out > 0 {
+            match handing_out(store, subscriptions, Batch::Read(limit), hand_out, now).await {
+                // Another fan-out wrote the same events first: the retrying path sorts it out.
+                Err(error) if error.is_transient() => {}
+                done => return done.map(|read| report.and(read)),
+            }
         }
     }
-    transaction!(store, Commit::Applied, |tx| {
+    let read = transaction!(store, Commit::Applied, |tx| {
         let batch = read_batch(store, tx.session(), limit).await?;
         let plan = fan_out::plan(&batch, subscriptions);
         write(store, tx.session(), &plan, now).await?;
         Ok(plan.report(Vec::new()))
-    })
+    })?;
+    store.heard.behind.store(read.events >= limit, Ordering::Relaxed);
+    Ok(report.and(read))
+}
+
+/// Where a fan-out's batch comes from.
+enum Batch {
+    /// Unkeyed events the change stream reported.
+    Heard(Vec<Document>),
+    /// Read from the collection, up to this many (and the lower events of their keys).
+    Read(usize),
 }
 
 /// One fan-out transaction that hands out what it creates (see [`Claimer::hand_out`]): the
@@ -61,32 +137,42 @@ pub(super) async fn run(
 async fn handing_out(
     store: &MongoStore,
     subscriptions: &Subscriptions,
-    limit: usize,
+    batch: Batch,
     hand_out: usize,
     now: DateTime,
 ) -> Result<FanOutReport, StoreError> {
     let mut tx = store.begin_with(Commit::Applied).await?;
-    let batch = match read_batch(store, tx.session(), limit).await {
-        Ok(batch) => batch,
-        Err(error) => {
-            let _ = tx.abort().await;
-            return Err(error);
-        }
+    let (batch, limit) = match batch {
+        Batch::Heard(events) => (events, None),
+        Batch::Read(limit) => match read_batch(store, tx.session(), limit).await {
+            Ok(batch) => (batch, Some(limit)),
+            Err(error) => {
+                let _ = tx.abort().await;
+                return Err(error);
+            }
+        },
     };
     let plan = fan_out::plan(&batch, subscriptions);
     let fresh = fan_out::fresh(&plan, &batch, hand_out, now);
     let written = &plan;
     let commit = async move {
-        match write(store, tx.session(), written, now).await {
-            Ok(()) => tx.commit().await,
-            Err(error) => {
+        let marked = write(store, tx.session(), written, now).await;
+        match marked {
+            // Every heard event must still have been unfanned: one that was not is another
+            // fan-out's (whose deliveries may even be completed and gone by now).
+            Ok(marked) if marked == written.events.len() as u64 || limit.is_some() => tx.commit().await,
+            outcome => {
                 let _ = tx.abort().await;
-                Err(error)
+                Err(outcome.err().unwrap_or_else(|| StoreError::Raced("a heard event was fanned out already".into())))
             }
         }
     };
     let ((), claimed) = store.claimer.hand_out(&lanes::Backend { store }, fresh, commit, now).await?;
-    Ok(plan.report(claimed))
+    let report = plan.report(claimed);
+    if let Some(limit) = limit {
+        store.heard.behind.store(report.events >= limit, Ordering::Relaxed);
+    }
+    Ok(report)
 }
 
 /// A batch of unfanned events: the oldest, completed by the lowest unfanned events of every
@@ -124,14 +210,15 @@ async fn read_batch(store: &MongoStore, session: &mut ClientSession, limit: usiz
     Ok(fan_out::assemble(first, prefixes))
 }
 
-/// Inserts the plan's deliveries and marks its events fanned out.
-async fn write(store: &MongoStore, session: &mut ClientSession, plan: &FanOutPlan, now: DateTime) -> Result<(), StoreError> {
+/// Inserts the plan's deliveries and marks its events fanned out; returns how many it marked
+/// (those still unfanned).
+async fn write(store: &MongoStore, session: &mut ClientSession, plan: &FanOutPlan, now: DateTime) -> Result<u64, StoreError> {
     if !plan.deliveries.is_empty() {
         let documents: Vec<Document> = plan.deliveries.iter().map(|d| new_delivery_document(d, now)).collect();
         store.collections.deliveries.insert_many(documents).session(&mut *session).await?;
     }
     if plan.events.is_empty() {
-        return Ok(());
+        return Ok(0);
     }
     // One statement per distinct resulting list (in practice: per event type), all in one
     // command, so a batch of many types costs one round trip too. The lists were read in
@@ -152,6 +239,5 @@ async fn write(store: &MongoStore, session: &mut ClientSession, plan: &FanOutPla
             }
         })
         .collect();
-    generations::update_each(store, store.collections.events.name(), statements, Some(session)).await?;
-    Ok(())
+    generations::update_each(store, store.collections.events.name(), statements, Some(session)).await
 }

@@ -306,6 +306,42 @@ impl ClaimBackend for Backend<'_> {
         Ok(taken.into_iter().filter(|lane| lane.lease_expires_at == until).collect())
     }
 
+    async fn take_listing(
+        &self,
+        lanes: &[(LaneId, Vec<InFlight>)],
+        holder: &Holder,
+        now: DateTime,
+        until: DateTime,
+    ) -> Result<Vec<(LaneId, i64)>, StoreError> {
+        // One round trip per lane, all at once: a hand-out names the lanes of a few events.
+        let taken = try_join_all(lanes.iter().map(|(id, entries)| {
+            let entries: Vec<Document> = entries.iter().map(in_flight_document).collect();
+            self.store
+                .collections
+                .lanes
+                .find_one_and_update(
+                    doc! {
+                        lane::ID: i32::from(*id),
+                        lane::IN_FLIGHT: { "$size": 0 },
+                        "$or": [{ lane::OWNER: Bson::Null }, { lane::LEASE_EXPIRES_AT: { "$lt": now } }],
+                    },
+                    doc! {
+                        "$set": {
+                            lane::OWNER: &holder.owner,
+                            lane::INSTANCE: &holder.instance,
+                            lane::LEASE_EXPIRES_AT: until,
+                            lane::IN_FLIGHT: entries,
+                        },
+                        "$inc": { lane::EPOCH: 1_i64 },
+                    },
+                )
+                .return_document(mongodb::options::ReturnDocument::After)
+                .into_future()
+        }))
+        .await?;
+        taken.iter().flatten().map(|document| lane_state(document).map(|lane| (lane.id, lane.epoch))).collect()
+    }
+
     async fn charge_lost(&self, entries: &[InFlight], now: DateTime) -> Result<(), StoreError> {
         let update = doc! {
             "$inc": { delivery::ATTEMPTS: 1, delivery::CLAIMS: 1_i64 },

@@ -130,6 +130,8 @@ pub struct MongoStore {
     collections: Collections,
     publisher: Publisher,
     claimer: Arc<Claimer>,
+    /// Inserted events the change stream reported, for the next fan-out (see `fan_out`).
+    heard: Arc<fan_out::Heard>,
     options: StoreOptions,
     location: MongoLocation,
 }
@@ -159,7 +161,7 @@ impl MongoStore {
         let publisher =
             Publisher::new(&database, &location.collection_prefix).with_max_payload_bytes(options.max_payload_bytes);
         let claimer = Arc::new(Claimer::new(&options.owner, options.lease_duration));
-        Self { client, collections, publisher, claimer, options, location }
+        Self { client, collections, publisher, claimer, heard: Arc::default(), options, location }
     }
 
     /// Another claimer on the same collections (a second worker in this process).

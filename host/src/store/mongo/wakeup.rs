@@ -3,8 +3,9 @@
 //!
 //! This module owns the stream's life: opening it, resuming it after errors from the last
 //! token seen (or afresh when that history is gone), and polling in its place, logged with the
-//! reason, while it cannot be opened. It must never read events for delivery: a wakeup only
-//! says "look now"; fan-out and claims decide what is there.
+//! reason, while it cannot be opened. It never decides what is delivered: it passes the
+//! inserted events on to the fan-out as a hint (which saves that fan-out reading them, and
+//! which it checks in its transaction) and says "look now"; fan-out and claims decide.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -36,16 +37,17 @@ impl EventWakeups {
     /// Pokes `waker` for every batch of inserted events until the returned task is aborted.
     pub fn spawn(self, store: &MongoStore, waker: Arc<Notify>) -> JoinHandle<()> {
         let events = store.events_collection().clone();
+        let heard = store.heard.clone();
         tokio::spawn(async move {
             let mut resume = None;
             let mut backoff = self.fallback_poll;
             loop {
-                // Only inserts matter, and only the fields the driver needs to resume.
+                // Only inserts matter: the event, and the fields the driver needs to resume.
                 let opened = events
                     .watch()
                     .pipeline([
                         doc! { "$match": { "operationType": "insert" } },
-                        doc! { "$project": { "_id": 1, "operationType": 1, "ns": 1 } },
+                        doc! { "$project": { "_id": 1, "operationType": 1, "ns": 1, "fullDocument": 1 } },
                     ])
                     .resume_after(resume.clone())
                     .await;
@@ -54,12 +56,18 @@ impl EventWakeups {
                         let mut stream = stream.with_type::<Document>();
                         tracing::debug!("change stream on the events collection is open");
                         // Events may have been committed while the stream was down.
+                        if resume.is_none() {
+                            heard.missed_some();
+                        }
                         waker.notify_one();
                         backoff = self.fallback_poll;
                         loop {
                             match stream.next().await {
-                                Some(Ok(_)) => {
+                                Some(Ok(change)) => {
                                     tracing::trace!("new event");
+                                    if let Ok(event) = change.get_document("fullDocument") {
+                                        heard.push(event.clone());
+                                    }
                                     waker.notify_one();
                                     resume = stream.resume_token();
                                 }
