@@ -15,7 +15,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use bson::{Bson, DateTime, Document, doc};
 use futures::TryStreamExt;
@@ -34,10 +34,13 @@ use crate::store::{FanOutReport, StoreError, StoreTransaction, Subscriptions};
 #[derive(Debug)]
 pub(super) struct Heard {
     events: Mutex<Vec<Document>>,
-    /// Unfanned events may exist that were not heard: before the first fan-out that read
-    /// everything, after a fan-out batch that came back full, after the stream reopened without
-    /// its history, or after more were heard than are kept.
-    behind: AtomicBool,
+    /// Times unfanned events may have been left that the stream will not report: the host
+    /// started, the stream reopened without its history, more were heard than are kept, a
+    /// fan-out failed or read a full batch.
+    misses: AtomicU64,
+    /// The most misses a fan-out that read everything unfanned had seen when it started
+    /// reading: while it trails `misses`, reading is needed.
+    read_through: AtomicU64,
 }
 
 /// At most this many heard events are kept; more means a backlog, which reading serves.
@@ -45,7 +48,7 @@ const HEARD_MAX: usize = 256;
 
 impl Default for Heard {
     fn default() -> Self {
-        Self { events: Mutex::new(Vec::new()), behind: AtomicBool::new(true) }
+        Self { events: Mutex::new(Vec::new()), misses: AtomicU64::new(1), read_through: AtomicU64::new(0) }
     }
 }
 
@@ -56,17 +59,30 @@ impl Heard {
             events.push(event);
         } else {
             events.clear();
-            self.behind.store(true, Ordering::Relaxed);
+            self.missed_some();
         }
     }
 
-    /// Events may have been committed that the stream will never report.
+    /// Events may have been committed, or left unfanned, that the stream will never report.
     pub fn missed_some(&self) {
-        self.behind.store(true, Ordering::Relaxed);
+        self.misses.fetch_add(1, Ordering::SeqCst);
     }
 
     fn take(&self) -> Vec<Document> {
         std::mem::take(&mut *self.events.lock().expect("heard events"))
+    }
+
+    fn behind(&self) -> bool {
+        self.read_through.load(Ordering::SeqCst) < self.misses.load(Ordering::SeqCst)
+    }
+
+    /// Notes that a read which started when `misses` was `since` read `events` of `limit`.
+    fn read(&self, since: u64, events: usize, limit: usize) {
+        if events < limit {
+            self.read_through.fetch_max(since, Ordering::SeqCst);
+        } else {
+            self.missed_some();
+        }
     }
 }
 
@@ -81,6 +97,7 @@ pub(super) async fn run(
         return Ok(FanOutReport::default());
     }
     let mut report = FanOutReport::default();
+    let mut hand_out = hand_out;
     if hand_out > 0 {
         // The heard events, unkeyed ones only: a keyed event needs its key's lower unfanned
         // events with it, which only reading finds.
@@ -92,28 +109,56 @@ pub(super) async fn run(
             heard.into_iter().take(limit).partition(|event| fan_out::string_key(event).is_none());
         if !unkeyed.is_empty() {
             match handing_out(store, subscriptions, Batch::Heard(unkeyed), hand_out, now).await {
-                Ok(heard) if keyed.is_empty() && !store.heard.behind.load(Ordering::Relaxed) => return Ok(heard),
+                Ok(heard) if keyed.is_empty() && !store.heard.behind() => return Ok(heard),
                 Ok(heard) => report = heard,
-                Err(error) => tracing::debug!(%error, "fanning out heard events failed; reading them instead"),
+                Err(error) => {
+                    store.heard.missed_some();
+                    tracing::debug!(%error, "fanning out heard events failed; reading them instead");
+                }
             }
         }
-        let hand_out = hand_out.saturating_sub(report.claimed.len());
-        if hand_out > 0 {
-            match handing_out(store, subscriptions, Batch::Read(limit), hand_out, now).await {
-                // Another fan-out wrote the same events first: the retrying path sorts it out.
-                Err(error) if error.is_transient() => {}
-                done => return done.map(|read| report.and(read)),
+        hand_out = hand_out.saturating_sub(report.claimed.len());
+    }
+    let since = store.heard.misses.load(Ordering::SeqCst);
+    match read(store, subscriptions, limit, hand_out, now).await {
+        Ok(read) => {
+            store.heard.read(since, read.events, limit);
+            Ok(report.and(read))
+        }
+        Err(error) => {
+            store.heard.missed_some();
+            // What was handed out is claimed: it must reach the dispatcher, which runs it.
+            if report.claimed.is_empty() {
+                return Err(error);
             }
+            tracing::warn!(%error, "reading unfanned events failed; the next fan-out reads them");
+            Ok(report)
         }
     }
-    let read = transaction!(store, Commit::Applied, |tx| {
+}
+
+/// A fan-out of what is read from the collection: handing out up to `hand_out` if it may,
+/// retrying as a plain fan-out should that conflict with another.
+async fn read(
+    store: &MongoStore,
+    subscriptions: &Subscriptions,
+    limit: usize,
+    hand_out: usize,
+    now: DateTime,
+) -> Result<FanOutReport, StoreError> {
+    if hand_out > 0 {
+        match handing_out(store, subscriptions, Batch::Read(limit), hand_out, now).await {
+            // Another fan-out wrote the same events first: the retrying path sorts it out.
+            Err(error) if error.is_transient() => {}
+            done => return done,
+        }
+    }
+    transaction!(store, Commit::Applied, |tx| {
         let batch = read_batch(store, tx.session(), limit).await?;
         let plan = fan_out::plan(&batch, subscriptions);
         write(store, tx.session(), &plan, now).await?;
         Ok(plan.report(Vec::new()))
-    })?;
-    store.heard.behind.store(read.events >= limit, Ordering::Relaxed);
-    Ok(report.and(read))
+    })
 }
 
 /// Where a fan-out's batch comes from.
@@ -168,11 +213,7 @@ async fn handing_out(
         }
     };
     let ((), claimed) = store.claimer.hand_out(&lanes::Backend { store }, fresh, commit, now).await?;
-    let report = plan.report(claimed);
-    if let Some(limit) = limit {
-        store.heard.behind.store(report.events >= limit, Ordering::Relaxed);
-    }
-    Ok(report)
+    Ok(plan.report(claimed))
 }
 
 /// A batch of unfanned events: the oldest, completed by the lowest unfanned events of every
