@@ -814,15 +814,28 @@ impl Claimer {
                 // failed name deliveries that were never inserted, harmless since only issued
                 // leases count as running; lists written without this instance learning it
                 // for a commit that happened name real deliveries, which the reconciliation
-                // moves on as for a claim. A lane taken without this instance learning it
-                // stays its owner's, empty, until its lease ends.
+                // moves on as for a claim.
                 for record in &records {
                     held.insert(record.lane, Held { epoch: record.epoch, known: None });
                 }
-                if let Ok((_, taken)) = &written {
-                    for (lane, epoch) in taken {
-                        held.insert(*lane, Held { epoch: *epoch, known: None });
+                // A lane taken without this instance learning it would otherwise stay its
+                // own, unused, until its lease ran out: it is asked which it holds.
+                let taken = match &written {
+                    Ok((_, taken)) => Ok(taken.clone()),
+                    Err(_) => {
+                        let ids: Vec<LaneId> = to_take.iter().map(|(lane, _)| *lane).collect();
+                        backend.lanes(&ids).await.map(|states| {
+                            states.iter().filter(|state| state.held_by(&self.holder)).map(|state| (state.id, state.epoch)).collect()
+                        })
                     }
+                };
+                match taken {
+                    Ok(taken) => {
+                        for (lane, epoch) in taken {
+                            held.insert(lane, Held { epoch, known: None });
+                        }
+                    }
+                    Err(error) => tracing::warn!(%error, "reading the lanes a failed hand-out may have taken failed"),
                 }
                 let committed = committed?;
                 let issued: HashSet<Lease> = self.issued.lock().expect("issued leases").values().map(|i| i.lease).collect();

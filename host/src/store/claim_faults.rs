@@ -2,7 +2,7 @@
 //! charging a takeover and recording it, a claim whose record reached the database while its
 //! reply did not (also when that record took the lane), a requeue racing a claim, and a
 //! settling write whose reply was lost (the claim trusts its own unsettled leases only for a
-//! while).
+//! while), and a hand-out whose lane take reached the database while its reply did not.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -75,7 +75,11 @@ impl<B: ClaimBackend + Send, S: Store> ClaimBackend for Faulty<'_, B, S> {
         now: DateTime,
         until: DateTime,
     ) -> Result<Vec<(LaneId, i64)>, StoreError> {
-        self.inner.take_listing(lanes, holder, now, until).await
+        let taken = self.inner.take_listing(lanes, holder, now, until).await?;
+        match self.fault {
+            Fault::FailAfterRecord => Err(injected()),
+            _ => Ok(taken),
+        }
     }
     async fn charge_lost(&self, entries: &[InFlight], now: DateTime) -> Result<(), StoreError> {
         self.inner.charge_lost(entries, now).await
@@ -217,6 +221,7 @@ both_stores!(a_claim_failing_after_its_record_reconciles, failure_after_record);
 both_stores!(a_requeue_racing_a_claim_takes_precedence, requeue_during_claim);
 both_stores!(a_claim_in_failing_after_the_record_that_took_its_lane_reconciles, failure_after_taking_record);
 both_stores!(an_unsettled_lease_is_trusted_for_a_while_then_checked, settled_without_a_reply);
+both_stores!(a_hand_out_whose_take_reply_was_lost_reconciles, failure_after_hand_out_take);
 
 async fn requeue_during_claim<S: Store + Parts>(a: &S, _b: &S, _c: &S) {
     let handlers = vec!["h".to_string()];
@@ -259,6 +264,28 @@ async fn failure_after_taking_record<S: Store + Parts>(a: &S, _b: &S, c: &S) {
     assert!(claimer.claim(&faulty, &handlers, LaneSearch::Only(&[lane]), 1, DateTime::from_millis(T0)).await.is_err());
     // The lane is a's, and a claims from it again at once, under a new claim generation and
     // with no attempt charged; nobody else sees the delivery meanwhile.
+    assert!(c.claim(&handlers, 1, DateTime::from_millis(T0 + 1)).await.unwrap().is_empty());
+    let claimed = a.claim(&handlers, 1, DateTime::from_millis(T0 + 2)).await.unwrap();
+    assert_eq!(claimed.len(), 1);
+    assert_eq!(claimed[0].lease.lane, lane);
+    assert_eq!(claimed[0].attempts, 0);
+    assert_eq!(claimed[0].lease.claims, 1);
+}
+
+async fn failure_after_hand_out_take<S: Store + Parts>(a: &S, _b: &S, c: &S) {
+    let handlers = vec!["h".to_string()];
+    one_delivery(a).await;
+    let lane = crate::lane::lane_for_event("e-1", None);
+    let now = DateTime::from_millis(T0);
+    let (backend, claimer) = a.parts();
+    let candidate = backend.candidates(&[lane], &handlers, now, None, &HashSet::new(), 10).await.unwrap().remove(0);
+    let event = crate::event::EventRecord::from_document(&backend.events(&["e-1".to_string()]).await.unwrap()["e-1"]).unwrap();
+    let faulty = Faulty::new(backend, Fault::FailAfterRecord, a);
+    // The take that lists the delivery reached the database; its reply did not.
+    let fresh = vec![super::claim::Fresh { candidate, event }];
+    assert!(claimer.hand_out(&faulty, fresh, async { Ok(()) }, now).await.is_err());
+    // The lane is a's, and a claims the delivery from it at once, under a new claim
+    // generation and with no attempt charged; nobody else sees it meanwhile.
     assert!(c.claim(&handlers, 1, DateTime::from_millis(T0 + 1)).await.unwrap().is_empty());
     let claimed = a.claim(&handlers, 1, DateTime::from_millis(T0 + 2)).await.unwrap();
     assert_eq!(claimed.len(), 1);
