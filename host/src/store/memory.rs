@@ -140,41 +140,40 @@ impl State {
 
     /// Inserts a fan-out's deliveries and marks its events fanned out.
     fn write_fan_out(&mut self, plan: &FanOutPlan, now: DateTime) {
-        let state = self;
-    for NewDelivery { id, event_id, event_type, handler, key, sequence, lane, dead_reason } in &plan.deliveries {
-        let dead = dead_reason.is_some();
-        state.deliveries.insert(
-            *id,
-            Delivery {
-                event_id: event_id.clone(),
-                event_type: event_type.clone(),
-                handler: handler.clone(),
-                key: key.clone(),
-                sequence: *sequence,
-                lane_id: *lane,
-                lane: if dead { LaneKind::Dead } else { LaneKind::Ready },
-                status: if dead { DeliveryStatus::Dead } else { DeliveryStatus::Pending },
-                attempts: 0,
-                claims: 0,
-                due_at: now,
-                created_at: now,
-                updated_at: dead.then_some(now),
-                requeued_at: None,
-                last_error: dead_reason.clone(),
-            },
-        );
-    }
-    for fanned in &plan.events {
-        if let Some(event) = state.events.get_mut(&id_text(&fanned.id)) {
-            event.insert(field::FANNED_OUT_AT, now);
-            let mut handlers: Vec<Bson> = match event.get(field::HANDLERS) {
-                Some(Bson::Array(list)) => list.clone(),
-                _ => Vec::new(),
-            };
-            handlers.extend(fanned.new_handlers.iter().cloned().map(Bson::String));
-            event.insert(field::HANDLERS, handlers);
+        for NewDelivery { id, event_id, event_type, handler, key, sequence, lane, dead_reason } in &plan.deliveries {
+            let dead = dead_reason.is_some();
+            self.deliveries.insert(
+                *id,
+                Delivery {
+                    event_id: event_id.clone(),
+                    event_type: event_type.clone(),
+                    handler: handler.clone(),
+                    key: key.clone(),
+                    sequence: *sequence,
+                    lane_id: *lane,
+                    lane: if dead { LaneKind::Dead } else { LaneKind::Ready },
+                    status: if dead { DeliveryStatus::Dead } else { DeliveryStatus::Pending },
+                    attempts: 0,
+                    claims: 0,
+                    due_at: now,
+                    created_at: now,
+                    updated_at: dead.then_some(now),
+                    requeued_at: None,
+                    last_error: dead_reason.clone(),
+                },
+            );
         }
-    }
+        for fanned in &plan.events {
+            if let Some(event) = self.events.get_mut(&id_text(&fanned.id)) {
+                event.insert(field::FANNED_OUT_AT, now);
+                let mut handlers: Vec<Bson> = match event.get(field::HANDLERS) {
+                    Some(Bson::Array(list)) => list.clone(),
+                    _ => Vec::new(),
+                };
+                handlers.extend(fanned.new_handlers.iter().cloned().map(Bson::String));
+                event.insert(field::HANDLERS, handlers);
+            }
+        }
     }
 
     fn complete(&mut self, lease: &Lease, now: DateTime, history: bool) -> Settlement {
@@ -649,6 +648,19 @@ impl Store for MemoryStore {
 }
 
 /// The claim primitives over the in-memory state.
+/// Makes `holder` the owner of `lane` until `until`, at its next epoch, if it is free at `now`
+/// (no owner, or an expired lease).
+fn take_if_free(lane: &mut LaneState, holder: &Holder, now: DateTime, until: DateTime) -> bool {
+    if lane.owner.is_some() && lane.lease_expires_at >= now {
+        return false;
+    }
+    lane.owner = Some(holder.owner.clone());
+    lane.instance = Some(holder.instance.clone());
+    lane.lease_expires_at = until;
+    lane.epoch += 1;
+    true
+}
+
 struct Backend<'a>(&'a Arc<Mutex<State>>);
 
 impl ClaimBackend for Backend<'_> {
@@ -694,14 +706,9 @@ impl ClaimBackend for Backend<'_> {
         let mut taken = Vec::new();
         for id in lanes {
             let lane = &mut state.lanes[usize::from(*id)];
-            if lane.owner.is_some() && lane.lease_expires_at >= now {
-                continue;
+            if take_if_free(lane, holder, now, until) {
+                taken.push(lane.clone());
             }
-            lane.owner = Some(holder.owner.clone());
-            lane.instance = Some(holder.instance.clone());
-            lane.lease_expires_at = until;
-            lane.epoch += 1;
-            taken.push(lane.clone());
         }
         Ok(taken)
     }
@@ -717,15 +724,10 @@ impl ClaimBackend for Backend<'_> {
         let mut taken = Vec::new();
         for (id, entries) in lanes {
             let lane = &mut state.lanes[usize::from(*id)];
-            if (lane.owner.is_some() && lane.lease_expires_at >= now) || !lane.in_flight.is_empty() {
-                continue;
+            if lane.in_flight.is_empty() && take_if_free(lane, holder, now, until) {
+                lane.in_flight = entries.clone();
+                taken.push((*id, lane.epoch));
             }
-            lane.owner = Some(holder.owner.clone());
-            lane.instance = Some(holder.instance.clone());
-            lane.lease_expires_at = until;
-            lane.epoch += 1;
-            lane.in_flight = entries.clone();
-            taken.push((*id, lane.epoch));
         }
         Ok(taken)
     }
