@@ -98,10 +98,12 @@ pub(super) async fn run(
     }
     let mut report = FanOutReport::default();
     let mut hand_out = hand_out;
+    // Heard events are committed already: a fan-out that does not hand out reads them below
+    // (or, if its batch comes back full, counts a miss), so they are dropped then.
+    let heard = store.heard.take();
     if hand_out > 0 {
         // The heard events, unkeyed ones only: a keyed event needs its key's lower unfanned
         // events with it, which only reading finds.
-        let heard = store.heard.take();
         if heard.len() > limit {
             store.heard.missed_some();
         }
