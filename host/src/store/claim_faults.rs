@@ -262,10 +262,15 @@ async fn failure_after_taking_record<S: Store + Parts>(a: &S, _b: &S, c: &S) {
     let faulty = Faulty::new(backend, Fault::FailAfterRecord, a);
     // The lane was free: the record itself took it, and then the claim failed.
     assert!(claimer.claim(&faulty, &handlers, LaneSearch::Only(&[lane]), 1, DateTime::from_millis(T0)).await.is_err());
-    // The lane is a's, and a claims from it again at once, under a new claim generation and
-    // with no attempt charged; nobody else sees the delivery meanwhile.
-    assert!(c.claim(&handlers, 1, DateTime::from_millis(T0 + 1)).await.unwrap().is_empty());
-    let claimed = a.claim(&handlers, 1, DateTime::from_millis(T0 + 2)).await.unwrap();
+    only_its_holder_claims_it_again_uncharged(a, c, lane).await;
+}
+
+/// The lane is `holder`'s, and it claims the delivery there again at once, under a new claim
+/// generation and with no attempt charged; `other` sees nothing meanwhile.
+async fn only_its_holder_claims_it_again_uncharged<S: Store>(holder: &S, other: &S, lane: LaneId) {
+    let handlers = vec!["h".to_string()];
+    assert!(other.claim(&handlers, 1, DateTime::from_millis(T0 + 1)).await.unwrap().is_empty());
+    let claimed = holder.claim(&handlers, 1, DateTime::from_millis(T0 + 2)).await.unwrap();
     assert_eq!(claimed.len(), 1);
     assert_eq!(claimed[0].lease.lane, lane);
     assert_eq!(claimed[0].attempts, 0);
@@ -284,14 +289,7 @@ async fn failure_after_hand_out_take<S: Store + Parts>(a: &S, _b: &S, c: &S) {
     // The take that lists the delivery reached the database; its reply did not.
     let fresh = vec![super::claim::Fresh { candidate, event }];
     assert!(claimer.hand_out(&faulty, fresh, async { Ok(()) }, now).await.is_err());
-    // The lane is a's, and a claims the delivery from it at once, under a new claim
-    // generation and with no attempt charged; nobody else sees it meanwhile.
-    assert!(c.claim(&handlers, 1, DateTime::from_millis(T0 + 1)).await.unwrap().is_empty());
-    let claimed = a.claim(&handlers, 1, DateTime::from_millis(T0 + 2)).await.unwrap();
-    assert_eq!(claimed.len(), 1);
-    assert_eq!(claimed[0].lease.lane, lane);
-    assert_eq!(claimed[0].attempts, 0);
-    assert_eq!(claimed[0].lease.claims, 1);
+    only_its_holder_claims_it_again_uncharged(a, c, lane).await;
 }
 
 async fn failure_after_record<S: Store + Parts>(a: &S, _b: &S, c: &S) {
