@@ -405,8 +405,7 @@ impl Claimer {
                 for lane in held.values_mut() {
                     lane.known = None;
                 }
-                let issued: HashSet<Lease> = self.issued.lock().expect("issued leases").values().map(|i| i.lease).collect();
-                if let Err(reconcile_error) = backend.reconcile(&self.holder, &issued).await {
+                if let Err(reconcile_error) = self.reconcile(backend).await {
                     tracing::warn!(%reconcile_error, claim_error = %error, "reconciling lanes after a failed claim failed");
                 }
                 Err(error)
@@ -745,9 +744,7 @@ impl Claimer {
         let mut issued = self.issued.lock().expect("issued leases");
         for (pick, event) in runnable {
             let epoch = mine[&pick.lane].epoch;
-            let lease = Lease { delivery: pick.id, lane: pick.lane, epoch, claims: pick.claims };
-            issued.insert(pick.id, Issued { lease, at: now, key: pick.handler_key() });
-            claimed.push(ClaimedDelivery { lease, handler: pick.handler, attempts: pick.attempts, event });
+            claimed.push(issue(&mut issued, pick, epoch, event, now));
         }
         Ok(claimed)
     }
@@ -838,8 +835,7 @@ impl Claimer {
                     Err(error) => tracing::warn!(%error, "reading the lanes a failed hand-out may have taken failed"),
                 }
                 let committed = committed?;
-                let issued: HashSet<Lease> = self.issued.lock().expect("issued leases").values().map(|i| i.lease).collect();
-                if let Err(error) = backend.reconcile(&self.holder, &issued).await {
+                if let Err(error) = self.reconcile(backend).await {
                     tracing::warn!(%error, "reconciling lanes after a failed hand-out failed");
                 }
                 return written.map(|_| (committed, Vec::new()));
@@ -861,14 +857,20 @@ impl Claimer {
         let mut issued = self.issued.lock().expect("issued leases");
         for (lane, epoch, in_flight) in listed {
             for entry in &by_lane[&lane] {
-                let Some((candidate, event)) = events.remove(&entry.delivery) else { continue };
-                let lease = Lease { delivery: candidate.id, lane, epoch, claims: candidate.claims };
-                issued.insert(candidate.id, Issued { lease, at: now, key: candidate.handler_key() });
-                claimed.push(ClaimedDelivery { lease, handler: candidate.handler, attempts: candidate.attempts, event });
+                if let Some((candidate, event)) = events.remove(&entry.delivery) {
+                    claimed.push(issue(&mut issued, candidate, epoch, event, now));
+                }
             }
             held.insert(lane, Held { epoch, known: Some(Listed { in_flight, lease_until: until }) });
         }
         Ok((committed, claimed))
+    }
+
+    /// After a failed claim or hand-out: keeps in this instance's lanes only the leases it
+    /// issued, and moves every other listed delivery's claim generation on.
+    async fn reconcile<B: ClaimBackend>(&self, backend: &B) -> Result<(), StoreError> {
+        let issued: HashSet<Lease> = self.issued.lock().expect("issued leases").values().map(|i| i.lease).collect();
+        backend.reconcile(&self.holder, &issued).await
     }
 
     /// Takes those of `lanes` that are free and charges what their previous owners left in
@@ -892,6 +894,14 @@ impl Claimer {
         }
         Ok(taken)
     }
+}
+
+/// The lease of `pick` in its lane at `epoch`, counted as issued at `now`, handed out with
+/// its event.
+fn issue(issued: &mut HashMap<DeliveryId, Issued>, pick: Candidate, epoch: i64, event: EventRecord, now: DateTime) -> ClaimedDelivery {
+    let lease = Lease { delivery: pick.id, lane: pick.lane, epoch, claims: pick.claims };
+    issued.insert(pick.id, Issued { lease, at: now, key: pick.handler_key() });
+    ClaimedDelivery { lease, handler: pick.handler, attempts: pick.attempts, event }
 }
 
 /// Counts lanes just taken as held, with nothing of theirs running; returns their ids.
