@@ -158,7 +158,7 @@ struct FannedOut {
     lanes: Option<BTreeSet<LaneId>>,
     /// What its first batch handed out (see [`Store::fan_out`]): claimed, to be run.
     claimed: Vec<ClaimedDelivery>,
-    /// It stopped after a full batch that handed something out: more may wait.
+    /// Its last batch was full (it stopped early to hand out, or for a stop): more may wait.
     more: bool,
 }
 

@@ -164,17 +164,15 @@ pub(crate) fn fresh(plan: &FanOutPlan, batch: &[Document], budget: usize, now: D
     if budget == 0 {
         return Vec::new();
     }
-    let events: HashMap<String, EventRecord> = batch
-        .iter()
-        .filter(|doc| string_key(doc).is_none())
-        .filter_map(|doc| Some((id_text(doc.get(field::ID)?), EventRecord::from_document(doc).ok()?)))
-        .collect();
+    // Only the events of what is handed out are parsed (again: `plan` parsed them all).
+    let events: HashMap<String, &Document> =
+        batch.iter().filter_map(|doc| Some((id_text(doc.get(field::ID)?), doc))).collect();
     plan.deliveries
         .iter()
         .filter(|d| d.dead_reason.is_none() && d.key.is_none())
         .filter_map(|d| {
             let event_id = id_text(&d.event_id);
-            let event = events.get(&event_id)?.clone();
+            let event = EventRecord::from_document(events.get(&event_id)?).ok()?;
             let candidate = Candidate {
                 id: d.id,
                 event_id,

@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use bson::{Document, doc};
+use bson::{Bson, Document, doc};
 use futures::StreamExt;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
@@ -63,10 +63,10 @@ impl EventWakeups {
                         backoff = self.fallback_poll;
                         loop {
                             match stream.next().await {
-                                Some(Ok(change)) => {
+                                Some(Ok(mut change)) => {
                                     tracing::trace!("new event");
-                                    if let Ok(event) = change.get_document("fullDocument") {
-                                        heard.push(event.clone());
+                                    if let Some(Bson::Document(event)) = change.remove("fullDocument") {
+                                        heard.push(event);
                                     }
                                     waker.notify_one();
                                     resume = stream.resume_token();
