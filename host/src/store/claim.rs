@@ -104,6 +104,20 @@ pub(crate) struct LaneRecord {
     pub takes_free_at: Option<DateTime>,
 }
 
+/// When a lane write counts as done.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LaneWrite {
+    /// Once durable (in MongoDB: a majority has it). A claim's: it may list keyed deliveries,
+    /// and the list is what keeps a takeover from running a key twice at once.
+    Durable,
+    /// Once applied. A hand-out's: it lists unkeyed deliveries only, in a lane this instance
+    /// holds (or takes, only if it lists nothing). Should a failover lose the write, those
+    /// deliveries run again uncharged, which at-least-once allows; anything this instance
+    /// does later that needs the lane is a durable write after it, which makes it durable
+    /// too (in MongoDB, by the order of the oplog).
+    Applied,
+}
+
 pub(crate) type HandlerKey = (String, String);
 
 /// Where a claim looks for lanes beyond the ones its instance holds.
@@ -175,7 +189,8 @@ pub(crate) trait ClaimBackend: Sync {
     ) -> impl Future<Output = Result<Vec<LaneState>, StoreError>> + Send;
     /// Takes those of `lanes` that are free and run nothing, each in one write that also lists
     /// its given entries in flight; returns the lanes taken, each with the epoch it is now held
-    /// at. Lanes that are not free, or list something, are skipped.
+    /// at. Lanes that are not free, or list something, are skipped. A hand-out's write: it
+    /// counts once applied ([`LaneWrite::Applied`]).
     fn take_listing(
         &self,
         lanes: &[(LaneId, Vec<InFlight>)],
@@ -206,8 +221,13 @@ pub(crate) trait ClaimBackend: Sync {
     ) -> impl Future<Output = Result<HashMap<HandlerKey, DeliveryId>, StoreError>> + Send;
     fn park(&self, ids: &[DeliveryId]) -> impl Future<Output = Result<(), StoreError>> + Send;
     /// Writes each lane's new in-flight list and lease, conditional on the epoch and holder;
-    /// one flag per record.
-    fn record(&self, holder: &Holder, records: &[LaneRecord]) -> impl Future<Output = Result<Vec<bool>, StoreError>> + Send;
+    /// one flag per record, once `write` says the write counts.
+    fn record(
+        &self,
+        holder: &Holder,
+        records: &[LaneRecord],
+        write: LaneWrite,
+    ) -> impl Future<Output = Result<Vec<bool>, StoreError>> + Send;
     /// Gives lanes up at once (no owner, empty in-flight list), conditional on the epoch.
     fn hand_back(&self, holder: &Holder, lanes: &[(LaneId, i64)], now: DateTime)
     -> impl Future<Output = Result<(), StoreError>> + Send;
@@ -647,7 +667,7 @@ impl Claimer {
         event_ids.sort();
         event_ids.dedup();
         let record = async {
-            if records.is_empty() { Ok(Vec::new()) } else { backend.record(&self.holder, &records).await }
+            if records.is_empty() { Ok(Vec::new()) } else { backend.record(&self.holder, &records, LaneWrite::Durable).await }
         };
         let hand_back = async { if idle.is_empty() { Ok(()) } else { backend.hand_back(&self.holder, &idle, now).await } };
         let events = async { if event_ids.is_empty() { Ok(HashMap::new()) } else { backend.events(&event_ids).await } };
@@ -752,8 +772,9 @@ impl Claimer {
     /// Hands out `fresh` deliveries of a fan-out while `commit` writes them: lists them in
     /// their lanes' in-flight lists (lanes this instance holds, as it knows them, and free
     /// lanes that run nothing, which the list's write takes) beside the commit, and issues
-    /// their leases once both are written. The way from a commit to its handler is then one
-    /// durable write long, not a fan-out's and then a claim's.
+    /// their leases once both are written, each acknowledged once applied
+    /// ([`LaneWrite::Applied`]). The way from a commit to its handler is then no durable write
+    /// long, not a fan-out's and then a claim's.
     ///
     /// Returns what `commit` returned and the deliveries handed out. Fresh deliveries it does
     /// not hand out (their lane is another instance's, or its list is unknown here, or a claim
@@ -772,6 +793,10 @@ impl Claimer {
             _ => return Ok((commit.await?, Vec::new())),
         };
         let until = self.lease_until(now);
+        // A listed entry whose lease this instance settled runs no more, and is left out of
+        // the list rewritten; so lanes that only hand-outs fill keep short lists.
+        let unsettled: HashSet<(DeliveryId, i64)> =
+            self.issued.lock().expect("issued leases").values().map(|i| (i.lease.delivery, i.lease.claims)).collect();
         let mut by_lane: BTreeMap<LaneId, Vec<InFlight>> = BTreeMap::new();
         for Fresh { candidate, .. } in &fresh {
             by_lane.entry(candidate.lane).or_default().push(InFlight {
@@ -788,7 +813,13 @@ impl Claimer {
                 Some(Held { epoch, known: Some(listed) }) => records.push(LaneRecord {
                     lane: *lane,
                     epoch: *epoch,
-                    in_flight: listed.in_flight.iter().chain(entries).cloned().collect(),
+                    in_flight: listed
+                        .in_flight
+                        .iter()
+                        .filter(|entry| unsettled.contains(&(entry.delivery, entry.claims)))
+                        .chain(entries)
+                        .cloned()
+                        .collect(),
                     lease_until: until,
                     takes_free_at: None,
                 }),
@@ -797,7 +828,9 @@ impl Claimer {
             }
         }
         let recording = async {
-            let record = async { if records.is_empty() { Ok(Vec::new()) } else { backend.record(&self.holder, &records).await } };
+            let record = async {
+                if records.is_empty() { Ok(Vec::new()) } else { backend.record(&self.holder, &records, LaneWrite::Applied).await }
+            };
             let take = async {
                 if to_take.is_empty() { Ok(Vec::new()) } else { backend.take_listing(&to_take, &self.holder, now, until).await }
             };

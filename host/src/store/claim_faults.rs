@@ -9,7 +9,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use bson::{DateTime, Document, doc};
 
-use super::claim::{Candidate, ClaimBackend, HandlerKey, Holder, InFlight, LaneRecord, LaneSearch, LaneState, Unpark};
+use super::claim::{
+    Candidate, ClaimBackend, HandlerKey, Holder, InFlight, LaneRecord, LaneSearch, LaneState, LaneWrite, Unpark,
+};
 use super::memory::MemoryStore;
 use super::mongo::{MongoLocation, MongoStore};
 use super::{DeliveryId, Lease, Store, StoreError, StoreOptions, Subscription, Subscriptions, run_in_transaction};
@@ -105,18 +107,18 @@ impl<B: ClaimBackend + Send, S: Store> ClaimBackend for Faulty<'_, B, S> {
     async fn park(&self, ids: &[DeliveryId]) -> Result<(), StoreError> {
         self.inner.park(ids).await
     }
-    async fn record(&self, holder: &Holder, records: &[LaneRecord]) -> Result<Vec<bool>, StoreError> {
+    async fn record(&self, holder: &Holder, records: &[LaneRecord], write: LaneWrite) -> Result<Vec<bool>, StoreError> {
         match &self.fault {
             Fault::DieBeforeRecord => Err(injected()),
             Fault::FailAfterRecord => {
-                self.inner.record(holder, records).await?;
+                self.inner.record(holder, records, write).await?;
                 Err(injected())
             }
             Fault::RequeueBeforeRecord(id) => {
                 self.store.requeue(id, DateTime::from_millis(T0 + 1)).await?;
-                self.inner.record(holder, records).await
+                self.inner.record(holder, records, write).await
             }
-            Fault::Nothing => self.inner.record(holder, records).await,
+            Fault::Nothing => self.inner.record(holder, records, write).await,
         }
     }
     async fn hand_back(&self, holder: &Holder, lanes: &[(LaneId, i64)], now: DateTime) -> Result<(), StoreError> {

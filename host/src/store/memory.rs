@@ -14,7 +14,9 @@ use bson::oid::ObjectId;
 use bson::{Bson, DateTime, Document};
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
-use super::claim::{Candidate, ClaimBackend, Claimer, HandlerKey, Holder, InFlight, LaneRecord, LaneSearch, LaneState, Unpark};
+use super::claim::{
+    Candidate, ClaimBackend, Claimer, HandlerKey, Holder, InFlight, LaneRecord, LaneSearch, LaneState, LaneWrite, Unpark,
+};
 use super::fan_out::{self, FanOutPlan, NewDelivery, id_text, string_key};
 use super::retention::event_expired;
 use super::{
@@ -827,7 +829,7 @@ impl ClaimBackend for Backend<'_> {
         Ok(())
     }
 
-    async fn record(&self, holder: &Holder, records: &[LaneRecord]) -> Result<Vec<bool>, StoreError> {
+    async fn record(&self, holder: &Holder, records: &[LaneRecord], _write: LaneWrite) -> Result<Vec<bool>, StoreError> {
         let mut state = self.0.lock().await;
         Ok(records
             .iter()

@@ -4,9 +4,9 @@
 //! no longer sees it as unfanned.
 //!
 //! The commit is acknowledged once applied, without waiting for the journal or a majority:
-//! nothing is handed out from a fan-out before a lane list names it, a majority write, and
-//! a fan-out lost in a crash or a failover leaves its events unfanned, to be fanned out again
-//! (see [`handing_out`] for the deliveries a fan-out hands out itself).
+//! nothing a claim takes from a fan-out runs before the claim's lane list names it, a
+//! majority write, and a fan-out lost in a crash or a failover leaves its events unfanned, to
+//! be fanned out again (see [`handing_out`] for the deliveries a fan-out hands out itself).
 //!
 //! A fan-out that may hand out first takes the unkeyed events its host's change stream
 //! reported ([`Heard`]) instead of reading them, and checks in its transaction that each is
@@ -172,13 +172,16 @@ enum Batch {
 }
 
 /// One fan-out transaction that hands out what it creates (see [`Claimer::hand_out`]): the
-/// lane lists are written (a majority write) while the deliveries are. Tried once: an error
-/// aborts it, and a conflict leaves the batch to the retrying path.
+/// lane lists are written while the deliveries are. Tried once: an error aborts it, and a
+/// conflict leaves the batch to the retrying path.
 ///
-/// Its commit too is acknowledged once applied. A handed-out delivery may then start before
-/// its fan-out is durable; should a failover lose the fan-out, its events are fanned out and
-/// run again, which at-least-once allows. A transactional handler's completion cannot commit
-/// without it: it deletes the delivery the fan-out inserted, later in the same oplog.
+/// Its commit, like the lane writes ([`LaneWrite::Applied`]), is acknowledged once applied. A
+/// handed-out delivery may then start before its fan-out is durable; should a failover lose
+/// the fan-out, its events are fanned out and run again, which at-least-once allows. A
+/// transactional handler's completion cannot commit without it: it deletes the delivery the
+/// fan-out inserted, later in the same oplog.
+///
+/// [`LaneWrite::Applied`]: crate::store::claim::LaneWrite::Applied
 ///
 /// [`Claimer::hand_out`]: crate::store::claim::Claimer::hand_out
 async fn handing_out(
@@ -282,5 +285,5 @@ async fn write(store: &MongoStore, session: &mut ClientSession, plan: &FanOutPla
             }
         })
         .collect();
-    generations::update_each(store, store.collections.events.name(), statements, Some(session)).await
+    generations::update_each(store, store.collections.events.name(), statements, Some(session), Commit::Majority).await
 }

@@ -15,7 +15,7 @@ use bson::{Bson, Document, doc};
 use futures::TryStreamExt;
 use mongodb::ClientSession;
 
-use super::MongoStore;
+use super::{Commit, MongoStore};
 use super::documents::{self, delivery};
 use crate::store::StoreError;
 
@@ -73,7 +73,7 @@ pub(super) async fn update_current(
             }
         })
         .collect();
-    update_each(store, store.collections.deliveries.name(), statements, session).await
+    update_each(store, store.collections.deliveries.name(), statements, session, Commit::Majority).await
 }
 
 /// Deletes every pending delivery among `pairs` still at its listed generation, in one
@@ -112,13 +112,14 @@ pub(super) async fn delete_current(store: &MongoStore, pairs: &[(ObjectId, i64)]
 }
 
 /// Sends `{ q, u }` statements as one unordered `update` command; returns how many matched.
-/// Outside a transaction it asks for majority acknowledgement itself, because a raw command
+/// Outside a transaction it asks for `alone`'s acknowledgement itself, because a raw command
 /// does not inherit the collection's write concern.
 pub(super) async fn update_each(
     store: &MongoStore,
     collection: &str,
     statements: Vec<Document>,
     session: Option<&mut ClientSession>,
+    alone: Commit,
 ) -> Result<u64, StoreError> {
     if statements.is_empty() {
         return Ok(0);
@@ -128,7 +129,7 @@ pub(super) async fn update_each(
     let reply = match session {
         Some(session) => database.run_command(command).session(&mut *session).await?,
         None => {
-            command.insert("writeConcern", doc! { "w": "majority" });
+            command.insert("writeConcern", alone.write_concern_document());
             database.run_command(command).await?
         }
     };

@@ -8,12 +8,12 @@ use futures::TryStreamExt;
 use futures::future::try_join_all;
 use mongodb::ClientSession;
 
-use super::MongoStore;
+use super::{Commit, MongoStore};
 use super::documents::{self, delivery, in_flight_document, lane, lane_state};
 use super::generations;
 use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
 use crate::store::claim::MIN_ROWS_PER_LANE_QUERY;
-use crate::store::claim::{Candidate, ClaimBackend, HandlerKey, Holder, InFlight, LaneRecord, LaneState, Unpark};
+use crate::store::claim::{Candidate, ClaimBackend, HandlerKey, Holder, InFlight, LaneRecord, LaneState, LaneWrite, Unpark};
 use crate::store::{DeliveryId, Lease, StoreError};
 
 /// Keys whose heads one command looks up.
@@ -37,8 +37,8 @@ fn lane_ids(ids: impl IntoIterator<Item = LaneId>) -> Vec<i32> {
 
 impl Backend<'_> {
     /// Sends conditional single-lane updates as one `update` command; returns how many matched.
-    async fn update_each(&self, statements: Vec<Document>) -> Result<u64, StoreError> {
-        generations::update_each(self.store, self.store.collections.lanes.name(), statements, None).await
+    async fn update_each(&self, statements: Vec<Document>, ack: Commit) -> Result<u64, StoreError> {
+        generations::update_each(self.store, self.store.collections.lanes.name(), statements, None, ack).await
     }
 
     /// Those of `ids` that `holder` holds now.
@@ -298,7 +298,7 @@ impl ClaimBackend for Backend<'_> {
             return taken.iter().flatten().map(lane_state).collect();
         }
         let statements = ids.iter().map(|id| doc! { "q": free(*id), "u": take.clone() }).collect();
-        if self.update_each(statements).await? == 0 {
+        if self.update_each(statements, Commit::Majority).await? == 0 {
             return Ok(Vec::new());
         }
         // What we took is ours under a live lease now, so nobody changes it before this read.
@@ -336,6 +336,7 @@ impl ClaimBackend for Backend<'_> {
                     },
                 )
                 .return_document(mongodb::options::ReturnDocument::After)
+                .write_concern(mongodb::options::WriteConcern::nodes(1))
                 .into_future()
         }))
         .await?;
@@ -424,7 +425,7 @@ impl ClaimBackend for Backend<'_> {
         Ok(())
     }
 
-    async fn record(&self, holder: &Holder, records: &[LaneRecord]) -> Result<Vec<bool>, StoreError> {
+    async fn record(&self, holder: &Holder, records: &[LaneRecord], write: LaneWrite) -> Result<Vec<bool>, StoreError> {
         let statements = records
             .iter()
             .map(|record| {
@@ -459,7 +460,7 @@ impl ClaimBackend for Backend<'_> {
                 }
             })
             .collect();
-        if self.update_each(statements).await? as usize == records.len() {
+        if self.update_each(statements, write.into()).await? as usize == records.len() {
             return Ok(vec![true; records.len()]);
         }
         // Some lane changed hands (its lease had expired): those records did not match.
@@ -478,7 +479,7 @@ impl ClaimBackend for Backend<'_> {
                 }
             })
             .collect();
-        self.update_each(statements).await?;
+        self.update_each(statements, Commit::Majority).await?;
         Ok(())
     }
 

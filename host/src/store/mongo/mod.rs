@@ -214,11 +214,13 @@ fn by_id() -> mongodb::options::Hint {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Commit {
     /// Until a majority has it (on a single node: until it is journaled). Every write that
-    /// hands out, fences or ends work.
+    /// fences or ends work, and every claim's.
     Majority,
-    /// Until the primary applied it. Only for work that is safe to lose and that nothing acts
-    /// on before a later majority write of this store, which by oplog order makes it durable
-    /// too (see the fan-out).
+    /// Until the primary applied it. Only for work that is safe to lose, or to lose and do
+    /// again (a fan-out, and its hand-out's lane lists of unkeyed deliveries, see
+    /// [`crate::store::claim::LaneWrite`]), whose effects nothing keyed or final acts on
+    /// before a later majority write of this store, which by oplog order makes it durable
+    /// too.
     Applied,
 }
 
@@ -227,6 +229,23 @@ impl Commit {
         match self {
             Commit::Majority => WriteConcern::majority(),
             Commit::Applied => WriteConcern::nodes(1),
+        }
+    }
+
+    /// The same, for a raw command.
+    fn write_concern_document(self) -> bson::Document {
+        match self {
+            Commit::Majority => bson::doc! { "w": "majority" },
+            Commit::Applied => bson::doc! { "w": 1 },
+        }
+    }
+}
+
+impl From<crate::store::claim::LaneWrite> for Commit {
+    fn from(write: crate::store::claim::LaneWrite) -> Self {
+        match write {
+            crate::store::claim::LaneWrite::Durable => Commit::Majority,
+            crate::store::claim::LaneWrite::Applied => Commit::Applied,
         }
     }
 }
