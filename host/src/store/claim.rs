@@ -554,7 +554,7 @@ impl Claimer {
                 }
             }
         }
-        let taken = self.take(backend, &left_over, now, until).await?;
+        let taken = self.take(backend, held, &left_over, now, until).await?;
         adopt(held, &mut mine, taken);
 
         let mut plan = Plan::new(limit, mine.values().flat_map(|lane| lane.running.iter()));
@@ -579,7 +579,7 @@ impl Claimer {
                 if !older.is_empty() {
                     let lanes: Vec<LaneId> = older.iter().map(|(lane, _)| *lane).collect();
                     tried.extend(lanes.iter().copied());
-                    let taken = self.take(backend, &lanes, now, until).await?;
+                    let taken = self.take(backend, held, &lanes, now, until).await?;
                     let new_lanes = adopt(held, &mut mine, taken);
                     plan.make_room(older.iter().map(|(_, due)| due).sum::<usize>().min(half));
                     scan(backend, &mut plan, &new_lanes, handlers, before).await?;
@@ -607,7 +607,7 @@ impl Claimer {
                 .map(|(_, (lane, _))| *lane)
                 .collect();
             tried.extend(free.iter().copied());
-            let taken = self.take(backend, &free, now, until).await?;
+            let taken = self.take(backend, held, &free, now, until).await?;
             let new_lanes = adopt(held, &mut mine, taken);
             scan(backend, &mut plan, &new_lanes, handlers, now).await?;
             // The answer named every free lane with due work (fewer lanes than asked for, and
@@ -908,9 +908,15 @@ impl Claimer {
 
     /// Takes those of `lanes` that are free and charges what their previous owners left in
     /// flight; returns the lanes taken.
+    ///
+    /// Should the take fail, it may have happened without its reply reaching this instance:
+    /// such a lane would stay its own, unused, until its lease ran out. So it asks which of
+    /// `lanes` it holds, charges what they list as after any take, and counts them in `held`
+    /// (as lanes to read), before it fails; so does a failed charge with the lanes taken.
     async fn take<B: ClaimBackend>(
         &self,
         backend: &B,
+        held: &mut BTreeMap<LaneId, Held>,
         lanes: &[LaneId],
         now: DateTime,
         until: DateTime,
@@ -918,14 +924,29 @@ impl Claimer {
         if lanes.is_empty() {
             return Ok(Vec::new());
         }
-        let taken = backend.take_lanes(lanes, &self.holder, now, until).await?;
+        let (taken, failure) = match backend.take_lanes(lanes, &self.holder, now, until).await {
+            Ok(taken) => (taken, None),
+            Err(error) => match backend.lanes(lanes).await {
+                Ok(states) => (states.into_iter().filter(|state| state.held_by(&self.holder)).collect(), Some(error)),
+                Err(read_error) => {
+                    tracing::warn!(%read_error, "reading the lanes a failed take may have taken failed");
+                    return Err(error);
+                }
+            },
+        };
         // Charge what the previous owner left in flight before reading what to claim,
         // so that a takeover and a completion never both succeed.
         let lost: Vec<InFlight> = taken.iter().flat_map(|lane| lane.in_flight.iter().cloned()).collect();
-        if !lost.is_empty() {
-            backend.charge_lost(&lost, now).await?;
+        let charged = if lost.is_empty() { Ok(()) } else { backend.charge_lost(&lost, now).await };
+        match failure.map_or(charged, Err) {
+            Ok(()) => Ok(taken),
+            Err(error) => {
+                for lane in &taken {
+                    held.insert(lane.id, Held { epoch: lane.epoch, known: None });
+                }
+                Err(error)
+            }
         }
-        Ok(taken)
     }
 }
 

@@ -2,7 +2,8 @@
 //! charging a takeover and recording it, a claim whose record reached the database while its
 //! reply did not (also when that record took the lane), a requeue racing a claim, and a
 //! settling write whose reply was lost (the claim trusts its own unsettled leases only for a
-//! while), and a hand-out whose lane take reached the database while its reply did not.
+//! while), and a claim's or a hand-out's lane take that reached the database while its reply
+//! did not.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -28,6 +29,8 @@ enum Fault {
     DieBeforeRecord,
     /// The record is written but the claim fails afterwards (its reply was lost).
     FailAfterRecord,
+    /// The claim's take of lanes is written but its reply is lost.
+    FailAfterTake,
     /// Nothing goes wrong in the claim itself.
     Nothing,
 }
@@ -68,7 +71,11 @@ impl<B: ClaimBackend + Send, S: Store> ClaimBackend for Faulty<'_, B, S> {
         self.inner.free_lanes_with_due_work(handlers, exclude, count, wanted, now).await
     }
     async fn take_lanes(&self, lanes: &[LaneId], holder: &Holder, now: DateTime, until: DateTime) -> Result<Vec<LaneState>, StoreError> {
-        self.inner.take_lanes(lanes, holder, now, until).await
+        let taken = self.inner.take_lanes(lanes, holder, now, until).await?;
+        match self.fault {
+            Fault::FailAfterTake => Err(injected()),
+            _ => Ok(taken),
+        }
     }
     async fn take_listing(
         &self,
@@ -118,7 +125,7 @@ impl<B: ClaimBackend + Send, S: Store> ClaimBackend for Faulty<'_, B, S> {
                 self.store.requeue(id, DateTime::from_millis(T0 + 1)).await?;
                 self.inner.record(holder, records, write).await
             }
-            Fault::Nothing => self.inner.record(holder, records, write).await,
+            Fault::Nothing | Fault::FailAfterTake => self.inner.record(holder, records, write).await,
         }
     }
     async fn hand_back(&self, holder: &Holder, lanes: &[(LaneId, i64)], now: DateTime) -> Result<(), StoreError> {
@@ -224,6 +231,7 @@ both_stores!(a_requeue_racing_a_claim_takes_precedence, requeue_during_claim);
 both_stores!(a_claim_in_failing_after_the_record_that_took_its_lane_reconciles, failure_after_taking_record);
 both_stores!(an_unsettled_lease_is_trusted_for_a_while_then_checked, settled_without_a_reply);
 both_stores!(a_hand_out_whose_take_reply_was_lost_reconciles, failure_after_hand_out_take);
+both_stores!(a_claim_whose_take_reply_was_lost_charges_the_takeover_and_keeps_the_lane, failure_after_take);
 
 async fn requeue_during_claim<S: Store + Parts>(a: &S, _b: &S, _c: &S) {
     let handlers = vec!["h".to_string()];
@@ -292,6 +300,26 @@ async fn failure_after_hand_out_take<S: Store + Parts>(a: &S, _b: &S, c: &S) {
     let fresh = vec![super::claim::Fresh { candidate, event }];
     assert!(claimer.hand_out(&faulty, fresh, async { Ok(()) }, now).await.is_err());
     only_its_holder_claims_it_again_uncharged(a, c, lane).await;
+}
+
+async fn failure_after_take<S: Store + Parts>(a: &S, b: &S, c: &S) {
+    let handlers = vec!["h".to_string()];
+    one_delivery(a).await;
+    let lane = crate::lane::lane_for_event("e-1", None);
+    assert_eq!(a.claim(&handlers, 1, DateTime::from_millis(T0)).await.unwrap().len(), 1);
+    // a dies; b's take of the lane, after a's lease expired, reached the database, and its
+    // reply did not.
+    let (backend, claimer) = b.parts();
+    let faulty = Faulty::new(backend, Fault::FailAfterTake, b);
+    let later = |ms| DateTime::from_millis(T0 + 31_000 + ms);
+    assert!(claimer.claim(&faulty, &handlers, LaneSearch::FreeWithDueWork, 1, later(0)).await.is_err());
+    // The lane is b's, and b claims the delivery there at once, with a's lost attempt charged
+    // once; c sees nothing meanwhile.
+    assert!(c.claim(&handlers, 1, later(1)).await.unwrap().is_empty());
+    let claimed = b.claim(&handlers, 1, later(2)).await.unwrap();
+    assert_eq!(claimed.len(), 1);
+    assert_eq!(claimed[0].lease.lane, lane);
+    assert_eq!(claimed[0].attempts, 1, "the lost attempt is charged exactly once");
 }
 
 async fn failure_after_record<S: Store + Parts>(a: &S, _b: &S, c: &S) {
