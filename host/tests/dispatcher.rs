@@ -1,7 +1,8 @@
 //! The claim loop with native handler functions on the in-memory store (the dispatcher knows
 //! nothing of WebAssembly): delivery to every handler once, per-key order across two
 //! dispatchers, retries with backoff, dead letters, graceful stop (also while a fan-out
-//! hangs), completions and reschedulings that failed, claims batched under a backlog.
+//! hangs), completions and reschedulings that failed, claims batched under a backlog, runs
+//! handed out before their fan-out's commit.
 
 mod common;
 
@@ -21,8 +22,9 @@ use bson::DateTime;
 use relayhost::event::NewEvent;
 use relayhost::lane::LaneId;
 use relayhost::store::{
-    ClaimedDelivery, DeliveryFilter, DeliveryPage, DeliveryView, FanOutReport, HandlerStatistics, Lease, Published,
-    PurgeOptions, PurgeReport, Settlement, Store, StoreError, StoreOptions, Subscriptions,
+    ClaimedDelivery, DeliveryFilter, DeliveryPage, DeliveryView, EarlyHandOut, EarlyHandOuts, FanOutCommit, FanOutReport,
+    HandlerStatistics, Lease, Published, PurgeOptions, PurgeReport, Settlement, Store, StoreError, StoreOptions,
+    Subscriptions,
 };
 
 type Behaviour = dyn Fn(&ClaimedDelivery) -> AttemptResult + Send + Sync;
@@ -277,6 +279,12 @@ struct FaultyStore {
     fan_outs_abandoned: AtomicUsize,
     /// The `limit` of every claim.
     claim_limits: Mutex<Vec<usize>>,
+    /// The words of the next fan-outs that hand out early: what the memory store handed out
+    /// once committed is sent early instead, and the word (whether the fan-out committed)
+    /// follows 100 ms later.
+    early_words: Mutex<Vec<bool>>,
+    /// Words given so far.
+    words_given: Arc<AtomicUsize>,
 }
 
 /// Counts one up when dropped.
@@ -297,7 +305,13 @@ impl FaultyStore {
             fan_outs_hanging: 0.into(),
             fan_outs_abandoned: 0.into(),
             claim_limits: Mutex::default(),
+            early_words: Mutex::default(),
+            words_given: Arc::default(),
         }
+    }
+
+    fn with_early_words(self, words: &[bool]) -> Self {
+        Self { early_words: Mutex::new(words.iter().rev().copied().collect()), ..self }
     }
 
     fn with_hanging_fan_outs(self, count: usize) -> Self {
@@ -327,6 +341,30 @@ impl Store for FaultyStore {
             std::future::pending::<()>().await;
         }
         self.inner.fan_out(subscriptions, limit, hand_out, now).await
+    }
+    async fn fan_out_early(
+        &self,
+        subscriptions: &Subscriptions,
+        limit: usize,
+        hand_out: usize,
+        early: &EarlyHandOuts,
+        now: DateTime,
+    ) -> Result<FanOutReport, StoreError> {
+        let mut report = self.fan_out(subscriptions, limit, hand_out, now).await?;
+        if report.claimed.is_empty() {
+            return Ok(report);
+        }
+        let Some(word) = self.early_words.lock().unwrap().pop() else { return Ok(report) };
+        let (tell, commit) = FanOutCommit::channel();
+        report.sent_early = report.claimed.len();
+        early.send(EarlyHandOut { claimed: std::mem::take(&mut report.claimed), commit }).unwrap();
+        let given = self.words_given.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            given.fetch_add(1, SeqCst);
+            tell.send(Some(word)).unwrap();
+        });
+        Ok(report)
     }
     async fn claim(&self, handlers: &[String], limit: usize, now: DateTime) -> Result<Vec<ClaimedDelivery>, StoreError> {
         self.claim_limits.lock().unwrap().push(limit);
@@ -498,4 +536,44 @@ async fn claims_wait_for_completions_that_fall_behind() {
     let mut all: Vec<String> = (0..20).map(|n| format!("e-{n}")).collect();
     all.sort();
     assert_eq!(events_run(&runs), all, "each ran once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_handed_out_before_its_fan_out_failed_to_commit_is_handed_back_uncharged() {
+    // The word says the fan-out did not commit (a commit whose reply was lost, say: the memory
+    // store did commit it).
+    let store = Arc::new(FaultyStore::new(memory_store("worker"), 0, 0).with_early_words(&[false]));
+    publish_orders(&*store, 1).await;
+    let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
+    let runner = mailer(Arc::new(|_| AttemptResult::Completed), Duration::ZERO, &runs);
+    run_until(store.clone(), runner, options(4), "the delivery completed", || drained(&*store, &runs, 2)).await;
+    assert_eq!(store.words_given.load(SeqCst), 1);
+    // It ran before the word, was handed back as not run when the word came, and ran again
+    // from a claim: neither run was charged an attempt.
+    let attempts: Vec<(String, u32)> = runs.lock().unwrap().iter().map(|r| (r.event.clone(), r.attempt)).collect();
+    assert_eq!(attempts, [("e-0".to_string(), 1), ("e-0".to_string(), 1)]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transactional_run_handed_out_before_its_fan_out_committed_starts_after_the_word() {
+    let store = Arc::new(FaultyStore::new(memory_store("worker"), 0, 0).with_early_words(&[true]));
+    publish_orders(&*store, 1).await;
+    let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
+    let given = store.words_given.clone();
+    let started_after_word = Arc::new(AtomicUsize::new(0));
+    let seen = started_after_word.clone();
+    let behaviour: Arc<Behaviour> = Arc::new(move |_| {
+        seen.fetch_add(given.load(SeqCst), SeqCst);
+        AttemptResult::Completed
+    });
+    let runner = Arc::new(NativeRunner {
+        specs: vec![HandlerSpec { transactional: true, ..spec("ledger", &["order.placed"], quick_retry(3)) }],
+        behaviour,
+        delay: Duration::ZERO,
+        runs: runs.clone(),
+        busy: Arc::default(),
+    });
+    run_until(store.clone(), runner, options(4), "the delivery completed", || drained(&*store, &runs, 1)).await;
+    assert_eq!(events_run(&runs), ["e-0"], "it ran once");
+    assert_eq!(started_after_word.load(SeqCst), 1, "it started once the word had come");
 }

@@ -54,6 +54,7 @@ contract!(
     lanes_are_exclusive_under_a_live_lease,
     a_claim_in_given_lanes_takes_only_those_and_keeps_the_rules,
     a_fan_out_hands_out_unkeyed_deliveries_in_free_or_own_lanes_only,
+    a_fan_out_that_may_hand_out_early_hands_out_each_once_with_word_of_its_commit,
     lanes_are_held_per_store_instance,
     older_work_in_a_free_lane_goes_before_younger_work_of_a_held_lane,
     relinquish_hands_lanes_back_at_once,
@@ -494,6 +495,33 @@ async fn a_fan_out_hands_out_unkeyed_deliveries_in_free_or_own_lanes_only<F: Fix
     let plain = a.fan_out(&subscriptions, 100, 0, at(T0 + 5)).await.unwrap();
     assert!(plain.claimed.is_empty());
     assert_eq!(plain.lanes.len(), 1);
+}
+
+async fn a_fan_out_that_may_hand_out_early_hands_out_each_once_with_word_of_its_commit<F: Fixture>() {
+    let fixture = F::new().await;
+    let (a, b) = (fixture.worker("a"), fixture.worker("b"));
+    let subscriptions = subs(&[("h", &["t"])]);
+    let free: Vec<String> = (0..2).map(|n| id_in_lane(&format!("free-{n}"), 20 + n)).collect();
+    publish_all(&a, free.iter().map(|id| event(id, "t")).collect()).await;
+    let (early, mut sent) = tokio::sync::mpsc::unbounded_channel();
+    let report = a.fan_out_early(&subscriptions, 100, 10, &early, at(T0)).await.unwrap();
+    // Before its commit, with its word (MongoDB), or after it, in the report (memory): each
+    // delivery once, and nothing left to a claim.
+    let mut handed = report.claimed.clone();
+    while let Ok(relayhost::store::EarlyHandOut { claimed, commit }) = sent.try_recv() {
+        assert!(commit.committed().await, "the fan-out committed");
+        handed.extend(claimed);
+    }
+    assert_eq!(report.claimed.len() + report.sent_early, 2);
+    let mut expected: Vec<String> = free.iter().map(|id| format!("{id}/h")).collect();
+    expected.sort();
+    let mut got = ids(&handed);
+    got.sort();
+    assert_eq!(got, expected);
+    assert!(report.lanes.is_empty());
+    assert!(b.claim(&handlers(&["h"]), 10, at(T0 + 1)).await.unwrap().is_empty(), "they are a's");
+    let leases: Vec<_> = handed.iter().map(|c| c.lease).collect();
+    assert_eq!(a.complete_many(&leases, at(T0 + 2)).await.unwrap(), [Settlement::Completed; 2]);
 }
 
 async fn older_work_in_a_free_lane_goes_before_younger_work_of_a_held_lane<F: Fixture>() {

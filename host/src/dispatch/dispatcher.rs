@@ -38,7 +38,10 @@ use tokio::time::Instant;
 use super::completion::{Completions, step_result};
 use super::{AttemptResult, RetryPolicy, Settle, bury_with_dead_letter, decide};
 use crate::lane::LaneId;
-use crate::store::{ClaimedDelivery, DeliveryId, Lease, Store, StoreError, Subscription, Subscriptions};
+use crate::store::{
+    ClaimedDelivery, DeliveryId, EarlyHandOut, EarlyHandOuts, FanOutCommit, Lease, Store, StoreError, Subscription,
+    Subscriptions,
+};
 
 /// A handler the runner offers, with its retry policy.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -183,6 +186,8 @@ struct Flight<S: Store> {
     stop_fanning: Arc<AtomicBool>,
     /// Deliveries the last fan-out handed out, started by the next dispatch step.
     handed_out: Vec<ClaimedDelivery>,
+    /// The same, handed out before their fan-out's commit.
+    handed_out_early: Vec<EarlyHandOut>,
     /// Lanes a fan-out just put a few new deliveries in: the next claim looks only there.
     claim_lanes: BTreeSet<LaneId>,
     /// Successful runs, completed in batches in the background.
@@ -202,6 +207,7 @@ impl<S: Store> Flight<S> {
             fanning: None,
             stop_fanning: Arc::default(),
             handed_out: Vec::new(),
+            handed_out_early: Vec::new(),
             claim_lanes: BTreeSet::new(),
             completions,
             unsettled: Vec::new(),
@@ -228,6 +234,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         tokio::pin!(stop);
         let permits = Arc::new(Semaphore::new(self.options.concurrency));
         let (finished_tx, mut finished) = mpsc::unbounded_channel::<(ClaimedDelivery, RunResult)>();
+        let (early_tx, mut early) = mpsc::unbounded_channel::<EarlyHandOut>();
         let fanned = Arc::new(Notify::new());
         let mut flight = Flight::new(Completions::new(self.store.clone(), self.options.poll_interval));
         let mut renewal = tokio::time::interval(self.options.lease_duration / 3);
@@ -271,6 +278,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                         flight.handed_out.extend(done.claimed);
                     })
                 }
+                Some(handed) = early.recv() => { flight.handed_out_early.push(handed); Ok(()) }
                 written = flight.completions.ended() => written.map(|written| {
                     DispatcherCounters::add(&self.counters.completed, written.completed);
                     flight.claim |= written.keyed;
@@ -278,7 +286,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 _ = renewal.tick() => self.renew(&flight.running).await,
             };
             let step = match step {
-                Ok(()) => self.dispatch(&permits, &finished_tx, &fanned, &mut flight).await,
+                Ok(()) => self.dispatch(&permits, &finished_tx, &fanned, &early_tx, &mut flight).await,
                 Err(error) => Err(error),
             };
             if let Err(error) = step {
@@ -288,7 +296,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 flight.claim = true;
             }
         }
-        self.stop(&permits, &finished_tx, &mut flight, &mut finished).await
+        self.stop(&permits, &finished_tx, &mut flight, &mut finished, &mut early).await
     }
 
     /// Starts a fan-out when one is wanted and none runs, claims up to the free capacity and
@@ -298,12 +306,12 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         permits: &Arc<Semaphore>,
         finished_tx: &mpsc::UnboundedSender<(ClaimedDelivery, RunResult)>,
         fanned: &Arc<Notify>,
+        early: &EarlyHandOuts,
         flight: &mut Flight<S>,
     ) -> Result<(), StoreError> {
         flight.completions.start();
         let specs = self.runner.handlers();
-        let handed_out = std::mem::take(&mut flight.handed_out);
-        self.start(handed_out, &specs, permits, finished_tx, flight).await?;
+        self.start_handed_out(&specs, permits, finished_tx, flight).await?;
         if specs.is_empty() {
             return Ok(());
         }
@@ -314,7 +322,8 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             flight.fan_out = false;
             // What it hands out runs at once: as many as there are free run slots.
             let hand_out = self.options.concurrency.saturating_sub(flight.running.len());
-            flight.fanning = Some(self.spawn_fan_out(subscriptions, fanned.clone(), hand_out, flight.stop_fanning.clone()));
+            flight.fanning =
+                Some(self.spawn_fan_out(subscriptions, fanned.clone(), hand_out, early.clone(), flight.stop_fanning.clone()));
         }
         let capacity = self.options.concurrency + self.options.claim_ahead;
         // Completions are written in batches, one at a time, so a capacity's worth of finished
@@ -343,14 +352,33 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         };
         tracing::trace!(elapsed_us = started.elapsed().as_micros() as u64, count = claimed.len(), "claimed");
         flight.backlog = claimed.len() >= free;
-        self.start(claimed, &specs, permits, finished_tx, flight).await
+        self.start(claimed, None, &specs, permits, finished_tx, flight).await
+    }
+
+    /// Starts what fan-outs handed out, before their commit (each with its word) or after.
+    async fn start_handed_out(
+        &self,
+        specs: &[HandlerSpec],
+        permits: &Arc<Semaphore>,
+        finished_tx: &mpsc::UnboundedSender<(ClaimedDelivery, RunResult)>,
+        flight: &mut Flight<S>,
+    ) -> Result<(), StoreError> {
+        for EarlyHandOut { claimed, commit } in std::mem::take(&mut flight.handed_out_early) {
+            self.start(claimed, Some(commit), specs, permits, finished_tx, flight).await?;
+        }
+        let handed_out = std::mem::take(&mut flight.handed_out);
+        self.start(handed_out, None, specs, permits, finished_tx, flight).await
     }
 
     /// Starts runs of claimed deliveries (each waits for a run slot), or buries those whose
-    /// attempts are used up.
+    /// attempts are used up. Deliveries handed out before their fan-out's `commit` report
+    /// their run only once it is known, as not run if it failed (they may not exist then); a
+    /// transactional handler's run waits for it before it starts, since its completion
+    /// deletes the delivery in its own transaction.
     async fn start(
         &self,
         claimed: Vec<ClaimedDelivery>,
+        commit: Option<FanOutCommit>,
         specs: &[HandlerSpec],
         permits: &Arc<Semaphore>,
         finished_tx: &mpsc::UnboundedSender<(ClaimedDelivery, RunResult)>,
@@ -370,11 +398,19 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             }
             let (runner, finished_tx, permits) = (self.runner.clone(), finished_tx.clone(), permits.clone());
             let lease = delivery.lease;
+            let (commit, transactional) = (commit.clone(), spec.transactional);
             let task = tokio::spawn(async move {
                 // A closed semaphore means the host is stopping: hand it back unstarted.
-                let result = match permits.acquire_owned().await {
-                    Ok(_permit) => runner.run(delivery.clone()).await,
-                    Err(_) => RunResult::NotRun,
+                let result = match (permits.acquire_owned().await, commit) {
+                    (Err(_), _) => RunResult::NotRun,
+                    (Ok(_permit), None) => runner.run(delivery.clone()).await,
+                    (Ok(_permit), Some(commit)) if transactional => {
+                        if commit.committed().await { runner.run(delivery.clone()).await } else { RunResult::NotRun }
+                    }
+                    (Ok(_permit), Some(commit)) => {
+                        let result = runner.run(delivery.clone()).await;
+                        if commit.committed().await { result } else { RunResult::NotRun }
+                    }
                 };
                 let _ = finished_tx.send((delivery, result));
             });
@@ -392,6 +428,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         subscriptions: Subscriptions,
         fanned: Arc<Notify>,
         hand_out: usize,
+        early: EarlyHandOuts,
         stop: Arc<AtomicBool>,
     ) -> JoinHandle<Result<FannedOut, StoreError>> {
         let store = self.store.clone();
@@ -402,15 +439,16 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             let mut first = true;
             loop {
                 let batch_started = Instant::now();
-                let report = store.fan_out(&subscriptions, batch, hand_out, DateTime::now()).await?;
+                let report = store.fan_out_early(&subscriptions, batch, hand_out, &early, DateTime::now()).await?;
+                let handed_out = report.claimed.len() + report.sent_early;
                 tracing::trace!(
                     elapsed_us = batch_started.elapsed().as_micros() as u64,
                     count = report.deliveries,
-                    handed_out = report.claimed.len(),
+                    handed_out,
                     "fan-out batch"
                 );
                 let full = report.events >= batch;
-                if !full || !report.claimed.is_empty() || stop.load(Ordering::Relaxed) {
+                if !full || handed_out > 0 || stop.load(Ordering::Relaxed) {
                     tracing::trace!(elapsed_us = started.elapsed().as_micros() as u64, "fanned out");
                     let few = first && report.lanes.len() <= CLAIM_IN_MAX_LANES;
                     return Ok(FannedOut {
@@ -526,6 +564,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         finished_tx: &mpsc::UnboundedSender<(ClaimedDelivery, RunResult)>,
         flight: &mut Flight<S>,
         finished: &mut mpsc::UnboundedReceiver<(ClaimedDelivery, RunResult)>,
+        early: &mut mpsc::UnboundedReceiver<EarlyHandOut>,
     ) -> Result<(), StoreError> {
         // Deliveries still waiting for a run slot come back as not run, and are released.
         permits.close();
@@ -543,9 +582,11 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 Err(_) => fanning.abort(),
             }
         }
-        let handed_out = std::mem::take(&mut flight.handed_out);
+        while let Ok(handed) = early.try_recv() {
+            flight.handed_out_early.push(handed);
+        }
         let specs = self.runner.handlers();
-        self.start(handed_out, &specs, permits, finished_tx, flight).await?;
+        self.start_handed_out(&specs, permits, finished_tx, flight).await?;
         // Runs in flight that did not finish yet (the unsettled ones did).
         while flight.running.len() > flight.unsettled.len() {
             match tokio::time::timeout_at(deadline, finished.recv()).await {

@@ -15,7 +15,7 @@ use std::time::Duration;
 use bson::oid::ObjectId;
 use bson::{DateTime, Document};
 
-use super::{ClaimedDelivery, DeliveryId, Lease, StoreError};
+use super::{ClaimedDelivery, DeliveryId, EarlyHandOut, EarlyHandOuts, FanOutCommit, Lease, StoreError};
 use crate::event::EventRecord;
 use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
 
@@ -102,6 +102,16 @@ pub(crate) struct LaneRecord {
     /// `epoch - 1`, free at this time (no owner, or an expired lease) and runs nothing, and it
     /// makes the holder its owner at `epoch`.
     pub takes_free_at: Option<DateTime>,
+}
+
+/// What [`Claimer::hand_out`] did.
+pub(crate) struct HandedOut<T> {
+    /// What the fan-out's commit returned.
+    pub committed: T,
+    /// The deliveries handed out once it committed.
+    pub claimed: Vec<ClaimedDelivery>,
+    /// Those sent early instead (see [`EarlyHandOut`]).
+    pub sent_early: Vec<DeliveryId>,
 }
 
 /// When a lane write counts as done.
@@ -769,28 +779,35 @@ impl Claimer {
         Ok(claimed)
     }
 
-    /// Hands out `fresh` deliveries of a fan-out while `commit` writes them: lists them in
+    /// Hands out `fresh` deliveries of a fan-out while `write` writes them: lists them in
     /// their lanes' in-flight lists (lanes this instance holds, as it knows them, and free
-    /// lanes that run nothing, which the list's write takes) beside the commit, and issues
-    /// their leases once both are written, each acknowledged once applied
-    /// ([`LaneWrite::Applied`]). The way from a commit to its handler is then no durable write
-    /// long, not a fan-out's and then a claim's.
+    /// lanes that run nothing, which the list's write takes) beside the fan-out's statements,
+    /// each acknowledged once applied ([`LaneWrite::Applied`]). `write` resolves to the
+    /// commit, which follows. The leases are issued once the commit is done, or, given
+    /// `early`, as soon as the statements and the lists are, and sent there with a word of the
+    /// commit to come (see [`EarlyHandOut`]). The way from a commit to its handler is then no
+    /// durable write long, not a fan-out's and then a claim's.
     ///
-    /// Returns what `commit` returned and the deliveries handed out. Fresh deliveries it does
-    /// not hand out (their lane is another instance's, or its list is unknown here, or a claim
-    /// of this instance is under way and owns the lists) are left to a claim. A list written
-    /// for a commit that then failed names deliveries that may not exist: harmless, since only
-    /// issued leases count as running here, and the lanes are read again by the next claim.
-    pub async fn hand_out<B: ClaimBackend, T>(
+    /// Returns what the commit returned and the deliveries handed out (not those sent early).
+    /// Fresh deliveries it does not hand out (their lane is another instance's, or its list is
+    /// unknown here, or a claim of this instance is under way and owns the lists) are left to
+    /// a claim. A list written for a commit that then failed names deliveries that may not
+    /// exist: harmless, since only issued leases count as running here, and the lanes are read
+    /// again by the next claim.
+    pub async fn hand_out<B: ClaimBackend, C, T>(
         &self,
         backend: &B,
         fresh: Vec<Fresh>,
-        commit: impl Future<Output = Result<T, StoreError>>,
+        write: impl Future<Output = Result<C, StoreError>>,
+        early: Option<&EarlyHandOuts>,
         now: DateTime,
-    ) -> Result<(T, Vec<ClaimedDelivery>), StoreError> {
+    ) -> Result<HandedOut<T>, StoreError>
+    where
+        C: Future<Output = Result<T, StoreError>>,
+    {
         let mut held = match self.held.try_lock() {
             Ok(held) if !fresh.is_empty() => held,
-            _ => return Ok((commit.await?, Vec::new())),
+            _ => return Ok(HandedOut { committed: write.await?.await?, claimed: Vec::new(), sent_early: Vec::new() }),
         };
         let until = self.lease_until(now);
         // A listed entry whose lease this instance settled runs no more, and is left out of
@@ -836,45 +853,31 @@ impl Claimer {
             };
             futures::try_join!(record, take)
         };
-        let (committed, written) = futures::join!(commit, recording);
-        let written = match (committed, written) {
-            (Ok(committed), Ok(written)) => (committed, written),
-            (committed, written) => {
-                // The next claim reads every lane involved. Lists written for a commit that
-                // failed name deliveries that were never inserted, harmless since only issued
-                // leases count as running; lists written without this instance learning it
-                // for a commit that happened name real deliveries, which the reconciliation
-                // moves on as for a claim.
-                for record in &records {
-                    held.insert(record.lane, Held { epoch: record.epoch, known: None });
-                }
-                // A lane taken without this instance learning it would otherwise stay its
-                // own, unused, until its lease ran out: it is asked which it holds.
-                let taken = match &written {
-                    Ok((_, taken)) => Ok(taken.clone()),
-                    Err(_) => {
-                        let ids: Vec<LaneId> = to_take.iter().map(|(lane, _)| *lane).collect();
-                        backend.lanes(&ids).await.map(|states| {
-                            states.iter().filter(|state| state.held_by(&self.holder)).map(|state| (state.id, state.epoch)).collect()
-                        })
-                    }
+        let (written, recorded) = futures::join!(write, recording);
+        let (commit, (flags, taken)) = match (written, recorded) {
+            (Ok(commit), Ok(recorded)) => (commit, recorded),
+            (written, recorded) => {
+                // Statements that succeeded are committed all the same: their deliveries are
+                // left to a claim.
+                let committed = match written {
+                    Ok(commit) => commit.await,
+                    Err(error) => Err(error),
                 };
-                match taken {
-                    Ok(taken) => {
-                        for (lane, epoch) in taken {
-                            held.insert(lane, Held { epoch, known: None });
-                        }
-                    }
-                    Err(error) => tracing::warn!(%error, "reading the lanes a failed hand-out may have taken failed"),
-                }
-                let committed = committed?;
-                if let Err(error) = self.reconcile(backend).await {
-                    tracing::warn!(%error, "reconciling lanes after a failed hand-out failed");
-                }
-                return written.map(|_| (committed, Vec::new()));
+                let taken = recorded.map(|(_, taken)| taken);
+                return self.after_failed_hand_out(backend, &mut held, &records, &to_take, committed, taken).await;
             }
         };
-        let (committed, (flags, taken)) = written;
+        // Without `early`, leases are issued once committed: each names a delivery that exists.
+        let (commit, committed) = match early {
+            Some(_) => (Some(commit), None),
+            None => match commit.await {
+                Ok(committed) => (None, Some(committed)),
+                Err(error) => {
+                    let taken = Ok(taken);
+                    return self.after_failed_hand_out(backend, &mut held, &records, &to_take, Err(error), taken).await;
+                }
+            },
+        };
         let mut listed: Vec<(LaneId, i64, Vec<InFlight>)> = Vec::new();
         for (record, ok) in records.into_iter().zip(flags) {
             if ok {
@@ -887,16 +890,82 @@ impl Claimer {
         let mut events: HashMap<DeliveryId, (Candidate, EventRecord)> =
             fresh.into_iter().map(|Fresh { candidate, event }| (candidate.id, (candidate, event))).collect();
         let mut claimed = Vec::new();
-        let mut issued = self.issued.lock().expect("issued leases");
-        for (lane, epoch, in_flight) in listed {
-            for entry in &by_lane[&lane] {
-                if let Some((candidate, event)) = events.remove(&entry.delivery) {
-                    claimed.push(issue(&mut issued, candidate, epoch, event, now));
+        {
+            let mut issued = self.issued.lock().expect("issued leases");
+            for (lane, epoch, in_flight) in listed {
+                for entry in &by_lane[&lane] {
+                    if let Some((candidate, event)) = events.remove(&entry.delivery) {
+                        claimed.push(issue(&mut issued, candidate, epoch, event, now));
+                    }
+                }
+                held.insert(lane, Held { epoch, known: Some(Listed { in_flight, lease_until: until }) });
+            }
+        }
+        let (Some(commit), Some(early)) = (commit, early) else {
+            return Ok(HandedOut { committed: committed.expect("committed before issuing"), claimed, sent_early: Vec::new() });
+        };
+        // The lists are written: claims need not wait for the commit.
+        drop(held);
+        let (tell, commit_word) = FanOutCommit::channel();
+        let sending: Vec<DeliveryId> = claimed.iter().map(|c| c.lease.delivery).collect();
+        let (kept, sent_early) = if claimed.is_empty() {
+            (Vec::new(), Vec::new())
+        } else {
+            // A dispatcher that stopped listening gets them with the report instead.
+            match early.send(EarlyHandOut { claimed, commit: commit_word }) {
+                Ok(()) => (Vec::new(), sending),
+                Err(unsent) => (unsent.0.claimed, Vec::new()),
+            }
+        };
+        // Should the commit fail, what was sent is handed back as not run by whoever runs
+        // it (the lists naming it are harmless: only issued leases count as running).
+        let committed = commit.await;
+        let _ = tell.send(Some(committed.is_ok()));
+        Ok(HandedOut { committed: committed?, claimed: kept, sent_early })
+    }
+
+    /// After a hand-out whose statements or lane writes failed: learns what it cannot know
+    /// (the next claim reads every lane involved; a lane taken without this instance learning
+    /// it is asked for) and reconciles. Lists written for a commit that failed name deliveries
+    /// that were never inserted, harmless since only issued leases count as running; lists
+    /// written without this instance learning it for a commit that happened name real
+    /// deliveries, which the reconciliation moves on as for a claim.
+    async fn after_failed_hand_out<B: ClaimBackend, T>(
+        &self,
+        backend: &B,
+        held: &mut BTreeMap<LaneId, Held>,
+        records: &[LaneRecord],
+        to_take: &[(LaneId, Vec<InFlight>)],
+        committed: Result<T, StoreError>,
+        taken: Result<Vec<(LaneId, i64)>, StoreError>,
+    ) -> Result<HandedOut<T>, StoreError> {
+        for record in records {
+            held.insert(record.lane, Held { epoch: record.epoch, known: None });
+        }
+        // A lane taken without this instance learning it would otherwise stay its own,
+        // unused, until its lease ran out.
+        let learned = match &taken {
+            Ok(taken) => Ok(taken.clone()),
+            Err(_) => {
+                let ids: Vec<LaneId> = to_take.iter().map(|(lane, _)| *lane).collect();
+                backend.lanes(&ids).await.map(|states| {
+                    states.iter().filter(|state| state.held_by(&self.holder)).map(|state| (state.id, state.epoch)).collect()
+                })
+            }
+        };
+        match learned {
+            Ok(learned) => {
+                for (lane, epoch) in learned {
+                    held.insert(lane, Held { epoch, known: None });
                 }
             }
-            held.insert(lane, Held { epoch, known: Some(Listed { in_flight, lease_until: until }) });
+            Err(error) => tracing::warn!(%error, "reading the lanes a failed hand-out may have taken failed"),
         }
-        Ok((committed, claimed))
+        let committed = committed?;
+        if let Err(error) = self.reconcile(backend).await {
+            tracing::warn!(%error, "reconciling lanes after a failed hand-out failed");
+        }
+        taken.map(|_| HandedOut { committed, claimed: Vec::new(), sent_early: Vec::new() })
     }
 
     /// After a failed claim or hand-out: keeps in this instance's lanes only the leases it

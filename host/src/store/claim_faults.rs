@@ -2,8 +2,8 @@
 //! charging a takeover and recording it, a claim whose record reached the database while its
 //! reply did not (also when that record took the lane), a requeue racing a claim, and a
 //! settling write whose reply was lost (the claim trusts its own unsettled leases only for a
-//! while), and a claim's or a hand-out's lane take that reached the database while its reply
-//! did not.
+//! while), a claim's or a hand-out's lane take that reached the database while its reply
+//! did not, and a hand-out sent before its commit, which then failed.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -232,6 +232,7 @@ both_stores!(a_claim_in_failing_after_the_record_that_took_its_lane_reconciles, 
 both_stores!(an_unsettled_lease_is_trusted_for_a_while_then_checked, settled_without_a_reply);
 both_stores!(a_hand_out_whose_take_reply_was_lost_reconciles, failure_after_hand_out_take);
 both_stores!(a_claim_whose_take_reply_was_lost_charges_the_takeover_and_keeps_the_lane, failure_after_take);
+both_stores!(a_hand_out_sent_before_its_commit_gives_word_of_it, early_hand_outs);
 
 async fn requeue_during_claim<S: Store + Parts>(a: &S, _b: &S, _c: &S) {
     let handlers = vec!["h".to_string()];
@@ -298,7 +299,8 @@ async fn failure_after_hand_out_take<S: Store + Parts>(a: &S, _b: &S, c: &S) {
     let faulty = Faulty::new(backend, Fault::FailAfterRecord, a);
     // The take that lists the delivery reached the database; its reply did not.
     let fresh = vec![super::claim::Fresh { candidate, event }];
-    assert!(claimer.hand_out(&faulty, fresh, async { Ok(()) }, now).await.is_err());
+    let write = async { Ok(std::future::ready(Ok(()))) };
+    assert!(claimer.hand_out(&faulty, fresh, write, None, now).await.is_err());
     only_its_holder_claims_it_again_uncharged(a, c, lane).await;
 }
 
@@ -320,6 +322,42 @@ async fn failure_after_take<S: Store + Parts>(a: &S, b: &S, c: &S) {
     assert_eq!(claimed.len(), 1);
     assert_eq!(claimed[0].lease.lane, lane);
     assert_eq!(claimed[0].attempts, 1, "the lost attempt is charged exactly once");
+}
+
+/// The delivery of `e-1` as a fan-out that just wrote it would hand it out.
+async fn fresh<B: ClaimBackend>(backend: &B, now: DateTime) -> super::claim::Fresh {
+    let lane = crate::lane::lane_for_event("e-1", None);
+    let handlers = vec!["h".to_string()];
+    let candidate = backend.candidates(&[lane], &handlers, now, None, &HashSet::new(), 10).await.unwrap().remove(0);
+    let event = crate::event::EventRecord::from_document(&backend.events(&["e-1".to_string()]).await.unwrap()["e-1"]).unwrap();
+    super::claim::Fresh { candidate, event }
+}
+
+async fn early_hand_outs<S: Store + Parts>(a: &S, _b: &S, c: &S) {
+    one_delivery(a).await;
+    let (backend, claimer) = a.parts();
+    let (early, mut sent) = tokio::sync::mpsc::unbounded_channel();
+    // The statements and the lane list were written, and then the commit failed.
+    let now = DateTime::from_millis(T0);
+    let failing = async { Ok(async { Err::<(), _>(injected()) }) };
+    assert!(claimer.hand_out(&backend, vec![fresh(&backend, now).await], failing, Some(&early), now).await.is_err());
+    let handed = sent.try_recv().expect("handed out before the commit");
+    assert_eq!(handed.claimed.len(), 1);
+    assert!(!handed.commit.committed().await, "its runs hear that the commit failed");
+    // Handed back as not run, it is handed out again (uncharged), this time committed.
+    assert_eq!(a.release(&[handed.claimed[0].lease], DateTime::from_millis(T0 + 1)).await.unwrap(), 1);
+    let now = DateTime::from_millis(T0 + 2);
+    let committing = async { Ok(async { Ok(()) }) };
+    let done = claimer.hand_out(&backend, vec![fresh(&backend, now).await], committing, Some(&early), now).await.unwrap();
+    let handed = sent.try_recv().expect("handed out before the commit");
+    assert!(done.claimed.is_empty());
+    assert_eq!(done.sent_early, [handed.claimed[0].lease.delivery]);
+    assert_eq!(handed.claimed[0].attempts, 0);
+    assert!(handed.commit.committed().await);
+    // Its lease is as good as a claim's: nobody else gets it, and it completes it.
+    assert!(c.claim(&["h".to_string()], 1, DateTime::from_millis(T0 + 3)).await.unwrap().is_empty());
+    let settled = a.complete_many(&[handed.claimed[0].lease], DateTime::from_millis(T0 + 4)).await.unwrap();
+    assert_eq!(settled, [super::Settlement::Completed]);
 }
 
 async fn failure_after_record<S: Store + Parts>(a: &S, _b: &S, c: &S) {

@@ -48,9 +48,11 @@ pub(crate) struct FanOutPlan {
 }
 
 impl FanOutPlan {
-    /// What carrying out this plan did, `claimed` being the deliveries it handed out.
-    pub fn report(&self, claimed: Vec<ClaimedDelivery>) -> super::FanOutReport {
-        let handed_out: HashSet<DeliveryId> = claimed.iter().map(|c| c.lease.delivery).collect();
+    /// What carrying out this plan did, `claimed` being the deliveries it handed out once
+    /// committed and `sent_early` those it handed out before.
+    pub fn report(&self, claimed: Vec<ClaimedDelivery>, sent_early: &[DeliveryId]) -> super::FanOutReport {
+        let handed_out: HashSet<DeliveryId> =
+            claimed.iter().map(|c| c.lease.delivery).chain(sent_early.iter().copied()).collect();
         super::FanOutReport {
             events: self.events.len(),
             deliveries: self.deliveries.len(),
@@ -62,6 +64,7 @@ impl FanOutPlan {
                 .map(|d| d.lane)
                 .collect(),
             claimed,
+            sent_early: sent_early.len(),
         }
     }
 }

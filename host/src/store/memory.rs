@@ -401,12 +401,13 @@ impl Store for MemoryStore {
         let fresh = fan_out::fresh(&plan, &batch, hand_out, now);
         // Written while the claimer waits to list what it hands out (it locks the state after
         // this), as a MongoDB fan-out commits while the lists are written.
-        let commit = async move {
+        // Its commit costs nothing: what it hands out is handed out after it.
+        let write = async move {
             state.write_fan_out(&plan, now);
-            Ok(plan)
+            Ok(std::future::ready(Ok(plan)))
         };
-        let (plan, claimed) = self.claimer.hand_out(&Backend(&self.state), fresh, commit, now).await?;
-        Ok(plan.report(claimed))
+        let handed = self.claimer.hand_out(&Backend(&self.state), fresh, write, None, now).await?;
+        Ok(handed.committed.report(handed.claimed, &handed.sent_early))
     }
 
     async fn claim(&self, handlers: &[String], limit: usize, now: DateTime) -> Result<Vec<ClaimedDelivery>, StoreError> {

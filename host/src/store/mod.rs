@@ -174,6 +174,8 @@ pub struct FanOutReport {
     /// New deliveries handed out to this store instance as the fan-out committed them: claimed,
     /// under leases like those of [`Store::claim`].
     pub claimed: Vec<ClaimedDelivery>,
+    /// New deliveries handed out before the commit instead (see [`Store::fan_out_early`]).
+    pub sent_early: usize,
 }
 
 impl FanOutReport {
@@ -184,9 +186,41 @@ impl FanOutReport {
         self.malformed += other.malformed;
         self.lanes.extend(other.lanes);
         self.claimed.extend(other.claimed);
+        self.sent_early += other.sent_early;
         self
     }
 }
+
+/// Deliveries a fan-out handed out as soon as they were written and listed in their lanes,
+/// before its commit was acknowledged (see [`Store::fan_out_early`]).
+#[derive(Debug)]
+pub struct EarlyHandOut {
+    pub claimed: Vec<ClaimedDelivery>,
+    pub commit: FanOutCommit,
+}
+
+/// The word of an early hand-out's commit; its clones share it.
+#[derive(Debug, Clone)]
+pub struct FanOutCommit(tokio::sync::watch::Receiver<Option<bool>>);
+
+impl FanOutCommit {
+    /// The word the returned sender gives: `Some(true)` once the fan-out committed,
+    /// `Some(false)` if it did not. A sender dropped without a word means the fan-out was
+    /// abandoned: not committed.
+    pub fn channel() -> (tokio::sync::watch::Sender<Option<bool>>, Self) {
+        let (tell, word) = tokio::sync::watch::channel(None);
+        (tell, Self(word))
+    }
+
+    /// Whether the fan-out committed; waits until that is known. If it did not, its
+    /// deliveries may not exist: whatever ran of them is to be handed back as not run.
+    pub async fn committed(mut self) -> bool {
+        matches!(self.0.wait_for(Option::is_some).await.as_deref(), Ok(Some(true)))
+    }
+}
+
+/// Where a fan-out sends what it hands out early.
+pub type EarlyHandOuts = tokio::sync::mpsc::UnboundedSender<EarlyHandOut>;
 
 /// Retention cutoffs for [`Store::purge`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -359,6 +393,24 @@ pub trait Store: Send + Sync + 'static {
     /// [`FanOutReport::claimed`]): the short way from a commit to its handler.
     fn fan_out(&self, subscriptions: &Subscriptions, limit: usize, hand_out: usize, now: DateTime)
     -> impl Future<Output = Result<FanOutReport, StoreError>> + Send;
+
+    /// Like [`Store::fan_out`], but it may send what it hands out to `early` as soon as the
+    /// deliveries are written and listed, before its commit is acknowledged (one commit's
+    /// round trip sooner); those are not in the report's `claimed`. Their runs must wait for
+    /// [`FanOutCommit::committed`] before their outcome is written, and a transactional
+    /// handler's run before it starts (its completion deletes the delivery in its own
+    /// transaction). A store whose commit costs nothing hands out after it, as `fan_out`.
+    fn fan_out_early(
+        &self,
+        subscriptions: &Subscriptions,
+        limit: usize,
+        hand_out: usize,
+        early: &EarlyHandOuts,
+        now: DateTime,
+    ) -> impl Future<Output = Result<FanOutReport, StoreError>> + Send {
+        let _ = early;
+        self.fan_out(subscriptions, limit, hand_out, now)
+    }
 
     /// Claims up to `limit` due deliveries of `handlers` through lane leases.
     fn claim(&self, handlers: &[String], limit: usize, now: DateTime)

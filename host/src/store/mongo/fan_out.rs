@@ -26,7 +26,7 @@ use super::{Commit, MongoStore, generations, lanes};
 use super::documents::new_delivery_document;
 use crate::event::field;
 use crate::store::fan_out::{self, FanOutPlan};
-use crate::store::{FanOutReport, StoreError, StoreTransaction, Subscriptions};
+use crate::store::{EarlyHandOuts, FanOutReport, StoreError, StoreTransaction, Subscriptions};
 
 /// Events the change stream reported inserted, kept for the next fan-out that hands out, so
 /// that it need not read them (see [`run`]). A hint only: that fan-out's transaction checks
@@ -91,6 +91,7 @@ pub(super) async fn run(
     subscriptions: &Subscriptions,
     limit: usize,
     hand_out: usize,
+    early: Option<&EarlyHandOuts>,
     now: DateTime,
 ) -> Result<FanOutReport, StoreError> {
     if limit == 0 {
@@ -110,7 +111,7 @@ pub(super) async fn run(
         let (unkeyed, keyed): (Vec<Document>, Vec<Document>) =
             heard.into_iter().take(limit).partition(|event| fan_out::string_key(event).is_none());
         if !unkeyed.is_empty() {
-            match handing_out(store, subscriptions, Batch::Heard(unkeyed), hand_out, now).await {
+            match handing_out(store, subscriptions, Batch::Heard(unkeyed), hand_out, early, now).await {
                 Ok(heard) if keyed.is_empty() && !store.heard.behind() => return Ok(heard),
                 Ok(heard) => report = heard,
                 Err(error) => {
@@ -119,10 +120,10 @@ pub(super) async fn run(
                 }
             }
         }
-        hand_out = hand_out.saturating_sub(report.claimed.len());
+        hand_out = hand_out.saturating_sub(report.claimed.len() + report.sent_early);
     }
     let since = store.heard.misses.load(Ordering::SeqCst);
-    match read(store, subscriptions, limit, hand_out, now).await {
+    match read(store, subscriptions, limit, hand_out, early, now).await {
         Ok(read) => {
             store.heard.read(since, read.events, limit);
             Ok(report.and(read))
@@ -130,7 +131,7 @@ pub(super) async fn run(
         Err(error) => {
             store.heard.missed_some();
             // What was handed out is claimed: it must reach the dispatcher, which runs it.
-            if report.claimed.is_empty() {
+            if report.claimed.is_empty() && report.sent_early == 0 {
                 return Err(error);
             }
             tracing::warn!(%error, "reading unfanned events failed; the next fan-out reads them");
@@ -146,10 +147,11 @@ async fn read(
     subscriptions: &Subscriptions,
     limit: usize,
     hand_out: usize,
+    early: Option<&EarlyHandOuts>,
     now: DateTime,
 ) -> Result<FanOutReport, StoreError> {
     if hand_out > 0 {
-        match handing_out(store, subscriptions, Batch::Read(limit), hand_out, now).await {
+        match handing_out(store, subscriptions, Batch::Read(limit), hand_out, early, now).await {
             // Another fan-out wrote the same events first: the retrying path sorts it out.
             Err(error) if error.is_transient() => {}
             done => return done,
@@ -159,7 +161,7 @@ async fn read(
         let batch = read_batch(store, tx.session(), limit).await?;
         let plan = fan_out::plan(&batch, subscriptions);
         write(store, tx.session(), &plan, now).await?;
-        Ok(plan.report(Vec::new()))
+        Ok(plan.report(Vec::new(), &[]))
     })
 }
 
@@ -189,6 +191,7 @@ async fn handing_out(
     subscriptions: &Subscriptions,
     batch: Batch,
     hand_out: usize,
+    early: Option<&EarlyHandOuts>,
     now: DateTime,
 ) -> Result<FanOutReport, StoreError> {
     let mut tx = store.begin_with(Commit::Applied).await?;
@@ -205,20 +208,20 @@ async fn handing_out(
     let plan = fan_out::plan(&batch, subscriptions);
     let fresh = fan_out::fresh(&plan, &batch, hand_out, now);
     let written = &plan;
-    let commit = async move {
+    let write = async move {
         let marked = write(store, tx.session(), written, now).await;
         match marked {
             // Every heard event must still have been unfanned: one that was not is another
             // fan-out's (whose deliveries may even be completed and gone by now).
-            Ok(marked) if marked == written.events.len() as u64 || limit.is_some() => tx.commit().await,
+            Ok(marked) if marked == written.events.len() as u64 || limit.is_some() => Ok(async move { tx.commit().await }),
             outcome => {
                 let _ = tx.abort().await;
                 Err(outcome.err().unwrap_or_else(|| StoreError::Raced("a heard event was fanned out already".into())))
             }
         }
     };
-    let ((), claimed) = store.claimer.hand_out(&lanes::Backend { store }, fresh, commit, now).await?;
-    Ok(plan.report(claimed))
+    let handed = store.claimer.hand_out(&lanes::Backend { store }, fresh, write, early, now).await?;
+    Ok(plan.report(handed.claimed, &handed.sent_early))
 }
 
 /// A batch of unfanned events: the oldest, completed by the lowest unfanned events of every

@@ -52,7 +52,8 @@ use mongodb::{Client, ClientSession, Collection, Database};
 use super::claim::{Claimer, LaneSearch};
 use crate::lane::LaneId;
 use super::{
-    ClaimedDelivery, DeliveryFilter, DeliveryPage, FanOutReport, HandlerStatistics, Lease, PurgeOptions, PurgeReport,
+    ClaimedDelivery, DeliveryFilter, DeliveryPage, EarlyHandOuts, FanOutReport, HandlerStatistics, Lease, PurgeOptions,
+    PurgeReport,
     Published, Settlement, Store, StoreError, StoreOptions, StoreTransaction, Subscriptions,
 };
 use crate::event::NewEvent;
@@ -315,7 +316,18 @@ impl Store for MongoStore {
     }
 
     async fn fan_out(&self, subscriptions: &Subscriptions, limit: usize, hand_out: usize, now: DateTime) -> Result<FanOutReport, StoreError> {
-        fan_out::run(self, subscriptions, limit, hand_out, now).await
+        fan_out::run(self, subscriptions, limit, hand_out, None, now).await
+    }
+
+    async fn fan_out_early(
+        &self,
+        subscriptions: &Subscriptions,
+        limit: usize,
+        hand_out: usize,
+        early: &EarlyHandOuts,
+        now: DateTime,
+    ) -> Result<FanOutReport, StoreError> {
+        fan_out::run(self, subscriptions, limit, hand_out, Some(early), now).await
     }
 
     async fn claim(&self, handlers: &[String], limit: usize, now: DateTime) -> Result<Vec<ClaimedDelivery>, StoreError> {
