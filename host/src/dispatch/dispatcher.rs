@@ -3,7 +3,10 @@
 //! Fan-out and completion run beside the loop as background steps, at most one of each at a
 //! time, so claiming, fanning out and completing overlap instead of taking turns (the
 //! batching of completions lives in [`super::completion`]). A fan-out may hand out up to the
-//! free run slots of what it creates (see [`Store::fan_out`]): those start like claimed ones.
+//! free run slots of what it creates (see [`Store::fan_out_early`]): those start like claimed
+//! ones, even before the fan-out's commit is acknowledged; such a run reports its outcome only
+//! once the word comes that it committed (as not run if it did not), and a transactional
+//! handler's run starts only then.
 //! A claim may take up to `claim_ahead` more deliveries than there are free run slots: those
 //! wait for a slot under a lease that is renewed like a running one. Finished runs waiting for
 //! their completion to be written may fill as many places again; beyond that each takes a
