@@ -1,8 +1,8 @@
 //! The claim loop with native handler functions on the in-memory store (the dispatcher knows
 //! nothing of WebAssembly): delivery to every handler once, per-key order across two
 //! dispatchers, retries with backoff, dead letters, graceful stop (also while a fan-out
-//! hangs), completions and reschedulings that failed, claims batched under a backlog, runs
-//! handed out before their fan-out's commit.
+//! hangs or finishes a batch it handed out), completions and reschedulings that failed,
+//! claims batched under a backlog, runs handed out before their fan-out's commit.
 
 mod common;
 
@@ -275,6 +275,9 @@ struct FaultyStore {
     completions_failing: AtomicUsize,
     reschedules_failing: AtomicUsize,
     fan_outs_hanging: AtomicUsize,
+    /// The next fan-outs that hand out something answer only 300 ms after their batch
+    /// committed (a fan-out finishing its batch while the host stops).
+    slow_hand_outs: AtomicUsize,
     /// Hanging fan-outs whose caller gave up on them (dropped their future).
     fan_outs_abandoned: AtomicUsize,
     /// The `limit` of every claim.
@@ -303,6 +306,7 @@ impl FaultyStore {
             completions_failing: completions_failing.into(),
             reschedules_failing: reschedules_failing.into(),
             fan_outs_hanging: 0.into(),
+            slow_hand_outs: 0.into(),
             fan_outs_abandoned: 0.into(),
             claim_limits: Mutex::default(),
             early_words: Mutex::default(),
@@ -316,6 +320,10 @@ impl FaultyStore {
 
     fn with_hanging_fan_outs(self, count: usize) -> Self {
         Self { fan_outs_hanging: count.into(), ..self }
+    }
+
+    fn with_slow_hand_outs(self, count: usize) -> Self {
+        Self { slow_hand_outs: count.into(), ..self }
     }
 }
 
@@ -340,7 +348,11 @@ impl Store for FaultyStore {
             let _abandoned = CountOnDrop(&self.fan_outs_abandoned);
             std::future::pending::<()>().await;
         }
-        self.inner.fan_out(subscriptions, limit, hand_out, now).await
+        let report = self.inner.fan_out(subscriptions, limit, hand_out, now).await?;
+        if !report.claimed.is_empty() && fails(&self.slow_hand_outs) {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        Ok(report)
     }
     async fn fan_out_early(
         &self,
@@ -576,4 +588,27 @@ async fn a_transactional_run_handed_out_before_its_fan_out_committed_starts_afte
     run_until(store.clone(), runner, options(4), "the delivery completed", || drained(&*store, &runs, 1)).await;
     assert_eq!(events_run(&runs), ["e-0"], "it ran once");
     assert_eq!(started_after_word.load(SeqCst), 1, "it started once the word had come");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_lets_a_fan_out_finish_and_hands_back_what_it_handed_out_unrun() {
+    let store = Arc::new(FaultyStore::new(memory_store("leaving"), 0, 0).with_slow_hand_outs(1));
+    publish_orders(&*store, 2).await;
+    let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
+    let runner = mailer(Arc::new(|_| AttemptResult::Completed), Duration::ZERO, &runs);
+    let (stop, handle) = start(store.clone(), runner.clone(), options(4));
+    until("a fan-out handed both out and is finishing", || store.slow_hand_outs.load(SeqCst) == 0).await;
+    stop.send(()).unwrap();
+    handle.await.unwrap();
+    // The stop waited for the fan-out, and handed back what it handed out without running it
+    // or charging an attempt.
+    assert!(runs.lock().unwrap().is_empty());
+    let remaining = store.list_deliveries(&DeliveryFilter::default()).await.unwrap().deliveries;
+    assert_eq!(remaining.len(), 2);
+    assert!(remaining.iter().all(|d| d.attempts == 0), "a graceful stop charges nothing");
+    assert!(remaining.iter().all(|d| d.updated_at.is_some()), "each was released (its claim ended)");
+    // Their lanes were handed back too: a successor runs them at once, not after the lease.
+    let successor = Arc::new(store.inner.instance("successor"));
+    run_until(successor, runner, options(4), "the deliveries ran", || runs.lock().unwrap().len() == 2).await;
+    assert_eq!(events_run(&runs), ["e-0", "e-1"]);
 }
