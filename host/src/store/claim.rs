@@ -1213,3 +1213,28 @@ async fn scan<B: ClaimBackend>(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(name: &str) -> HandlerKey {
+        ("h".to_string(), name.to_string())
+    }
+
+    #[test]
+    fn known_heads_are_forgotten_past_their_cap_but_what_a_claim_learned_is_kept() {
+        // Under the cap: what the claim looked up replaces what was known of those keys.
+        let mut plan = Plan::new(1, std::iter::empty());
+        let (old, new) = (ObjectId::new(), ObjectId::new());
+        plan.known_heads = HashMap::from([(key("a"), old), (key("b"), old)]);
+        plan.heads = HashMap::from([(key("a"), Some(new)), (key("b"), None)]);
+        assert_eq!(plan.into_known_heads(), HashMap::from([(key("a"), new)]));
+
+        // Past it: everything known before is forgotten, and only this claim's heads stay.
+        let mut plan = Plan::new(1, std::iter::empty());
+        plan.known_heads = (0..KNOWN_HEADS_MAX).map(|n| (key(&format!("k{n}")), old)).collect();
+        plan.heads = HashMap::from([(key("fresh"), Some(new))]);
+        assert_eq!(plan.into_known_heads(), HashMap::from([(key("fresh"), new)]));
+    }
+}
