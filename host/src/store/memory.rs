@@ -650,7 +650,6 @@ impl Store for MemoryStore {
     }
 }
 
-/// The claim primitives over the in-memory state.
 /// Makes `holder` the owner of `lane` until `until`, at its next epoch, if it is free at `now`
 /// (no owner, or an expired lease).
 fn take_if_free(lane: &mut LaneState, holder: &Holder, now: DateTime, until: DateTime) -> bool {
@@ -664,6 +663,7 @@ fn take_if_free(lane: &mut LaneState, holder: &Holder, now: DateTime, until: Dat
     true
 }
 
+/// The claim primitives over the in-memory state.
 struct Backend<'a>(&'a Arc<Mutex<State>>);
 
 impl ClaimBackend for Backend<'_> {

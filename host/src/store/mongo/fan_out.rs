@@ -22,6 +22,7 @@ use futures::TryStreamExt;
 
 use mongodb::ClientSession;
 
+use super::generations::WriteIn;
 use super::{Commit, MongoStore, generations, lanes};
 use super::documents::new_delivery_document;
 use crate::event::field;
@@ -288,5 +289,5 @@ async fn write(store: &MongoStore, session: &mut ClientSession, plan: &FanOutPla
             }
         })
         .collect();
-    generations::update_each(store, store.collections.events.name(), statements, Some(session), Commit::Majority).await
+    generations::update_each(store, store.collections.events.name(), statements, WriteIn::Transaction(session)).await
 }

@@ -73,7 +73,8 @@ pub(super) async fn update_current(
             }
         })
         .collect();
-    update_each(store, store.collections.deliveries.name(), statements, session, Commit::Majority).await
+    let write_in = session.map_or(WriteIn::Alone(Commit::Majority), WriteIn::Transaction);
+    update_each(store, store.collections.deliveries.name(), statements, write_in).await
 }
 
 /// Deletes every pending delivery among `pairs` still at its listed generation, in one
@@ -111,25 +112,31 @@ pub(super) async fn delete_current(store: &MongoStore, pairs: &[(ObjectId, i64)]
     matched(collection, "delete", &reply)
 }
 
+/// Where a raw write command goes.
+pub(super) enum WriteIn<'a> {
+    /// Into the session's transaction, acknowledged with its commit.
+    Transaction(&'a mut ClientSession),
+    /// On its own, acknowledged as this says: a raw command does not inherit the collection's
+    /// write concern.
+    Alone(Commit),
+}
+
 /// Sends `{ q, u }` statements as one unordered `update` command; returns how many matched.
-/// Outside a transaction it asks for `alone`'s acknowledgement itself, because a raw command
-/// does not inherit the collection's write concern.
 pub(super) async fn update_each(
     store: &MongoStore,
     collection: &str,
     statements: Vec<Document>,
-    session: Option<&mut ClientSession>,
-    alone: Commit,
+    write_in: WriteIn<'_>,
 ) -> Result<u64, StoreError> {
     if statements.is_empty() {
         return Ok(0);
     }
     let mut command = doc! { "update": collection, "updates": statements, "ordered": false };
     let database = store.client.database(&store.location.database);
-    let reply = match session {
-        Some(session) => database.run_command(command).session(&mut *session).await?,
-        None => {
-            command.insert("writeConcern", alone.write_concern_document());
+    let reply = match write_in {
+        WriteIn::Transaction(session) => database.run_command(command).session(session).await?,
+        WriteIn::Alone(commit) => {
+            command.insert("writeConcern", commit.write_concern_document());
             database.run_command(command).await?
         }
     };

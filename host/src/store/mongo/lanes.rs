@@ -36,9 +36,11 @@ fn lane_ids(ids: impl IntoIterator<Item = LaneId>) -> Vec<i32> {
 }
 
 impl Backend<'_> {
-    /// Sends conditional single-lane updates as one `update` command; returns how many matched.
-    async fn update_each(&self, statements: Vec<Document>, ack: Commit) -> Result<u64, StoreError> {
-        generations::update_each(self.store, self.store.collections.lanes.name(), statements, None, ack).await
+    /// Sends conditional single-lane updates as one `update` command, acknowledged as `commit`
+    /// says; returns how many matched.
+    async fn update_each(&self, statements: Vec<Document>, commit: Commit) -> Result<u64, StoreError> {
+        let write_in = generations::WriteIn::Alone(commit);
+        generations::update_each(self.store, self.store.collections.lanes.name(), statements, write_in).await
     }
 
     /// Those of `ids` that `holder` holds now.
@@ -336,7 +338,7 @@ impl ClaimBackend for Backend<'_> {
                     },
                 )
                 .return_document(mongodb::options::ReturnDocument::After)
-                .write_concern(mongodb::options::WriteConcern::nodes(1))
+                .write_concern(Commit::from(LaneWrite::Applied).write_concern())
                 .into_future()
         }))
         .await?;
