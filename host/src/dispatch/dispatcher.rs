@@ -187,10 +187,9 @@ struct Flight<S: Store> {
     fanning: Option<JoinHandle<Result<FannedOut, StoreError>>>,
     /// Asks the background fan-out to end after its current batch (a stop).
     stop_fanning: Arc<AtomicBool>,
-    /// Deliveries the last fan-out handed out, started by the next dispatch step.
-    handed_out: Vec<ClaimedDelivery>,
-    /// The same, handed out before their fan-out's commit.
-    handed_out_early: Vec<EarlyHandOut>,
+    /// Deliveries fan-outs handed out, started by the next dispatch step; those handed out
+    /// before their fan-out's commit with its word.
+    handed_out: Vec<(Vec<ClaimedDelivery>, Option<FanOutCommit>)>,
     /// Lanes a fan-out just put a few new deliveries in: the next claim looks only there.
     claim_lanes: BTreeSet<LaneId>,
     /// Successful runs, completed in batches in the background.
@@ -210,7 +209,6 @@ impl<S: Store> Flight<S> {
             fanning: None,
             stop_fanning: Arc::default(),
             handed_out: Vec::new(),
-            handed_out_early: Vec::new(),
             claim_lanes: BTreeSet::new(),
             completions,
             unsettled: Vec::new(),
@@ -278,10 +276,13 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                             None => flight.claim |= done.new_deliveries,
                         }
                         flight.fan_out |= done.more;
-                        flight.handed_out.extend(done.claimed);
+                        flight.handed_out.push((done.claimed, None));
                     })
                 }
-                Some(handed) = early.recv() => { flight.handed_out_early.push(handed); Ok(()) }
+                Some(EarlyHandOut { claimed, commit }) = early.recv() => {
+                    flight.handed_out.push((claimed, Some(commit)));
+                    Ok(())
+                }
                 written = flight.completions.ended() => written.map(|written| {
                     DispatcherCounters::add(&self.counters.completed, written.completed);
                     flight.claim |= written.keyed;
@@ -366,11 +367,10 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         finished_tx: &mpsc::UnboundedSender<(ClaimedDelivery, RunResult)>,
         flight: &mut Flight<S>,
     ) -> Result<(), StoreError> {
-        for EarlyHandOut { claimed, commit } in std::mem::take(&mut flight.handed_out_early) {
-            self.start(claimed, Some(commit), specs, permits, finished_tx, flight).await?;
+        for (claimed, commit) in std::mem::take(&mut flight.handed_out) {
+            self.start(claimed, commit, specs, permits, finished_tx, flight).await?;
         }
-        let handed_out = std::mem::take(&mut flight.handed_out);
-        self.start(handed_out, None, specs, permits, finished_tx, flight).await
+        Ok(())
     }
 
     /// Starts runs of claimed deliveries (each waits for a run slot), or buries those whose
@@ -579,14 +579,14 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         if let Some(mut fanning) = flight.fanning.take() {
             match tokio::time::timeout_at(deadline, &mut fanning).await {
                 Ok(done) => match step_result(done, "the fan-out") {
-                    Ok(done) => flight.handed_out.extend(done.claimed),
+                    Ok(done) => flight.handed_out.push((done.claimed, None)),
                     Err(error) => tracing::warn!(%error, "the last fan-out failed during the stop"),
                 },
                 Err(_) => fanning.abort(),
             }
         }
-        while let Ok(handed) = early.try_recv() {
-            flight.handed_out_early.push(handed);
+        while let Ok(EarlyHandOut { claimed, commit }) = early.try_recv() {
+            flight.handed_out.push((claimed, Some(commit)));
         }
         let specs = self.runner.handlers();
         self.start_handed_out(&specs, permits, finished_tx, flight).await?;

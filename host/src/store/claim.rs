@@ -867,30 +867,20 @@ impl Claimer {
                 return self.after_failed_hand_out(backend, &mut held, &records, &to_take, committed, taken).await;
             }
         };
-        // Without `early`, leases are issued once committed: each names a delivery that exists.
-        let (commit, committed) = match early {
-            Some(_) => (Some(commit), None),
-            None => match commit.await {
-                Ok(committed) => (None, Some(committed)),
-                Err(error) => {
-                    let taken = Ok(taken);
-                    return self.after_failed_hand_out(backend, &mut held, &records, &to_take, Err(error), taken).await;
+        // Issues the leases of what was listed, and knows those lanes' lists again.
+        let issue_listed = |held: &mut BTreeMap<LaneId, Held>, records: Vec<LaneRecord>| {
+            let mut listed: Vec<(LaneId, i64, Vec<InFlight>)> = Vec::new();
+            for (record, ok) in records.into_iter().zip(flags) {
+                if ok {
+                    listed.push((record.lane, record.epoch, record.in_flight));
+                } else {
+                    held.remove(&record.lane);
                 }
-            },
-        };
-        let mut listed: Vec<(LaneId, i64, Vec<InFlight>)> = Vec::new();
-        for (record, ok) in records.into_iter().zip(flags) {
-            if ok {
-                listed.push((record.lane, record.epoch, record.in_flight));
-            } else {
-                held.remove(&record.lane);
             }
-        }
-        listed.extend(taken.into_iter().map(|(lane, epoch)| (lane, epoch, by_lane[&lane].clone())));
-        let mut events: HashMap<DeliveryId, (Candidate, EventRecord)> =
-            fresh.into_iter().map(|Fresh { candidate, event }| (candidate.id, (candidate, event))).collect();
-        let mut claimed = Vec::new();
-        {
+            listed.extend(taken.iter().map(|(lane, epoch)| (*lane, *epoch, by_lane[lane].clone())));
+            let mut events: HashMap<DeliveryId, (Candidate, EventRecord)> =
+                fresh.into_iter().map(|Fresh { candidate, event }| (candidate.id, (candidate, event))).collect();
+            let mut claimed = Vec::new();
             let mut issued = self.issued.lock().expect("issued leases");
             for (lane, epoch, in_flight) in listed {
                 for entry in &by_lane[&lane] {
@@ -900,10 +890,19 @@ impl Claimer {
                 }
                 held.insert(lane, Held { epoch, known: Some(Listed { in_flight, lease_until: until }) });
             }
-        }
-        let (Some(commit), Some(early)) = (commit, early) else {
-            return Ok(HandedOut { committed: committed.expect("committed before issuing"), claimed, sent_early: Vec::new() });
+            claimed
         };
+        let Some(early) = early else {
+            // Issued once committed: each lease names a delivery that exists.
+            return match commit.await {
+                Ok(committed) => Ok(HandedOut { committed, claimed: issue_listed(&mut held, records), sent_early: Vec::new() }),
+                Err(error) => {
+                    let taken = Ok(taken.clone());
+                    self.after_failed_hand_out(backend, &mut held, &records, &to_take, Err(error), taken).await
+                }
+            };
+        };
+        let claimed = issue_listed(&mut held, records);
         // The lists are written: claims need not wait for the commit.
         drop(held);
         let (tell, commit_word) = FanOutCommit::channel();
