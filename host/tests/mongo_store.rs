@@ -503,6 +503,7 @@ async fn setup_replaces_superseded_indexes_and_pending_deliveries_stay_out_of_th
         (&deliveries, doc! { "handler": 1, "_id": 1 }, "by_handler"),
         (&deliveries, doc! { "status": 1, "updatedAt": 1 }, "status_updated"),
         (&events, doc! { "completedAt": 1 }, "completed"),
+        (&events, doc! { "fannedOutAt": 1, "createdAt": 1, "_id": 1 }, "fan_out"),
     ] {
         let options = mongodb::options::IndexOptions::builder().name(name.to_string()).build();
         collection.create_index(mongodb::IndexModel::builder().keys(keys).options(options).build()).await.unwrap();
@@ -514,8 +515,9 @@ async fn setup_replaces_superseded_indexes_and_pending_deliveries_stay_out_of_th
     for gone in ["by_handler", "status_updated", "by_status", "by_event_type", "due"] {
         assert!(!names.iter().any(|n| n == gone), "{gone} is still there: {names:?}");
     }
-    let event_names = events.list_index_names().await.unwrap();
-    assert!(!event_names.iter().any(|n| n == "completed"), "{event_names:?}");
+    let mut event_names = events.list_index_names().await.unwrap();
+    event_names.sort();
+    assert_eq!(event_names, ["_id_", "created", "key_unfanned", "unfanned"]);
     let history_names = client.database(&database).collection::<Document>("relayhost_completed_deliveries").list_index_names().await.unwrap();
     assert!(history_names.iter().any(|n| n == "completed"), "the history's own index stays: {history_names:?}");
     let dead_letter_indexes = ["dead_by_id", "dead_updated", "dead_by_handler", "dead_by_event_type"];
@@ -523,10 +525,17 @@ async fn setup_replaces_superseded_indexes_and_pending_deliveries_stay_out_of_th
         assert!(names.iter().any(|n| n == wanted), "{wanted} is missing: {names:?}");
     }
 
+    // The fan-out's indexes hold the backlog only: its stamp takes an event out of them.
     publish_all(&store, (0..20).map(|n| event(&format!("e-{n}"), "t")).collect()).await;
+    publish_all(&store, (0..3).map(|n| keyed(&format!("k-{n}"), "t", "key")).collect()).await;
+    let keys = keys_per_index(&client, &database, "relayhost_events").await;
+    assert_eq!((keys.get_i32("unfanned").unwrap(), keys.get_i32("key_unfanned").unwrap()), (23, 3), "{keys}");
     fan_out_all(&store, &subs(&[("h", &["t"])]), at(T0)).await;
+    let keys = keys_per_index(&client, &database, "relayhost_events").await;
+    assert_eq!((keys.get_i32("unfanned").unwrap(), keys.get_i32("key_unfanned").unwrap()), (0, 0), "{keys}");
+    assert_eq!(keys.get_i32("created").unwrap(), 23, "{keys}");
     let keys = keys_per_index(&client, &database, "relayhost_deliveries").await;
-    assert_eq!(keys.get_i32("claim").unwrap(), 20, "{keys}");
+    assert_eq!(keys.get_i32("claim").unwrap(), 23, "{keys}");
     for index in dead_letter_indexes {
         assert_eq!(keys.get_i32(index).unwrap(), 0, "pending deliveries are not dead letters: {keys}");
     }

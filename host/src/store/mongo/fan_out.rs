@@ -21,9 +21,10 @@ use bson::{Bson, DateTime, Document, doc};
 use futures::TryStreamExt;
 
 use mongodb::ClientSession;
+use mongodb::options::Hint;
 
 use super::generations::WriteIn;
-use super::{Commit, MongoStore, generations, lanes};
+use super::{Commit, MongoStore, generations, lanes, setup};
 use super::documents::new_delivery_document;
 use crate::event::field;
 use crate::store::fan_out::{self, FanOutPlan};
@@ -231,7 +232,8 @@ async fn read_batch(store: &MongoStore, session: &mut ClientSession, limit: usiz
     let events = &store.collections.events;
     let first: Vec<Document> = events
         .find(doc! { field::FANNED_OUT_AT: Bson::Null })
-        .sort(doc! { field::FANNED_OUT_AT: 1, field::CREATED_AT: 1, field::ID: 1 })
+        .sort(doc! { field::CREATED_AT: 1, field::ID: 1 })
+        .hint(Hint::Name(setup::UNFANNED.into()))
         .limit(limit as i64)
         .batch_size(super::outcome::one_batch(limit))
         .session(&mut *session)
@@ -248,7 +250,8 @@ async fn read_batch(store: &MongoStore, session: &mut ClientSession, limit: usiz
     } else {
         events
             .find(doc! { field::KEY: { "$in": &keys }, field::FANNED_OUT_AT: Bson::Null })
-            .sort(doc! { field::KEY: 1, field::FANNED_OUT_AT: 1, field::SEQUENCE: 1 })
+            .sort(doc! { field::KEY: 1, field::SEQUENCE: 1 })
+            .hint(Hint::Name(setup::KEY_UNFANNED.into()))
             .limit(limit.saturating_mul(4) as i64)
             .batch_size(super::outcome::one_batch(limit.saturating_mul(4)))
             .session(&mut *session)

@@ -138,9 +138,9 @@ pub(super) async fn purge(store: &MongoStore, options: &PurgeOptions, _now: Date
                 .events
                 .find(filter)
                 .sort(doc! { field::CREATED_AT: 1, "_id": 1 })
-                // In index order, never a sort of every fanned-out event the `fan_out` index
-                // would offer for the `fannedOutAt` condition.
-                .hint(mongodb::options::Hint::Keys(doc! { field::CREATED_AT: 1, "_id": 1 }))
+                // In index order, never a sort of what another index offered; by name, since
+                // `unfanned` has the same keys (and none of the events this looks for).
+                .hint(mongodb::options::Hint::Name(super::setup::CREATED.into()))
                 .projection(doc! { "_id": 1, field::CREATED_AT: 1 })
                 .limit(batch_size as i64)
                 .await?

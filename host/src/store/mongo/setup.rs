@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use bson::{Document, doc};
+use bson::{Bson, Document, doc};
 use mongodb::options::IndexOptions;
 use mongodb::{Client, Collection, IndexModel};
 
@@ -21,10 +21,20 @@ const INDEX_NOT_FOUND: i32 = 27;
 /// now (every delivery used to pay for them twice: at fan-out and at completion).
 const SUPERSEDED_DELIVERY_INDEXES: &[&str] = &["due", "status_updated", "by_status", "by_handler", "by_event_type"];
 
+/// The events' indexes the fan-out reads by (by name: a hint, so that the planner never walks
+/// `created`, which has the same keys, through every event ever fanned out).
+pub(super) const UNFANNED: &str = "unfanned";
+pub(super) const KEY_UNFANNED: &str = "key_unfanned";
+/// Every event in creation order: the purge's walk (by name, for the same reason).
+pub(super) const CREATED: &str = "created";
+
 /// Event indexes earlier versions created. `completed` made every completion move an index key
 /// of its event, and in MongoDB that update then costs about four times as much as without
-/// it; the purge reads `completedAt` while it walks `created` instead.
-const SUPERSEDED_EVENT_INDEXES: &[&str] = &["completed"];
+/// it; the purge reads `completedAt` while it walks `created` instead. `fan_out` and
+/// `key_fan_out` held every event with `fannedOutAt` as a key, so the fan-out's stamp moved
+/// a key in each; `unfanned` and `key_unfanned` hold unfanned events only, and the stamp just
+/// takes the event out of them.
+const SUPERSEDED_EVENT_INDEXES: &[&str] = &["completed", "fan_out", "key_fan_out"];
 
 pub(super) async fn run(client: &Client, collections: &Collections, location: &MongoLocation) -> Result<(), StoreError> {
     check_server(client).await?;
@@ -125,18 +135,21 @@ fn delivery_indexes() -> Vec<IndexModel> {
 
 fn event_indexes() -> Vec<IndexModel> {
     vec![
-        // Events nobody fanned out yet (`fannedOutAt` missing sorts as null).
-        index(doc! { field::FANNED_OUT_AT: 1, field::CREATED_AT: 1, field::ID: 1 }, "fan_out", None, false),
+        // Events nobody fanned out yet, and only those (`fannedOutAt: null` also matches a
+        // missing field, which `$exists: false` would say but a partial index cannot): the
+        // fan-out's stamp removes an event from it instead of moving its key, and the index
+        // stays as small as the backlog.
+        index(doc! { field::CREATED_AT: 1, field::ID: 1 }, UNFANNED, Some(doc! { field::FANNED_OUT_AT: Bson::Null }), false),
         // The lowest unfanned events of a key.
         index(
-            doc! { field::KEY: 1, field::FANNED_OUT_AT: 1, field::SEQUENCE: 1 },
-            "key_fan_out",
-            Some(doc! { field::KEY: { "$exists": true } }),
+            doc! { field::KEY: 1, field::SEQUENCE: 1 },
+            KEY_UNFANNED,
+            Some(doc! { field::FANNED_OUT_AT: Bson::Null, field::KEY: { "$exists": true } }),
             false,
         ),
         // The purge's walk. `completedAt` is deliberately in no index: see
         // `SUPERSEDED_EVENT_INDEXES`.
-        index(doc! { field::CREATED_AT: 1, field::ID: 1 }, "created", None, false),
+        index(doc! { field::CREATED_AT: 1, field::ID: 1 }, CREATED, None, false),
     ]
 }
 
