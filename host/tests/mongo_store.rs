@@ -237,6 +237,46 @@ async fn a_fan_out_hands_out_heard_events_without_reading_them_and_never_one_fan
     wakeups.abort();
 }
 
+/// A heard event another fan-out has marked, in a transaction still open, is not handed out:
+/// the mark, the first thing a fan-out writes, is what makes it the only one, and a hand-out
+/// is sent early only after it. (Sent after the inserts instead, this one would be, since the
+/// other fan-out inserted nothing yet that they could conflict with.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heard_event_another_open_fan_out_marked_is_not_handed_out_early() {
+    let Recorded { client, store, .. } = recorded_store().await;
+    let subscriptions = subs(&[("h", &["t"])]);
+    let waker = Arc::new(tokio::sync::Notify::new());
+    let wakeups = EventWakeups::default().spawn(&store, waker.clone());
+    let woken = || async { tokio::time::timeout(Duration::from_secs(10), waker.notified()).await.expect("a wakeup") };
+    woken().await;
+    assert_eq!(store.fan_out(&subscriptions, 100, 5, at(T0)).await.unwrap().events, 0);
+
+    publish_all(&store, vec![event("e-1", "t")]).await;
+    woken().await;
+    let mut other = client.start_session().await.unwrap();
+    other.start_transaction().await.unwrap();
+    store
+        .events_collection()
+        .update_one(doc! { "_id": "e-1" }, doc! { "$set": { "fannedOutAt": at(T0), "handlers": ["h"] } })
+        .session(&mut other)
+        .await
+        .unwrap();
+    let (early, mut sent) = tokio::sync::mpsc::unbounded_channel();
+    let fan_out = store.fan_out_early(&subscriptions, 100, 5, &early, at(T0));
+    let other_commits = async {
+        // Long enough for the heard fan-out to meet the open mark; the reading fan-out that
+        // follows retries until the other commits.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        other.commit_transaction().await.unwrap();
+    };
+    let (report, ()) = tokio::join!(fan_out, other_commits);
+    let report = report.unwrap();
+    assert!(sent.try_recv().is_err(), "nothing was sent early");
+    assert_eq!((report.events, report.claimed.len(), report.sent_early), (0, 0, 0));
+    assert!(list_all(&store, DeliveryFilter::default()).await.is_empty(), "nothing was created");
+    wakeups.abort();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn complete_many_takes_a_fixed_number_of_commands_without_a_transaction_and_claims_write_with_majority() {
     let Recorded { log, store, .. } = recorded_store().await;

@@ -210,12 +210,20 @@ async fn handing_out(
     let plan = fan_out::plan(&batch, subscriptions);
     let fresh = fan_out::fresh(&plan, &batch, hand_out, now);
     let written = &plan;
+    // The first stage is the mark, which makes this fan-out the only one of its events; the
+    // inserts go with the commit, so that a hand-out sent early need not wait for them.
     let write = async move {
-        let marked = write(store, tx.session(), written, now).await;
+        let marked = mark(store, tx.session(), written, now).await;
         match marked {
             // Every heard event must still have been unfanned: one that was not is another
             // fan-out's (whose deliveries may even be completed and gone by now).
-            Ok(marked) if marked == written.events.len() as u64 || limit.is_some() => Ok(async move { tx.commit().await }),
+            Ok(marked) if marked == written.events.len() as u64 || limit.is_some() => Ok(async move {
+                if let Err(error) = insert(store, tx.session(), written, now).await {
+                    let _ = tx.abort().await;
+                    return Err(error);
+                }
+                tx.commit().await
+            }),
             outcome => {
                 let _ = tx.abort().await;
                 Err(outcome.err().unwrap_or_else(|| StoreError::Raced("a heard event was fanned out already".into())))
@@ -263,13 +271,18 @@ async fn read_batch(store: &MongoStore, session: &mut ClientSession, limit: usiz
     Ok(fan_out::assemble(first, prefixes))
 }
 
-/// Inserts the plan's deliveries and marks its events fanned out; returns how many it marked
-/// (those still unfanned).
+/// Marks the plan's events fanned out and inserts their deliveries; returns how many it
+/// marked (those still unfanned).
 async fn write(store: &MongoStore, session: &mut ClientSession, plan: &FanOutPlan, now: DateTime) -> Result<u64, StoreError> {
-    if !plan.deliveries.is_empty() {
-        let documents: Vec<Document> = plan.deliveries.iter().map(|d| new_delivery_document(d, now)).collect();
-        store.collections.deliveries.insert_many(documents).session(&mut *session).await?;
-    }
+    let marked = mark(store, session, plan, now).await?;
+    insert(store, session, plan, now).await?;
+    Ok(marked)
+}
+
+/// Marks the plan's events fanned out, with the handlers they had deliveries for; returns
+/// how many it marked (those still unfanned). Once this statement succeeded, no other
+/// fan-out of those events can: it would write the same documents, and conflict.
+async fn mark(store: &MongoStore, session: &mut ClientSession, plan: &FanOutPlan, now: DateTime) -> Result<u64, StoreError> {
     if plan.events.is_empty() {
         return Ok(0);
     }
@@ -293,4 +306,13 @@ async fn write(store: &MongoStore, session: &mut ClientSession, plan: &FanOutPla
         })
         .collect();
     generations::update_each(store, store.collections.events.name(), statements, WriteIn::Transaction(session)).await
+}
+
+/// Inserts the plan's deliveries.
+async fn insert(store: &MongoStore, session: &mut ClientSession, plan: &FanOutPlan, now: DateTime) -> Result<(), StoreError> {
+    if !plan.deliveries.is_empty() {
+        let documents: Vec<Document> = plan.deliveries.iter().map(|d| new_delivery_document(d, now)).collect();
+        store.collections.deliveries.insert_many(documents).session(&mut *session).await?;
+    }
+    Ok(())
 }
