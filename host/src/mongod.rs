@@ -151,6 +151,11 @@ impl Mongod {
         self.port
     }
 
+    /// The process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// The URI of the replica set.
     pub fn uri(&self) -> String {
         format!("mongodb://127.0.0.1:{}/?replicaSet={}&directConnection=true", self.port, self.replica_set)

@@ -67,25 +67,26 @@ pub async fn run(args: BenchArgs) -> Result<()> {
     let options = MongodOptions { die_with_parent: true, ..MongodOptions::new(find_binary()?, scratch.join("data")) };
     let mongod = Mongod::start(options).await?;
     let client = mongodb::Client::with_uri_str(mongod.uri()).await?;
-    let result = measure(&args, &client, &plugins).await;
-    drop(client);
+    let pid = mongod.pid().context("mongod exited")?;
+    let result = measure(&args, &Server { client, pid }, &plugins).await;
     mongod.stop();
     let _ = std::fs::remove_dir_all(&scratch);
     result
 }
 
-async fn measure(args: &BenchArgs, client: &mongodb::Client, plugins: &std::path::Path) -> Result<()> {
-    let (floor_before, floor_work) = raw_floor(client, args.events).await?;
+async fn measure(args: &BenchArgs, server: &Server, plugins: &std::path::Path) -> Result<()> {
+    let client = &server.client;
+    let (floor_before, floor_work) = raw_floor(server, args.events).await?;
     println!("raw floor    {:>8.0} documents/s  (find 100, delete them with one delete, over {} documents)", floor_before, args.events);
 
     let runtime = Arc::new(PluginRuntime::new(None)?);
     let registry = Arc::new(PluginRegistry::new(runtime, plugins, |_| PluginPolicy::default()));
     registry.scan().await?;
 
-    let (drain, drain_work) = drain(args, client, &registry).await?;
+    let (drain, drain_work) = drain(args, server, &registry).await?;
     // The disk's speed drifts within a run; a floor measured on both sides of the drain, and
     // the faster one used, keeps a slow moment from passing the goal.
-    let (floor_after, _) = raw_floor(client, args.events).await?;
+    let (floor_after, _) = raw_floor(server, args.events).await?;
     let floor = floor_before.max(floor_after);
     println!("raw floor    {floor_after:>8.0} documents/s  (again, after the drain; the ratio uses the faster: {floor:.0})");
     let ratio = drain / floor;
@@ -143,10 +144,19 @@ fn verdict(met: bool) -> &'static str {
     if met { "met" } else { "NOT met" }
 }
 
-/// What `mongod` did, from its own counters (`serverStatus`): the drain is bound by its CPU,
-/// so this says where a delivery costs more than a floor document.
+/// The bench's `mongod`: a client, and the process whose CPU time it reads.
+struct Server {
+    client: mongodb::Client,
+    pid: u32,
+}
+
+/// What `mongod` did, from its own counters (`serverStatus`), and the CPU time it and this
+/// process spent: the drain is bound by their CPU together, so this says where a delivery
+/// costs more than a floor document.
 #[derive(Clone, Copy, Default)]
 struct ServerWork {
+    mongod_cpu: Duration,
+    host_cpu: Duration,
     written: i64,
     returned: i64,
     keys_scanned: i64,
@@ -156,12 +166,14 @@ struct ServerWork {
 }
 
 impl ServerWork {
-    async fn now(client: &mongodb::Client) -> Result<Self> {
-        let status = client.database("admin").run_command(doc! { "serverStatus": 1 }).await?;
+    async fn now(server: &Server) -> Result<Self> {
+        let status = server.client.database("admin").run_command(doc! { "serverStatus": 1 }).await?;
         let metrics = status.get_document("metrics")?;
         let (document, executor) = (metrics.get_document("document")?, metrics.get_document("queryExecutor")?);
         let count = |from: &Document, field: &str| from.get(field).and_then(|value| value.as_i64().or(value.as_i32().map(i64::from))).unwrap_or(0);
         Ok(Self {
+            mongod_cpu: cpu_time(&format!("/proc/{}/stat", server.pid))?,
+            host_cpu: cpu_time("/proc/self/stat")?,
             written: count(document, "inserted") + count(document, "updated") + count(document, "deleted"),
             returned: count(document, "returned"),
             keys_scanned: count(executor, "scanned"),
@@ -178,6 +190,8 @@ impl ServerWork {
 
     fn since(self, earlier: Self) -> Self {
         Self {
+            mongod_cpu: self.mongod_cpu.saturating_sub(earlier.mongod_cpu),
+            host_cpu: self.host_cpu.saturating_sub(earlier.host_cpu),
             written: self.written - earlier.written,
             returned: self.returned - earlier.returned,
             keys_scanned: self.keys_scanned - earlier.keys_scanned,
@@ -189,8 +203,11 @@ impl ServerWork {
 
     fn per(self, items: usize) -> String {
         let per = |n: i64| n as f64 / items.max(1) as f64;
+        let micros = |cpu: Duration| cpu.as_secs_f64() * 1e6 / items.max(1) as f64;
         format!(
-            "{:.1} documents written, {:.1} returned, {:.1} index keys and {:.1} documents scanned, {:.3} commands and {:.4} transactions",
+            "{:.0} µs of mongod's CPU and {:.0} µs of this process's, {:.1} documents written, {:.1} returned, {:.1} index keys and {:.1} documents scanned, {:.3} commands and {:.4} transactions",
+            micros(self.mongod_cpu),
+            micros(self.host_cpu),
             per(self.written),
             per(self.returned),
             per(self.keys_scanned),
@@ -201,15 +218,31 @@ impl ServerWork {
     }
 }
 
+/// User and system CPU time of a process so far, from `/proc/<pid>/stat` (Linux).
+fn cpu_time(stat: &str) -> Result<Duration> {
+    let text = std::fs::read_to_string(stat).with_context(|| format!("reading {stat}"))?;
+    // The command name (field 2) may hold spaces; the fields after its closing parenthesis
+    // start at field 3, so utime and stime (fields 14 and 15) are the 12th and 13th.
+    let after_name = text.rsplit_once(')').map(|(_, rest)| rest).context("no command name in /proc stat")?;
+    let fields: Vec<&str> = after_name.split_whitespace().collect();
+    let ticks = |index: usize| -> Result<u64> {
+        Ok(fields.get(index).context("a short /proc stat line")?.parse()?)
+    };
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    Ok(Duration::from_secs_f64((ticks(11)? + ticks(12)?) as f64 / per_second))
+}
+
 /// The floor: what MongoDB alone does for a queue of documents on this machine.
-async fn raw_floor(client: &mongodb::Client, count: usize) -> Result<(f64, ServerWork)> {
+async fn raw_floor(server: &Server, count: usize) -> Result<(f64, ServerWork)> {
+    let client = &server.client;
     let collection = client.database("bench_floor").collection::<Document>("queue");
     collection.drop().await?;
     for chunk in (0..count).collect::<Vec<_>>().chunks(1_000) {
         let documents = chunk.iter().map(|n| doc! { "_id": *n as i64, "type": "bench", "payload": { "n": *n as i64 } });
         collection.insert_many(documents).await?;
     }
-    let work = ServerWork::now(client).await?;
+    let work = ServerWork::now(server).await?;
     let started = Instant::now();
     let mut removed = 0;
     loop {
@@ -224,7 +257,7 @@ async fn raw_floor(client: &mongodb::Client, count: usize) -> Result<(f64, Serve
         bail!("the floor removed {removed} of {count} documents");
     }
     let rate = count as f64 / started.elapsed().as_secs_f64();
-    Ok((rate, ServerWork::now(client).await?.since(work)))
+    Ok((rate, ServerWork::now(server).await?.since(work)))
 }
 
 fn store(client: &mongodb::Client, database: &str) -> Result<Arc<MongoStore>> {
@@ -243,7 +276,8 @@ fn dispatcher_options(args: &BenchArgs) -> DispatcherOptions {
 }
 
 /// Deliveries per second draining a published backlog, and what `mongod` did for them.
-async fn drain(args: &BenchArgs, client: &mongodb::Client, registry: &Arc<PluginRegistry>) -> Result<(f64, ServerWork)> {
+async fn drain(args: &BenchArgs, server: &Server, registry: &Arc<PluginRegistry>) -> Result<(f64, ServerWork)> {
+    let client = &server.client;
     let store = store(client, "bench_drain")?;
     store.setup().await?;
     let events: Vec<NewEvent> = (0..args.events)
@@ -278,7 +312,7 @@ async fn drain(args: &BenchArgs, client: &mongodb::Client, registry: &Arc<Plugin
     let counters = dispatcher.counters();
     let target = args.events as u64;
     let stall = Duration::from_secs(args.stall_after);
-    let work = ServerWork::now(client).await?;
+    let work = ServerWork::now(server).await?;
     let started = Instant::now();
     // Ends when every delivery completed, or when none did for a while: a drain that stalls
     // is reported as a failure instead of waiting forever.
@@ -307,7 +341,7 @@ async fn drain(args: &BenchArgs, client: &mongodb::Client, registry: &Arc<Plugin
             stall.as_secs()
         );
     }
-    let work = ServerWork::now(client).await?.since(work);
+    let work = ServerWork::now(server).await?.since(work);
     if DispatcherCounters::get(&counters.dead) > 0 {
         bail!("deliveries died during the drain");
     }
