@@ -781,12 +781,14 @@ impl Claimer {
 
     /// Hands out `fresh` deliveries of a fan-out while `write` writes them: lists them in
     /// their lanes' in-flight lists (lanes this instance holds, as it knows them, and free
-    /// lanes that run nothing, which the list's write takes) beside the fan-out's statements,
-    /// each acknowledged once applied ([`LaneWrite::Applied`]). `write` resolves to the
-    /// commit, which follows. The leases are issued once the commit is done, or, given
-    /// `early`, as soon as the statements and the lists are, and sent there with a word of the
-    /// commit to come (see [`EarlyHandOut`]). The way from a commit to its handler is then no
-    /// durable write long, not a fan-out's and then a claim's.
+    /// lanes that run nothing, which the list's write takes) beside the fan-out's first
+    /// stage, each acknowledged once applied ([`LaneWrite::Applied`]). `write` is that stage,
+    /// the one that makes the fan-out the only one of its events (in MongoDB, the mark), and
+    /// resolves to the rest: whatever else it writes, and its commit. The leases are issued
+    /// once the commit is done, or, given `early`, as soon as the first stage and the lists
+    /// are, and sent there with a word of the commit to come (see [`EarlyHandOut`]). The way
+    /// from a commit to its handler is then no durable write long, not a fan-out's and then
+    /// a claim's.
     ///
     /// Returns what the commit returned and the deliveries handed out (not those sent early).
     /// Fresh deliveries it does not hand out (their lane is another instance's, or its list is
@@ -923,7 +925,7 @@ impl Claimer {
         Ok(HandedOut { committed: committed?, claimed: kept, sent_early })
     }
 
-    /// After a hand-out whose statements or lane writes failed: learns what it cannot know
+    /// After a hand-out whose fan-out or lane writes failed: learns what it cannot know
     /// (the next claim reads every lane involved; a lane taken without this instance learning
     /// it is asked for) and reconciles. Lists written for a commit that failed name deliveries
     /// that were never inserted, harmless since only issued leases count as running; lists

@@ -191,8 +191,8 @@ impl FanOutReport {
     }
 }
 
-/// Deliveries a fan-out handed out as soon as they were written and listed in their lanes,
-/// before its commit was acknowledged (see [`Store::fan_out_early`]).
+/// Deliveries a fan-out handed out as soon as it had marked their events and listed them in
+/// their lanes, before it inserted them and committed (see [`Store::fan_out_early`]).
 #[derive(Debug)]
 pub struct EarlyHandOut {
     pub claimed: Vec<ClaimedDelivery>,
@@ -394,9 +394,10 @@ pub trait Store: Send + Sync + 'static {
     fn fan_out(&self, subscriptions: &Subscriptions, limit: usize, hand_out: usize, now: DateTime)
     -> impl Future<Output = Result<FanOutReport, StoreError>> + Send;
 
-    /// Like [`Store::fan_out`], but it may send what it hands out to `early` as soon as the
-    /// deliveries are written and listed, before its commit is acknowledged (one commit's
-    /// round trip sooner); those are not in the report's `claimed`. Their runs must wait for
+    /// Like [`Store::fan_out`], but it may send what it hands out to `early` as soon as it
+    /// holds their events (no other fan-out can create them) and has listed them in their
+    /// lanes, before the deliveries are written and committed (the inserts' and the commit's
+    /// round trips sooner); those are not in the report's `claimed`. Their runs must wait for
     /// [`FanOutCommit::committed`] before their outcome is written, and a transactional
     /// handler's run before it starts (its completion deletes the delivery in its own
     /// transaction). A store whose commit costs nothing hands out after it, as `fan_out`.

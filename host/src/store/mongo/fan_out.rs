@@ -1,7 +1,8 @@
 //! Fan-out in MongoDB: one transaction reads a batch of unfanned events (completed per key,
-//! see [`crate::store::fan_out`]), inserts their deliveries and marks them fanned out. Two
-//! hosts fanning out the same event both write it, so one of them conflicts and, on retry,
-//! no longer sees it as unfanned.
+//! see [`crate::store::fan_out`]), marks them fanned out and inserts their deliveries. Two
+//! hosts fanning out the same event both mark it, so one of them conflicts and, on retry,
+//! no longer sees it as unfanned. The mark comes first so that, once it succeeded, the
+//! fan-out is the only one of its events; what it hands out early is sent from there.
 //!
 //! The commit is acknowledged once applied, without waiting for the journal or a majority:
 //! nothing a claim takes from a fan-out runs before the claim's lane list names it, a
@@ -10,8 +11,9 @@
 //!
 //! A fan-out that may hand out first takes the unkeyed events its host's change stream
 //! reported ([`Heard`]) instead of reading them, and checks in its transaction that each is
-//! still unfanned. The way from a commit to its handler is then the transaction's inserts and
-//! marks beside one lane write, with nothing read first.
+//! still unfanned. The way from a commit to its handler is then the transaction's mark beside
+//! one lane write, with nothing read first; the inserts and the commit follow while the
+//! handler runs.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -176,7 +178,7 @@ enum Batch {
 }
 
 /// One fan-out transaction that hands out what it creates (see [`Claimer::hand_out`]): the
-/// lane lists are written while the deliveries are. Tried once: an error aborts it, and a
+/// lane lists are written while the events are marked. Tried once: an error aborts it, and a
 /// conflict leaves the batch to the retrying path.
 ///
 /// Its commit, like the lane writes ([`LaneWrite::Applied`]), is acknowledged once applied. A
