@@ -49,6 +49,11 @@ pub struct BenchArgs {
     /// is what the drain goal is set for). Keyed events run one at a time per key.
     #[arg(long, default_value_t = 0)]
     keys: usize,
+    /// Hosts sharing the drain and the latency events: each its own store instance (lane
+    /// owner), dispatcher and change stream, all in this process, as separate `relayhost run`
+    /// processes would on this machine. Their fan-outs race for every event.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16))]
+    hosts: u16,
     /// Give up on a drain that completes nothing for this many seconds.
     #[arg(long, default_value_t = 60)]
     stall_after: u64,
@@ -90,9 +95,10 @@ async fn measure(args: &BenchArgs, server: &Server, plugins: &std::path::Path) -
     let floor = floor_before.max(floor_after);
     println!("raw floor    {floor_after:>8.0} documents/s  (again, after the drain; the ratio uses the faster: {floor:.0})");
     let ratio = drain / floor;
+    let on_hosts = if args.hosts > 1 { format!(" on {} hosts", args.hosts) } else { String::new() };
     let events = match args.keys {
-        0 => format!("{} unkeyed events", args.events),
-        keys => format!("{} events over {keys} keys", args.events),
+        0 => format!("{} unkeyed events{on_hosts}", args.events),
+        keys => format!("{} events over {keys} keys{on_hosts}", args.events),
     };
     println!(
         "drain        {drain:>8.0} deliveries/s  ({events} through the no-op plugin) = {:.0} % of the floor (goal >= 30 %{}): {}",
@@ -106,13 +112,16 @@ async fn measure(args: &BenchArgs, server: &Server, plugins: &std::path::Path) -
     let latency = latency(args, client, &registry).await?;
     let (p50, p99) = latency.from_sent;
     println!(
-        "latency      p50 {:.1} ms (goal <= 5), p99 {:.1} ms (goal <= 25), commit sent to handler start, {} events at {}/s: {}",
+        "latency      p50 {:.1} ms (goal <= 5), p99 {:.1} ms (goal <= 25), commit sent to handler start, {} events at {}/s{on_hosts}: {}",
         p50,
         p99,
         args.latency_events,
         args.rate,
         verdict(p50 <= 5.0 && p99 <= 25.0)
     );
+    if latency.again > 0 {
+        println!("             {} handler runs were of events run before (hosts racing: at-least-once)", latency.again);
+    }
     let (p50, p99) = latency.from_acknowledged;
     println!("             p50 {p50:.1} ms, p99 {p99:.1} ms from the commit's acknowledgement (the commit happened in between)");
     let (commit_p50, commit_p99) = latency.commit;
@@ -265,6 +274,13 @@ fn store(client: &mongodb::Client, database: &str) -> Result<Arc<MongoStore>> {
     Ok(Arc::new(MongoStore::new(client.clone(), location, StoreOptions::default())))
 }
 
+/// `count` instances of `store`, each a host of its own (the first is `store` itself).
+fn hosts(store: &Arc<MongoStore>, count: u16) -> Vec<Arc<MongoStore>> {
+    std::iter::once(store.clone())
+        .chain((1..count).map(|n| Arc::new(store.instance(&format!("bench-host-{n}")))))
+        .collect()
+}
+
 fn dispatcher_options(args: &BenchArgs) -> DispatcherOptions {
     // No busy polling: new events arrive by change stream, the poll is a slow safety net.
     DispatcherOptions {
@@ -307,34 +323,48 @@ async fn drain(args: &BenchArgs, server: &Server, registry: &Arc<PluginRegistry>
         .buffer_unordered(4)
         .try_collect::<Vec<_>>()
         .await?;
-    let runner = Arc::new(PluginRunner::new(registry.clone(), store.clone(), Arc::new(|_: &str| RetryPolicy::default())));
-    let dispatcher = Dispatcher::new(store.clone(), runner, dispatcher_options(args));
-    let counters = dispatcher.counters();
+    let dispatchers: Vec<_> = hosts(&store, args.hosts)
+        .into_iter()
+        .map(|store| {
+            let runner = PluginRunner::new(registry.clone(), store.clone(), Arc::new(|_: &str| RetryPolicy::default()));
+            Dispatcher::new(store, Arc::new(runner), dispatcher_options(args))
+        })
+        .collect();
+    let counters: Vec<Arc<DispatcherCounters>> = dispatchers.iter().map(Dispatcher::counters).collect();
+    let total = |counter: fn(&DispatcherCounters) -> &std::sync::atomic::AtomicU64| {
+        counters.iter().map(|c| DispatcherCounters::get(counter(c))).sum::<u64>()
+    };
     let target = args.events as u64;
     let stall = Duration::from_secs(args.stall_after);
     let work = ServerWork::now(server).await?;
     let started = Instant::now();
     // Ends when every delivery completed, or when none did for a while: a drain that stalls
     // is reported as a failure instead of waiting forever.
-    let done = {
-        let counters = counters.clone();
-        async move {
-            let mut progress = (0, Instant::now());
-            loop {
-                let completed = DispatcherCounters::get(&counters.completed);
-                if completed >= target || progress.1.elapsed() > stall {
-                    break;
-                }
-                if completed > progress.0 {
-                    progress = (completed, Instant::now());
-                }
-                tokio::time::sleep(Duration::from_millis(5)).await;
+    let (finish, finished) = tokio::sync::watch::channel(false);
+    let monitor = async {
+        let mut progress = (0, Instant::now());
+        loop {
+            let completed = total(|c| &c.completed);
+            if completed >= target || progress.1.elapsed() > stall {
+                break;
             }
+            if completed > progress.0 {
+                progress = (completed, Instant::now());
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
+        let _ = finish.send(true);
     };
-    dispatcher.run(done).await?;
+    let runs = futures::future::try_join_all(dispatchers.iter().map(|dispatcher| {
+        let mut finished = finished.clone();
+        dispatcher.run(async move {
+            let _ = finished.wait_for(|done| *done).await;
+        })
+    }));
+    let ((), ran) = tokio::join!(monitor, runs);
+    ran?;
     let elapsed = started.elapsed();
-    let completed = DispatcherCounters::get(&counters.completed);
+    let completed = total(|c| &c.completed);
     if completed < target {
         bail!(
             "the drain stalled: {completed} of {target} deliveries completed, none in the last {} s",
@@ -342,16 +372,21 @@ async fn drain(args: &BenchArgs, server: &Server, registry: &Arc<PluginRegistry>
         );
     }
     let work = ServerWork::now(server).await?.since(work);
-    if DispatcherCounters::get(&counters.dead) > 0 {
+    if total(|c| &c.dead) > 0 {
         bail!("deliveries died during the drain");
+    }
+    if completed > target {
+        println!("drain        {} deliveries ran twice (hosts racing: at-least-once)", completed - target);
     }
     Ok((args.events as f64 / elapsed.as_secs_f64(), work))
 }
 
-/// Notes when each event's handler run starts, then runs it.
+/// Notes when each event's handler run starts (its first run; later ones are counted), then
+/// runs it.
 struct Timed<R: Runner> {
     inner: R,
     started: Arc<Mutex<HashMap<String, Instant>>>,
+    again: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl<R: Runner> Runner for Timed<R> {
@@ -360,7 +395,14 @@ impl<R: Runner> Runner for Timed<R> {
     }
 
     fn run(&self, delivery: ClaimedDelivery) -> Pin<Box<dyn Future<Output = RunResult> + Send>> {
-        self.started.lock().expect("timings").entry(delivery.event.id.clone()).or_insert_with(Instant::now);
+        match self.started.lock().expect("timings").entry(delivery.event.id.clone()) {
+            std::collections::hash_map::Entry::Vacant(first) => {
+                first.insert(Instant::now());
+            }
+            std::collections::hash_map::Entry::Occupied(_) => {
+                self.again.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
         self.inner.run(delivery)
     }
 }
@@ -374,18 +416,32 @@ struct Latency {
     /// The publisher's commits themselves: what one durable write costs on this disk in this
     /// run, the unit the path from commit to handler is made of.
     commit: (f64, f64),
+    /// Handler runs beyond the first of an event (hosts racing for it).
+    again: u64,
 }
 
 async fn latency(args: &BenchArgs, client: &mongodb::Client, registry: &Arc<PluginRegistry>) -> Result<Latency> {
     let store = store(client, "bench_latency")?;
     store.setup().await?;
     let started: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
-    let runner = PluginRunner::new(registry.clone(), store.clone(), Arc::new(|_: &str| RetryPolicy::default()));
-    let runner = Arc::new(Timed { inner: runner, started: started.clone() });
-    let dispatcher = Dispatcher::new(store.clone(), runner, dispatcher_options(args));
-    let wakeups = EventWakeups::default().spawn(&store, dispatcher.waker());
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(async move { dispatcher.run(async { let _ = stopped.await; }).await });
+    let again: Arc<std::sync::atomic::AtomicU64> = Arc::default();
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let mut running = Vec::new();
+    let mut wakeups = Vec::new();
+    for host in hosts(&store, args.hosts) {
+        let runner = PluginRunner::new(registry.clone(), host.clone(), Arc::new(|_: &str| RetryPolicy::default()));
+        let runner = Arc::new(Timed { inner: runner, started: started.clone(), again: again.clone() });
+        let dispatcher = Dispatcher::new(host.clone(), runner, dispatcher_options(args));
+        wakeups.push(EventWakeups::default().spawn(&host, dispatcher.waker()));
+        let mut stopped = stopped.clone();
+        running.push(tokio::spawn(async move {
+            dispatcher
+                .run(async move {
+                    let _ = stopped.wait_for(|stop| *stop).await;
+                })
+                .await
+        }));
+    }
     // Let the change stream open and the lanes settle before measuring.
     tokio::time::sleep(Duration::from_secs(1)).await;
 
@@ -409,9 +465,13 @@ async fn latency(args: &BenchArgs, client: &mongodb::Client, registry: &Arc<Plug
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let _ = stop.send(());
-    running.await.context("the dispatcher task")??;
-    wakeups.abort();
+    let _ = stop.send(true);
+    for host in running {
+        host.await.context("a dispatcher task")??;
+    }
+    for wakeup in wakeups {
+        wakeup.abort();
+    }
     let started = started.lock().expect("timings");
     let between = |from: &HashMap<String, Instant>, to: &HashMap<String, Instant>| {
         percentiles(from.iter().map(|(id, at)| to[id].saturating_duration_since(*at).as_secs_f64() * 1_000.0).collect())
@@ -420,6 +480,7 @@ async fn latency(args: &BenchArgs, client: &mongodb::Client, registry: &Arc<Plug
         from_sent: between(&committed, &started),
         from_acknowledged: between(&acknowledged, &started),
         commit: between(&committed, &acknowledged),
+        again: again.load(std::sync::atomic::Ordering::Relaxed),
     })
 }
 
