@@ -277,6 +277,48 @@ async fn a_heard_event_another_open_fan_out_marked_is_not_handed_out_early() {
     wakeups.abort();
 }
 
+/// Two hosts hear the same event in a lane the first holds: the second's fan-out marks it
+/// first (so its delivery lands in a lane only the first can claim from), and the first's
+/// hand-out fails. The first's fan-out then names that lane for a claim, which finds the
+/// delivery at once instead of at the first host's next poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hand_out_that_lost_its_events_to_another_fan_out_names_its_lanes_for_a_claim() {
+    let Recorded { store: a, .. } = recorded_store().await;
+    let b = a.instance("b");
+    let subscriptions = subs(&[("h", &["t"])]);
+    let waker = Arc::new(tokio::sync::Notify::new());
+    let wakeups = EventWakeups::default().spawn(&a, waker.clone());
+    let woken = || async { tokio::time::timeout(Duration::from_secs(10), waker.notified()).await.expect("a wakeup") };
+    woken().await;
+    assert_eq!(a.fan_out(&subscriptions, 100, 5, at(T0)).await.unwrap().events, 0);
+
+    // The first host holds the lane: it runs an event of it.
+    let lane = 42;
+    let (first, second) = (id_in_lane("first", lane), id_in_lane("second", lane));
+    publish_all(&a, vec![event(&first, "t")]).await;
+    woken().await;
+    let (early, _sent) = tokio::sync::mpsc::unbounded_channel();
+    let report = a.fan_out_early(&subscriptions, 100, 5, &early, at(T0)).await.unwrap();
+    assert_eq!(report.claimed.len() + report.sent_early, 1, "the first host runs {first}");
+
+    // The second host fans the next event of that lane out first; it cannot take the lane.
+    publish_all(&a, vec![event(&second, "t")]).await;
+    woken().await;
+    let report = b.fan_out(&subscriptions, 100, 5, at(T0)).await.unwrap();
+    assert_eq!((report.events, report.claimed.len()), (1, 0));
+    assert!(b.claim_in(&handlers(&["h"]), &[lane], 10, at(T0)).await.unwrap().is_empty(), "the lane is the first host's");
+
+    // The first host's fan-out of what it heard finds it marked: it names the lane it listed
+    // in, and a claim there finds the second host's delivery.
+    let report = a.fan_out_early(&subscriptions, 100, 5, &early, at(T0)).await.unwrap();
+    assert_eq!((report.events, report.claimed.len(), report.sent_early), (0, 0, 0));
+    assert!(report.lanes.contains(&lane), "{:?}", report.lanes);
+    let lanes: Vec<_> = report.lanes.iter().copied().collect();
+    let claimed = a.claim_in(&handlers(&["h"]), &lanes, 10, at(T0)).await.unwrap();
+    assert_eq!(ids(&claimed), [format!("{second}/h")]);
+    wakeups.abort();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn complete_many_takes_a_fixed_number_of_commands_without_a_transaction_and_claims_write_with_majority() {
     let Recorded { log, store, .. } = recorded_store().await;

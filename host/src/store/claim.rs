@@ -779,6 +779,17 @@ impl Claimer {
         Ok(claimed)
     }
 
+    /// The lanes this instance holds without knowing what they list: a failed hand-out or
+    /// claim leaves them so. Another fan-out may be filling them (the one whose mark beat a
+    /// failed hand-out's), and only this instance can claim there while it holds them; so a
+    /// fan-out names them for a claim. Empty while a claim is under way (it reads them).
+    pub fn lanes_to_read(&self) -> Vec<LaneId> {
+        match self.held.try_lock() {
+            Ok(held) => held.iter().filter(|(_, lane)| lane.known.is_none()).map(|(id, _)| *id).collect(),
+            Err(_) => Vec::new(),
+        }
+    }
+
     /// Hands out `fresh` deliveries of a fan-out while `write` writes them: lists them in
     /// their lanes' in-flight lists (lanes this instance holds, as it knows them, and free
     /// lanes that run nothing, which the list's write takes) beside the fan-out's first

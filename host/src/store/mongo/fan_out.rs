@@ -120,6 +120,9 @@ pub(super) async fn run(
                 Ok(heard) => report = heard,
                 Err(error) => {
                     store.heard.missed_some();
+                    // Another fan-out's deliveries may land in the lanes this one took or
+                    // listed in: only this instance can claim them there, so it will.
+                    report.lanes.extend(store.claimer.lanes_to_read());
                     tracing::debug!(%error, "fanning out heard events failed; reading them instead");
                 }
             }
@@ -154,19 +157,23 @@ async fn read(
     early: Option<&EarlyHandOuts>,
     now: DateTime,
 ) -> Result<FanOutReport, StoreError> {
+    let mut lanes_to_read = Vec::new();
     if hand_out > 0 {
         match handing_out(store, subscriptions, Batch::Read(limit), hand_out, early, now).await {
-            // Another fan-out wrote the same events first: the retrying path sorts it out.
-            Err(error) if error.is_transient() => {}
+            // Another fan-out wrote the same events first: the retrying path sorts it out,
+            // and a claim looks at the lanes this one took or listed in (see `run`).
+            Err(error) if error.is_transient() => lanes_to_read = store.claimer.lanes_to_read(),
             done => return done,
         }
     }
-    transaction!(store, Commit::Applied, |tx| {
+    let mut report = transaction!(store, Commit::Applied, |tx| {
         let batch = read_batch(store, tx.session(), limit).await?;
         let plan = fan_out::plan(&batch, subscriptions);
         write(store, tx.session(), &plan, now).await?;
         Ok(plan.report(Vec::new(), &[]))
-    })
+    })?;
+    report.lanes.extend(lanes_to_read);
+    Ok(report)
 }
 
 /// Where a fan-out's batch comes from.
