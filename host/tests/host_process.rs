@@ -705,10 +705,32 @@ fn bench_measures_the_floor_the_drain_the_latency_and_mongods_work() {
     assert!(number_after("raw floor") > 0.0 && number_after("drain") > 0.0, "{text}");
     assert!(number_after("latency") > 0.0 && number_after("commit") > 0.0 && number_after("round trip") > 0.0, "{text}");
     assert!(text.contains("% of the floor (goal >= 30 %)") && text.contains("goal <= 25"), "{text}");
-    // The drain wrote at least the delivery's insert and delete and the event's two stamps.
+    // The drain wrote at least the delivery's insert and delete and the event's two stamps,
+    // and both processes spent CPU time on it.
     let work = text.lines().find(|line| line.starts_with("mongod work  per delivery:")).expect(&text);
-    let written: f64 = work.split(':').nth(1).and_then(|rest| rest.split_whitespace().next()).and_then(|n| n.parse().ok()).expect(work);
-    assert!(written >= 4.0, "{work}");
+    let number_before = |what: &str| -> f64 {
+        let (before, _) = work.split_once(what).unwrap_or_else(|| panic!("no {what:?} in {work:?}"));
+        before.split_whitespace().last().and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("no number before {what:?}"))
+    };
+    assert!(number_before(" documents written") >= 4.0, "{work}");
+    assert!(number_before(" µs of mongod's CPU") > 0.0 && number_before(" µs of this process's") > 0.0, "{work}");
+}
+
+/// Two hosts share the drain and the latency events (the bench fails if a delivery died or
+/// the drain stalled) and the bench says so. A smoke test of the option, like the keyed one.
+#[test]
+fn bench_runs_on_several_hosts_when_asked() {
+    let output = Command::new(RELAYHOST)
+        .args(["bench", "--events", "400", "--hosts", "2", "--latency-events", "10", "--rate", "100", "--plugins"])
+        .arg(plugins_dir())
+        .output()
+        .unwrap();
+    let text = stdout(&output);
+    assert!(output.status.success(), "{text}");
+    let drain = text.lines().find(|line| line.starts_with("drain")).unwrap_or_else(|| panic!("no drain line: {text}"));
+    assert!(drain.contains("(400 unkeyed events on 2 hosts through the no-op plugin)"), "{drain}");
+    let latency = text.lines().find(|line| line.starts_with("latency")).unwrap_or_else(|| panic!("no latency line: {text}"));
+    assert!(latency.contains("10 events at 100/s on 2 hosts"), "{latency}");
 }
 
 /// The keyed drain finishes (the bench waits until every delivery completed, and fails if any
