@@ -6,9 +6,11 @@
 //! plugin registry with the no-op Rust plugin, the dispatcher, change-stream wakeups.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -331,7 +333,7 @@ async fn drain(args: &BenchArgs, server: &Server, registry: &Arc<PluginRegistry>
         })
         .collect();
     let counters: Vec<Arc<DispatcherCounters>> = dispatchers.iter().map(Dispatcher::counters).collect();
-    let total = |counter: fn(&DispatcherCounters) -> &std::sync::atomic::AtomicU64| {
+    let total = |counter: fn(&DispatcherCounters) -> &AtomicU64| {
         counters.iter().map(|c| DispatcherCounters::get(counter(c))).sum::<u64>()
     };
     let target = args.events as u64;
@@ -386,7 +388,7 @@ async fn drain(args: &BenchArgs, server: &Server, registry: &Arc<PluginRegistry>
 struct Timed<R: Runner> {
     inner: R,
     started: Arc<Mutex<HashMap<String, Instant>>>,
-    again: Arc<std::sync::atomic::AtomicU64>,
+    again: Arc<AtomicU64>,
 }
 
 impl<R: Runner> Runner for Timed<R> {
@@ -396,11 +398,11 @@ impl<R: Runner> Runner for Timed<R> {
 
     fn run(&self, delivery: ClaimedDelivery) -> Pin<Box<dyn Future<Output = RunResult> + Send>> {
         match self.started.lock().expect("timings").entry(delivery.event.id.clone()) {
-            std::collections::hash_map::Entry::Vacant(first) => {
+            Entry::Vacant(first) => {
                 first.insert(Instant::now());
             }
-            std::collections::hash_map::Entry::Occupied(_) => {
-                self.again.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Entry::Occupied(_) => {
+                self.again.fetch_add(1, Ordering::Relaxed);
             }
         }
         self.inner.run(delivery)
@@ -424,7 +426,7 @@ async fn latency(args: &BenchArgs, client: &mongodb::Client, registry: &Arc<Plug
     let store = store(client, "bench_latency")?;
     store.setup().await?;
     let started: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
-    let again: Arc<std::sync::atomic::AtomicU64> = Arc::default();
+    let again: Arc<AtomicU64> = Arc::default();
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let mut running = Vec::new();
     let mut wakeups = Vec::new();
@@ -480,7 +482,7 @@ async fn latency(args: &BenchArgs, client: &mongodb::Client, registry: &Arc<Plug
         from_sent: between(&committed, &started),
         from_acknowledged: between(&acknowledged, &started),
         commit: between(&committed, &acknowledged),
-        again: again.load(std::sync::atomic::Ordering::Relaxed),
+        again: again.load(Ordering::Relaxed),
     })
 }
 
