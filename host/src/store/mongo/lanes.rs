@@ -540,16 +540,19 @@ impl ClaimBackend for Backend<'_> {
 
     async fn reconcile(&self, holder: &Holder, issued: &HashSet<Lease>) -> Result<(), StoreError> {
         let collections = &self.store.collections;
+        // Read before the transaction, not in it: a transaction reads a snapshot that may not
+        // hold this instance's latest lane writes yet (those acknowledged once applied, see
+        // `LaneWrite::Applied`, while other writes are in flight), and a lane it did not see
+        // would be left as it is. Its rewrites are conditional on the epoch, which only this
+        // instance moves while it holds the lane, and its claims wait for this.
+        let documents: Vec<Document> = collections
+            .lanes
+            .find(doc! { lane::OWNER: &holder.owner, lane::INSTANCE: &holder.instance })
+            .await?
+            .try_collect()
+            .await?;
         transaction!(self.store, |tx| {
             let session = tx.session();
-            let documents: Vec<Document> = collections
-                .lanes
-                .find(doc! { lane::OWNER: &holder.owner, lane::INSTANCE: &holder.instance })
-                .session(&mut *session)
-                .await?
-                .stream(&mut *session)
-                .try_collect()
-                .await?;
             for document in &documents {
                 let state = lane_state(document)?;
                 let (kept, dropped): (Vec<InFlight>, Vec<InFlight>) = state.in_flight.into_iter().partition(|entry| {
