@@ -253,8 +253,9 @@ pub(crate) trait ClaimBackend: Sync {
         doomed: &[(DeliveryId, i64, String)],
         now: DateTime,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
-    /// After a failed claim: in one transaction, keeps in the holder's lanes only the entries
-    /// in `issued` and moves the claim generation of every other entry on.
+    /// After a failed claim: keeps in the holder's lanes only the entries in `issued` and
+    /// moves the claim generation of every other entry on (each write fenced on its own: the
+    /// generation it moves from, the epoch of the lane it rewrites).
     fn reconcile(&self, holder: &Holder, issued: &HashSet<Lease>) -> impl Future<Output = Result<(), StoreError>> + Send;
 }
 

@@ -539,41 +539,39 @@ impl ClaimBackend for Backend<'_> {
     }
 
     async fn reconcile(&self, holder: &Holder, issued: &HashSet<Lease>) -> Result<(), StoreError> {
+        // Plain reads and writes, not a transaction: a transaction reads a snapshot that may
+        // not hold the latest writes acknowledged once applied yet (a hand-out's lane write,
+        // a fan-out's deliveries) while others are in flight, and what it did not see it left
+        // as it was. Nothing here needs one: each generation moves on only from the one
+        // listed, and each lane is rewritten only under its epoch, which only this instance
+        // moves while it holds the lane (and its claims wait for this). A failure in between
+        // leaves entries listed at generations that are gone, which nothing charges or runs.
         let collections = &self.store.collections;
-        // Read before the transaction, not in it: a transaction reads a snapshot that may not
-        // hold this instance's latest lane writes yet (those acknowledged once applied, see
-        // `LaneWrite::Applied`, while other writes are in flight), and a lane it did not see
-        // would be left as it is. Its rewrites are conditional on the epoch, which only this
-        // instance moves while it holds the lane, and its claims wait for this.
         let documents: Vec<Document> = collections
             .lanes
             .find(doc! { lane::OWNER: &holder.owner, lane::INSTANCE: &holder.instance })
             .await?
             .try_collect()
             .await?;
-        transaction!(self.store, |tx| {
-            let session = tx.session();
-            for document in &documents {
-                let state = lane_state(document)?;
-                let (kept, dropped): (Vec<InFlight>, Vec<InFlight>) = state.in_flight.into_iter().partition(|entry| {
-                    issued.contains(&Lease { delivery: entry.delivery, lane: state.id, epoch: state.epoch, claims: entry.claims })
-                });
-                if dropped.is_empty() {
-                    continue;
-                }
-                let bump = doc! { "$inc": { delivery::CLAIMS: 1_i64 } };
-                generations::update_current(self.store, &generation_pairs(&dropped), &bump, Some(&mut *session)).await?;
-                let entries: Vec<Document> = kept.iter().map(in_flight_document).collect();
-                collections
-                    .lanes
-                    .update_one(
-                        doc! { lane::ID: i32::from(state.id), lane::EPOCH: state.epoch },
-                        doc! { "$set": { lane::IN_FLIGHT: entries } },
-                    )
-                    .session(&mut *session)
-                    .await?;
+        for document in &documents {
+            let state = lane_state(document)?;
+            let (kept, dropped): (Vec<InFlight>, Vec<InFlight>) = state.in_flight.into_iter().partition(|entry| {
+                issued.contains(&Lease { delivery: entry.delivery, lane: state.id, epoch: state.epoch, claims: entry.claims })
+            });
+            if dropped.is_empty() {
+                continue;
             }
-            Ok(())
-        })
+            let bump = doc! { "$inc": { delivery::CLAIMS: 1_i64 } };
+            generations::update_current(self.store, &generation_pairs(&dropped), &bump, None).await?;
+            let entries: Vec<Document> = kept.iter().map(in_flight_document).collect();
+            collections
+                .lanes
+                .update_one(
+                    doc! { lane::ID: i32::from(state.id), lane::EPOCH: state.epoch },
+                    doc! { "$set": { lane::IN_FLIGHT: entries } },
+                )
+                .await?;
+        }
+        Ok(())
     }
 }
