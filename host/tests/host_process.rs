@@ -686,19 +686,26 @@ async fn check_names_every_problem_and_exits_non_zero() {
 
 // ---- bench ----
 
+/// What `relayhost bench` with `args` printed on the example plugins; it must succeed.
+fn bench_output(args: &[&str]) -> String {
+    let output = Command::new(RELAYHOST).arg("bench").args(args).arg("--plugins").arg(plugins_dir()).output().unwrap();
+    let text = stdout(&output);
+    assert!(output.status.success(), "{text}");
+    text
+}
+
+/// The line of `text` that starts with `label`.
+fn line_of<'a>(text: &'a str, label: &str) -> &'a str {
+    text.lines().find(|line| line.starts_with(label)).unwrap_or_else(|| panic!("no {label:?} line: {text}"))
+}
+
 /// `relayhost bench` end to end on a small scale: every measure is printed with a number, and
 /// the goals' verdicts are there. Its speed is for the release build to measure, not for a test.
 #[test]
 fn bench_measures_the_floor_the_drain_the_latency_and_mongods_work() {
-    let output = Command::new(RELAYHOST)
-        .args(["bench", "--events", "400", "--latency-events", "20", "--rate", "100", "--plugins"])
-        .arg(plugins_dir())
-        .output()
-        .unwrap();
-    let text = stdout(&output);
-    assert!(output.status.success(), "{text}");
+    let text = bench_output(&["--events", "400", "--latency-events", "20", "--rate", "100"]);
     let number_after = |label: &str| -> f64 {
-        let line = text.lines().find(|line| line.starts_with(label)).unwrap_or_else(|| panic!("no {label:?} line: {text}"));
+        let line = line_of(&text, label);
         let rest = line[label.len()..].trim_start().trim_start_matches("p50").trim_start();
         rest.split_whitespace().next().and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("no number in {line:?}"))
     };
@@ -707,7 +714,7 @@ fn bench_measures_the_floor_the_drain_the_latency_and_mongods_work() {
     assert!(text.contains("% of the floor (goal >= 30 %)") && text.contains("goal <= 25"), "{text}");
     // The drain wrote at least the delivery's insert and delete and the event's two stamps,
     // and both processes spent CPU time on it.
-    let work = text.lines().find(|line| line.starts_with("mongod work  per delivery:")).expect(&text);
+    let work = line_of(&text, "mongod work  per delivery:");
     let number_before = |what: &str| -> f64 {
         let (before, _) = work.split_once(what).unwrap_or_else(|| panic!("no {what:?} in {work:?}"));
         before.split_whitespace().last().and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("no number before {what:?}"))
@@ -720,16 +727,10 @@ fn bench_measures_the_floor_the_drain_the_latency_and_mongods_work() {
 /// the drain stalled) and the bench says so. A smoke test of the option, like the keyed one.
 #[test]
 fn bench_runs_on_several_hosts_when_asked() {
-    let output = Command::new(RELAYHOST)
-        .args(["bench", "--events", "400", "--hosts", "2", "--latency-events", "10", "--rate", "100", "--plugins"])
-        .arg(plugins_dir())
-        .output()
-        .unwrap();
-    let text = stdout(&output);
-    assert!(output.status.success(), "{text}");
-    let drain = text.lines().find(|line| line.starts_with("drain")).unwrap_or_else(|| panic!("no drain line: {text}"));
+    let text = bench_output(&["--events", "400", "--hosts", "2", "--latency-events", "10", "--rate", "100"]);
+    let drain = line_of(&text, "drain");
     assert!(drain.contains("(400 unkeyed events on 2 hosts through the no-op plugin)"), "{drain}");
-    let latency = text.lines().find(|line| line.starts_with("latency")).unwrap_or_else(|| panic!("no latency line: {text}"));
+    let latency = line_of(&text, "latency");
     assert!(latency.contains("10 events at 100/s on 2 hosts"), "{latency}");
 }
 
@@ -738,14 +739,8 @@ fn bench_runs_on_several_hosts_when_asked() {
 /// measured, not asserted.
 #[test]
 fn bench_drains_a_keyed_backlog_when_asked() {
-    let output = Command::new(RELAYHOST)
-        .args(["bench", "--events", "400", "--keys", "20", "--latency-events", "5", "--rate", "100", "--plugins"])
-        .arg(plugins_dir())
-        .output()
-        .unwrap();
-    let text = stdout(&output);
-    assert!(output.status.success(), "{text}");
-    let drain = text.lines().find(|line| line.starts_with("drain")).unwrap_or_else(|| panic!("no drain line: {text}"));
+    let text = bench_output(&["--events", "400", "--keys", "20", "--latency-events", "5", "--rate", "100"]);
+    let drain = line_of(&text, "drain");
     assert!(drain.contains("(400 events over 20 keys through the no-op plugin)"), "{drain}");
     assert!(drain.contains("set for unkeyed events"), "{drain}");
 }

@@ -189,16 +189,41 @@ async fn recorded_store() -> Recorded {
     Recorded { client, log, database, store }
 }
 
+/// `store`'s change stream feeding its fan-outs, after a fan-out that read every unfanned
+/// event: from then on, what the stream reports is all there is. Stopped when dropped.
+struct Hearing {
+    waker: Arc<tokio::sync::Notify>,
+    wakeups: tokio::task::JoinHandle<()>,
+}
+
+impl Hearing {
+    async fn start(store: &MongoStore, subscriptions: &relayhost::store::Subscriptions) -> Self {
+        let waker = Arc::new(tokio::sync::Notify::new());
+        let wakeups = EventWakeups::default().spawn(store, waker.clone());
+        let hearing = Self { waker, wakeups };
+        hearing.woken().await;
+        assert_eq!(store.fan_out(subscriptions, 100, 5, at(T0)).await.unwrap().events, 0);
+        hearing
+    }
+
+    /// Waits for the stream's next report (the first is the stream opening).
+    async fn woken(&self) {
+        tokio::time::timeout(Duration::from_secs(10), self.waker.notified()).await.expect("a wakeup");
+    }
+}
+
+impl Drop for Hearing {
+    fn drop(&mut self) {
+        self.wakeups.abort();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fan_out_hands_out_heard_events_without_reading_them_and_never_one_fanned_out_already() {
     let Recorded { log, store, .. } = recorded_store().await;
     let subscriptions = subs(&[("h", &["t"])]);
-    let waker = Arc::new(tokio::sync::Notify::new());
-    let wakeups = EventWakeups::default().spawn(&store, waker.clone());
-    let woken = || async { tokio::time::timeout(Duration::from_secs(10), waker.notified()).await.expect("a wakeup") };
-    woken().await;
-    // A fan-out that read every unfanned event: from here on, what is heard is all there is.
-    assert_eq!(store.fan_out(&subscriptions, 100, 5, at(T0)).await.unwrap().events, 0);
+    let hearing = Hearing::start(&store, &subscriptions).await;
+    let woken = || hearing.woken();
     let events = store.events_collection().name().to_string();
     let reads_of_events = |since: usize| {
         log.lock().unwrap()[since..].iter().filter(|(name, command)| name == "find" && command.get_str("find") == Ok(&events)).count()
@@ -234,7 +259,6 @@ async fn a_fan_out_hands_out_heard_events_without_reading_them_and_never_one_fan
     let report = store.fan_out(&subscriptions, 100, 5, at(T0)).await.unwrap();
     assert_eq!((report.events, report.claimed.len()), (1, 0));
     assert_eq!(report.lanes, [relayhost::lane::lane_of("key")].into_iter().collect());
-    wakeups.abort();
 }
 
 /// A heard event another fan-out has marked, in a transaction still open, is not handed out:
@@ -245,11 +269,8 @@ async fn a_fan_out_hands_out_heard_events_without_reading_them_and_never_one_fan
 async fn a_heard_event_another_open_fan_out_marked_is_not_handed_out_early() {
     let Recorded { client, store, .. } = recorded_store().await;
     let subscriptions = subs(&[("h", &["t"])]);
-    let waker = Arc::new(tokio::sync::Notify::new());
-    let wakeups = EventWakeups::default().spawn(&store, waker.clone());
-    let woken = || async { tokio::time::timeout(Duration::from_secs(10), waker.notified()).await.expect("a wakeup") };
-    woken().await;
-    assert_eq!(store.fan_out(&subscriptions, 100, 5, at(T0)).await.unwrap().events, 0);
+    let hearing = Hearing::start(&store, &subscriptions).await;
+    let woken = || hearing.woken();
 
     publish_all(&store, vec![event("e-1", "t")]).await;
     woken().await;
@@ -274,7 +295,6 @@ async fn a_heard_event_another_open_fan_out_marked_is_not_handed_out_early() {
     assert!(sent.try_recv().is_err(), "nothing was sent early");
     assert_eq!((report.events, report.claimed.len(), report.sent_early), (0, 0, 0));
     assert!(list_all(&store, DeliveryFilter::default()).await.is_empty(), "nothing was created");
-    wakeups.abort();
 }
 
 /// Two hosts hear the same event in a lane the first holds: the second's fan-out marks it
@@ -286,11 +306,8 @@ async fn a_hand_out_that_lost_its_events_to_another_fan_out_names_its_lanes_for_
     let Recorded { store: a, .. } = recorded_store().await;
     let b = a.instance("b");
     let subscriptions = subs(&[("h", &["t"])]);
-    let waker = Arc::new(tokio::sync::Notify::new());
-    let wakeups = EventWakeups::default().spawn(&a, waker.clone());
-    let woken = || async { tokio::time::timeout(Duration::from_secs(10), waker.notified()).await.expect("a wakeup") };
-    woken().await;
-    assert_eq!(a.fan_out(&subscriptions, 100, 5, at(T0)).await.unwrap().events, 0);
+    let hearing = Hearing::start(&a, &subscriptions).await;
+    let woken = || hearing.woken();
 
     // The first host holds the lane: it runs an event of it.
     let lane = 42;
@@ -316,7 +333,6 @@ async fn a_hand_out_that_lost_its_events_to_another_fan_out_names_its_lanes_for_
     let lanes: Vec<_> = report.lanes.iter().copied().collect();
     let claimed = a.claim_in(&handlers(&["h"]), &lanes, 10, at(T0)).await.unwrap();
     assert_eq!(ids(&claimed), [format!("{second}/h")]);
-    wakeups.abort();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
