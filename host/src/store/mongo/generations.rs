@@ -55,14 +55,9 @@ pub(super) async fn find_current(
         .collect())
 }
 
-/// Applies `update` to every pending delivery among `pairs` still at its listed generation;
-/// returns how many matched.
-pub(super) async fn update_current(
-    store: &MongoStore,
-    pairs: &[(ObjectId, i64)],
-    update: &Document,
-    session: Option<&mut ClientSession>,
-) -> Result<u64, StoreError> {
+/// Applies `update` to every pending delivery among `pairs` still at its listed generation,
+/// outside any transaction and acknowledged by a majority; returns how many matched.
+pub(super) async fn update_current(store: &MongoStore, pairs: &[(ObjectId, i64)], update: &Document) -> Result<u64, StoreError> {
     let statements = pairs
         .iter()
         .map(|(id, claims)| {
@@ -73,8 +68,7 @@ pub(super) async fn update_current(
             }
         })
         .collect();
-    let write_in = session.map_or(WriteIn::Alone(Commit::Majority), WriteIn::Transaction);
-    update_each(store, store.collections.deliveries.name(), statements, write_in).await
+    update_each(store, store.collections.deliveries.name(), statements, WriteIn::Alone(Commit::Majority)).await
 }
 
 /// Deletes every pending delivery among `pairs` still at its listed generation, in one

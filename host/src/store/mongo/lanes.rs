@@ -353,7 +353,7 @@ impl ClaimBackend for Backend<'_> {
                 delivery::UPDATED_AT: now,
             },
         };
-        generations::update_current(self.store, &generation_pairs(entries), &update, None).await?;
+        generations::update_current(self.store, &generation_pairs(entries), &update).await?;
         Ok(())
     }
 
@@ -514,7 +514,7 @@ impl ClaimBackend for Backend<'_> {
     }
 
     async fn give_back(&self, picks: &[(DeliveryId, i64)]) -> Result<(), StoreError> {
-        generations::update_current(self.store, picks, &doc! { "$inc": { delivery::CLAIMS: 1_i64 } }, None).await?;
+        generations::update_current(self.store, picks, &doc! { "$inc": { delivery::CLAIMS: 1_i64 } }).await?;
         Ok(())
     }
 
@@ -562,7 +562,7 @@ impl ClaimBackend for Backend<'_> {
                 continue;
             }
             let bump = doc! { "$inc": { delivery::CLAIMS: 1_i64 } };
-            generations::update_current(self.store, &generation_pairs(&dropped), &bump, None).await?;
+            generations::update_current(self.store, &generation_pairs(&dropped), &bump).await?;
             let entries: Vec<Document> = kept.iter().map(in_flight_document).collect();
             collections
                 .lanes

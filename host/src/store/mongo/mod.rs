@@ -53,8 +53,7 @@ use super::claim::{Claimer, LaneSearch};
 use crate::lane::LaneId;
 use super::{
     ClaimedDelivery, DeliveryFilter, DeliveryPage, EarlyHandOuts, FanOutReport, HandlerStatistics, Lease, PurgeOptions,
-    PurgeReport,
-    Published, Settlement, Store, StoreError, StoreOptions, StoreTransaction, Subscriptions,
+    PurgeReport, Published, Settlement, Store, StoreError, StoreOptions, StoreTransaction, Subscriptions,
 };
 use crate::event::NewEvent;
 use crate::publish::{DEFAULT_PREFIX, Publisher};

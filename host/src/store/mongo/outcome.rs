@@ -297,7 +297,7 @@ pub(super) async fn release(store: &MongoStore, leases: &[Lease], now: DateTime)
         0
     } else {
         let update = doc! { "$inc": { delivery::CLAIMS: 1_i64 }, "$set": { delivery::UPDATED_AT: now } };
-        generations::update_current(store, &lease_generations(issued.iter().copied()), &update, None).await? as usize
+        generations::update_current(store, &lease_generations(issued.iter().copied()), &update).await? as usize
     };
     store.claimer.settled(leases);
     Ok(released)
