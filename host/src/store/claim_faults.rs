@@ -289,16 +289,13 @@ async fn only_its_holder_claims_it_again_uncharged<S: Store>(holder: &S, other: 
 }
 
 async fn failure_after_hand_out_take<S: Store + Parts>(a: &S, _b: &S, c: &S) {
-    let handlers = vec!["h".to_string()];
     one_delivery(a).await;
     let lane = crate::lane::lane_for_event("e-1", None);
     let now = DateTime::from_millis(T0);
     let (backend, claimer) = a.parts();
-    let candidate = backend.candidates(&[lane], &handlers, now, None, &HashSet::new(), 10).await.unwrap().remove(0);
-    let event = crate::event::EventRecord::from_document(&backend.events(&["e-1".to_string()]).await.unwrap()["e-1"]).unwrap();
+    let fresh = vec![fresh(&backend, now).await];
     let faulty = Faulty::new(backend, Fault::FailAfterRecord, a);
     // The take that lists the delivery reached the database; its reply did not.
-    let fresh = vec![super::claim::Fresh { candidate, event }];
     let write = async { Ok(std::future::ready(Ok(()))) };
     assert!(claimer.hand_out(&faulty, fresh, write, None, now).await.is_err());
     only_its_holder_claims_it_again_uncharged(a, c, lane).await;
@@ -337,7 +334,7 @@ async fn early_hand_outs<S: Store + Parts>(a: &S, _b: &S, c: &S) {
     one_delivery(a).await;
     let (backend, claimer) = a.parts();
     let (early, mut sent) = tokio::sync::mpsc::unbounded_channel();
-    // The statements and the lane list were written, and then the commit failed.
+    // The fan-out's first stage and the lane list were written, and then the commit failed.
     let now = DateTime::from_millis(T0);
     let failing = async { Ok(async { Err::<(), _>(injected()) }) };
     assert!(claimer.hand_out(&backend, vec![fresh(&backend, now).await], failing, Some(&early), now).await.is_err());
