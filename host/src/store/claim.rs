@@ -824,10 +824,6 @@ impl Claimer {
             _ => return Ok(HandedOut { committed: write.await?.await?, claimed: Vec::new(), sent_early: Vec::new() }),
         };
         let until = self.lease_until(now);
-        // A listed entry whose lease this instance settled runs no more, and is left out of
-        // the list rewritten; so lanes that only hand-outs fill keep short lists.
-        let unsettled: HashSet<(DeliveryId, i64)> =
-            self.issued.lock().expect("issued leases").values().map(|i| (i.lease.delivery, i.lease.claims)).collect();
         let mut by_lane: BTreeMap<LaneId, Vec<InFlight>> = BTreeMap::new();
         for Fresh { candidate, .. } in &fresh {
             by_lane.entry(candidate.lane).or_default().push(InFlight {
@@ -839,23 +835,29 @@ impl Claimer {
         }
         let mut records = Vec::new();
         let mut to_take = Vec::new();
-        for (lane, entries) in &by_lane {
-            match held.get(lane) {
-                Some(Held { epoch, known: Some(listed) }) => records.push(LaneRecord {
-                    lane: *lane,
-                    epoch: *epoch,
-                    in_flight: listed
-                        .in_flight
-                        .iter()
-                        .filter(|entry| unsettled.contains(&(entry.delivery, entry.claims)))
-                        .chain(entries)
-                        .cloned()
-                        .collect(),
-                    lease_until: until,
-                    takes_free_at: None,
-                }),
-                Some(Held { known: None, .. }) => {}
-                None => to_take.push((*lane, entries.clone())),
+        {
+            // A listed entry whose lease this instance settled runs no more, and is left out of
+            // the list rewritten; so lanes that only hand-outs fill keep short lists.
+            let issued = self.issued.lock().expect("issued leases");
+            let unsettled = |entry: &&InFlight| issued.get(&entry.delivery).is_some_and(|i| i.lease.claims == entry.claims);
+            for (lane, entries) in &by_lane {
+                match held.get(lane) {
+                    Some(Held { epoch, known: Some(listed) }) => records.push(LaneRecord {
+                        lane: *lane,
+                        epoch: *epoch,
+                        in_flight: listed
+                            .in_flight
+                            .iter()
+                            .filter(unsettled)
+                            .chain(entries)
+                            .cloned()
+                            .collect(),
+                        lease_until: until,
+                        takes_free_at: None,
+                    }),
+                    Some(Held { known: None, .. }) => {}
+                    None => to_take.push((*lane, entries.clone())),
+                }
             }
         }
         let recording = async {
@@ -871,8 +873,8 @@ impl Claimer {
         let (commit, (flags, taken)) = match (written, recorded) {
             (Ok(commit), Ok(recorded)) => (commit, recorded),
             (written, recorded) => {
-                // Statements that succeeded are committed all the same: their deliveries are
-                // left to a claim.
+                // A first stage that succeeded goes on to its commit all the same: its
+                // deliveries are left to a claim.
                 let committed = match written {
                     Ok(commit) => commit.await,
                     Err(error) => Err(error),
