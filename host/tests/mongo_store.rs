@@ -223,14 +223,13 @@ async fn a_fan_out_hands_out_heard_events_without_reading_them_and_never_one_fan
     let Recorded { log, store, .. } = recorded_store().await;
     let subscriptions = subs(&[("h", &["t"])]);
     let hearing = Hearing::start(&store, &subscriptions).await;
-    let woken = || hearing.woken();
     let events = store.events_collection().name().to_string();
     let reads_of_events = |since: usize| {
         log.lock().unwrap()[since..].iter().filter(|(name, command)| name == "find" && command.get_str("find") == Ok(&events)).count()
     };
 
     publish_all(&store, vec![event("e-1", "t")]).await;
-    woken().await;
+    hearing.woken().await;
     let before = log.lock().unwrap().len();
     let report = store.fan_out(&subscriptions, 100, 5, at(T0)).await.unwrap();
     assert_eq!(ids(&report.claimed), ["e-1/h"]);
@@ -241,7 +240,7 @@ async fn a_fan_out_hands_out_heard_events_without_reading_them_and_never_one_fan
     // event marked already and creates nothing again (its delivery is gone, so only that
     // check can tell).
     publish_all(&store, vec![event("e-2", "t")]).await;
-    woken().await;
+    hearing.woken().await;
     let other = store.instance("other");
     assert_eq!(other.fan_out(&subscriptions, 100, 0, at(T0)).await.unwrap().events, 1);
     let claimed = other.claim(&handlers(&["h"]), 10, at(T0)).await.unwrap();
@@ -255,7 +254,7 @@ async fn a_fan_out_hands_out_heard_events_without_reading_them_and_never_one_fan
 
     // A heard keyed event is fanned out by reading, in the same call, and left to a claim.
     publish_all(&store, vec![keyed("k-0", "t", "key")]).await;
-    woken().await;
+    hearing.woken().await;
     let report = store.fan_out(&subscriptions, 100, 5, at(T0)).await.unwrap();
     assert_eq!((report.events, report.claimed.len()), (1, 0));
     assert_eq!(report.lanes, [relayhost::lane::lane_of("key")].into_iter().collect());
@@ -270,10 +269,9 @@ async fn a_heard_event_another_open_fan_out_marked_is_not_handed_out_early() {
     let Recorded { client, store, .. } = recorded_store().await;
     let subscriptions = subs(&[("h", &["t"])]);
     let hearing = Hearing::start(&store, &subscriptions).await;
-    let woken = || hearing.woken();
 
     publish_all(&store, vec![event("e-1", "t")]).await;
-    woken().await;
+    hearing.woken().await;
     let mut other = client.start_session().await.unwrap();
     other.start_transaction().await.unwrap();
     store
@@ -307,20 +305,19 @@ async fn a_hand_out_that_lost_its_events_to_another_fan_out_names_its_lanes_for_
     let b = a.instance("b");
     let subscriptions = subs(&[("h", &["t"])]);
     let hearing = Hearing::start(&a, &subscriptions).await;
-    let woken = || hearing.woken();
 
     // The first host holds the lane: it runs an event of it.
     let lane = 42;
     let (first, second) = (id_in_lane("first", lane), id_in_lane("second", lane));
     publish_all(&a, vec![event(&first, "t")]).await;
-    woken().await;
+    hearing.woken().await;
     let (early, _sent) = tokio::sync::mpsc::unbounded_channel();
     let report = a.fan_out_early(&subscriptions, 100, 5, &early, at(T0)).await.unwrap();
     assert_eq!(report.claimed.len() + report.sent_early, 1, "the first host runs {first}");
 
     // The second host fans the next event of that lane out first; it cannot take the lane.
     publish_all(&a, vec![event(&second, "t")]).await;
-    woken().await;
+    hearing.woken().await;
     let report = b.fan_out(&subscriptions, 100, 5, at(T0)).await.unwrap();
     assert_eq!((report.events, report.claimed.len()), (1, 0));
     assert!(b.claim_in(&handlers(&["h"]), &[lane], 10, at(T0)).await.unwrap().is_empty(), "the lane is the first host's");
