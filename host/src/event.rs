@@ -26,6 +26,9 @@ pub mod field {
     pub const HANDLERS: &str = "handlers";
     /// The time of the latest completion of any of its deliveries.
     pub const COMPLETED_AT: &str = "completedAt";
+    /// Handlers whose delivery of it its fan-out handed out without writing a document for
+    /// it (MongoDB); each leaves the list when that delivery completes or gets its document.
+    pub const HANDED_OUT: &str = "handedOut";
 }
 
 /// Longest event id, in characters.

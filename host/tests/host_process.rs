@@ -33,6 +33,12 @@ struct Deployment {
 
 impl Deployment {
     async fn new(plugins: &[&str], extra: &str) -> Self {
+        Self::with_history(plugins, extra, true).await
+    }
+
+    /// With or without completion history (without it, what a fan-out hands out has no
+    /// delivery document while it runs).
+    async fn with_history(plugins: &[&str], extra: &str, completion_history: bool) -> Self {
         let fixture = MongoFixture::new().await;
         let uri = relayhost::mongod::process_server().unwrap();
         let dir = std::env::temp_dir().join(format!("relayhost-host-{}", fixture.database));
@@ -46,7 +52,7 @@ impl Deployment {
         let config = dir.join("relayhost.toml");
         let mut text = format!(
             "[mongodb]\nuri = {uri:?}\ndatabase = {database:?}\n\n[plugins]\ndirectory = {plugins:?}\n\n\
-             [host]\nartifact_cache = {artifacts:?}\ncompletion_history = true\n{extra}\n",
+             [host]\nartifact_cache = {artifacts:?}\ncompletion_history = {completion_history}\n{extra}\n",
             database = fixture.database,
             plugins = dir.join("plugins"),
         );
@@ -363,6 +369,62 @@ async fn hosts_killed_mid_delivery_lose_nothing_and_duplicate_nothing() {
     let dead = deployment.fixture.store().list_deliveries(&DeliveryFilter { status: Some(relayhost::store::DeliveryStatus::Dead), ..Default::default() }).await.unwrap();
     assert!(dead.deliveries.is_empty(), "{dead:?}");
     survivor.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hosts_killed_while_running_deliveries_without_documents_lose_nothing_and_duplicate_nothing() {
+    // Without completion history a fan-out hands unkeyed deliveries out with no document of
+    // their own: a killed host leaves them named only by its lanes and their events.
+    let extra = "concurrency = 8\nlease = \"2s\"\npoll_interval = \"200ms\"\n\n[defaults]\nwall_time = \"5s\"";
+    let deployment = Deployment::with_history(&["audit_log"], extra, false).await;
+    let orders: Vec<String> = (0..1_200).map(|n| format!("order-{n:04}")).collect();
+    for chunk in orders.chunks(100) {
+        publish_all(deployment.fixture.store(), chunk.iter().map(|id| NewEvent::new(id.clone(), "order.placed", doc! {})).collect()).await;
+    }
+    let events = deployment.collection("relayhost_events");
+    let audit = deployment.collection("audit_log");
+    let mut interrupted: Vec<String> = Vec::new();
+    for round in 0..3 {
+        let host = deployment.start("host");
+        // Kill it once the projection grew by another 150 orders while such a delivery runs.
+        let target = 150 * (round + 1);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let audited = audit.count_documents(doc! {}).await.unwrap();
+            if audited >= target && !running_without_document(&events).await.is_empty() {
+                break;
+            }
+            assert!(Instant::now() < deadline, "round {round}: {audited} audited, none running now:\n{}", host.log());
+        }
+        host.signal(libc::SIGKILL);
+        assert!(!host.wait(Duration::from_secs(10)));
+        interrupted.extend(running_without_document(&events).await);
+    }
+    assert!(!interrupted.is_empty(), "some deliveries without documents were cut off by the kills");
+    let survivor = deployment.start("host");
+    deployment.wait_until("all 1,200 orders are audited", Duration::from_secs(180), async |d| {
+        d.documents("audit_log").await.len() >= 1_200 && d.drained().await
+    })
+    .await;
+    let (ids, _) = deployment.audit().await;
+    assert_eq!(ids, orders, "the projection is the set of events, no gap, no duplicate");
+    // The takeover charged the attempt the killed host had started, and the run that
+    // committed saw it.
+    for event in &interrupted {
+        let audited = audit.find_one(doc! { "_id": event }).await.unwrap().unwrap();
+        assert!(audited.get("attempt").and_then(integer).unwrap() >= 2, "{audited}");
+    }
+    assert!(running_without_document(&events).await.is_empty());
+    let dead = deployment.fixture.store().list_deliveries(&DeliveryFilter { status: Some(relayhost::store::DeliveryStatus::Dead), ..Default::default() }).await.unwrap();
+    assert!(dead.deliveries.is_empty(), "{dead:?}");
+    survivor.stop();
+}
+
+/// Events whose delivery runs without a document: their `handedOut` still lists its handler.
+async fn running_without_document(events: &mongodb::Collection<Document>) -> Vec<String> {
+    let running: Vec<Document> =
+        events.find(doc! { "handedOut.0": { "$exists": true } }).projection(doc! { "_id": 1 }).await.unwrap().try_collect().await.unwrap();
+    running.iter().map(|event| event.get_str("_id").unwrap().to_string()).collect()
 }
 
 /// Deliveries a lane lists in flight that still exist at the generation they were claimed
@@ -712,14 +774,14 @@ fn bench_measures_the_floor_the_drain_the_latency_and_mongods_work() {
     assert!(number_after("raw floor") > 0.0 && number_after("drain") > 0.0, "{text}");
     assert!(number_after("latency") > 0.0 && number_after("commit") > 0.0 && number_after("round trip") > 0.0, "{text}");
     assert!(text.contains("% of the floor (goal >= 30 %)") && text.contains("goal <= 25"), "{text}");
-    // The drain wrote at least the delivery's insert and delete and the event's two stamps,
-    // and both processes spent CPU time on it.
+    // The drain wrote at least the event's two stamps (the fan-out's and the completion's; a
+    // delivery handed out has no document of its own), and both processes spent CPU time on it.
     let work = line_of(&text, "mongod work  per delivery:");
     let number_before = |what: &str| -> f64 {
         let (before, _) = work.split_once(what).unwrap_or_else(|| panic!("no {what:?} in {work:?}"));
         before.split_whitespace().last().and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("no number before {what:?}"))
     };
-    assert!(number_before(" documents written") >= 4.0, "{work}");
+    assert!(number_before(" documents written") >= 2.0, "{work}");
     assert!(number_before(" µs of mongod's CPU") > 0.0 && number_before(" µs of this process's") > 0.0, "{work}");
 }
 

@@ -685,6 +685,47 @@ async fn completions_move_no_event_index_key_and_the_purge_walks_events_in_creat
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_fan_out_hands_out_gets_a_document_only_when_an_outcome_needs_one() {
+    let (client, _log) = recording_client().await;
+    let database = fresh_database();
+    let db = client.database(&database);
+    let events = db.collection::<Document>("relayhost_events");
+    let deliveries = db.collection::<Document>("relayhost_deliveries");
+    let store = MongoStore::new(client.clone(), MongoLocation::with_default_prefix(&database).unwrap(), options());
+    store.setup().await.unwrap();
+    publish_all(&store, (0..3).map(|n| event(&format!("e-{n}"), "t")).collect()).await;
+    let report = store.fan_out(&subs(&[("h", &["t"])]), 100, 10, at(T0)).await.unwrap();
+    assert_eq!(report.claimed.len(), 3);
+    assert_eq!(deliveries.count_documents(doc! {}).await.unwrap(), 0);
+    assert_eq!(events.count_documents(doc! { "handedOut": "h" }).await.unwrap(), 3);
+    let lease = |n: usize| report.claimed.iter().find(|c| c.event.id == format!("e-{n}")).unwrap().lease;
+
+    // A completion takes the handler out of its event's list as it stamps the event.
+    assert_eq!(store.complete_many(&[lease(0)], at(T0 + 1)).await.unwrap(), [Settlement::Completed]);
+    let done = events.find_one(doc! { "_id": "e-0" }).await.unwrap().unwrap();
+    assert!(done.get_array("handedOut").unwrap().is_empty());
+    assert!(done.get_datetime("completedAt").is_ok());
+    assert_eq!(deliveries.count_documents(doc! {}).await.unwrap(), 0);
+    // A retry needs a document: it gets one, charged, and the list no longer names it.
+    assert_eq!(store.reschedule(&lease(1), at(T0 + 5_000), "503", at(T0 + 1)).await.unwrap(), Settlement::Completed);
+    let retried = deliveries.find_one(doc! { "eventId": "e-1" }).await.unwrap().unwrap();
+    assert_eq!((retried.get_i32("attempts").unwrap(), retried.get_str("lastError").unwrap()), (1, "503"));
+    assert_eq!(retried.get_object_id("_id").unwrap(), lease(1).delivery);
+    assert_eq!(events.count_documents(doc! { "handedOut": "h" }).await.unwrap(), 1);
+
+    // With completion history, whose records copy the delivery's document, every one has one.
+    let database = fresh_database();
+    let history = StoreOptions { completion_history: true, ..options() };
+    let store = MongoStore::new(client.clone(), MongoLocation::with_default_prefix(&database).unwrap(), history);
+    store.setup().await.unwrap();
+    publish_all(&store, (0..3).map(|n| event(&format!("e-{n}"), "t")).collect()).await;
+    let report = store.fan_out(&subs(&[("h", &["t"])]), 100, 10, at(T0)).await.unwrap();
+    assert_eq!(report.claimed.len(), 3);
+    let deliveries = client.database(&database).collection::<Document>("relayhost_deliveries");
+    assert_eq!(deliveries.count_documents(doc! {}).await.unwrap(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_thousand_parked_followers_leave_other_keys_flowing() {
     let fixture = MongoFixture::new().await;
     let store = fixture.store();

@@ -65,6 +65,7 @@ contract!(
     an_expired_lease_nobody_took_is_still_honoured,
     takeover_charges_the_lost_attempt_once,
     reschedule_release_and_bury,
+    handed_out_deliveries_settle_and_are_taken_over_like_claimed_ones,
     requeue_brings_a_dead_delivery_back_before_its_followers,
     an_operator_buries_a_stuck_delivery_unless_its_lane_is_leased,
     operator_inputs_never_become_query_operators,
@@ -721,6 +722,60 @@ async fn reschedule_release_and_bury<F: Fixture>() {
     assert_eq!(dead[0].last_error.as_deref(), Some("unprocessable: no such customer"));
     let pending = list_all(store, DeliveryFilter { event_id: Some("r".into()), ..Default::default() }).await;
     assert_eq!(pending[0].last_error.as_deref(), Some("503 from upstream"));
+}
+
+async fn handed_out_deliveries_settle_and_are_taken_over_like_claimed_ones<F: Fixture>() {
+    // The MongoDB store writes no document for what a fan-out hands out, until an outcome
+    // other than a completion, or a takeover, needs one: none of that may show here.
+    let fixture = F::new().await;
+    let (a, b) = (fixture.worker("a"), fixture.worker("b"));
+    let names = ["done", "retry", "back", "dead", "lost"];
+    let events: Vec<String> = names.iter().zip(40..).map(|(name, lane)| id_in_lane(name, lane)).collect();
+    publish_all(&a, events.iter().map(|id| event(id, "t")).collect()).await;
+    let report = a.fan_out(&subs(&[("h", &["t"])]), 100, 10, at(T0)).await.unwrap();
+    assert_eq!(report.claimed.len(), 5);
+    let lease = |name: &str| {
+        let id = &events[names.iter().position(|n| *n == name).unwrap()];
+        report.claimed.iter().find(|c| &c.event.id == id).unwrap().lease
+    };
+    // While they run they are counted as running, and a purge keeps their events.
+    let stats = a.statistics(at(T0)).await.unwrap();
+    let h = stats.iter().find(|s| s.handler == "h").unwrap();
+    assert_eq!((h.pending, h.running, h.dead), (0, 5, 0));
+    let far = PurgeOptions { dead_before: Some(at(T0 + 10_000_000)), completed_before: Some(at(T0 + 10_000_000)) };
+    assert_eq!(a.purge(&far, at(T0)).await.unwrap().events, 0);
+
+    assert_eq!(a.complete_many(&[lease("done")], at(T0 + 1)).await.unwrap(), [Settlement::Completed]);
+    assert_eq!(a.reschedule(&lease("retry"), at(T0 + 5_000), "503 from upstream", at(T0 + 1)).await.unwrap(), Settlement::Completed);
+    assert_eq!(a.release(&[lease("back")], at(T0 + 1)).await.unwrap(), 1);
+    assert_eq!(a.bury(&lease("dead"), "unprocessable", true, at(T0 + 1)).await.unwrap(), Settlement::Completed);
+    // Each outcome counts once: settled leases change nothing again.
+    assert_eq!(a.complete_many(&[lease("done"), lease("retry")], at(T0 + 2)).await.unwrap(), [Settlement::LeaseLost; 2]);
+
+    // The released one is due at once, uncharged; the retry when it is due, charged.
+    let back = a.claim(&handlers(&["h"]), 10, at(T0 + 2)).await.unwrap();
+    assert_eq!(ids(&back), [format!("{}/h", events[2])]);
+    assert_eq!(back[0].attempts, 0);
+    let retry = a.claim(&handlers(&["h"]), 10, at(T0 + 5_000)).await.unwrap();
+    assert_eq!(ids(&retry), [format!("{}/h", events[1])]);
+    assert_eq!(retry[0].attempts, 1);
+    let settled: Vec<_> = back.iter().chain(&retry).map(|c| c.lease).collect();
+    assert_eq!(a.complete_many(&settled, at(T0 + 5_001)).await.unwrap(), [Settlement::Completed; 2]);
+    let dead = dead(&a).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!((dead[0].event_id.as_str(), dead[0].attempts), (events[3].as_str(), 1));
+    assert_eq!(dead[0].last_error.as_deref(), Some("unprocessable"));
+
+    // a stops renewing: b takes the lane of the one still running over once its lease ran
+    // out, charging the lost attempt, and a's completion of it counts for nothing.
+    let lost = b.claim(&handlers(&["h"]), 10, at(T0 + 40_000)).await.unwrap();
+    assert_eq!(ids(&lost), [format!("{}/h", events[4])]);
+    assert_eq!(lost[0].attempts, 1);
+    assert_eq!(a.complete_many(&[lease("lost")], at(T0 + 40_001)).await.unwrap(), [Settlement::LeaseLost]);
+    assert_eq!(b.complete_many(&[lost[0].lease], at(T0 + 40_002)).await.unwrap(), [Settlement::Completed]);
+    assert!(b.claim(&handlers(&["h"]), 10, at(T0 + 100_000)).await.unwrap().is_empty());
+    // Nothing runs any more: every event may go.
+    assert_eq!(a.purge(&far, at(T0 + 100_000)).await.unwrap().events, 5);
 }
 
 async fn an_operator_buries_a_stuck_delivery_unless_its_lane_is_leased<F: Fixture>() {

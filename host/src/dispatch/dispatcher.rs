@@ -3,10 +3,15 @@
 //! Fan-out and completion run beside the loop as background steps, at most one of each at a
 //! time, so claiming, fanning out and completing overlap instead of taking turns (the
 //! batching of completions lives in [`super::completion`]). A fan-out may hand out up to the
-//! free run slots of what it creates (see [`Store::fan_out_early`]): those start like claimed
-//! ones, even before the fan-out's commit is acknowledged; such a run reports its outcome only
-//! once the word comes that it committed (as not run if it did not), and a transactional
-//! handler's run starts only then.
+//! free capacity (run slots and `claim_ahead`) of what it creates, and then reads no more
+//! events than that (see [`Store::fan_out_early`]): those start like claimed ones, even
+//! before the fan-out's commit is acknowledged; such a run reports its outcome only once the
+//! word comes that it committed (as not run if it did not), and a transactional handler's
+//! run starts only then. Under a backlog the next batch waits until half the capacity is
+//! free, so that a drain's deliveries are handed out instead of left to claims (a hand-out
+//! costs the store less; in MongoDB it writes no delivery document). A claim never overlaps a
+//! fan-out that hands out, since both need the lanes' lists; one wanted under a backlog goes
+//! before the next batch.
 //! A claim may take up to `claim_ahead` more deliveries than there are free run slots: those
 //! wait for a slot under a lease that is renewed like a running one. Finished runs waiting for
 //! their completion to be written may fill as many places again; beyond that each takes a
@@ -166,6 +171,8 @@ struct FannedOut {
     claimed: Vec<ClaimedDelivery>,
     /// Its last batch was full (it stopped early to hand out, or for a stop): more may wait.
     more: bool,
+    /// Its batch was full and it handed out what it made.
+    handed_out_full: bool,
 }
 
 /// A fan-out that touched at most this many lanes is followed by a claim in just those.
@@ -183,8 +190,15 @@ struct Flight<S: Store> {
     claim: bool,
     /// The last claim filled all the free capacity: more may be waiting.
     backlog: bool,
+    /// The last fan-out handed out a full batch: the unfanned events behind it are fanned out
+    /// once there is capacity worth a claim, each batch handed out as a whole, instead of all
+    /// at once into deliveries left to claims (a hand-out costs a store less than a claim;
+    /// in MongoDB it writes no delivery document at all).
+    fan_out_waits: bool,
     /// The fan-out running in the background, if any.
     fanning: Option<JoinHandle<Result<FannedOut, StoreError>>>,
+    /// It may hand out.
+    fanning_hands_out: bool,
     /// Asks the background fan-out to end after its current batch (a stop).
     stop_fanning: Arc<AtomicBool>,
     /// Deliveries fan-outs handed out, started by the next dispatch step; those handed out
@@ -206,7 +220,9 @@ impl<S: Store> Flight<S> {
             fan_out: true,
             claim: true,
             backlog: false,
+            fan_out_waits: false,
             fanning: None,
+            fanning_hands_out: false,
             stop_fanning: Arc::default(),
             handed_out: Vec::new(),
             claim_lanes: BTreeSet::new(),
@@ -276,6 +292,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                             None => flight.claim |= done.new_deliveries,
                         }
                         flight.fan_out |= done.more;
+                        flight.fan_out_waits = done.handed_out_full;
                         flight.handed_out.push((done.claimed, None));
                     })
                 }
@@ -319,16 +336,27 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         if specs.is_empty() {
             return Ok(());
         }
-        if flight.fan_out && flight.fanning.is_none() {
-            let subscriptions = Subscriptions::new(
-                specs.iter().map(|s| Subscription::new(s.handler.clone(), s.event_types.iter().cloned())),
-            )?;
-            flight.fan_out = false;
-            // What it hands out runs at once: as many as there are free run slots.
-            let hand_out = self.options.concurrency.saturating_sub(flight.running.len());
-            flight.fanning =
-                Some(self.spawn_fan_out(subscriptions, fanned.clone(), hand_out, early.clone(), flight.stop_fanning.clone()));
+        // A claim and a fan-out that hands out both want the lanes' lists, and the fan-out
+        // hands out nothing while a claim holds them: they never overlap. A fan-out started by
+        // new events goes first (the short way from a commit to its handler); under a
+        // backlog, a claim that is wanted goes before the next batch, so retries due and
+        // deliveries left to claims are not held back until the backlog is fanned out.
+        let claim_first = flight.fan_out_waits;
+        if !claim_first {
+            self.fan_out(&specs, fanned, early, flight)?;
         }
+        let handing_out = flight.fanning.is_some() && flight.fanning_hands_out;
+        if !handing_out {
+            self.claim(&specs, permits, finished_tx, flight).await?;
+        }
+        if claim_first {
+            self.fan_out(&specs, fanned, early, flight)?;
+        }
+        Ok(())
+    }
+
+    /// The free capacity (run slots and `claim_ahead`), and whether it is worth a claim.
+    fn free_capacity(&self, flight: &Flight<S>) -> (usize, bool) {
         let capacity = self.options.concurrency + self.options.claim_ahead;
         // Completions are written in batches, one at a time, so a capacity's worth of finished
         // runs may wait for theirs without holding claims back; beyond that they count, or a
@@ -340,6 +368,41 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         // Under a backlog, claim in big batches: a claim costs about the same whatever its
         // size, and what is already claimed keeps the run slots busy meanwhile.
         let worth_it = free > 0 && (free * 2 >= capacity || in_flight <= self.options.concurrency);
+        (free, worth_it)
+    }
+
+    /// Starts a fan-out when one is wanted and none runs; it hands out up to the free
+    /// capacity.
+    fn fan_out(
+        &self,
+        specs: &[HandlerSpec],
+        fanned: &Arc<Notify>,
+        early: &EarlyHandOuts,
+        flight: &mut Flight<S>,
+    ) -> Result<(), StoreError> {
+        let (free, worth_it) = self.free_capacity(flight);
+        if flight.fan_out && flight.fanning.is_none() && (worth_it || !flight.fan_out_waits) {
+            let subscriptions = Subscriptions::new(
+                specs.iter().map(|s| Subscription::new(s.handler.clone(), s.event_types.iter().cloned())),
+            )?;
+            flight.fan_out = false;
+            // What it hands out runs at once or waits for a run slot, like a claim's picks.
+            flight.fanning =
+                Some(self.spawn_fan_out(subscriptions, fanned.clone(), free, early.clone(), flight.stop_fanning.clone()));
+            flight.fanning_hands_out = free > 0;
+        }
+        Ok(())
+    }
+
+    /// Claims up to the free capacity when a claim is wanted and worth it, and starts the runs.
+    async fn claim(
+        &self,
+        specs: &[HandlerSpec],
+        permits: &Arc<Semaphore>,
+        finished_tx: &mpsc::UnboundedSender<(ClaimedDelivery, RunResult)>,
+        flight: &mut Flight<S>,
+    ) -> Result<(), StoreError> {
+        let (free, worth_it) = self.free_capacity(flight);
         let search_all = flight.claim || flight.backlog;
         let wanted = search_all || !flight.claim_lanes.is_empty();
         if !worth_it || !wanted {
@@ -356,7 +419,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         };
         tracing::trace!(elapsed_us = started.elapsed().as_micros() as u64, count = claimed.len(), "claimed");
         flight.backlog = claimed.len() >= free;
-        self.start(claimed, None, &specs, permits, finished_tx, flight).await
+        self.start(claimed, None, specs, permits, finished_tx, flight).await
     }
 
     /// Starts what fan-outs handed out, before their commit (each with its word) or after.
@@ -424,8 +487,9 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
 
     /// Fans out until a short batch says nothing is left, waking the loop after every full
     /// batch so that claims take the new deliveries while the rest is still being fanned out.
-    /// The first batch hands out up to `hand_out` of its deliveries; if it handed out any, the
-    /// fan-out ends there so that they run at once (the loop fans out again if it was full).
+    /// Given a `hand_out` budget, it fans out one batch of at most that many events and hands
+    /// out up to that many of their deliveries, then ends, so that they run at once (the loop
+    /// fans out again if the batch was full).
     fn spawn_fan_out(
         &self,
         subscriptions: Subscriptions,
@@ -442,6 +506,9 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             let mut first = true;
             loop {
                 let batch_started = Instant::now();
+                // A batch that may hand out is no bigger than what it may hand out: the rest
+                // would be left to claims.
+                let batch = if hand_out > 0 { batch.min(hand_out) } else { batch };
                 let report = store.fan_out_early(&subscriptions, batch, hand_out, &early, DateTime::now()).await?;
                 let handed_out = report.claimed.len() + report.sent_early;
                 tracing::trace!(
@@ -451,7 +518,9 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                     "fan-out batch"
                 );
                 let full = report.events >= batch;
-                if !full || handed_out > 0 || stop.load(Ordering::Relaxed) {
+                // One that may hand out ends after its batch: should that have handed out
+                // nothing (a claim of this host held the lanes' lists, say), the next one may.
+                if !full || hand_out > 0 || stop.load(Ordering::Relaxed) {
                     tracing::trace!(elapsed_us = started.elapsed().as_micros() as u64, "fanned out");
                     let few = first && report.lanes.len() <= CLAIM_IN_MAX_LANES;
                     return Ok(FannedOut {
@@ -459,6 +528,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                         lanes: few.then_some(report.lanes),
                         claimed: report.claimed,
                         more: full,
+                        handed_out_full: full && handed_out > 0,
                     });
                 }
                 if report.deliveries > 0 {

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use bson::oid::ObjectId;
-use bson::{DateTime, Document};
+use bson::{Bson, DateTime, Document};
 
 use super::{ClaimedDelivery, DeliveryId, EarlyHandOut, EarlyHandOuts, FanOutCommit, Lease, StoreError};
 use crate::event::EventRecord;
@@ -44,7 +44,16 @@ pub(crate) struct InFlight {
     pub claims: i64,
     pub handler: String,
     pub key: Option<String>,
+    /// See [`Candidate::unstored`].
+    pub unstored: Option<EventId>,
 }
+
+/// An event's `_id` as stored (publishers choose its type).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct EventId(pub Bson);
+
+// Ids are compared as documents compare them in the store: by type and value.
+impl Eq for EventId {}
 
 /// A lane document.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,9 +83,25 @@ pub(crate) struct Candidate {
     pub due_at: DateTime,
     pub claims: i64,
     pub attempts: u32,
+    /// Set for a delivery its fan-out handed out without writing a document for it (the
+    /// MongoDB store's short way): the id of its event, whose `handedOut` list names the
+    /// handler until the delivery is completed or given a document. Every other outcome, a
+    /// takeover, or a check of it gives it its document first.
+    pub unstored: Option<EventId>,
 }
 
 impl Candidate {
+    /// Its entry in its lane's in-flight list once claimed.
+    pub fn in_flight(&self) -> InFlight {
+        InFlight {
+            delivery: self.id,
+            claims: self.claims,
+            handler: self.handler.clone(),
+            key: self.key.clone(),
+            unstored: self.unstored.clone(),
+        }
+    }
+
     /// Its handler and key, if it is keyed: what per-key order is kept for.
     pub fn handler_key(&self) -> Option<HandlerKey> {
         self.key.clone().map(|key| (self.handler.clone(), key))
@@ -176,7 +201,9 @@ pub(crate) trait ClaimBackend: Sync {
     ) -> impl Future<Output = Result<HashMap<HandlerKey, DeliveryId>, StoreError>> + Send;
     fn lanes(&self, ids: &[LaneId]) -> impl Future<Output = Result<Vec<LaneState>, StoreError>> + Send;
     /// Up to `count` lanes that are free (no owner or an expired lease), not in `exclude`,
-    /// and have due ready deliveries of `handlers`, the one with the oldest due delivery first,
+    /// and have due ready deliveries of `handlers` (or list in flight deliveries of theirs
+    /// without a document, which their last holder left: those first), the one with the
+    /// oldest due delivery first,
     /// each with how many due deliveries were seen there (a lower bound; enough rows are read
     /// to see about `wanted` of them).
     fn free_lanes_with_due_work(
@@ -336,6 +363,14 @@ struct Issued {
     /// The `now` of the claim that issued it.
     at: DateTime,
     key: Option<HandlerKey>,
+    unstored: Option<Unstored>,
+}
+
+/// An issued lease's delivery that has no document (see [`Candidate::unstored`]).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Unstored {
+    pub event: EventId,
+    pub handler: String,
 }
 
 impl Claimer {
@@ -360,6 +395,13 @@ impl Claimer {
     /// it cannot have issued is refused without a database call.
     pub fn issued(&self, lease: &Lease) -> bool {
         self.issued.lock().expect("issued leases").get(&lease.delivery).map(|issued| &issued.lease) == Some(lease)
+    }
+
+    /// The event of an issued lease whose delivery has no document (see
+    /// [`Candidate::unstored`]).
+    pub fn unstored(&self, lease: &Lease) -> Option<Unstored> {
+        let issued = self.issued.lock().expect("issued leases");
+        issued.get(&lease.delivery).filter(|issued| issued.lease == *lease).and_then(|issued| issued.unstored.clone())
     }
 
     /// Counts `leases` as settled: they run no more, and their keys may have moved on.
@@ -400,7 +442,7 @@ impl Claimer {
     /// settled it had been lost.
     #[cfg(test)]
     pub fn lose_settlement_reply(&self, lease: Lease, key: Option<HandlerKey>, at: DateTime) {
-        self.issued.lock().expect("issued leases").insert(lease.delivery, Issued { lease, at, key });
+        self.issued.lock().expect("issued leases").insert(lease.delivery, Issued { lease, at, key, unstored: None });
     }
 
     /// Forgets every held lane and returns them (graceful stop), each with whether a lease
@@ -644,12 +686,7 @@ impl Claimer {
         for (lane_id, lane) in &mine {
             let mut in_flight = lane.running.clone();
             let before = in_flight.len();
-            in_flight.extend(plan.picks.iter().filter(|pick| pick.lane == *lane_id).map(|pick| InFlight {
-                delivery: pick.id,
-                claims: pick.claims,
-                handler: pick.handler.clone(),
-                key: pick.key.clone(),
-            }));
+            in_flight.extend(plan.picks.iter().filter(|pick| pick.lane == *lane_id).map(Candidate::in_flight));
             let picked = in_flight.len() > before;
             match (in_flight.is_empty(), lane.takes_free_at) {
                 // Never taken, so nothing to hand back.
@@ -796,7 +833,9 @@ impl Claimer {
     /// lanes that run nothing, which the list's write takes) beside the fan-out's first
     /// stage, each acknowledged once applied ([`LaneWrite::Applied`]). `write` is that stage,
     /// the one that makes the fan-out the only one of its events (in MongoDB, the mark), and
-    /// resolves to the rest: whatever else it writes, and its commit. The leases are issued
+    /// resolves to the rest: whatever else it writes, and its commit, given the deliveries
+    /// whose leases are issued (a store may leave those without a document, see
+    /// [`Candidate::unstored`]; it writes every other one). The leases are issued
     /// once the commit is done, or, given `early`, as soon as the first stage and the lists
     /// are, and sent there with a word of the commit to come (see [`EarlyHandOut`]). The way
     /// from a commit to its handler is then no durable write long, not a fan-out's and then
@@ -808,7 +847,7 @@ impl Claimer {
     /// a claim. A list written for a commit that then failed names deliveries that may not
     /// exist: harmless, since only issued leases count as running here, and the lanes are read
     /// again by the next claim.
-    pub async fn hand_out<B: ClaimBackend, C, T>(
+    pub async fn hand_out<B: ClaimBackend, C, F, T>(
         &self,
         backend: &B,
         fresh: Vec<Fresh>,
@@ -817,21 +856,18 @@ impl Claimer {
         now: DateTime,
     ) -> Result<HandedOut<T>, StoreError>
     where
-        C: Future<Output = Result<T, StoreError>>,
+        C: FnOnce(&HashSet<DeliveryId>) -> F,
+        F: Future<Output = Result<T, StoreError>>,
     {
+        let none = HashSet::new();
         let mut held = match self.held.try_lock() {
             Ok(held) if !fresh.is_empty() => held,
-            _ => return Ok(HandedOut { committed: write.await?.await?, claimed: Vec::new(), sent_early: Vec::new() }),
+            _ => return Ok(HandedOut { committed: write.await?(&none).await?, claimed: Vec::new(), sent_early: Vec::new() }),
         };
         let until = self.lease_until(now);
         let mut by_lane: BTreeMap<LaneId, Vec<InFlight>> = BTreeMap::new();
         for Fresh { candidate, .. } in &fresh {
-            by_lane.entry(candidate.lane).or_default().push(InFlight {
-                delivery: candidate.id,
-                claims: candidate.claims,
-                handler: candidate.handler.clone(),
-                key: candidate.key.clone(),
-            });
+            by_lane.entry(candidate.lane).or_default().push(candidate.in_flight());
         }
         let mut records = Vec::new();
         let mut to_take = Vec::new();
@@ -876,13 +912,22 @@ impl Claimer {
                 // A first stage that succeeded goes on to its commit all the same: its
                 // deliveries are left to a claim.
                 let committed = match written {
-                    Ok(commit) => commit.await,
+                    Ok(commit) => commit(&none).await,
                     Err(error) => Err(error),
                 };
                 let taken = recorded.map(|(_, taken)| taken);
                 return self.after_failed_hand_out(backend, &mut held, &records, &to_take, committed, taken).await;
             }
         };
+        // What the leases will be issued for: the fresh deliveries of the lanes listed.
+        let handed: HashSet<DeliveryId> = records
+            .iter()
+            .zip(&flags)
+            .filter(|(_, ok)| **ok)
+            .map(|(record, _)| record.lane)
+            .chain(taken.iter().map(|(lane, _)| *lane))
+            .flat_map(|lane| by_lane[&lane].iter().map(|entry| entry.delivery))
+            .collect();
         // Issues the leases of what was listed, and knows those lanes' lists again.
         let issue_listed = |held: &mut BTreeMap<LaneId, Held>, records: Vec<LaneRecord>| {
             let mut listed: Vec<(LaneId, i64, Vec<InFlight>)> = Vec::new();
@@ -910,7 +955,7 @@ impl Claimer {
         };
         let Some(early) = early else {
             // Issued once committed: each lease names a delivery that exists.
-            return match commit.await {
+            return match commit(&handed).await {
                 Ok(committed) => Ok(HandedOut { committed, claimed: issue_listed(&mut held, records), sent_early: Vec::new() }),
                 Err(error) => {
                     let taken = Ok(taken.clone());
@@ -934,7 +979,7 @@ impl Claimer {
         };
         // Should the commit fail, what was sent is handed back as not run by whoever runs
         // it (the lists naming it are harmless: only issued leases count as running).
-        let committed = commit.await;
+        let committed = commit(&handed).await;
         let _ = tell.send(Some(committed.is_ok()));
         Ok(HandedOut { committed: committed?, claimed: kept, sent_early })
     }
@@ -1038,7 +1083,9 @@ impl Claimer {
 /// its event.
 fn issue(issued: &mut HashMap<DeliveryId, Issued>, pick: Candidate, epoch: i64, event: EventRecord, now: DateTime) -> ClaimedDelivery {
     let lease = Lease { delivery: pick.id, lane: pick.lane, epoch, claims: pick.claims };
-    issued.insert(pick.id, Issued { lease, at: now, key: pick.handler_key() });
+    let key = pick.handler_key();
+    let unstored = pick.unstored.map(|event| Unstored { event, handler: pick.handler.clone() });
+    issued.insert(pick.id, Issued { lease, at: now, key, unstored });
     ClaimedDelivery { lease, handler: pick.handler, attempts: pick.attempts, event }
 }
 

@@ -185,6 +185,7 @@ pub(crate) fn fresh(plan: &FanOutPlan, batch: &[Document], budget: usize, now: D
                 due_at: now,
                 claims: 0,
                 attempts: 0,
+                unstored: None,
             };
             Some(Fresh { candidate, event })
         })

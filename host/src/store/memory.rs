@@ -404,7 +404,7 @@ impl Store for MemoryStore {
         // Its commit costs nothing: what it hands out is handed out after it.
         let write = async move {
             state.write_fan_out(&plan, now);
-            Ok(std::future::ready(Ok(plan)))
+            Ok(|_: &HashSet<DeliveryId>| std::future::ready(Ok(plan)))
         };
         let handed = self.claimer.hand_out(&Backend(&self.state), fresh, write, None, now).await?;
         Ok(handed.committed.report(handed.claimed, &handed.sent_early))
@@ -791,6 +791,7 @@ impl ClaimBackend for Backend<'_> {
                 due_at: d.due_at,
                 claims: d.claims,
                 attempts: d.attempts,
+                unstored: None,
             })
             .collect();
         rows.sort_by_key(|row| (row.due_at, row.id));

@@ -4,7 +4,7 @@
 use bson::oid::ObjectId;
 use bson::{Bson, DateTime, Document, doc};
 
-use super::super::claim::{Candidate, InFlight, LaneState};
+use super::super::claim::{Candidate, EventId, InFlight, LaneState};
 use super::super::fan_out::{NewDelivery, id_text};
 use super::super::{DeliveryStatus, DeliveryView, StoreError};
 use crate::lane::LaneId;
@@ -110,6 +110,7 @@ pub(super) fn candidate(document: &Document) -> Result<Candidate, StoreError> {
         due_at: *document.get_datetime(delivery::DUE_AT).map_err(|_| corrupt("delivery without dueAt", document))?,
         claims: integer(document, delivery::CLAIMS).unwrap_or(0),
         attempts: integer(document, delivery::ATTEMPTS).unwrap_or(0).clamp(0, i64::from(u32::MAX)) as u32,
+        unstored: None,
     })
 }
 
@@ -117,6 +118,9 @@ pub(super) fn in_flight_document(entry: &InFlight) -> Document {
     let mut document = doc! { "d": entry.delivery, "c": entry.claims, "h": &entry.handler };
     if let Some(key) = &entry.key {
         document.insert("k", key);
+    }
+    if let Some(EventId(event)) = &entry.unstored {
+        document.insert("e", event.clone());
     }
     document
 }
@@ -132,6 +136,7 @@ pub(super) fn lane_state(document: &Document) -> Result<LaneState, StoreError> {
                     claims: integer(entry, "c").unwrap_or(0),
                     handler: optional_string(entry, "h").unwrap_or_default(),
                     key: optional_string(entry, "k"),
+                    unstored: entry.get("e").cloned().map(EventId),
                 })
             })
             .collect::<Result<Vec<_>, StoreError>>()?,

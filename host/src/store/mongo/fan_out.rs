@@ -15,7 +15,7 @@
 //! one lane write, with nothing read first; the inserts and the commit follow while the
 //! handler runs.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -29,8 +29,9 @@ use super::generations::WriteIn;
 use super::{Commit, MongoStore, generations, lanes, setup};
 use super::documents::new_delivery_document;
 use crate::event::field;
-use crate::store::fan_out::{self, FanOutPlan};
-use crate::store::{EarlyHandOuts, FanOutReport, StoreError, StoreTransaction, Subscriptions};
+use crate::store::claim::{EventId, Fresh};
+use crate::store::fan_out::{self, FanOutPlan, id_text};
+use crate::store::{DeliveryId, EarlyHandOuts, FanOutReport, StoreError, StoreTransaction, Subscriptions};
 
 /// Events the change stream reported inserted, kept for the next fan-out that hands out, so
 /// that it need not read them (see [`run`]). A hint only: that fan-out's transaction checks
@@ -217,21 +218,32 @@ async fn handing_out(
         },
     };
     let plan = fan_out::plan(&batch, subscriptions);
-    let fresh = fan_out::fresh(&plan, &batch, hand_out, now);
-    let written = &plan;
+    let mut fresh = fan_out::fresh(&plan, &batch, hand_out, now);
+    // What is handed out gets no document (see `unstored`), unless every completion is to be
+    // recorded: the history copies the delivery's document.
+    let unstored = if store.options.completion_history { Unstored::default() } else { Unstored::of(&plan, &mut fresh) };
+    let (written, unstored) = (&plan, &unstored);
     // The first stage is the mark, which makes this fan-out the only one of its events; the
     // inserts go with the commit, so that a hand-out sent early need not wait for them.
     let write = async move {
-        let marked = mark(store, tx.session(), written, now).await;
+        let marked = mark(store, tx.session(), written, &unstored.handlers, now).await;
         match marked {
             // Every heard event must still have been unfanned: one that was not is another
             // fan-out's (whose deliveries may even be completed and gone by now).
-            Ok(marked) if marked == written.events.len() as u64 || limit.is_some() => Ok(async move {
-                if let Err(error) = insert(store, tx.session(), written, now).await {
-                    let _ = tx.abort().await;
-                    return Err(error);
+            Ok(marked) if marked == written.events.len() as u64 || limit.is_some() => Ok(move |handed: &HashSet<DeliveryId>| {
+                let without_document: HashSet<DeliveryId> =
+                    handed.iter().filter(|id| unstored.deliveries.contains_key(id)).copied().collect();
+                async move {
+                    let inserted = async {
+                        insert(store, tx.session(), written, &without_document, now).await?;
+                        unstored.not_handed_out(store, tx.session(), &without_document).await
+                    };
+                    if let Err(error) = inserted.await {
+                        let _ = tx.abort().await;
+                        return Err(error);
+                    }
+                    tx.commit().await
                 }
-                tx.commit().await
             }),
             outcome => {
                 let _ = tx.abort().await;
@@ -283,32 +295,99 @@ async fn read_batch(store: &MongoStore, session: &mut ClientSession, limit: usiz
 /// Marks the plan's events fanned out and inserts their deliveries; returns how many it
 /// marked (those still unfanned).
 async fn write(store: &MongoStore, session: &mut ClientSession, plan: &FanOutPlan, now: DateTime) -> Result<u64, StoreError> {
-    let marked = mark(store, session, plan, now).await?;
-    insert(store, session, plan, now).await?;
+    let marked = mark(store, session, plan, &HashMap::new(), now).await?;
+    insert(store, session, plan, &HashSet::new(), now).await?;
     Ok(marked)
 }
 
-/// Marks the plan's events fanned out, with the handlers they had deliveries for; returns
+/// The fresh deliveries of a hand-out that are to have no document (see [`unstored`]).
+#[derive(Debug, Default)]
+struct Unstored {
+    /// By event (as [`id_text`] prints it): the handlers its `handedOut` list gets.
+    handlers: HashMap<String, Vec<String>>,
+    /// Each one's event and handler.
+    deliveries: HashMap<DeliveryId, (Bson, String)>,
+}
+
+impl Unstored {
+    /// Every one of `fresh`, each marked as such.
+    fn of(plan: &FanOutPlan, fresh: &mut [Fresh]) -> Self {
+        let events: HashMap<DeliveryId, &Bson> = plan.deliveries.iter().map(|d| (d.id, &d.event_id)).collect();
+        let mut unstored = Self::default();
+        for Fresh { candidate, .. } in fresh {
+            let Some(event) = events.get(&candidate.id) else { continue };
+            candidate.unstored = Some(EventId((*event).clone()));
+            unstored.handlers.entry(id_text(event)).or_default().push(candidate.handler.clone());
+            unstored.deliveries.insert(candidate.id, ((*event).clone(), candidate.handler.clone()));
+        }
+        unstored
+    }
+
+    /// Takes the handlers of those that were not handed out after all (their lane was not
+    /// listed) out of their events' lists: [`insert`] wrote their documents.
+    async fn not_handed_out(
+        &self,
+        store: &MongoStore,
+        session: &mut ClientSession,
+        without_document: &HashSet<DeliveryId>,
+    ) -> Result<(), StoreError> {
+        let mut by_handler: BTreeMap<&str, Vec<Bson>> = BTreeMap::new();
+        for (delivery, (event, handler)) in &self.deliveries {
+            if !without_document.contains(delivery) {
+                by_handler.entry(handler).or_default().push(event.clone());
+            }
+        }
+        let statements: Vec<Document> = by_handler
+            .into_iter()
+            .map(|(handler, ids)| {
+                doc! {
+                    "q": { field::ID: { "$in": ids } },
+                    "u": { "$pull": { field::HANDED_OUT: handler } },
+                    "multi": true,
+                    "hint": { field::ID: 1 },
+                }
+            })
+            .collect();
+        generations::update_each(store, store.collections.events.name(), statements, WriteIn::Transaction(session)).await?;
+        Ok(())
+    }
+}
+
+/// Marks the plan's events fanned out, with the handlers they had deliveries for and those
+/// of `handed_out` (by event) whose deliveries are handed out without a document; returns
 /// how many it marked (those still unfanned). Once this statement succeeded, no other
 /// fan-out of those events can: it would write the same documents, and conflict.
-async fn mark(store: &MongoStore, session: &mut ClientSession, plan: &FanOutPlan, now: DateTime) -> Result<u64, StoreError> {
+async fn mark(
+    store: &MongoStore,
+    session: &mut ClientSession,
+    plan: &FanOutPlan,
+    handed_out: &HashMap<String, Vec<String>>,
+    now: DateTime,
+) -> Result<u64, StoreError> {
     if plan.events.is_empty() {
         return Ok(0);
     }
-    // One statement per distinct resulting list (in practice: per event type), all in one
-    // command, so a batch of many types costs one round trip too. The lists were read in
-    // this transaction, so a concurrent change of one conflicts with this write; a
-    // malformed `handlers` field is replaced by the readable part of it.
-    let mut by_handlers: BTreeMap<Vec<String>, Vec<Bson>> = BTreeMap::new();
+    // One statement per distinct pair of resulting lists (in practice: per event type and
+    // whether it is handed out), all in one command, so a batch of many types costs one
+    // round trip too. The lists were read in this transaction, so a concurrent change of one
+    // conflicts with this write; a malformed `handlers` field is replaced by the readable
+    // part of it.
+    let none = Vec::new();
+    let mut by_handlers: BTreeMap<(Vec<String>, &Vec<String>), Vec<Bson>> = BTreeMap::new();
     for event in &plan.events {
-        by_handlers.entry(event.handlers.clone()).or_default().push(event.id.clone());
+        let handed_out = handed_out.get(&id_text(&event.id)).unwrap_or(&none);
+        by_handlers.entry((event.handlers.clone(), handed_out)).or_default().push(event.id.clone());
     }
     let statements = by_handlers
         .into_iter()
-        .map(|(handlers, ids)| {
+        .map(|((handlers, handed_out), ids)| {
+            let mut set = doc! { field::FANNED_OUT_AT: now, field::HANDLERS: handlers };
+            if !handed_out.is_empty() {
+                set.insert(field::HANDED_OUT, handed_out);
+            }
             doc! {
                 "q": { field::ID: { "$in": ids }, field::FANNED_OUT_AT: Bson::Null },
-                "u": { "$set": { field::FANNED_OUT_AT: now, field::HANDLERS: handlers } },
+                "u": { "$set": set },
                 "multi": true,
                 "hint": { field::ID: 1 },
             }
@@ -317,10 +396,21 @@ async fn mark(store: &MongoStore, session: &mut ClientSession, plan: &FanOutPlan
     generations::update_each(store, store.collections.events.name(), statements, WriteIn::Transaction(session)).await
 }
 
-/// Inserts the plan's deliveries.
-async fn insert(store: &MongoStore, session: &mut ClientSession, plan: &FanOutPlan, now: DateTime) -> Result<(), StoreError> {
-    if !plan.deliveries.is_empty() {
-        let documents: Vec<Document> = plan.deliveries.iter().map(|d| new_delivery_document(d, now)).collect();
+/// Inserts the plan's deliveries but those handed out `without_document`.
+async fn insert(
+    store: &MongoStore,
+    session: &mut ClientSession,
+    plan: &FanOutPlan,
+    without_document: &HashSet<DeliveryId>,
+    now: DateTime,
+) -> Result<(), StoreError> {
+    let documents: Vec<Document> = plan
+        .deliveries
+        .iter()
+        .filter(|d| !without_document.contains(&d.id))
+        .map(|d| new_delivery_document(d, now))
+        .collect();
+    if !documents.is_empty() {
         store.collections.deliveries.insert_many(documents).session(&mut *session).await?;
     }
     Ok(())

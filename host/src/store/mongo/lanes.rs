@@ -10,7 +10,7 @@ use mongodb::ClientSession;
 
 use super::{Commit, MongoStore};
 use super::documents::{self, delivery, in_flight_document, lane, lane_state};
-use super::generations;
+use super::{generations, unstored};
 use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
 use crate::store::claim::MIN_ROWS_PER_LANE_QUERY;
 use crate::store::claim::{Candidate, ClaimBackend, HandlerKey, Holder, InFlight, LaneRecord, LaneState, LaneWrite, Unpark};
@@ -216,15 +216,31 @@ impl ClaimBackend for Backend<'_> {
             .collections
             .lanes
             .find(doc! { "$or": [{ lane::OWNER: Bson::Null }, { lane::LEASE_EXPIRES_AT: { "$lt": now } }] })
-            .projection(doc! { lane::ID: 1 })
+            .projection(doc! { lane::ID: 1, format!("{}.e", lane::IN_FLIGHT): 1, format!("{}.h", lane::IN_FLIGHT): 1 })
             .batch_size(u32::from(crate::lane::LANE_COUNT) + 1)
             .await?
             .try_collect()
             .await?;
         let mut free = Vec::new();
+        // Lanes whose last holder left deliveries without a document in flight: nothing in
+        // the claim index shows that work, and it is the oldest there is (it was running).
+        let mut lanes: Vec<(LaneId, usize)> = Vec::with_capacity(count);
         for document in &lane_documents {
             let id = documents::lane_id(document, lane::ID)?;
-            if !exclude.contains(&id) {
+            if exclude.contains(&id) {
+                continue;
+            }
+            let stranded = match document.get(lane::IN_FLIGHT) {
+                Some(Bson::Array(entries)) => entries
+                    .iter()
+                    .filter_map(Bson::as_document)
+                    .filter(|entry| entry.contains_key("e") && entry.get_str("h").is_ok_and(|h| handlers.iter().any(|x| x == h)))
+                    .count(),
+                _ => 0,
+            };
+            if stranded > 0 && lanes.len() < count {
+                lanes.push((id, stranded));
+            } else {
                 free.push(i32::from(id));
             }
         }
@@ -261,7 +277,6 @@ impl ClaimBackend for Backend<'_> {
             oldest.push((due, documents::lane_id(row, delivery::LANE_ID)?));
         }
         oldest.sort();
-        let mut lanes: Vec<(LaneId, usize)> = Vec::with_capacity(count);
         for (_, lane) in oldest {
             match lanes.iter().position(|(id, _)| *id == lane) {
                 Some(index) => lanes[index].1 += 1,
@@ -346,6 +361,9 @@ impl ClaimBackend for Backend<'_> {
     }
 
     async fn charge_lost(&self, entries: &[InFlight], now: DateTime) -> Result<(), StoreError> {
+        // A delivery its fan-out handed out without a document gets one first, at the
+        // generation the list names, so the charge below applies to it like to any other.
+        unstored::materialize(self.store, &unstored::Entry::listed(entries), now).await?;
         let update = doc! {
             "$inc": { delivery::ATTEMPTS: 1, delivery::CLAIMS: 1_i64 },
             "$set": {
@@ -359,8 +377,13 @@ impl ClaimBackend for Backend<'_> {
 
     async fn current(&self, entries: &[InFlight]) -> Result<HashSet<DeliveryId>, StoreError> {
         let projection = doc! { delivery::ID: 1, delivery::CLAIMS: 1 };
-        let documents = generations::find_current(self.store, &generation_pairs(entries), Some(projection), None).await?;
-        Ok(documents.iter().filter_map(|d| d.get_object_id(delivery::ID).ok()).collect())
+        let (pairs, without_document) = (generation_pairs(entries), unstored::Entry::listed(entries));
+        let (documents, unfinished) = futures::try_join!(
+            generations::find_current(self.store, &pairs, Some(projection), None),
+            // Those without a document run while their event lists them.
+            unstored::unfinished(self.store, &without_document),
+        )?;
+        Ok(documents.iter().filter_map(|d| d.get_object_id(delivery::ID).ok()).chain(unfinished).collect())
     }
 
     async fn candidates(

@@ -36,6 +36,7 @@ mod lanes;
 mod operations;
 mod outcome;
 mod setup;
+mod unstored;
 mod wakeup;
 
 pub use wakeup::EventWakeups;

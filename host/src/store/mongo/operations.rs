@@ -27,7 +27,11 @@ fn expired_events(options: &PurgeOptions) -> Option<Document> {
         alternatives.push(doc! { field::COMPLETED_AT: { "$exists": false }, field::CREATED_AT: { "$lt": cutoff } });
         alternatives.push(doc! { field::COMPLETED_AT: { "$exists": false }, field::CREATED_AT: { "$not": { "$type": "date" } } });
     }
-    (!alternatives.is_empty()).then(|| doc! { field::FANNED_OUT_AT: { "$type": "date" }, "$or": alternatives })
+    // An event still listing a handler in `handedOut` has a delivery running without a
+    // document, which nothing else would show.
+    let handed_out = format!("{}.0", field::HANDED_OUT);
+    (!alternatives.is_empty())
+        .then(|| doc! { field::FANNED_OUT_AT: { "$type": "date" }, handed_out: { "$exists": false }, "$or": alternatives })
 }
 
 /// Deletes, in `session`, those of `candidates` that are expired and referenced by no
@@ -211,8 +215,11 @@ pub(super) async fn statistics(store: &MongoStore, now: DateTime) -> Result<Vec<
     if !entries.is_empty() {
         let current = super::lanes::Backend { store }.current(&entries).await?;
         for entry in entries.iter().filter(|e| current.contains(&e.delivery)) {
-            if let Some(stats) = by_handler.get_mut(&entry.handler) {
-                stats.running += 1;
+            let handler = entry.handler.clone();
+            let stats = by_handler.entry(handler.clone()).or_insert_with(|| HandlerStatistics { handler, ..Default::default() });
+            stats.running += 1;
+            // One without a document was not counted as pending above.
+            if entry.unstored.is_none() {
                 stats.pending = stats.pending.saturating_sub(1);
             }
         }

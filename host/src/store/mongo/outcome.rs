@@ -10,7 +10,7 @@ use futures::TryStreamExt;
 use mongodb::ClientSession;
 
 use super::documents::{delivery, generation_filter, history, lane, lane_state, view};
-use super::generations;
+use super::{generations, unstored};
 use super::{MongoStore, MongoTx};
 use crate::lane::LaneId;
 use crate::store::{DeliveryStatus, DeliveryView, Lease, Settlement, StoreError};
@@ -170,15 +170,64 @@ async fn complete_each(store: &MongoStore, leases: &[Lease], now: DateTime) -> R
     Ok(completed)
 }
 
+/// Completes those of `entries` (deliveries without a document) whose lane still has their
+/// lease's epoch; see [`unstored::complete`].
+async fn complete_unstored(
+    store: &MongoStore,
+    mut session: Option<&mut ClientSession>,
+    entries: &[(Lease, unstored::Entry)],
+    now: DateTime,
+) -> Result<HashSet<ObjectId>, StoreError> {
+    if entries.is_empty() {
+        return Ok(HashSet::new());
+    }
+    let epochs = lane_epochs(store, session.as_deref_mut(), entries.iter().map(|(l, _)| l.lane)).await?;
+    let current: Vec<unstored::Entry> =
+        entries.iter().filter(|(l, _)| epochs.get(&l.lane) == Some(&l.epoch)).map(|(_, e)| e.clone()).collect();
+    if current.is_empty() {
+        return Ok(HashSet::new());
+    }
+    unstored::complete(store, &current, session, now).await
+}
+
+/// Splits issued leases into those of deliveries with a document and those without.
+fn by_storage(store: &MongoStore, leases: &[Lease]) -> (Vec<Lease>, Vec<(Lease, unstored::Entry)>) {
+    let mut stored = Vec::new();
+    let mut unstored = Vec::new();
+    for lease in leases {
+        match store.claimer.unstored(lease) {
+            Some(handed_out) => unstored.push((*lease, unstored::Entry::of_lease(lease, handed_out))),
+            None => stored.push(*lease),
+        }
+    }
+    (stored, unstored)
+}
+
+/// Gives the deliveries of those of `leases` that have none their document (see
+/// [`unstored::materialize`]), so that an outcome other than a completion can be written.
+async fn materialize(store: &MongoStore, leases: &[Lease], now: DateTime) -> Result<(), StoreError> {
+    let (_, entries) = by_storage(store, leases);
+    let entries: Vec<unstored::Entry> = entries.into_iter().map(|(_, entry)| entry).collect();
+    unstored::materialize(store, &entries, now).await
+}
+
 pub(super) async fn complete_many(store: &MongoStore, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {
     let issued: Vec<Lease> = leases.iter().filter(|l| store.claimer.issued(l)).copied().collect();
+    let (stored, unstored) = by_storage(store, &issued);
     let completed = if issued.is_empty() {
         HashSet::new()
     } else if store.options.completion_history {
-        // A history record is written exactly when its delivery goes.
+        // A history record is written exactly when its delivery goes; its deliveries all
+        // have documents (a host with history hands out none without), and any left by an
+        // earlier process are given theirs.
+        materialize(store, &issued, now).await?;
         transaction!(store, |tx| complete_in_session(store, tx.session(), &issued, now).await)?
     } else {
-        complete_each(store, &issued, now).await?
+        let (stored, unstored) = futures::try_join!(
+            async { if stored.is_empty() { Ok(HashSet::new()) } else { complete_each(store, &stored, now).await } },
+            complete_unstored(store, None, &unstored, now),
+        )?;
+        stored.into_iter().chain(unstored).collect()
     };
     store.claimer.settled(leases);
     Ok(leases
@@ -191,7 +240,16 @@ pub(super) async fn complete_in(store: &MongoStore, tx: &mut MongoTx, lease: &Le
     if !store.claimer.issued(lease) {
         return Err(StoreError::LeaseLost(lease.to_string()));
     }
-    if complete_in_session(store, tx.session(), std::slice::from_ref(lease), now).await?.contains(&lease.delivery) {
+    let completed = match by_storage(store, std::slice::from_ref(lease)) {
+        (_, unstored) if !unstored.is_empty() && !store.options.completion_history => {
+            complete_unstored(store, Some(tx.session()), &unstored, now).await?
+        }
+        _ => {
+            materialize(store, std::slice::from_ref(lease), now).await?;
+            complete_in_session(store, tx.session(), std::slice::from_ref(lease), now).await?
+        }
+    };
+    if completed.contains(&lease.delivery) {
         tx.settles_on_commit(*lease);
         Ok(())
     } else {
@@ -211,10 +269,11 @@ async fn lane_current(store: &MongoStore, lease: &Lease) -> Result<bool, StoreEr
 }
 
 /// One conditional update of a still-current delivery; `LeaseLost` if nothing matched.
-async fn settle_one(store: &MongoStore, lease: &Lease, update: Document) -> Result<Settlement, StoreError> {
+async fn settle_one(store: &MongoStore, lease: &Lease, update: Document, now: DateTime) -> Result<Settlement, StoreError> {
     if !store.claimer.issued(lease) {
         return Ok(Settlement::LeaseLost);
     }
+    materialize(store, std::slice::from_ref(lease), now).await?;
     let settlement = if lane_current(store, lease).await? {
         let mut filter = generation_filter(lease.delivery, lease.claims);
         filter.insert(delivery::STATUS, delivery::PENDING);
@@ -238,7 +297,7 @@ pub(super) async fn reschedule(
         "$inc": { delivery::ATTEMPTS: 1, delivery::CLAIMS: 1_i64 },
         "$set": { delivery::DUE_AT: due_at, delivery::LAST_ERROR: error, delivery::UPDATED_AT: now },
     };
-    settle_one(store, lease, update).await
+    settle_one(store, lease, update, now).await
 }
 
 fn burial(reason: &str, charge_attempt: bool, now: DateTime) -> Document {
@@ -260,7 +319,7 @@ pub(super) async fn bury(
     charge_attempt: bool,
     now: DateTime,
 ) -> Result<Settlement, StoreError> {
-    settle_one(store, lease, burial(reason, charge_attempt, now)).await
+    settle_one(store, lease, burial(reason, charge_attempt, now), now).await
 }
 
 pub(super) async fn bury_in(
@@ -275,6 +334,9 @@ pub(super) async fn bury_in(
     if !store.claimer.issued(lease) {
         return Err(lost());
     }
+    // In a transaction of its own: the burial below finds the document in the snapshot of
+    // the caller's transaction only if it began after this committed, which it may not have.
+    materialize(store, std::slice::from_ref(lease), now).await?;
     let session = tx.session();
     let epochs = lane_epochs(store, Some(&mut *session), [lease.lane]).await?;
     if epochs.get(&lease.lane) != Some(&lease.epoch) {
@@ -296,6 +358,8 @@ pub(super) async fn release(store: &MongoStore, leases: &[Lease], now: DateTime)
     let released = if issued.is_empty() {
         0
     } else {
+        let leases: Vec<Lease> = issued.iter().copied().copied().collect();
+        materialize(store, &leases, now).await?;
         let update = doc! { "$inc": { delivery::CLAIMS: 1_i64 }, "$set": { delivery::UPDATED_AT: now } };
         generations::update_current(store, &lease_generations(issued.iter().copied()), &update).await? as usize
     };
@@ -316,7 +380,12 @@ pub(super) async fn extend_lease(store: &MongoStore, leases: &[Lease], now: Date
         let session = tx.session();
         let projection = doc! { delivery::ID: 1, delivery::CLAIMS: 1 };
         let found = generations::find_current(store, &lease_generations(issued.iter()), Some(projection), Some(&mut *session)).await?;
-        let found: HashSet<ObjectId> = found.iter().filter_map(|d| d.get_object_id(delivery::ID).ok()).collect();
+        // A delivery without a document runs while its lease is issued: its lane is checked.
+        let found: HashSet<ObjectId> = found
+            .iter()
+            .filter_map(|d| d.get_object_id(delivery::ID).ok())
+            .chain(issued.iter().filter(|l| store.claimer.unstored(l).is_some()).map(|l| l.delivery))
+            .collect();
         let lanes: BTreeSet<(LaneId, i64)> =
             issued.iter().filter(|l| found.contains(&l.delivery)).map(|l| (l.lane, l.epoch)).collect();
         let mut renewed = HashSet::new();
