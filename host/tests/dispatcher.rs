@@ -431,6 +431,9 @@ impl Store for FaultyStore {
     async fn statistics(&self, now: DateTime) -> Result<Vec<HandlerStatistics>, StoreError> {
         self.inner.statistics(now).await
     }
+    async fn unfanned_events(&self) -> Result<u64, StoreError> {
+        self.inner.unfanned_events().await
+    }
     async fn list_deliveries(&self, filter: &DeliveryFilter) -> Result<DeliveryPage, StoreError> {
         self.inner.list_deliveries(filter).await
     }

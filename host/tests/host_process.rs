@@ -697,19 +697,23 @@ async fn the_embedded_server_keeps_its_data_and_admin_commands_join_a_running_ho
     let second = publish("e-2");
     assert!(second.status.success() && stdout(&second).contains("sequence 2 of its key"), "{}", stdout(&second));
     let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
+    let metrics = loop {
         let (status, metrics) = http_get(health, "/metrics");
         if status == 200 && metrics.contains("relayhost_completed_total 2") {
-            break;
+            break metrics;
         }
         assert!(Instant::now() < deadline, "both events delivered: {status} {metrics}");
         tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    };
+    let unfanned = metrics.lines().find_map(|line| line.strip_prefix("relayhost_events_unfanned "));
+    assert!(unfanned.is_some_and(|n| n.parse::<u64>().is_ok()), "the backlog's gauge: {metrics}");
     assert_eq!(http_get(health, "/healthz").0, 200);
     assert_eq!(http_get(health, "/readyz"), (200, "ready\n".to_string()));
     assert_eq!(http_get(health, "/anything").0, 404);
     let stats = deployment.relayhost_with(&["stats", "--json"], &embedded);
-    let rows: serde_json::Value = serde_json::from_slice(&stats.stdout).expect("stats --json prints JSON");
+    let stats: serde_json::Value = serde_json::from_slice(&stats.stdout).expect("stats --json prints JSON");
+    assert_eq!(stats["unfannedEvents"].as_u64(), Some(0), "{stats}");
+    let rows = &stats["handlers"];
     assert_eq!(rows[0]["handler"], "audit-log");
     assert_eq!((rows[0]["completed"].as_u64(), rows[0]["pending"].as_u64()), (Some(2), Some(0)), "{rows}");
 

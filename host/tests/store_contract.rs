@@ -1122,7 +1122,9 @@ async fn statistics_count_each_state<F: Fixture>() {
     let fixture = F::new().await;
     let store = fixture.store();
     publish_all(store, (0..6).map(|n| event(&format!("e-{n}"), "t")).collect()).await;
+    assert_eq!(store.unfanned_events().await.unwrap(), 6);
     fan_out_all(store, &subs(&[("h", &["t"]), ("idle", &["t"])]), at(T0)).await;
+    assert_eq!(store.unfanned_events().await.unwrap(), 0);
     let claimed = store.claim(&handlers(&["h"]), 3, at(T0)).await.unwrap();
     store.bury(&claimed[0].lease, "x", true, at(T0)).await.unwrap();
     let stats = store.statistics(at(T0)).await.unwrap();

@@ -41,7 +41,8 @@ pub struct HealthState {
     store: Arc<MongoStore>,
     registry: Arc<PluginRegistry>,
     counters: Arc<DispatcherCounters>,
-    statistics: Arc<Recent<Vec<HandlerStatistics>>>,
+    /// Per-handler counts and the unfanned events.
+    statistics: Arc<Recent<(Vec<HandlerStatistics>, u64)>>,
 }
 
 impl HealthState {
@@ -109,11 +110,20 @@ impl HealthState {
             let _ = writeln!(out, "# HELP relayhost_{name}_total {help}\n# TYPE relayhost_{name}_total counter");
             let _ = writeln!(out, "relayhost_{name}_total {}", DispatcherCounters::get(counter));
         }
-        let statistics =
-            self.statistics.get_or_refresh(|| self.store.statistics(DateTime::now())).await.map_err(|e| e.to_string())?;
+        let statistics = self
+            .statistics
+            .get_or_refresh(|| async {
+                let unfanned = self.store.unfanned_events().await?;
+                Ok((self.store.statistics(DateTime::now()).await?, unfanned))
+            })
+            .await
+            .map_err(|e| e.to_string())?;
+        let (statistics, unfanned) = (&statistics.0, statistics.1);
+        let _ = writeln!(out, "# HELP relayhost_events_unfanned Committed events not fanned out yet\n# TYPE relayhost_events_unfanned gauge");
+        let _ = writeln!(out, "relayhost_events_unfanned {unfanned}");
         for (name, help) in [("pending", "Deliveries waiting"), ("running", "Deliveries under a live lease"), ("dead", "Dead deliveries")] {
             let _ = writeln!(out, "# HELP relayhost_deliveries_{name} {help}\n# TYPE relayhost_deliveries_{name} gauge");
-            for s in &statistics {
+            for s in statistics {
                 let value = match name {
                     "pending" => s.pending,
                     "running" => s.running,

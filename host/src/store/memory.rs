@@ -598,6 +598,11 @@ impl Store for MemoryStore {
         Ok(report)
     }
 
+    async fn unfanned_events(&self) -> Result<u64, StoreError> {
+        let state = self.state.lock().await;
+        Ok(state.events.values().filter(|doc| !doc.contains_key(field::FANNED_OUT_AT)).count() as u64)
+    }
+
     async fn statistics(&self, now: DateTime) -> Result<Vec<HandlerStatistics>, StoreError> {
         let state = self.state.lock().await;
         let running = state.running(now);

@@ -473,6 +473,10 @@ pub trait Store: Send + Sync + 'static {
     /// Per-handler counts.
     fn statistics(&self, now: DateTime) -> impl Future<Output = Result<Vec<HandlerStatistics>, StoreError>> + Send;
 
+    /// Committed events no fan-out has made deliveries of yet. A host fans a backlog out only
+    /// as fast as it can hand it out (see the dispatcher), so this is where a backlog waits.
+    fn unfanned_events(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
     /// Deliveries matching `filter`, in id order.
     fn list_deliveries(&self, filter: &DeliveryFilter)
     -> impl Future<Output = Result<DeliveryPage, StoreError>> + Send;

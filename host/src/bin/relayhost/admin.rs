@@ -118,6 +118,7 @@ pub async fn setup(config: &Config) -> Result<ExitCode> {
 pub async fn stats(config: &Config, json: bool) -> Result<ExitCode> {
     with_store(config, async |store| {
         let statistics = store.statistics(DateTime::now()).await?;
+        let unfanned = store.unfanned_events().await?;
         if json {
             let rows: Vec<serde_json::Value> = statistics
                 .iter()
@@ -129,13 +130,14 @@ pub async fn stats(config: &Config, json: bool) -> Result<ExitCode> {
                     })
                 })
                 .collect();
-            println!("{}", serde_json::to_string_pretty(&rows)?);
+            println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "handlers": rows, "unfannedEvents": unfanned }))?);
         } else {
             println!("{:<32} {:>9} {:>9} {:>9} {:>9} {:>10}", "HANDLER", "PENDING", "RUNNING", "PARKED", "DEAD", "COMPLETED");
             for s in &statistics {
                 let completed = s.completed.map_or("-".to_string(), |c| c.to_string());
                 println!("{:<32} {:>9} {:>9} {:>9} {:>9} {:>10}", s.handler, s.pending, s.running, s.parked, s.dead, completed);
             }
+            println!("events not fanned out yet: {unfanned}");
         }
         Ok(ExitCode::SUCCESS)
     })

@@ -386,6 +386,16 @@ impl Store for MongoStore {
         operations::statistics(self, now).await
     }
 
+    async fn unfanned_events(&self) -> Result<u64, StoreError> {
+        // The partial index holds exactly these: counting them walks the backlog's keys only.
+        Ok(self
+            .collections
+            .events
+            .count_documents(bson::doc! { crate::event::field::FANNED_OUT_AT: bson::Bson::Null })
+            .hint(mongodb::options::Hint::Name(setup::UNFANNED.into()))
+            .await?)
+    }
+
     async fn list_deliveries(&self, filter: &DeliveryFilter) -> Result<DeliveryPage, StoreError> {
         operations::list_deliveries(self, filter).await
     }
