@@ -7,11 +7,12 @@
 //! events than that (see [`Store::fan_out_early`]): those start like claimed ones, even
 //! before the fan-out's commit is acknowledged; such a run reports its outcome only once the
 //! word comes that it committed (as not run if it did not), and a transactional handler's
-//! run starts only then. Under a backlog the next batch waits until half the capacity is
-//! free, so that a drain's deliveries are handed out instead of left to claims (a hand-out
-//! costs the store less; in MongoDB it writes no delivery document). A claim never overlaps a
-//! fan-out that hands out, since both need the lanes' lists; one wanted under a backlog goes
-//! before the next batch.
+//! run starts only then. While its batches are handed out whole, under a backlog the next one
+//! waits until half the capacity is free, so that a drain's deliveries are handed out instead
+//! of left to claims (a hand-out costs the store less; in MongoDB it writes no delivery
+//! document); after a batch that was not (lanes another host holds, keyed events), the rest of
+//! the backlog is fanned out at once, for claims. A claim never overlaps a batch that hands
+//! out, since both need the lanes' lists; one wanted under a backlog goes before the next.
 //! A claim may take up to `claim_ahead` more deliveries than there are free run slots: those
 //! wait for a slot under a lease that is renewed like a running one. Finished runs waiting for
 //! their completion to be written may fill as many places again; beyond that each takes a
@@ -197,8 +198,8 @@ struct Flight<S: Store> {
     fan_out_waits: bool,
     /// The fan-out running in the background, if any.
     fanning: Option<JoinHandle<Result<FannedOut, StoreError>>>,
-    /// It may hand out.
-    fanning_hands_out: bool,
+    /// Its first batch, which may hand out, is under way.
+    fanning_hands_out: Arc<AtomicBool>,
     /// Asks the background fan-out to end after its current batch (a stop).
     stop_fanning: Arc<AtomicBool>,
     /// Deliveries fan-outs handed out, started by the next dispatch step; those handed out
@@ -222,7 +223,7 @@ impl<S: Store> Flight<S> {
             backlog: false,
             fan_out_waits: false,
             fanning: None,
-            fanning_hands_out: false,
+            fanning_hands_out: Arc::default(),
             stop_fanning: Arc::default(),
             handed_out: Vec::new(),
             claim_lanes: BTreeSet::new(),
@@ -345,7 +346,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         if !claim_first {
             self.fan_out(&specs, fanned, early, flight)?;
         }
-        let handing_out = flight.fanning.is_some() && flight.fanning_hands_out;
+        let handing_out = flight.fanning.is_some() && flight.fanning_hands_out.load(Ordering::SeqCst);
         if !handing_out {
             self.claim(&specs, permits, finished_tx, flight).await?;
         }
@@ -387,9 +388,9 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             )?;
             flight.fan_out = false;
             // What it hands out runs at once or waits for a run slot, like a claim's picks.
-            flight.fanning =
-                Some(self.spawn_fan_out(subscriptions, fanned.clone(), free, early.clone(), flight.stop_fanning.clone()));
-            flight.fanning_hands_out = free > 0;
+            flight.fanning_hands_out.store(free > 0, Ordering::SeqCst);
+            let hands_out = flight.fanning_hands_out.clone();
+            flight.fanning = Some(self.spawn_fan_out(subscriptions, fanned.clone(), free, early.clone(), hands_out, flight.stop_fanning.clone()));
         }
         Ok(())
     }
@@ -487,15 +488,17 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
 
     /// Fans out until a short batch says nothing is left, waking the loop after every full
     /// batch so that claims take the new deliveries while the rest is still being fanned out.
-    /// Given a `hand_out` budget, it fans out one batch of at most that many events and hands
-    /// out up to that many of their deliveries, then ends, so that they run at once (the loop
-    /// fans out again if the batch was full).
+    /// Given a `hand_out` budget, its first batch is of at most that many events, and hands out
+    /// up to that many of their deliveries; if it handed out all it made, the fan-out ends
+    /// there, so that they run at once (the loop fans out again if the batch was full, once
+    /// there is room).
     fn spawn_fan_out(
         &self,
         subscriptions: Subscriptions,
         fanned: Arc<Notify>,
         hand_out: usize,
         early: EarlyHandOuts,
+        hands_out: Arc<AtomicBool>,
         stop: Arc<AtomicBool>,
     ) -> JoinHandle<Result<FannedOut, StoreError>> {
         let store = self.store.clone();
@@ -504,6 +507,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             let started = Instant::now();
             let mut hand_out = hand_out;
             let mut first = true;
+            let mut claimed = Vec::new();
             loop {
                 let batch_started = Instant::now();
                 // A batch that may hand out is no bigger than what it may hand out: the rest
@@ -518,17 +522,21 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                     "fan-out batch"
                 );
                 let full = report.events >= batch;
-                // One that may hand out ends after its batch: should that have handed out
-                // nothing (a claim of this host held the lanes' lists, say), the next one may.
-                if !full || hand_out > 0 || stop.load(Ordering::Relaxed) {
+                // It handed out all it made: the next batch is to wait for room to do the same.
+                // Otherwise (lanes another host holds, keyed events) the rest of the backlog is
+                // fanned out at once for claims, as a fan-out that hands out nothing does.
+                let whole = hand_out > 0 && handed_out > 0 && report.lanes.is_empty();
+                hands_out.store(false, Ordering::SeqCst);
+                claimed.extend(report.claimed);
+                if !full || whole || stop.load(Ordering::Relaxed) {
                     tracing::trace!(elapsed_us = started.elapsed().as_micros() as u64, "fanned out");
                     let few = first && report.lanes.len() <= CLAIM_IN_MAX_LANES;
                     return Ok(FannedOut {
                         new_deliveries: !report.lanes.is_empty(),
                         lanes: few.then_some(report.lanes),
-                        claimed: report.claimed,
+                        claimed,
                         more: full,
-                        handed_out_full: full && handed_out > 0,
+                        handed_out_full: full && whole,
                     });
                 }
                 if report.deliveries > 0 {
