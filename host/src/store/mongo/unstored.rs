@@ -22,7 +22,7 @@ use bson::{Bson, DateTime, Document, doc};
 use futures::TryStreamExt;
 use mongodb::ClientSession;
 
-use super::documents::{delivery, new_delivery_document};
+use super::documents::new_delivery_document;
 use super::generations::{self, WriteIn};
 use super::{Commit, MongoStore};
 use crate::event::field;
@@ -164,21 +164,7 @@ pub(super) async fn complete(
         // A takeover materialized some between the lane check and this: those have their
         // document now (one whose document is gone again was completed by its new holder
         // after running again: completed either way).
-        let ids: Vec<ObjectId> = completed.iter().copied().collect();
-        let left: Vec<Document> = store
-            .collections
-            .deliveries
-            .find(doc! { delivery::ID: { "$in": ids } })
-            .projection(doc! { delivery::ID: 1 })
-            .hint(super::by_id())
-            .await?
-            .try_collect()
-            .await?;
-        for document in &left {
-            if let Ok(id) = document.get_object_id(delivery::ID) {
-                completed.remove(&id);
-            }
-        }
+        super::outcome::forget_stored(store, &mut completed).await?;
     }
     Ok(completed)
 }
