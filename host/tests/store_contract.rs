@@ -66,6 +66,7 @@ contract!(
     takeover_charges_the_lost_attempt_once,
     reschedule_release_and_bury,
     handed_out_deliveries_settle_and_are_taken_over_like_claimed_ones,
+    a_handed_out_delivery_its_holder_checks_later_stays_listed_for_a_takeover,
     requeue_brings_a_dead_delivery_back_before_its_followers,
     an_operator_buries_a_stuck_delivery_unless_its_lane_is_leased,
     operator_inputs_never_become_query_operators,
@@ -776,6 +777,27 @@ async fn handed_out_deliveries_settle_and_are_taken_over_like_claimed_ones<F: Fi
     assert!(b.claim(&handlers(&["h"]), 10, at(T0 + 100_000)).await.unwrap().is_empty());
     // Nothing runs any more: every event may go.
     assert_eq!(a.purge(&far, at(T0 + 100_000)).await.unwrap().events, 5);
+}
+
+async fn a_handed_out_delivery_its_holder_checks_later_stays_listed_for_a_takeover<F: Fixture>() {
+    // A claim checks in the store whether a lease it issued over two seconds ago still runs;
+    // one without a document (MongoDB) runs while its event lists it, and must stay listed.
+    let fixture = F::new().await;
+    let (a, b) = (fixture.worker("a"), fixture.worker("b"));
+    let subscriptions = subs(&[("h", &["t"])]);
+    let (x, y) = (id_in_lane("x", 50), id_in_lane("y", 50));
+    publish_all(&a, vec![event(&x, "t")]).await;
+    assert_eq!(a.fan_out(&subscriptions, 100, 10, at(T0)).await.unwrap().claimed.len(), 1);
+    // Later, a claims a new delivery in the same lane, rewriting its list.
+    publish_all(&a, vec![event(&y, "t")]).await;
+    a.fan_out(&subscriptions, 100, 0, at(T0 + 3_000)).await.unwrap();
+    assert_eq!(ids(&a.claim(&handlers(&["h"]), 10, at(T0 + 3_000)).await.unwrap()), [format!("{y}/h")]);
+    // a dies: b takes the lane over and charges both, the one without a document included.
+    let taken = b.claim(&handlers(&["h"]), 10, at(T0 + 40_000)).await.unwrap();
+    let mut expected = vec![format!("{x}/h"), format!("{y}/h")];
+    expected.sort();
+    assert_eq!(ids(&taken), expected);
+    assert!(taken.iter().all(|c| c.attempts == 1), "{taken:?}");
 }
 
 async fn an_operator_buries_a_stuck_delivery_unless_its_lane_is_leased<F: Fixture>() {
