@@ -39,6 +39,10 @@ pub enum StoreError {
     Corrupt(String),
     #[error("another worker did this first, and nothing was written: {0}")]
     Raced(String),
+    /// A transaction's snapshot did not hold a write that was acknowledged already (one
+    /// acknowledged once applied, not yet majority-committed): run it again.
+    #[error("the transaction's snapshot is behind a write acknowledged already: {0}")]
+    SnapshotBehind(String),
     #[error("transaction gave up after {attempts} attempts over {elapsed:?}: {last}")]
     RetriesExhausted { attempts: u32, elapsed: Duration, last: Box<StoreError> },
     #[error("MongoDB: {0}")]
@@ -48,7 +52,11 @@ pub enum StoreError {
 impl StoreError {
     /// The whole transaction may be run again (a write conflict, a primary step-down).
     pub fn is_transient(&self) -> bool {
-        matches!(self, Self::Mongo(error) if error.contains_label(TRANSIENT_TRANSACTION_ERROR))
+        match self {
+            Self::Mongo(error) => error.contains_label(TRANSIENT_TRANSACTION_ERROR),
+            Self::SnapshotBehind(_) => true,
+            _ => false,
+        }
     }
 
     /// The commit may have happened; only the commit may be sent again.

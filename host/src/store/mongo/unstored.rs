@@ -97,11 +97,13 @@ pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], now: Date
             events.iter().map(|event| (id_text(event.get(field::ID).unwrap_or(&Bson::Null)), event)).collect();
         let mut statements = Vec::new();
         let mut documents = Vec::new();
+        let mut unlisted = Vec::new();
         for entry in entries {
-            let Some(event) = events.get(&id_text(&entry.event)) else { continue };
-            if !handed_out(event).contains(entry.handler.as_str()) {
+            let listed = events.get(&id_text(&entry.event)).filter(|event| handed_out(event).contains(entry.handler.as_str()));
+            let Some(event) = listed else {
+                unlisted.push(entry.clone());
                 continue;
-            }
+            };
             statements.push(doc! { "q": entry.event_filter(), "u": { "$pull": { field::HANDED_OUT: &entry.handler } } });
             let new = NewDelivery {
                 id: entry.delivery,
@@ -114,6 +116,11 @@ pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], now: Date
                 dead_reason: None,
             };
             documents.push(new_delivery_document(&new, now));
+        }
+        // The snapshot may not hold the fan-out that listed them yet (its commit is acknowledged
+        // once applied): one the latest data still lists is not settled, and must not be lost.
+        if !unfinished(store, &unlisted).await?.is_empty() {
+            return Err(StoreError::SnapshotBehind("a delivery without a document to materialize".into()));
         }
         if documents.is_empty() {
             return Ok(());
@@ -155,6 +162,10 @@ pub(super) async fn complete(
         .collect();
     if let Some(session) = session {
         if generations::update_each(store, events, statements, WriteIn::Transaction(session)).await? < entries.len() as u64 {
+            // As in `materialize`: a snapshot behind the fan-out is no lost lease.
+            if !unfinished(store, entries).await?.is_empty() {
+                return Err(StoreError::SnapshotBehind("a completion of a delivery without a document".into()));
+            }
             completed.clear();
         }
         return Ok(completed);
