@@ -253,7 +253,17 @@ pub(super) async fn complete_in(store: &MongoStore, tx: &mut MongoTx, lease: &Le
         }
         _ => {
             materialize(store, std::slice::from_ref(lease), now).await?;
-            complete_in_session(store, tx.session(), std::slice::from_ref(lease), now).await?
+            let completed = complete_in_session(store, tx.session(), std::slice::from_ref(lease), now).await?;
+            // The snapshot may not hold the fan-out that inserted the delivery yet (its commit
+            // is acknowledged once applied): a lease the latest data still honours is not lost.
+            if !completed.contains(&lease.delivery) && lane_current(store, lease).await? {
+                let projection = doc! { delivery::ID: 1, delivery::CLAIMS: 1 };
+                let pairs = lease_generations(std::iter::once(lease));
+                if !generations::find_current(store, &pairs, Some(projection), None).await?.is_empty() {
+                    return Err(StoreError::SnapshotBehind("a transactional completion".into()));
+                }
+            }
+            completed
         }
     };
     if completed.contains(&lease.delivery) {
