@@ -67,6 +67,7 @@ contract!(
     reschedule_release_and_bury,
     handed_out_deliveries_settle_and_are_taken_over_like_claimed_ones,
     a_handed_out_delivery_its_holder_checks_later_stays_listed_for_a_takeover,
+    a_handed_out_delivery_is_buried_in_the_transaction_that_announces_it,
     requeue_brings_a_dead_delivery_back_before_its_followers,
     an_operator_buries_a_stuck_delivery_unless_its_lane_is_leased,
     operator_inputs_never_become_query_operators,
@@ -798,6 +799,26 @@ async fn a_handed_out_delivery_its_holder_checks_later_stays_listed_for_a_takeov
     expected.sort();
     assert_eq!(ids(&taken), expected);
     assert!(taken.iter().all(|c| c.attempts == 1), "{taken:?}");
+}
+
+async fn a_handed_out_delivery_is_buried_in_the_transaction_that_announces_it<F: Fixture>() {
+    // As the dispatcher buries: the dead letter is written first, then the burial, in one
+    // transaction. A delivery without a document (MongoDB) gets it in a transaction of its
+    // own, which the caller's may have begun before.
+    let fixture = F::new().await;
+    let store = fixture.store();
+    publish_all(store, vec![event("poison", "t")]).await;
+    let report = store.fan_out(&subs(&[("h", &["t"])]), 100, 10, at(T0)).await.unwrap();
+    let lease = report.claimed[0].lease;
+    run_in_transaction(store, async |tx| {
+        store.publish(tx, &event("announced", "t2")).await?;
+        store.bury_in(tx, &lease, "unprocessable", true, at(T0 + 1)).await
+    })
+    .await
+    .unwrap();
+    assert!(fixture.raw_event("announced").await.is_some());
+    let dead = dead(store).await;
+    assert_eq!((dead.len(), dead[0].event_id.as_str(), dead[0].attempts), (1, "poison", 1));
 }
 
 async fn an_operator_buries_a_stuck_delivery_unless_its_lane_is_leased<F: Fixture>() {

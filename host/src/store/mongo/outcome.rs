@@ -213,7 +213,10 @@ fn by_storage(store: &MongoStore, leases: &[Lease]) -> (Vec<Lease>, Vec<(Lease, 
 /// Gives the deliveries of those of `leases` that have none their document (see
 /// [`unstored::materialize`]), so that an outcome other than a completion can be written.
 async fn materialize(store: &MongoStore, leases: &[Lease], now: DateTime) -> Result<(), StoreError> {
-    let (_, entries) = by_storage(store, leases);
+    materialize_entries(store, by_storage(store, leases).1, now).await
+}
+
+async fn materialize_entries(store: &MongoStore, entries: Vec<(Lease, unstored::Entry)>, now: DateTime) -> Result<(), StoreError> {
     let entries: Vec<unstored::Entry> = entries.into_iter().map(|(_, entry)| entry).collect();
     unstored::materialize(store, &entries, now).await
 }
@@ -227,7 +230,7 @@ pub(super) async fn complete_many(store: &MongoStore, leases: &[Lease], now: Dat
         // A history record is written exactly when its delivery goes; its deliveries all
         // have documents (a host with history hands out none without), and any left by an
         // earlier process are given theirs.
-        materialize(store, &issued, now).await?;
+        materialize_entries(store, unstored, now).await?;
         transaction!(store, |tx| complete_in_session(store, tx.session(), &issued, now).await)?
     } else {
         let (stored, unstored) = futures::try_join!(
@@ -254,14 +257,8 @@ pub(super) async fn complete_in(store: &MongoStore, tx: &mut MongoTx, lease: &Le
         _ => {
             materialize(store, std::slice::from_ref(lease), now).await?;
             let completed = complete_in_session(store, tx.session(), std::slice::from_ref(lease), now).await?;
-            // The snapshot may not hold the fan-out that inserted the delivery yet (its commit
-            // is acknowledged once applied): a lease the latest data still honours is not lost.
-            if !completed.contains(&lease.delivery) && lane_current(store, lease).await? {
-                let projection = doc! { delivery::ID: 1, delivery::CLAIMS: 1 };
-                let pairs = lease_generations(std::iter::once(lease));
-                if !generations::find_current(store, &pairs, Some(projection), None).await?.is_empty() {
-                    return Err(StoreError::SnapshotBehind("a transactional completion".into()));
-                }
+            if !completed.contains(&lease.delivery) && honoured_outside(store, lease).await? {
+                return Err(StoreError::SnapshotBehind("a transactional completion".into()));
             }
             completed
         }
@@ -272,6 +269,20 @@ pub(super) async fn complete_in(store: &MongoStore, tx: &mut MongoTx, lease: &Le
     } else {
         Err(StoreError::LeaseLost(lease.to_string()))
     }
+}
+
+/// Whether the latest data, read outside any transaction, still honours `lease`: its lane has
+/// its epoch and its delivery is at its generation. A transaction that found otherwise read a
+/// snapshot behind a write acknowledged already (a fan-out's commit, acknowledged once
+/// applied, or a materialization committed after the transaction began): its lease is not
+/// lost, and the transaction is to run again.
+async fn honoured_outside(store: &MongoStore, lease: &Lease) -> Result<bool, StoreError> {
+    if !lane_current(store, lease).await? {
+        return Ok(false);
+    }
+    let projection = doc! { delivery::ID: 1, delivery::CLAIMS: 1 };
+    let pairs = lease_generations(std::iter::once(lease));
+    Ok(!generations::find_current(store, &pairs, Some(projection), None).await?.is_empty())
 }
 
 /// Whether the lease's lane still has its epoch (read outside any transaction).
@@ -351,8 +362,8 @@ pub(super) async fn bury_in(
     if !store.claimer.issued(lease) {
         return Err(lost());
     }
-    // In a transaction of its own: the burial below finds the document in the snapshot of
-    // the caller's transaction only if it began after this committed, which it may not have.
+    // In a transaction of its own, which the caller's may have begun before: then the burial
+    // below does not find the document, and the caller's transaction runs again (below).
     materialize(store, std::slice::from_ref(lease), now).await?;
     let session = tx.session();
     let epochs = lane_epochs(store, Some(&mut *session), [lease.lane]).await?;
@@ -364,6 +375,9 @@ pub(super) async fn bury_in(
     let result =
         store.collections.deliveries.update_one(filter, burial(reason, charge_attempt, now)).session(&mut *session).await?;
     if result.matched_count != 1 {
+        if honoured_outside(store, lease).await? {
+            return Err(StoreError::SnapshotBehind("a burial".into()));
+        }
         return Err(lost());
     }
     tx.settles_on_commit(*lease);
@@ -371,14 +385,13 @@ pub(super) async fn bury_in(
 }
 
 pub(super) async fn release(store: &MongoStore, leases: &[Lease], now: DateTime) -> Result<usize, StoreError> {
-    let issued: Vec<&Lease> = leases.iter().filter(|l| store.claimer.issued(l)).collect();
+    let issued: Vec<Lease> = leases.iter().filter(|l| store.claimer.issued(l)).copied().collect();
     let released = if issued.is_empty() {
         0
     } else {
-        let leases: Vec<Lease> = issued.iter().copied().copied().collect();
-        materialize(store, &leases, now).await?;
+        materialize(store, &issued, now).await?;
         let update = doc! { "$inc": { delivery::CLAIMS: 1_i64 }, "$set": { delivery::UPDATED_AT: now } };
-        generations::update_current(store, &lease_generations(issued.iter().copied()), &update).await? as usize
+        generations::update_current(store, &lease_generations(issued.iter()), &update).await? as usize
     };
     store.claimer.settled(leases);
     Ok(released)
