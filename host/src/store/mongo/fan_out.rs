@@ -219,9 +219,9 @@ async fn handing_out(
     };
     let plan = fan_out::plan(&batch, subscriptions);
     let mut fresh = fan_out::fresh(&plan, &batch, hand_out, now);
-    // What is handed out gets no document (see `unstored`), unless every completion is to be
+    // What is handed out gets no document (see `super::unstored`), unless every completion is to be
     // recorded: the history copies the delivery's document.
-    let unstored = if store.options.completion_history { Unstored::default() } else { Unstored::of(&plan, &mut fresh) };
+    let unstored = if store.options.completion_history { WithoutDocuments::default() } else { WithoutDocuments::of(&plan, &mut fresh) };
     let (written, unstored) = (&plan, &unstored);
     // The first stage is the mark, which makes this fan-out the only one of its events; the
     // inserts go with the commit, so that a hand-out sent early need not wait for them.
@@ -300,16 +300,16 @@ async fn write(store: &MongoStore, session: &mut ClientSession, plan: &FanOutPla
     Ok(marked)
 }
 
-/// The fresh deliveries of a hand-out that are to have no document (see [`unstored`]).
+/// The fresh deliveries of a hand-out that are to have no document (see [`super::unstored`]).
 #[derive(Debug, Default)]
-struct Unstored {
+struct WithoutDocuments {
     /// By event (as [`id_text`] prints it): the handlers its `handedOut` list gets.
     handlers: HashMap<String, Vec<String>>,
     /// Each one's event and handler.
     deliveries: HashMap<DeliveryId, (Bson, String)>,
 }
 
-impl Unstored {
+impl WithoutDocuments {
     /// Every one of `fresh`, each marked as such.
     fn of(plan: &FanOutPlan, fresh: &mut [Fresh]) -> Self {
         let events: HashMap<DeliveryId, &Bson> = plan.deliveries.iter().map(|d| (d.id, &d.event_id)).collect();
