@@ -256,29 +256,33 @@ pub(super) async fn complete_in(store: &MongoStore, tx: &mut MongoTx, lease: &Le
         }
         _ => {
             materialize(store, std::slice::from_ref(lease), now).await?;
-            let completed = complete_in_session(store, tx.session(), std::slice::from_ref(lease), now).await?;
-            if !completed.contains(&lease.delivery) && honoured_outside(store, lease).await? {
-                return Err(StoreError::SnapshotBehind("a transactional completion".into()));
-            }
-            completed
+            complete_in_session(store, tx.session(), std::slice::from_ref(lease), now).await?
         }
     };
     if completed.contains(&lease.delivery) {
         tx.settles_on_commit(*lease);
         Ok(())
+    } else if honoured_outside(store, lease).await? {
+        Err(StoreError::SnapshotBehind("a transactional completion".into()))
     } else {
         Err(StoreError::LeaseLost(lease.to_string()))
     }
 }
 
 /// Whether the latest data, read outside any transaction, still honours `lease`: its lane has
-/// its epoch and its delivery is at its generation. A transaction that found otherwise read a
-/// snapshot behind a write acknowledged already (a fan-out's commit, acknowledged once
-/// applied, or a materialization committed after the transaction began): its lease is not
-/// lost, and the transaction is to run again.
+/// its epoch, and its delivery is at its generation (or, without a document, still listed by
+/// its event). A transaction that found otherwise read a snapshot behind a write acknowledged
+/// already (a fan-out's commit or a hand-out's lane take, acknowledged once applied, or a
+/// materialization committed after the transaction began): its lease is not lost, and the
+/// transaction is to run again.
 async fn honoured_outside(store: &MongoStore, lease: &Lease) -> Result<bool, StoreError> {
     if !lane_current(store, lease).await? {
         return Ok(false);
+    }
+    let (_, without_document) = by_storage(store, std::slice::from_ref(lease));
+    let entries: Vec<unstored::Entry> = without_document.into_iter().map(|(_, entry)| entry).collect();
+    if !unstored::unfinished(store, &entries).await?.is_empty() {
+        return Ok(true);
     }
     let projection = doc! { delivery::ID: 1, delivery::CLAIMS: 1 };
     let pairs = lease_generations(std::iter::once(lease));
