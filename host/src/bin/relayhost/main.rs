@@ -49,6 +49,15 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // wasmtime builds an error value as it tears down every delivery's instance, and with
+    // `RUST_BACKTRACE` set, each would capture a backtrace: about a tenth of this process's
+    // CPU per delivery (measured with `relayhost bench`). Panics still print theirs; an
+    // operator who wants library errors' backtraces sets `RUST_LIB_BACKTRACE=1`.
+    if std::env::var_os("RUST_LIB_BACKTRACE").is_none() {
+        // SAFETY: no other thread exists yet (the runtime is built below), so nothing reads
+        // the environment while it changes.
+        unsafe { std::env::set_var("RUST_LIB_BACKTRACE", "0") };
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("the tokio runtime starts");
     // The main thread drives every command: an embedded mongod started here dies with it.
     match runtime.block_on(execute(cli)) {
