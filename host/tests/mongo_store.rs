@@ -450,7 +450,14 @@ async fn a_claim_reads_no_lane_it_holds_and_rewrites_only_lanes_with_new_picks_o
         let mut lanes: Vec<i32> = updates
             .iter()
             .flat_map(|u| u.get_array("updates").unwrap().clone())
-            .map(|statement| statement.as_document().unwrap().get_document("q").unwrap().get_i32("_id").unwrap())
+            .flat_map(|statement| {
+                // A lane the claim takes has a statement of its own; those it holds share one.
+                let filter = statement.as_document().unwrap().get_document("q").unwrap().clone();
+                match filter.get_i32("_id") {
+                    Ok(lane) => vec![lane],
+                    Err(_) => filter.get_document("_id").unwrap().get_array("$in").unwrap().iter().map(|id| id.as_i32().unwrap()).collect(),
+                }
+            })
             .collect();
         lanes.sort();
         lanes

@@ -66,6 +66,7 @@ contract!(
     takeover_charges_the_lost_attempt_once,
     reschedule_release_and_bury,
     handed_out_deliveries_settle_and_are_taken_over_like_claimed_ones,
+    lane_lists_keep_event_ids_that_look_like_expressions,
     a_handed_out_delivery_its_holder_checks_later_stays_listed_for_a_takeover,
     a_handed_out_delivery_is_buried_in_the_transaction_that_announces_it,
     requeue_brings_a_dead_delivery_back_before_its_followers,
@@ -778,6 +779,28 @@ async fn handed_out_deliveries_settle_and_are_taken_over_like_claimed_ones<F: Fi
     assert!(b.claim(&handlers(&["h"]), 10, at(T0 + 100_000)).await.unwrap().is_empty());
     // Nothing runs any more: every event may go.
     assert_eq!(a.purge(&far, at(T0 + 100_000)).await.unwrap().events, 5);
+}
+
+async fn lane_lists_keep_event_ids_that_look_like_expressions<F: Fixture>() {
+    // The MongoDB store writes the lists of the lanes a worker holds as values of an
+    // expression: an id there that looked like a field path would name another event.
+    let fixture = F::new().await;
+    let (a, b) = (fixture.worker("a"), fixture.worker("b"));
+    let (first, second) = (id_in_lane("$inFlight", 40), id_in_lane("$$ROOT.x", 40));
+    publish_all(&a, vec![event(&first, "t")]).await;
+    assert_eq!(a.fan_out(&subs(&[("h", &["t"])]), 100, 10, at(T0)).await.unwrap().claimed.len(), 1);
+    // The lane is held now: this hand-out rewrites its list with both.
+    publish_all(&a, vec![event(&second, "t")]).await;
+    assert_eq!(a.fan_out(&subs(&[("h", &["t"])]), 100, 10, at(T0 + 1)).await.unwrap().claimed.len(), 1);
+    // a dies; b finds both in the list, as written, and charges each once.
+    let mut lost = b.claim(&handlers(&["h"]), 10, at(T0 + 40_000)).await.unwrap();
+    lost.sort_by_key(|c| c.event.id.clone());
+    let mut expected = vec![format!("{first}/h"), format!("{second}/h")];
+    expected.sort();
+    assert_eq!(ids(&lost), expected);
+    assert!(lost.iter().all(|c| c.attempts == 1));
+    let leases: Vec<_> = lost.iter().map(|c| c.lease).collect();
+    assert_eq!(b.complete_many(&leases, at(T0 + 40_001)).await.unwrap(), [Settlement::Completed; 2]);
 }
 
 async fn a_handed_out_delivery_its_holder_checks_later_stays_listed_for_a_takeover<F: Fixture>() {
