@@ -133,18 +133,47 @@ pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], now: Date
 }
 
 /// Completes `entries`: takes each handler out of its event's list and stamps the event (in
-/// `session`'s transaction if given, which completes one). Outside one, one statement per
-/// handler in one command: each statement of a write command is planned and run on its own,
-/// so one per event would cost more than the writes. Returns the deliveries it completed; one
-/// whose handler had left the list was materialized by a takeover first, and is not.
+/// `session`'s transaction if given, which completes one). One statement per handler in one
+/// command: each statement of a write command is planned and run on its own, so one per
+/// event would cost more than the writes. Returns the deliveries it completed; one whose
+/// handler had left the list was materialized by a takeover first, and is not.
 pub(super) async fn complete(
     store: &MongoStore,
     entries: &[Entry],
     session: Option<&mut ClientSession>,
     now: DateTime,
 ) -> Result<HashSet<ObjectId>, StoreError> {
-    let events = store.collections.events.name();
     let mut completed: HashSet<ObjectId> = entries.iter().map(|entry| entry.delivery).collect();
+    if let Some(session) = session {
+        // A miss here may be a snapshot behind the fan-out: the caller checks (`complete_in`).
+        if completion(store, entries, WriteIn::Transaction(session), now).await? < entries.len() as u64 {
+            completed.clear();
+        }
+        return Ok(completed);
+    }
+    // In a transaction of its own all the same: `mongod` then writes the batch's oplog as one
+    // entry at the commit instead of one per event, which made a completion about two fifths
+    // cheaper (measured).
+    let mut changed = transaction!(store, |tx| completion(store, entries, WriteIn::Transaction(tx.session()), now).await)?;
+    if changed < entries.len() as u64 {
+        // The transaction's snapshot may have been behind a fan-out that listed some (its
+        // commit is acknowledged once applied): those the latest data still lists are
+        // completed by a plain update.
+        let behind = unfinished(store, entries).await?;
+        let behind: Vec<Entry> = entries.iter().filter(|entry| behind.contains(&entry.delivery)).cloned().collect();
+        changed += completion(store, &behind, WriteIn::Alone(Commit::Majority), now).await?;
+    }
+    if changed < entries.len() as u64 {
+        // A takeover materialized some between the lane check and this: those have their
+        // document now (one whose document is gone again was completed by its new holder
+        // after running again: completed either way).
+        super::outcome::forget_stored(store, &mut completed).await?;
+    }
+    Ok(completed)
+}
+
+/// The statements of [`complete`]; returns how many events they changed.
+async fn completion(store: &MongoStore, entries: &[Entry], write_in: WriteIn<'_>, now: DateTime) -> Result<u64, StoreError> {
     let mut by_handler: BTreeMap<&str, Vec<Bson>> = BTreeMap::new();
     for entry in entries {
         by_handler.entry(&entry.handler).or_default().push(entry.event.clone());
@@ -160,21 +189,7 @@ pub(super) async fn complete(
             }
         })
         .collect();
-    if let Some(session) = session {
-        // A miss here may be a snapshot behind the fan-out: the caller checks (`complete_in`).
-        if generations::update_each(store, events, statements, WriteIn::Transaction(session)).await? < entries.len() as u64 {
-            completed.clear();
-        }
-        return Ok(completed);
-    }
-    let changed = generations::update_each(store, events, statements, WriteIn::Alone(Commit::Majority)).await?;
-    if changed < entries.len() as u64 {
-        // A takeover materialized some between the lane check and this: those have their
-        // document now (one whose document is gone again was completed by its new holder
-        // after running again: completed either way).
-        super::outcome::forget_stored(store, &mut completed).await?;
-    }
-    Ok(completed)
+    generations::update_each(store, store.collections.events.name(), statements, write_in).await
 }
 
 /// Those of `entries` that are still unfinished: their event still lists their handler.
