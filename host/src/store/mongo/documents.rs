@@ -45,6 +45,17 @@ pub(super) mod lane {
     pub const IN_FLIGHT: &str = "inFlight";
 }
 
+/// The fields of an entry of a lane's `inFlight` list: short, as every lane write rewrites the
+/// whole list.
+pub(super) mod entry {
+    pub const DELIVERY: &str = "d";
+    pub const CLAIMS: &str = "c";
+    pub const HANDLER: &str = "h";
+    pub const KEY: &str = "k";
+    /// The event of a delivery handed out without a document.
+    pub const EVENT: &str = "e";
+}
+
 pub(super) mod history {
     pub const COMPLETED_AT: &str = "completedAt";
 }
@@ -115,12 +126,12 @@ pub(super) fn candidate(document: &Document) -> Result<Candidate, StoreError> {
 }
 
 pub(super) fn in_flight_document(entry: &InFlight) -> Document {
-    let mut document = doc! { "d": entry.delivery, "c": entry.claims, "h": &entry.handler };
+    let mut document = doc! { entry::DELIVERY: entry.delivery, entry::CLAIMS: entry.claims, entry::HANDLER: &entry.handler };
     if let Some(key) = &entry.key {
-        document.insert("k", key);
+        document.insert(entry::KEY, key);
     }
     if let Some(EventId(event)) = &entry.unstored {
-        document.insert("e", event.clone());
+        document.insert(entry::EVENT, event.clone());
     }
     document
 }
@@ -130,13 +141,13 @@ pub(super) fn lane_state(document: &Document) -> Result<LaneState, StoreError> {
         Some(Bson::Array(entries)) => entries
             .iter()
             .filter_map(Bson::as_document)
-            .map(|entry| {
+            .map(|listed| {
                 Ok(InFlight {
-                    delivery: entry.get_object_id("d").map_err(|_| corrupt("in-flight entry without id", document))?,
-                    claims: integer(entry, "c").unwrap_or(0),
-                    handler: optional_string(entry, "h").unwrap_or_default(),
-                    key: optional_string(entry, "k"),
-                    unstored: entry.get("e").cloned().map(EventId),
+                    delivery: listed.get_object_id(entry::DELIVERY).map_err(|_| corrupt("in-flight entry without id", document))?,
+                    claims: integer(listed, entry::CLAIMS).unwrap_or(0),
+                    handler: optional_string(listed, entry::HANDLER).unwrap_or_default(),
+                    key: optional_string(listed, entry::KEY),
+                    unstored: listed.get(entry::EVENT).cloned().map(EventId),
                 })
             })
             .collect::<Result<Vec<_>, StoreError>>()?,

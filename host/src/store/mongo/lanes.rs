@@ -9,7 +9,7 @@ use futures::future::try_join_all;
 use mongodb::ClientSession;
 
 use super::{Commit, MongoStore};
-use super::documents::{self, delivery, in_flight_document, lane, lane_state};
+use super::documents::{self, delivery, entry, in_flight_document, lane, lane_state};
 use super::{generations, unstored};
 use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
 use crate::store::claim::MIN_ROWS_PER_LANE_QUERY;
@@ -272,7 +272,11 @@ impl ClaimBackend for Backend<'_> {
             .collections
             .lanes
             .find(doc! { "$or": [{ lane::OWNER: Bson::Null }, { lane::LEASE_EXPIRES_AT: { "$lt": now } }] })
-            .projection(doc! { lane::ID: 1, format!("{}.e", lane::IN_FLIGHT): 1, format!("{}.h", lane::IN_FLIGHT): 1 })
+            .projection(doc! {
+                lane::ID: 1,
+                format!("{}.{}", lane::IN_FLIGHT, entry::EVENT): 1,
+                format!("{}.{}", lane::IN_FLIGHT, entry::HANDLER): 1,
+            })
             .batch_size(u32::from(crate::lane::LANE_COUNT) + 1)
             .await?
             .try_collect()
@@ -290,7 +294,10 @@ impl ClaimBackend for Backend<'_> {
                 Some(Bson::Array(entries)) => entries
                     .iter()
                     .filter_map(Bson::as_document)
-                    .filter(|entry| entry.contains_key("e") && entry.get_str("h").is_ok_and(|h| handlers.iter().any(|x| x == h)))
+                    .filter(|listed| {
+                        listed.contains_key(entry::EVENT)
+                            && listed.get_str(entry::HANDLER).is_ok_and(|h| handlers.iter().any(|x| x == h))
+                    })
                     .count(),
                 _ => 0,
             };
