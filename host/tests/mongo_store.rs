@@ -499,6 +499,26 @@ async fn a_claim_reads_no_lane_it_holds_and_rewrites_only_lanes_with_new_picks_o
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lane_record_applies_only_at_the_epoch_its_holder_knows() {
+    // The records of held lanes share one statement, which matches each lane at its own epoch:
+    // a lane whose epoch moved behind its holder's back (as a take moves it) keeps its list.
+    let Recorded { client, database, store, .. } = recorded_store().await;
+    let h = handlers(&["h"]);
+    let (a1, a2) = (id_in_lane("a1", 3), id_in_lane("a2", 3));
+    publish_all(&store, vec![event(&a1, "t")]).await;
+    fan_out_all(&store, &subs(&[("h", &["t"])]), at(T0)).await;
+    assert_eq!(store.claim(&h, 10, at(T0)).await.unwrap().len(), 1);
+    let lanes = client.database(&database).collection::<Document>("relayhost_lanes");
+    lanes.update_one(doc! { "_id": 3 }, doc! { "$inc": { "epoch": 1_i64 } }).await.unwrap();
+
+    publish_all(&store, vec![event(&a2, "t")]).await;
+    fan_out_all(&store, &subs(&[("h", &["t"])]), at(T0 + 1_000)).await;
+    assert!(store.claim(&h, 10, at(T0 + 1_000)).await.unwrap().is_empty(), "a2 was claimed in a lane its holder lost");
+    let lane = lanes.find_one(doc! { "_id": 3 }).await.unwrap().unwrap();
+    assert_eq!(lane.get_array("inFlight").unwrap().len(), 1, "the lane's list was rewritten: {lane}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_looks_up_the_heads_of_many_keys_with_one_command_per_handler() {
     let Recorded { client, log, database, store } = recorded_store().await;
     // Thirty keys, two events each, for two handlers; one key looks like a field path, which
