@@ -35,26 +35,30 @@ fn lane_ids(ids: impl IntoIterator<Item = LaneId>) -> Vec<i32> {
     ids.into_iter().map(i32::from).collect()
 }
 
+/// The filter of lane `id` while nobody holds it under a live lease at `now`.
+fn free_lane(id: LaneId, now: DateTime) -> Document {
+    doc! {
+        lane::ID: i32::from(id),
+        "$or": [{ lane::OWNER: Bson::Null }, { lane::LEASE_EXPIRES_AT: { "$lt": now } }],
+    }
+}
+
+/// The update that makes `holder` a lane's owner until `until`, at the next epoch, and lists
+/// `in_flight` in it if given.
+fn take_lane(holder: &Holder, until: DateTime, in_flight: Option<&[InFlight]>) -> Document {
+    let mut set = doc! { lane::OWNER: &holder.owner, lane::INSTANCE: &holder.instance, lane::LEASE_EXPIRES_AT: until };
+    if let Some(in_flight) = in_flight {
+        set.insert(lane::IN_FLIGHT, in_flight.iter().map(in_flight_document).collect::<Vec<Document>>());
+    }
+    doc! { "$set": set, "$inc": { lane::EPOCH: 1_i64 } }
+}
+
 /// A record that also takes its lane (see [`LaneRecord::takes_free_at`]).
 fn take_statement(holder: &Holder, record: &LaneRecord, now: DateTime) -> Document {
-    let entries: Vec<Document> = record.in_flight.iter().map(in_flight_document).collect();
-    doc! {
-        "q": {
-            lane::ID: i32::from(record.lane),
-            lane::EPOCH: record.epoch - 1,
-            lane::IN_FLIGHT: { "$size": 0 },
-            "$or": [{ lane::OWNER: Bson::Null }, { lane::LEASE_EXPIRES_AT: { "$lt": now } }],
-        },
-        "u": {
-            "$set": {
-                lane::OWNER: &holder.owner,
-                lane::INSTANCE: &holder.instance,
-                lane::LEASE_EXPIRES_AT: record.lease_until,
-                lane::IN_FLIGHT: entries,
-            },
-            "$inc": { lane::EPOCH: 1_i64 },
-        },
-    }
+    let mut filter = free_lane(record.lane, now);
+    filter.insert(lane::EPOCH, record.epoch - 1);
+    filter.insert(lane::IN_FLIGHT, doc! { "$size": 0 });
+    doc! { "q": filter, "u": take_lane(holder, record.lease_until, Some(&record.in_flight)) }
 }
 
 /// The records of lanes the holder holds, all in one statement: each lane is matched at its
@@ -354,30 +358,21 @@ impl ClaimBackend for Backend<'_> {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
-        let free = |id: LaneId| {
-            doc! {
-                lane::ID: i32::from(id),
-                "$or": [{ lane::OWNER: Bson::Null }, { lane::LEASE_EXPIRES_AT: { "$lt": now } }],
-            }
-        };
-        let take = doc! {
-            "$set": { lane::OWNER: &holder.owner, lane::INSTANCE: &holder.instance, lane::LEASE_EXPIRES_AT: until },
-            "$inc": { lane::EPOCH: 1_i64 },
-        };
+        let take = take_lane(holder, until, None);
         if ids.len() <= PARALLEL_TAKES_MAX {
             // A few lanes (a fresh commit's): each taken and read back in one round trip.
             let taken = try_join_all(ids.iter().map(|id| {
                 self.store
                     .collections
                     .lanes
-                    .find_one_and_update(free(*id), take.clone())
+                    .find_one_and_update(free_lane(*id, now), take.clone())
                     .return_document(mongodb::options::ReturnDocument::After)
                     .into_future()
             }))
             .await?;
             return taken.iter().flatten().map(lane_state).collect();
         }
-        let statements = ids.iter().map(|id| doc! { "q": free(*id), "u": take.clone() }).collect();
+        let statements = ids.iter().map(|id| doc! { "q": free_lane(*id, now), "u": take.clone() }).collect();
         if self.update_each(statements, Commit::Majority).await? == 0 {
             return Ok(Vec::new());
         }
@@ -395,26 +390,12 @@ impl ClaimBackend for Backend<'_> {
     ) -> Result<Vec<(LaneId, i64)>, StoreError> {
         // One round trip per lane, all at once: a hand-out names the lanes of a few events.
         let taken = try_join_all(lanes.iter().map(|(id, entries)| {
-            let entries: Vec<Document> = entries.iter().map(in_flight_document).collect();
+            let mut filter = free_lane(*id, now);
+            filter.insert(lane::IN_FLIGHT, doc! { "$size": 0 });
             self.store
                 .collections
                 .lanes
-                .find_one_and_update(
-                    doc! {
-                        lane::ID: i32::from(*id),
-                        lane::IN_FLIGHT: { "$size": 0 },
-                        "$or": [{ lane::OWNER: Bson::Null }, { lane::LEASE_EXPIRES_AT: { "$lt": now } }],
-                    },
-                    doc! {
-                        "$set": {
-                            lane::OWNER: &holder.owner,
-                            lane::INSTANCE: &holder.instance,
-                            lane::LEASE_EXPIRES_AT: until,
-                            lane::IN_FLIGHT: entries,
-                        },
-                        "$inc": { lane::EPOCH: 1_i64 },
-                    },
-                )
+                .find_one_and_update(filter, take_lane(holder, until, Some(entries)))
                 .return_document(mongodb::options::ReturnDocument::After)
                 .write_concern(Commit::from(LaneWrite::Applied).write_concern())
                 .into_future()
