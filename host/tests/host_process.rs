@@ -386,12 +386,16 @@ async fn hosts_killed_while_running_deliveries_without_documents_lose_nothing_an
     let mut interrupted: Vec<String> = Vec::new();
     for round in 0..3 {
         let host = deployment.start("host");
-        // Kill it once the projection grew by another 150 orders while such a delivery runs.
+        // Kill it once the projection grew by another 150 orders, the first time while such a
+        // delivery runs. Later hosts may have none of their own: a host whose first batch
+        // cannot be handed out whole (the dead host's lanes are still leased) fans the rest of
+        // the backlog out with documents, and what the dead hosts left may be taken over
+        // already (or wait, as long as the server keeps a dead host's open transaction).
         let target = 150 * (round + 1);
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
             let audited = audit.count_documents(doc! {}).await.unwrap();
-            if audited >= target && !running_without_document(&events).await.is_empty() {
+            if audited >= target && (round > 0 || !running_without_document(&events).await.is_empty()) {
                 break;
             }
             assert!(Instant::now() < deadline, "round {round}: {audited} audited, none running now:\n{}", host.log());

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bson::{Document, doc};
+use futures::TryStreamExt;
 use common::*;
 use mongodb::Client;
 use mongodb::event::EventHandler;
@@ -330,6 +331,23 @@ async fn a_hand_out_that_lost_its_events_to_another_fan_out_names_its_lanes_for_
     let lanes: Vec<_> = report.lanes.iter().copied().collect();
     let claimed = a.claim_in(&handlers(&["h"]), &lanes, 10, at(T0)).await.unwrap();
     assert_eq!(ids(&claimed), [format!("{second}/h")]);
+
+    // The same when the first host lists the event in another lane it holds, one that lists
+    // less (see `a_hand_out_gathers_…`): the lane its event hashes to is named all the same,
+    // since the second host's delivery lands there.
+    let quiet = id_in_lane("quiet", 43);
+    publish_all(&a, vec![event(&quiet, "t")]).await;
+    hearing.woken().await;
+    assert_eq!(a.fan_out(&subscriptions, 100, 0, at(T0)).await.unwrap().events, 1);
+    assert_eq!(ids(&a.claim_in(&handlers(&["h"]), &[43], 10, at(T0)).await.unwrap()), [format!("{quiet}/h")]);
+    let third = id_in_lane("third", lane);
+    publish_all(&a, vec![event(&third, "t")]).await;
+    hearing.woken().await;
+    let report = b.fan_out(&subscriptions, 100, 5, at(T0)).await.unwrap();
+    assert_eq!((report.events, report.claimed.len()), (1, 0));
+    let report = a.fan_out_early(&subscriptions, 100, 5, &early, at(T0)).await.unwrap();
+    assert_eq!((report.events, report.claimed.len(), report.sent_early), (0, 0, 0));
+    assert!(report.lanes.contains(&lane), "{:?}", report.lanes);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -750,6 +768,83 @@ async fn what_a_fan_out_hands_out_gets_a_document_only_when_an_outcome_needs_one
     assert_eq!(report.claimed.len(), 3);
     let deliveries = client.database(&database).collection::<Document>("relayhost_deliveries");
     assert_eq!(deliveries.count_documents(doc! {}).await.unwrap(), 3);
+}
+
+/// A hand-out lists what it hands out without a document in lanes it holds already, not in
+/// the lanes its events hash to: a few lane documents for a batch instead of one for almost
+/// every delivery. A takeover of those lanes gives each delivery its document in its event's
+/// lane, charged once, and every one runs again from there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hand_out_gathers_deliveries_without_a_document_in_held_lanes_and_a_takeover_places_each_in_its_events_lane() {
+    let Recorded { client, log, database, store } = recorded_store().await;
+    let db = client.database(&database);
+    let (lanes, deliveries) = (db.collection::<Document>("relayhost_lanes"), db.collection::<Document>("relayhost_deliveries"));
+    let subscriptions = subs(&[("h", &["t"])]);
+
+    // The first hand-out takes the lanes of its three events; they run and complete.
+    let first: Vec<String> = [3, 7, 11].into_iter().map(|lane| id_in_lane("first", lane)).collect();
+    publish_all(&store, first.iter().map(|id| event(id, "t")).collect()).await;
+    let report = store.fan_out(&subscriptions, 100, 10, at(T0)).await.unwrap();
+    let leases: Vec<_> = report.claimed.iter().map(|c| c.lease).collect();
+    assert_eq!(store.complete_many(&leases, at(T0)).await.unwrap(), [Settlement::Completed; 3]);
+
+    // 150 events of lanes all over: listed in the three lanes held, up to 64 in each, with
+    // one statement.
+    let more: Vec<String> = (0..150).map(|n| format!("more-{n}")).collect();
+    assert!(more.iter().filter(|id| ![3, 7, 11].contains(&relayhost::lane::lane_of(id))).count() > 100);
+    publish_all(&store, more.iter().map(|id| event(id, "t")).collect()).await;
+    let before = log.lock().unwrap().len();
+    let report = store.fan_out(&subscriptions, 200, 150, at(T0 + 1_000)).await.unwrap();
+    assert_eq!(report.claimed.len(), 150);
+    // (A take of a lane is a `findAndModify` of its own.)
+    let lane_writes: usize = log.lock().unwrap()[before..]
+        .iter()
+        .filter(|(name, command)| command.get_str(name).is_ok_and(|c| c.ends_with("lanes")))
+        .map(|(name, command)| match name.as_str() {
+            "update" => command.get_array("updates").unwrap().len(),
+            "findAndModify" => 1,
+            _ => 0,
+        })
+        .sum();
+    assert_eq!(lane_writes, 1, "one statement for the three lanes held");
+    let mut listed: Vec<(i32, usize)> = lanes
+        .find(doc! { "owner": { "$ne": null } })
+        .await
+        .unwrap()
+        .try_collect::<Vec<Document>>()
+        .await
+        .unwrap()
+        .iter()
+        .map(|lane| (lane.get_i32("_id").unwrap(), lane.get_array("inFlight").unwrap().len()))
+        .collect();
+    listed.sort();
+    assert_eq!(listed, [(3, 64), (7, 64), (11, 22)], "no other lane was taken");
+    assert!(report.claimed.iter().all(|c| [3, 7, 11].contains(&c.lease.lane)));
+    assert_eq!(deliveries.count_documents(doc! {}).await.unwrap(), 0);
+
+    // The host is gone. Once its leases ran out, another instance takes the three lanes: each
+    // delivery gets its document in its event's lane, one attempt charged, and runs again.
+    let other = store.instance("other");
+    let later = at(T0 + 1_000 + 31_000);
+    let mut claimed = Vec::new();
+    for _ in 0..10 {
+        let more = other.claim(&handlers(&["h"]), 200, later).await.unwrap();
+        if more.is_empty() {
+            break;
+        }
+        claimed.extend(more);
+    }
+    let mut expected: Vec<String> = more.iter().map(|id| format!("{id}/h")).collect();
+    expected.sort();
+    assert_eq!(ids(&claimed), expected);
+    let documents: Vec<Document> = deliveries.find(doc! {}).await.unwrap().try_collect().await.unwrap();
+    assert_eq!(documents.len(), 150);
+    for document in &documents {
+        let event = document.get_str("eventId").unwrap();
+        assert_eq!(document.get_i32("laneId").unwrap(), i32::from(relayhost::lane::lane_of(event)), "{document}");
+        assert_eq!(document.get_i32("attempts").unwrap(), 1, "{document}");
+    }
+    assert!(claimed.iter().all(|c| c.attempts == 1));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -86,7 +86,8 @@ pub(crate) struct Candidate {
     /// Set for a delivery its fan-out handed out without writing a document for it (the
     /// MongoDB store's short way): the id of its event, whose `handedOut` list names the
     /// handler until the delivery is completed or given a document. Every other outcome, a
-    /// takeover, or a check of it gives it its document first.
+    /// takeover, or a check of it gives it its document first, in its event's lane; until
+    /// then it may be listed in any lane its holder holds (see [`gather_unstored`]).
     pub unstored: Option<EventId>,
 }
 
@@ -865,10 +866,10 @@ impl Claimer {
             _ => return Ok(HandedOut { committed: write.await?(&none).await?, claimed: Vec::new(), sent_early: Vec::new() }),
         };
         let until = self.lease_until(now);
+        let mut fresh = fresh;
+        // Where the fresh deliveries' events place them, whichever lanes list them.
+        let mut events_lanes = BTreeSet::new();
         let mut by_lane: BTreeMap<LaneId, Vec<InFlight>> = BTreeMap::new();
-        for Fresh { candidate, .. } in &fresh {
-            by_lane.entry(candidate.lane).or_default().push(candidate.in_flight());
-        }
         let mut records = Vec::new();
         let mut to_take = Vec::new();
         {
@@ -876,6 +877,11 @@ impl Claimer {
             // the list rewritten; so lanes that only hand-outs fill keep short lists.
             let issued = self.issued.lock().expect("issued leases");
             let unsettled = |entry: &&InFlight| issued.get(&entry.delivery).is_some_and(|i| i.lease.claims == entry.claims);
+            events_lanes.extend(fresh.iter().map(|fresh| fresh.candidate.lane));
+            gather_unstored(&held, |listed| listed.in_flight.iter().filter(unsettled).count(), &mut fresh);
+            for Fresh { candidate, .. } in &fresh {
+                by_lane.entry(candidate.lane).or_default().push(candidate.in_flight());
+            }
             for (lane, entries) in &by_lane {
                 match held.get(lane) {
                     Some(Held { epoch, known: Some(listed) }) => records.push(LaneRecord {
@@ -916,7 +922,8 @@ impl Claimer {
                     Err(error) => Err(error),
                 };
                 let taken = recorded.map(|(_, taken)| taken);
-                return self.after_failed_hand_out(backend, &mut held, &records, &to_take, committed, taken).await;
+                let tried = Tried { records: &records, to_take: &to_take, events_lanes: &events_lanes };
+                return self.after_failed_hand_out(backend, &mut held, tried, committed, taken).await;
             }
         };
         // What the leases will be issued for: the fresh deliveries of the lanes listed.
@@ -959,7 +966,8 @@ impl Claimer {
                 Ok(committed) => Ok(HandedOut { committed, claimed: issue_listed(&mut held, records), sent_early: Vec::new() }),
                 Err(error) => {
                     let taken = Ok(taken.clone());
-                    self.after_failed_hand_out(backend, &mut held, &records, &to_take, Err(error), taken).await
+                    let tried = Tried { records: &records, to_take: &to_take, events_lanes: &events_lanes };
+                    self.after_failed_hand_out(backend, &mut held, tried, Err(error), taken).await
                 }
             };
         };
@@ -990,17 +998,26 @@ impl Claimer {
     /// that were never inserted, harmless since only issued leases count as running; lists
     /// written without this instance learning it for a commit that happened name real
     /// deliveries, which the reconciliation moves on as for a claim.
+    ///
+    /// The held lanes among [`Tried::events_lanes`] are read again too, although the hand-out
+    /// may have listed nothing there (see [`gather_unstored`]): the fan-out whose mark beat
+    /// this one put its deliveries there, where only this instance can claim them (see
+    /// [`Claimer::lanes_to_read`]).
     async fn after_failed_hand_out<B: ClaimBackend, T>(
         &self,
         backend: &B,
         held: &mut BTreeMap<LaneId, Held>,
-        records: &[LaneRecord],
-        to_take: &[(LaneId, Vec<InFlight>)],
+        Tried { records, to_take, events_lanes }: Tried<'_>,
         committed: Result<T, StoreError>,
         taken: Result<Vec<(LaneId, i64)>, StoreError>,
     ) -> Result<HandedOut<T>, StoreError> {
         for record in records {
             held.insert(record.lane, Held { epoch: record.epoch, known: None });
+        }
+        for lane in events_lanes {
+            if let Some(lane) = held.get_mut(lane) {
+                lane.known = None;
+            }
         }
         // A lane taken without this instance learning it would otherwise stay its own,
         // unused, until its lease ran out.
@@ -1075,6 +1092,49 @@ impl Claimer {
                 }
                 Err(error)
             }
+        }
+    }
+}
+
+/// What a failed hand-out tried to write, for [`Claimer::after_failed_hand_out`].
+struct Tried<'a> {
+    records: &'a [LaneRecord],
+    to_take: &'a [(LaneId, Vec<InFlight>)],
+    /// Where the fresh deliveries' events place them, whichever lanes list them.
+    events_lanes: &'a BTreeSet<LaneId>,
+}
+
+/// The most entries a hand-out lets a list grow to in a held lane it gathers deliveries
+/// without a document in (see [`gather_unstored`]). A record rewrites its lane's whole list,
+/// so a list's length is paid at every write of it.
+const GATHERED_PER_LANE: usize = 64;
+
+/// Moves the `fresh` deliveries without a document ([`Candidate::unstored`]) into lanes this
+/// instance holds and knows the lists of, filling the one listing the fewest unsettled
+/// entries (`unsettled`) first, up to [`GATHERED_PER_LANE`] each; those that do not fit keep
+/// their event's lane.
+///
+/// Such a delivery is bound to no lane: it is unkeyed, so no order binds it, and no document
+/// says where it is; its lane entry only records that it runs, for a takeover or a check
+/// (which give it its document, in its event's lane, see [`Candidate::unstored`]). Listed by
+/// the lanes its events hash to, a hand-out wrote about one lane document for every
+/// delivery, a quarter of `mongod`'s work in a drain; gathered, it writes one per
+/// [`GATHERED_PER_LANE`] deliveries, and lanes another instance holds stop it less.
+fn gather_unstored(held: &BTreeMap<LaneId, Held>, unsettled: impl Fn(&Listed) -> usize, fresh: &mut [Fresh]) {
+    let mut room: Vec<(usize, LaneId)> = held
+        .iter()
+        .filter_map(|(id, lane)| Some((unsettled(lane.known.as_ref()?), *id)))
+        .filter(|(listed, _)| *listed < GATHERED_PER_LANE)
+        .collect();
+    room.sort_unstable();
+    let mut lanes = room.into_iter();
+    let mut filling = lanes.next();
+    for Fresh { candidate, .. } in fresh.iter_mut().filter(|fresh| fresh.candidate.unstored.is_some()) {
+        let Some((listed, lane)) = filling.as_mut() else { break };
+        candidate.lane = *lane;
+        *listed += 1;
+        if *listed >= GATHERED_PER_LANE {
+            filling = lanes.next();
         }
     }
 }

@@ -2,7 +2,8 @@
 //! [`Candidate::unstored`]): the first attempt of an unkeyed event, the common case of a
 //! drain, then costs the event's mark and its completion's stamp and no delivery document
 //! at all. While it runs, its records are its event's `handedOut` list, which names its
-//! handler, and its lane's in-flight entry, which names its event.
+//! handler, and an entry in the in-flight list of a lane its holder holds (any such lane: it
+//! is unkeyed), which names its event.
 //!
 //! This module owns the two ways out of that list. A completion takes the handler out of it
 //! (and stamps the event) in one conditional update. Anything else, a failure, a hand-back, a
@@ -37,12 +38,11 @@ pub(super) struct Entry {
     pub delivery: DeliveryId,
     pub event: Bson,
     pub handler: String,
-    pub lane: LaneId,
 }
 
 impl Entry {
     pub fn of_lease(lease: &Lease, unstored: Unstored) -> Self {
-        Self { delivery: lease.delivery, event: unstored.event.0, handler: unstored.handler, lane: lease.lane }
+        Self { delivery: lease.delivery, event: unstored.event.0, handler: unstored.handler }
     }
 
     /// The unstored ones among lanes' in-flight entries.
@@ -51,11 +51,15 @@ impl Entry {
             .iter()
             .filter_map(|entry| {
                 let EventId(event) = entry.unstored.clone()?;
-                // An unstored delivery is unkeyed: its event's id places it.
-                let lane = lane_for_event(&id_text(&event), None);
-                Some(Self { delivery: entry.delivery, event, handler: entry.handler.clone(), lane })
+                Some(Self { delivery: entry.delivery, event, handler: entry.handler.clone() })
             })
             .collect()
+    }
+
+    /// The lane its document goes to. It is unkeyed, so its event's id places it, whichever
+    /// lane listed it while it ran (see [`Candidate::unstored`](crate::store::claim::Candidate::unstored)).
+    fn lane(&self) -> LaneId {
+        lane_for_event(&id_text(&self.event), None)
     }
 
     /// The filter of its event while the delivery has no document and is not completed.
@@ -112,7 +116,7 @@ pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], now: Date
                 handler: entry.handler.clone(),
                 key: None,
                 sequence: None,
-                lane: entry.lane,
+                lane: entry.lane(),
                 dead_reason: None,
             };
             documents.push(new_delivery_document(&new, now));
