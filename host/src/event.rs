@@ -29,6 +29,9 @@ pub mod field {
     /// Handlers whose delivery of it its fan-out handed out without writing a document for
     /// it (MongoDB); each leaves the list when that delivery completes or gets its document.
     pub const HANDED_OUT: &str = "handedOut";
+    /// The fan-out that marked it, when that mark was no transaction (MongoDB): racing
+    /// fan-outs tell by it which events each marked.
+    pub const FAN_OUT: &str = "fanOut";
 }
 
 /// Longest event id, in characters.

@@ -847,6 +847,152 @@ async fn a_hand_out_gathers_deliveries_without_a_document_in_held_lanes_and_a_ta
     assert!(claimed.iter().all(|c| c.attempts == 1));
 }
 
+/// Takes lanes for `store` (a hand-out of one event in each of `lanes`) and completes that
+/// work, so that its next hand-outs find room in lanes it holds.
+async fn hold_lanes(store: &MongoStore, subscriptions: &relayhost::store::Subscriptions, prefix: &str, lanes: &[u8]) {
+    let ids: Vec<String> = lanes.iter().map(|lane| id_in_lane(prefix, *lane)).collect();
+    publish_all(store, ids.iter().map(|id| event(id, "t")).collect()).await;
+    let report = store.fan_out(subscriptions, 100, 10, at(T0)).await.unwrap();
+    assert_eq!(report.claimed.len(), lanes.len());
+    let leases: Vec<_> = report.claimed.iter().map(|c| c.lease).collect();
+    assert!(store.complete_many(&leases, at(T0)).await.unwrap().iter().all(|s| *s == Settlement::Completed));
+}
+
+/// A backlog batch whose deliveries all fit in lanes the host holds is listed there first and
+/// then marked fanned out without a transaction, in two commands sent at once; its runs get
+/// word that their fan-out is done, and complete like any other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_batch_handed_out_whole_is_listed_first_and_marked_without_a_transaction() {
+    let Recorded { log, store, .. } = recorded_store().await;
+    let subscriptions = subs(&[("h", &["t"])]);
+    hold_lanes(&store, &subscriptions, "first", &[3, 7, 11]).await;
+    let events = store.events_collection().clone();
+
+    let more: Vec<String> = (0..150).map(|n| format!("more-{n}")).collect();
+    publish_all(&store, more.iter().map(|id| event(id, "t")).collect()).await;
+    let before = log.lock().unwrap().len();
+    let (early, mut sent) = tokio::sync::mpsc::unbounded_channel();
+    let report = store.fan_out_early(&subscriptions, 150, 150, &early, at(T0 + 1_000)).await.unwrap();
+    assert_eq!((report.events, report.sent_early, report.lanes.len()), (150, 150, 0));
+    let handed = sent.try_recv().unwrap();
+    assert_eq!(handed.claimed.len(), 150);
+    assert!(handed.commit.committed().await);
+
+    let commands: Vec<(String, Document)> = log.lock().unwrap()[before..].to_vec();
+    assert!(commands.iter().all(|(name, _)| name != "commitTransaction" && name != "abortTransaction"), "{commands:?}");
+    let marks: Vec<&Document> = commands
+        .iter()
+        .filter(|(name, command)| name == "update" && command.get_str("update") == Ok(events.name()))
+        .map(|(_, command)| command)
+        .collect();
+    assert_eq!(marks.len(), 2, "two commands, one per half of the batch");
+    assert!(marks.iter().all(|mark| !mark.contains_key("txnNumber")), "{marks:?}");
+    // The lanes were written before the mark.
+    let first_mark = commands.iter().position(|(name, command)| name == "update" && command.get_str("update") == Ok(events.name()));
+    let lane_write = commands.iter().position(|(name, command)| name == "update" && command.get_str("update").is_ok_and(|c| c.ends_with("lanes")));
+    assert!(lane_write.unwrap() < first_mark.unwrap());
+    assert_eq!(events.count_documents(doc! { "fanOut": { "$exists": true }, "handedOut": "h" }).await.unwrap(), 150);
+
+    let leases: Vec<_> = handed.claimed.iter().map(|c| c.lease).collect();
+    assert!(store.complete_many(&leases, at(T0 + 2_000)).await.unwrap().iter().all(|s| *s == Settlement::Completed));
+    assert_eq!(events.count_documents(doc! { "handedOut.0": { "$exists": true } }).await.unwrap(), 0);
+    assert!(list_all(&store, DeliveryFilter::default()).await.is_empty());
+}
+
+/// Two hosts fan the same backlog out at once, each the plain way: of two marks of an event
+/// exactly one applies, each host runs only what it marked, and every event runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_plain_marks_of_one_backlog_run_every_event_once() {
+    let Recorded { store: a, .. } = recorded_store().await;
+    let b = a.instance("b");
+    let subscriptions = subs(&[("h", &["t"])]);
+    hold_lanes(&a, &subscriptions, "a", &[3, 7, 11, 13]).await;
+    hold_lanes(&b, &subscriptions, "b", &[20, 30, 40, 50]).await;
+    let backlog: Vec<String> = (0..600).map(|n| format!("backlog-{n:03}")).collect();
+    publish_all(&a, backlog.iter().map(|id| event(id, "t")).collect()).await;
+
+    let drain = async |store: &MongoStore| {
+        let (early, mut sent) = tokio::sync::mpsc::unbounded_channel();
+        let mut ran = Vec::new();
+        loop {
+            let report = store.fan_out_early(&subscriptions, 100, 100, &early, at(T0 + 1_000)).await.unwrap();
+            let mut leases = Vec::new();
+            while let Ok(handed) = sent.try_recv() {
+                assert!(handed.commit.committed().await);
+                ran.extend(handed.claimed.iter().map(|c| c.event.id.clone()));
+                leases.extend(handed.claimed.iter().map(|c| c.lease));
+            }
+            assert!(store.complete_many(&leases, at(T0 + 1_000)).await.unwrap().iter().all(|s| *s == Settlement::Completed));
+            if report.events == 0 {
+                return ran;
+            }
+        }
+    };
+    let (by_a, by_b) = tokio::join!(drain(&a), drain(&b));
+    // What a host lost to the other's mark it left alone; what neither handed out has a
+    // document, for a claim.
+    let mut claimed = Vec::new();
+    for store in [&a, &b] {
+        loop {
+            let more = store.claim(&handlers(&["h"]), 200, at(T0 + 2_000)).await.unwrap();
+            if more.is_empty() {
+                break;
+            }
+            claimed.extend(more.iter().map(|c| c.event.id.clone()));
+            let leases: Vec<_> = more.iter().map(|c| c.lease).collect();
+            store.complete_many(&leases, at(T0 + 2_000)).await.unwrap();
+        }
+    }
+    let mut ran: Vec<String> = by_a.iter().chain(&by_b).chain(&claimed).cloned().collect();
+    ran.sort();
+    assert_eq!(ran, backlog, "every event ran once ({} by a, {} by b, {} claimed)", by_a.len(), by_b.len(), claimed.len());
+    assert!(!by_a.is_empty() && !by_b.is_empty());
+}
+
+/// A plain mark that fails may have marked any of its events: the hand-out sends all it
+/// listed as not run, and handing them back gives each marked one its document, while the
+/// others stay unfanned for the next fan-out. Nothing is lost or run twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_mark_that_fails_halfway_hands_back_what_it_listed_and_loses_nothing() {
+    let Recorded { client, database, store, .. } = recorded_store().await;
+    let subscriptions = subs(&[("h", &["t"])]);
+    hold_lanes(&store, &subscriptions, "first", &[3, 7, 11]).await;
+    let backlog: Vec<String> = (0..100).map(|n| format!("{}-{n:02}", if n % 2 == 0 { "even" } else { "odd" })).collect();
+    publish_all(&store, backlog.iter().map(|id| event(id, "t")).collect()).await;
+    // The server refuses the mark of the odd events, every time it is sent.
+    let db = client.database(&database);
+    let refuse_odd = doc! { "$or": [{ "fanOut": { "$exists": false } }, { "_id": { "$regex": "^even-" } }] };
+    db.run_command(doc! { "collMod": "relayhost_events", "validator": refuse_odd, "validationAction": "error" }).await.unwrap();
+
+    let (early, mut sent) = tokio::sync::mpsc::unbounded_channel();
+    assert!(store.fan_out_early(&subscriptions, 100, 100, &early, at(T0 + 1_000)).await.is_err());
+    let handed = sent.try_recv().unwrap();
+    assert_eq!(handed.claimed.len(), 100);
+    assert!(!handed.commit.committed().await, "their fan-out is not done");
+    // As the dispatcher does with runs whose fan-out is not done: handed back, uncharged.
+    let leases: Vec<_> = handed.claimed.iter().map(|c| c.lease).collect();
+    store.release(&leases, at(T0 + 1_000)).await.unwrap();
+    db.run_command(doc! { "collMod": "relayhost_events", "validator": {}, "validationAction": "error" }).await.unwrap();
+
+    let mut ran = Vec::new();
+    for _ in 0..10 {
+        let report = store.fan_out(&subscriptions, 100, 100, at(T0 + 2_000)).await.unwrap();
+        let mut claimed = report.claimed;
+        claimed.extend(store.claim(&handlers(&["h"]), 200, at(T0 + 2_000)).await.unwrap());
+        if claimed.is_empty() && report.events == 0 {
+            break;
+        }
+        assert!(claimed.iter().all(|c| c.attempts == 0), "handed back uncharged");
+        ran.extend(claimed.iter().map(|c| c.event.id.clone()));
+        let leases: Vec<_> = claimed.iter().map(|c| c.lease).collect();
+        store.complete_many(&leases, at(T0 + 2_000)).await.unwrap();
+    }
+    ran.sort();
+    let mut expected = backlog;
+    expected.sort();
+    assert_eq!(ran, expected);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_thousand_parked_followers_leave_other_keys_flowing() {
     let fixture = MongoFixture::new().await;

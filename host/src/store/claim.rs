@@ -829,6 +829,38 @@ impl Claimer {
         }
     }
 
+    /// Where a hand-out lists `fresh` deliveries (moving those without a document into held
+    /// lanes, see [`gather_unstored`]): the records of the held lanes it writes, with the
+    /// entries of their lists this instance settled left out, and the free lanes it takes.
+    fn list_fresh(&self, held: &BTreeMap<LaneId, Held>, fresh: &mut [Fresh], until: DateTime) -> FreshLists {
+        // A listed entry whose lease this instance settled runs no more, and is left out of
+        // the list rewritten; so lanes that only hand-outs fill keep short lists.
+        let issued = self.issued.lock().expect("issued leases");
+        let unsettled = |entry: &&InFlight| issued.get(&entry.delivery).is_some_and(|i| i.lease.claims == entry.claims);
+        let events_lanes = fresh.iter().map(|fresh| fresh.candidate.lane).collect();
+        let gathered = gather_unstored(held, |listed| listed.in_flight.iter().filter(unsettled).count(), fresh);
+        let mut by_lane: BTreeMap<LaneId, Vec<InFlight>> = BTreeMap::new();
+        for Fresh { candidate, .. } in fresh.iter() {
+            by_lane.entry(candidate.lane).or_default().push(candidate.in_flight());
+        }
+        let mut records = Vec::new();
+        let mut to_take = Vec::new();
+        for (lane, entries) in &by_lane {
+            match held.get(lane) {
+                Some(Held { epoch, known: Some(listed) }) => records.push(LaneRecord {
+                    lane: *lane,
+                    epoch: *epoch,
+                    in_flight: listed.in_flight.iter().filter(unsettled).chain(entries).cloned().collect(),
+                    lease_until: until,
+                    takes_free_at: None,
+                }),
+                Some(Held { known: None, .. }) => {}
+                None => to_take.push((*lane, entries.clone())),
+            }
+        }
+        FreshLists { by_lane, records, to_take, events_lanes, gathered }
+    }
+
     /// Hands out `fresh` deliveries of a fan-out while `write` writes them: lists them in
     /// their lanes' in-flight lists (lanes this instance holds, as it knows them, and free
     /// lanes that run nothing, which the list's write takes) beside the fan-out's first
@@ -867,41 +899,7 @@ impl Claimer {
         };
         let until = self.lease_until(now);
         let mut fresh = fresh;
-        // Where the fresh deliveries' events place them, whichever lanes list them.
-        let mut events_lanes = BTreeSet::new();
-        let mut by_lane: BTreeMap<LaneId, Vec<InFlight>> = BTreeMap::new();
-        let mut records = Vec::new();
-        let mut to_take = Vec::new();
-        {
-            // A listed entry whose lease this instance settled runs no more, and is left out of
-            // the list rewritten; so lanes that only hand-outs fill keep short lists.
-            let issued = self.issued.lock().expect("issued leases");
-            let unsettled = |entry: &&InFlight| issued.get(&entry.delivery).is_some_and(|i| i.lease.claims == entry.claims);
-            events_lanes.extend(fresh.iter().map(|fresh| fresh.candidate.lane));
-            gather_unstored(&held, |listed| listed.in_flight.iter().filter(unsettled).count(), &mut fresh);
-            for Fresh { candidate, .. } in &fresh {
-                by_lane.entry(candidate.lane).or_default().push(candidate.in_flight());
-            }
-            for (lane, entries) in &by_lane {
-                match held.get(lane) {
-                    Some(Held { epoch, known: Some(listed) }) => records.push(LaneRecord {
-                        lane: *lane,
-                        epoch: *epoch,
-                        in_flight: listed
-                            .in_flight
-                            .iter()
-                            .filter(unsettled)
-                            .chain(entries)
-                            .cloned()
-                            .collect(),
-                        lease_until: until,
-                        takes_free_at: None,
-                    }),
-                    Some(Held { known: None, .. }) => {}
-                    None => to_take.push((*lane, entries.clone())),
-                }
-            }
-        }
+        let FreshLists { by_lane, records, to_take, events_lanes, .. } = self.list_fresh(&held, &mut fresh, until);
         let recording = async {
             let record = async {
                 if records.is_empty() { Ok(Vec::new()) } else { backend.record(&self.holder, &records, LaneWrite::Applied).await }
@@ -990,6 +988,86 @@ impl Claimer {
         let committed = commit(&handed).await;
         let _ = tell.send(Some(committed.is_ok()));
         Ok(HandedOut { committed: committed?, claimed: kept, sent_early })
+    }
+
+    /// Hands out `fresh` deliveries, all of them or none, listing them *before* `mark` writes
+    /// their fan-out. For a store whose fan-out is then no transaction (in MongoDB, the plain
+    /// mark of a backlog batch, see `store/mongo/fan_out.rs`): a crash between the two leaves
+    /// lists naming deliveries of unmarked events, which nothing runs or charges, and never a
+    /// marked event that nothing lists.
+    ///
+    /// Returns `Ok(None)`, having marked nothing, when not every one of `fresh` fits in a lane
+    /// this instance holds and knows the list of ([`gather_unstored`]), when a claim of this
+    /// instance is under way (it owns the lists), or when a list could not be written (the
+    /// next claim reads those lanes). Otherwise `mark` is given the deliveries listed (all of
+    /// them) and resolves to those whose events it marked (another fan-out may have marked
+    /// some first); their leases are issued and sent to `early`, with word that their fan-out
+    /// is done. Should `mark` fail, it may have marked any of them: all are sent as not run,
+    /// and the dispatcher hands them back, which gives each whose event was marked its
+    /// document (see [`Candidate::unstored`]).
+    pub async fn hand_out_listed_first<B: ClaimBackend, F>(
+        &self,
+        backend: &B,
+        fresh: Vec<Fresh>,
+        mark: impl FnOnce(HashSet<DeliveryId>) -> F,
+        early: &EarlyHandOuts,
+        now: DateTime,
+    ) -> Result<Option<Vec<DeliveryId>>, StoreError>
+    where
+        F: Future<Output = Result<HashSet<DeliveryId>, StoreError>>,
+    {
+        let Ok(mut held) = self.held.try_lock() else { return Ok(None) };
+        let until = self.lease_until(now);
+        let mut fresh = fresh;
+        let FreshLists { by_lane, records, to_take, gathered, .. } = self.list_fresh(&held, &mut fresh, until);
+        if fresh.is_empty() || gathered < fresh.len() || !to_take.is_empty() {
+            return Ok(None);
+        }
+        match backend.record(&self.holder, &records, LaneWrite::Applied).await {
+            Ok(flags) if flags.iter().all(|ok| *ok) => {}
+            outcome => {
+                if let Err(error) = outcome {
+                    tracing::debug!(%error, "listing a hand-out before its mark failed; fanning out with a transaction");
+                }
+                for record in &records {
+                    held.insert(record.lane, Held { epoch: record.epoch, known: None });
+                }
+                return Ok(None);
+            }
+        }
+        let listed: HashSet<DeliveryId> = fresh.iter().map(|fresh| fresh.candidate.id).collect();
+        let marked = mark(listed.clone()).await;
+        let (ours, done) = match &marked {
+            Ok(ours) => (ours, true),
+            Err(_) => (&listed, false),
+        };
+        let mut events: HashMap<DeliveryId, (Candidate, EventRecord)> =
+            fresh.into_iter().map(|Fresh { candidate, event }| (candidate.id, (candidate, event))).collect();
+        let mut claimed = Vec::new();
+        {
+            let mut issued = self.issued.lock().expect("issued leases");
+            for record in records {
+                for entry in &by_lane[&record.lane] {
+                    if ours.contains(&entry.delivery) {
+                        let (candidate, event) = events.remove(&entry.delivery).expect("listed once");
+                        claimed.push(issue(&mut issued, candidate, record.epoch, event, now));
+                    }
+                }
+                // Entries of events another fan-out marked stay listed, unissued: they run
+                // nowhere, and the next write of the list leaves them out.
+                let listed = Listed { in_flight: record.in_flight, lease_until: until };
+                held.insert(record.lane, Held { epoch: record.epoch, known: Some(listed) });
+            }
+        }
+        drop(held);
+        let sent: Vec<DeliveryId> = claimed.iter().map(|c| c.lease.delivery).collect();
+        let (tell, commit) = FanOutCommit::channel();
+        let _ = tell.send(Some(done));
+        if !claimed.is_empty() && early.send(EarlyHandOut { claimed, commit }).is_err() {
+            // The dispatcher stopped: its stop hands back what this instance holds.
+            tracing::debug!(deliveries = sent.len(), "a hand-out found the dispatcher gone");
+        }
+        marked.map(|_| Some(sent))
     }
 
     /// After a hand-out whose fan-out or lane writes failed: learns what it cannot know
@@ -1096,6 +1174,20 @@ impl Claimer {
     }
 }
 
+/// Where a hand-out lists its fresh deliveries (see [`Claimer::list_fresh`]).
+struct FreshLists {
+    /// The fresh deliveries' entries, by the lane that is to list them.
+    by_lane: BTreeMap<LaneId, Vec<InFlight>>,
+    /// The new lists of held lanes.
+    records: Vec<LaneRecord>,
+    /// Free lanes to take with these entries.
+    to_take: Vec<(LaneId, Vec<InFlight>)>,
+    /// Where the fresh deliveries' events place them, whichever lanes list them.
+    events_lanes: BTreeSet<LaneId>,
+    /// How many fresh deliveries without a document went to held lanes.
+    gathered: usize,
+}
+
 /// What a failed hand-out tried to write, for [`Claimer::after_failed_hand_out`].
 struct Tried<'a> {
     records: &'a [LaneRecord],
@@ -1112,7 +1204,7 @@ const GATHERED_PER_LANE: usize = 64;
 /// Moves the `fresh` deliveries without a document ([`Candidate::unstored`]) into lanes this
 /// instance holds and knows the lists of, filling the one listing the fewest unsettled
 /// entries (`unsettled`) first, up to [`GATHERED_PER_LANE`] each; those that do not fit keep
-/// their event's lane.
+/// their event's lane. Returns how many it moved.
 ///
 /// Such a delivery is bound to no lane: it is unkeyed, so no order binds it, and no document
 /// says where it is; its lane entry only records that it runs, for a takeover or a check
@@ -1120,7 +1212,7 @@ const GATHERED_PER_LANE: usize = 64;
 /// the lanes its events hash to, a hand-out wrote about one lane document for every
 /// delivery, a quarter of `mongod`'s work in a drain; gathered, it writes one per
 /// [`GATHERED_PER_LANE`] deliveries, and lanes another instance holds stop it less.
-fn gather_unstored(held: &BTreeMap<LaneId, Held>, unsettled: impl Fn(&Listed) -> usize, fresh: &mut [Fresh]) {
+fn gather_unstored(held: &BTreeMap<LaneId, Held>, unsettled: impl Fn(&Listed) -> usize, fresh: &mut [Fresh]) -> usize {
     let mut room: Vec<(usize, LaneId)> = held
         .iter()
         .filter_map(|(id, lane)| Some((unsettled(lane.known.as_ref()?), *id)))
@@ -1129,14 +1221,17 @@ fn gather_unstored(held: &BTreeMap<LaneId, Held>, unsettled: impl Fn(&Listed) ->
     room.sort_unstable();
     let mut lanes = room.into_iter();
     let mut filling = lanes.next();
+    let mut gathered = 0;
     for Fresh { candidate, .. } in fresh.iter_mut().filter(|fresh| fresh.candidate.unstored.is_some()) {
         let Some((listed, lane)) = filling.as_mut() else { break };
         candidate.lane = *lane;
+        gathered += 1;
         *listed += 1;
         if *listed >= GATHERED_PER_LANE {
             filling = lanes.next();
         }
     }
+    gathered
 }
 
 /// The lease of `pick` in its lane at `epoch`, counted as issued at `now`, handed out with

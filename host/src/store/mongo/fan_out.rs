@@ -14,11 +14,16 @@
 //! still unfanned. The way from a commit to its handler is then the transaction's mark beside
 //! one lane write, with nothing read first; the inserts and the commit follow while the
 //! handler runs.
+//!
+//! A backlog batch that can be handed out whole writes no delivery document, so it needs no
+//! transaction at all ([`plain`]): its lanes are listed first, then its events are marked by
+//! plain updates that each apply only while the event is unfanned.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use bson::oid::ObjectId;
 use bson::{Bson, DateTime, Document, doc};
 use futures::TryStreamExt;
 
@@ -30,7 +35,7 @@ use super::{Commit, MongoStore, generations, lanes, setup};
 use super::documents::new_delivery_document;
 use crate::event::field;
 use crate::store::claim::{EventId, Fresh};
-use crate::store::fan_out::{self, FanOutPlan, id_text};
+use crate::store::fan_out::{self, FanOutPlan, FannedEvent, id_text};
 use crate::store::{DeliveryId, EarlyHandOuts, FanOutReport, StoreError, StoreTransaction, Subscriptions};
 
 /// Events the change stream reported inserted, kept for the next fan-out that hands out, so
@@ -160,6 +165,16 @@ async fn read(
 ) -> Result<FanOutReport, StoreError> {
     let mut lanes_to_read = Vec::new();
     if hand_out > 0 {
+        let plainly = early.filter(|_| !store.options.completion_history && store.plain_marks.worth_trying());
+        if let Some(early) = plainly {
+            match plain(store, subscriptions, limit, hand_out, early, now).await {
+                Ok(Some(report)) => return Ok(report),
+                Ok(None) => {}
+                // Nothing of it was written, or what was is handed back: read again.
+                Err(error) if error.is_transient() => {}
+                Err(error) => return Err(error),
+            }
+        }
         match handing_out(store, subscriptions, Batch::Read(limit), hand_out, early, now).await {
             // Another fan-out wrote the same events first: the retrying path sorts it out,
             // and a claim looks at the lanes this one took or listed in (see `run`).
@@ -168,7 +183,7 @@ async fn read(
         }
     }
     let mut report = transaction!(store, Commit::Applied, |tx| {
-        let batch = read_batch(store, tx.session(), limit).await?;
+        let batch = read_batch(store, Some(tx.session()), limit).await?;
         let plan = fan_out::plan(&batch, subscriptions);
         write(store, tx.session(), &plan, now).await?;
         Ok(plan.report(Vec::new(), &[]))
@@ -176,6 +191,130 @@ async fn read(
     report.lanes.extend(lanes_to_read);
     Ok(report)
 }
+
+/// Whether a fan-out tries its batch the plain way first ([`plain`]). A batch that cannot be
+/// handed out whole is read twice, so after one whose events do not allow it (keyed events,
+/// several handlers, too few run slots, malformed events) the next [`PLAIN_SKIPS`] go
+/// straight to the transaction.
+#[derive(Debug, Default)]
+pub(super) struct PlainMarks {
+    skips: AtomicU64,
+}
+
+/// Batches a fan-out reads in a transaction after one whose events could not be handed out
+/// whole.
+const PLAIN_SKIPS: u64 = 16;
+
+impl PlainMarks {
+    fn worth_trying(&self) -> bool {
+        self.skips.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |skips| skips.checked_sub(1)).is_err()
+    }
+
+    fn skip(&self, batches: u64) {
+        self.skips.store(batches, Ordering::SeqCst);
+    }
+}
+
+/// A backlog batch handed out whole without a transaction: read, listed in lanes this
+/// instance holds, then marked fanned out by plain updates ([`mark_plainly`]), its leases
+/// sent to `early` once the mark is done. `None`, having written nothing that counts, when
+/// the batch cannot be handed out whole (see [`Claimer::hand_out_listed_first`]).
+///
+/// Every delivery of such a batch is unkeyed, handed out and without a document, so the
+/// mark is all a fan-out writes besides the lists, and it needs no transaction: each event
+/// is marked by one statement that matches it only while unfanned, so of two racing
+/// fan-outs exactly one marks it, and the lists, written first, name every delivery a
+/// marked event's `handedOut` lists. `mongod` checks every index of a collection against
+/// its durable catalog for each document a transaction writes that changes an index (the
+/// mark takes the event out of `unfanned`), and runs a transaction's statements one after
+/// the other; outside one, the mark costs less and runs on two threads.
+///
+/// [`Claimer::hand_out_listed_first`]: crate::store::claim::Claimer::hand_out_listed_first
+async fn plain(
+    store: &MongoStore,
+    subscriptions: &Subscriptions,
+    limit: usize,
+    hand_out: usize,
+    early: &EarlyHandOuts,
+    now: DateTime,
+) -> Result<Option<FanOutReport>, StoreError> {
+    let batch = read_batch(store, None, limit).await?;
+    let plan = fan_out::plan(&batch, subscriptions);
+    let mut fresh = fan_out::fresh(&plan, &batch, hand_out, now);
+    if plan.events.is_empty() {
+        return Ok(Some(plan.report(Vec::new(), &[])));
+    }
+    if fresh.len() < plan.deliveries.len() {
+        store.plain_marks.skip(PLAIN_SKIPS);
+        return Ok(None);
+    }
+    let unstored = WithoutDocuments::of(&plan, &mut fresh);
+    let (plan, handed_out) = (&plan, &unstored.handlers);
+    let mark = |_listed: HashSet<DeliveryId>| async move {
+        let ours = mark_plainly(store, &plan.events, handed_out, ObjectId::new(), now).await?;
+        Ok(plan.deliveries.iter().filter(|d| ours.contains(&id_text(&d.event_id))).map(|d| d.id).collect())
+    };
+    match store.claimer.hand_out_listed_first(&lanes::Backend { store }, fresh, mark, early, now).await {
+        Ok(Some(sent)) => Ok(Some(plan.report(Vec::new(), &sent))),
+        // The lanes held have no room for it (the transaction's hand-out takes some), or a
+        // claim owns them now.
+        Ok(None) => Ok(None),
+        Err(error) => {
+            store.heard.missed_some();
+            Err(error)
+        }
+    }
+}
+
+/// Marks `events` fanned out by `fan_out` with plain updates, two commands at once (one per
+/// half); returns the events (as [`id_text`] prints them) it marked. An event another
+/// fan-out marked first is left as it is. The statements also match an event `fan_out`
+/// marked already, so after an error they are sent again, changing nothing twice.
+async fn mark_plainly(
+    store: &MongoStore,
+    events: &[FannedEvent],
+    handed_out: &HashMap<String, Vec<String>>,
+    fan_out: ObjectId,
+    now: DateTime,
+) -> Result<HashSet<String>, StoreError> {
+    let collection = store.collections.events.name();
+    let halves: Vec<Vec<Document>> =
+        events.chunks(events.len().div_ceil(2).max(1)).map(|half| mark_statements(half, handed_out, Some(fan_out), now)).collect();
+    let mut attempts = 0;
+    let marked: u64 = loop {
+        let sent = halves.iter().map(|statements| {
+            generations::update_each(store, collection, statements.clone(), WriteIn::Alone(Commit::Applied))
+        });
+        match futures::future::try_join_all(sent).await {
+            Ok(counts) => break counts.into_iter().sum(),
+            Err(error) if attempts < PLAIN_MARK_ATTEMPTS => {
+                attempts += 1;
+                tracing::debug!(%error, attempts, "a plain mark failed; sending it again");
+                tokio::time::sleep(std::time::Duration::from_millis(50 << attempts)).await;
+            }
+            Err(error) => return Err(error),
+        }
+    };
+    let ids: Vec<Bson> = events.iter().map(|event| event.id.clone()).collect();
+    if marked == ids.len() as u64 {
+        return Ok(events.iter().map(|event| id_text(&event.id)).collect());
+    }
+    // Another fan-out marked some first: which is said by the mark itself.
+    let ours: Vec<Document> = store
+        .collections
+        .events
+        .find(doc! { field::ID: { "$in": ids }, field::FAN_OUT: fan_out })
+        .projection(doc! { field::ID: 1 })
+        .batch_size(super::outcome::one_batch(events.len()))
+        .await?
+        .try_collect()
+        .await?;
+    Ok(ours.iter().map(|event| id_text(event.get(field::ID).unwrap_or(&Bson::Null))).collect())
+}
+
+/// How often a plain mark is sent again after an error before the fan-out gives up (and
+/// hands what it listed back as not run).
+const PLAIN_MARK_ATTEMPTS: u32 = 4;
 
 /// Where a fan-out's batch comes from.
 enum Batch {
@@ -209,7 +348,7 @@ async fn handing_out(
     let mut tx = store.begin_with(Commit::Applied).await?;
     let (batch, limit) = match batch {
         Batch::Heard(events) => (events, None),
-        Batch::Read(limit) => match read_batch(store, tx.session(), limit).await {
+        Batch::Read(limit) => match read_batch(store, Some(tx.session()), limit).await {
             Ok(batch) => (batch, Some(limit)),
             Err(error) => {
                 let _ = tx.abort().await;
@@ -257,37 +396,35 @@ async fn handing_out(
 
 /// A batch of unfanned events: the oldest, completed by the lowest unfanned events of every
 /// key among them (see [`crate::store::fan_out`]).
-async fn read_batch(store: &MongoStore, session: &mut ClientSession, limit: usize) -> Result<Vec<Document>, StoreError> {
+async fn read_batch(store: &MongoStore, session: Option<&mut ClientSession>, limit: usize) -> Result<Vec<Document>, StoreError> {
     let events = &store.collections.events;
-    let first: Vec<Document> = events
+    let first = events
         .find(doc! { field::FANNED_OUT_AT: Bson::Null })
         .sort(doc! { field::CREATED_AT: 1, field::ID: 1 })
         .hint(Hint::Name(setup::UNFANNED.into()))
         .limit(limit as i64)
-        .batch_size(super::outcome::one_batch(limit))
-        .session(&mut *session)
-        .await?
-        .stream(&mut *session)
-        .try_collect()
-        .await?;
+        .batch_size(super::outcome::one_batch(limit));
+    let mut session = session;
+    let first: Vec<Document> = match session.as_deref_mut() {
+        Some(session) => first.session(&mut *session).await?.stream(&mut *session).try_collect().await?,
+        None => first.await?.try_collect().await?,
+    };
     if first.is_empty() {
         return Ok(first);
     }
     let keys = fan_out::keys_of(&first);
-    let prefixes: Vec<Document> = if keys.is_empty() {
-        Vec::new()
-    } else {
-        events
-            .find(doc! { field::KEY: { "$in": &keys }, field::FANNED_OUT_AT: Bson::Null })
-            .sort(doc! { field::KEY: 1, field::SEQUENCE: 1 })
-            .hint(Hint::Name(setup::KEY_UNFANNED.into()))
-            .limit(limit.saturating_mul(4) as i64)
-            .batch_size(super::outcome::one_batch(limit.saturating_mul(4)))
-            .session(&mut *session)
-            .await?
-            .stream(&mut *session)
-            .try_collect()
-            .await?
+    if keys.is_empty() {
+        return Ok(fan_out::assemble(first, Vec::new()));
+    }
+    let prefixes = events
+        .find(doc! { field::KEY: { "$in": &keys }, field::FANNED_OUT_AT: Bson::Null })
+        .sort(doc! { field::KEY: 1, field::SEQUENCE: 1 })
+        .hint(Hint::Name(setup::KEY_UNFANNED.into()))
+        .limit(limit.saturating_mul(4) as i64)
+        .batch_size(super::outcome::one_batch(limit.saturating_mul(4)));
+    let prefixes: Vec<Document> = match session {
+        Some(session) => prefixes.session(&mut *session).await?.stream(&mut *session).try_collect().await?,
+        None => prefixes.await?.try_collect().await?,
     };
     Ok(fan_out::assemble(first, prefixes))
 }
@@ -367,33 +504,49 @@ async fn mark(
     if plan.events.is_empty() {
         return Ok(0);
     }
-    // One statement per distinct pair of resulting lists (in practice: per event type and
-    // whether it is handed out), all in one command, so a batch of many types costs one
-    // round trip too. The lists were read in this transaction, so a concurrent change of one
-    // conflicts with this write; a malformed `handlers` field is replaced by the readable
-    // part of it.
+    // The lists were read in this transaction, so a concurrent change of one conflicts with
+    // this write.
+    let statements = mark_statements(&plan.events, handed_out, None, now);
+    generations::update_each(store, store.collections.events.name(), statements, WriteIn::Transaction(session)).await
+}
+
+/// The statements that mark `events` fanned out (by `fan_out`, if given: see
+/// [`mark_plainly`]). One statement per distinct pair of resulting lists (in practice: per
+/// event type and whether it is handed out), all in one command, so a batch of many types
+/// costs one round trip too. A malformed `handlers` field is replaced by the readable part
+/// of it.
+fn mark_statements(
+    events: &[FannedEvent],
+    handed_out: &HashMap<String, Vec<String>>,
+    fan_out: Option<ObjectId>,
+    now: DateTime,
+) -> Vec<Document> {
     let none = Vec::new();
     let mut by_handlers: BTreeMap<(Vec<String>, &Vec<String>), Vec<Bson>> = BTreeMap::new();
-    for event in &plan.events {
+    for event in events {
         let handed_out = handed_out.get(&id_text(&event.id)).unwrap_or(&none);
         by_handlers.entry((event.handlers.clone(), handed_out)).or_default().push(event.id.clone());
     }
-    let statements = by_handlers
+    by_handlers
         .into_iter()
         .map(|((handlers, handed_out), ids)| {
             let mut set = doc! { field::FANNED_OUT_AT: now, field::HANDLERS: handlers };
             if !handed_out.is_empty() {
                 set.insert(field::HANDED_OUT, handed_out);
             }
-            doc! {
-                "q": { field::ID: { "$in": ids }, field::FANNED_OUT_AT: Bson::Null },
-                "u": { "$set": set },
-                "multi": true,
-                "hint": { field::ID: 1 },
+            let mut filter = doc! { field::ID: { "$in": ids } };
+            match fan_out {
+                Some(fan_out) => {
+                    set.insert(field::FAN_OUT, fan_out);
+                    filter.insert("$or", vec![doc! { field::FANNED_OUT_AT: Bson::Null }, doc! { field::FAN_OUT: fan_out }]);
+                }
+                None => {
+                    filter.insert(field::FANNED_OUT_AT, Bson::Null);
+                }
             }
+            doc! { "q": filter, "u": { "$set": set }, "multi": true, "hint": { field::ID: 1 } }
         })
-        .collect();
-    generations::update_each(store, store.collections.events.name(), statements, WriteIn::Transaction(session)).await
+        .collect()
 }
 
 /// Inserts the plan's deliveries but those handed out `without_document`.

@@ -133,6 +133,8 @@ pub struct MongoStore {
     claimer: Arc<Claimer>,
     /// Inserted events the change stream reported, for the next fan-out (see `fan_out`).
     heard: Arc<fan_out::Heard>,
+    /// Whether a fan-out tries its plain mark first (see `fan_out`).
+    plain_marks: Arc<fan_out::PlainMarks>,
     options: StoreOptions,
     location: MongoLocation,
 }
@@ -162,7 +164,7 @@ impl MongoStore {
         let publisher =
             Publisher::new(&database, &location.collection_prefix).with_max_payload_bytes(options.max_payload_bytes);
         let claimer = Arc::new(Claimer::new(&options.owner, options.lease_duration));
-        Self { client, collections, publisher, claimer, heard: Arc::default(), options, location }
+        Self { client, collections, publisher, claimer, heard: Arc::default(), plain_marks: Arc::default(), options, location }
     }
 
     /// Another claimer on the same collections (a second worker in this process).
