@@ -303,6 +303,10 @@ pub(crate) struct Claimer {
     unpark_sweep: Periodic,
     /// Heads of keys this instance's claims looked up (see [`Plan::recall_heads`]).
     known_heads: Mutex<HashMap<HandlerKey, DeliveryId>>,
+    /// What lanes this instance took over listed in flight, where charging it failed, with
+    /// each lane and the epoch of the take: a reconciliation keeps it listed, and the next
+    /// claim charges it before anything else (see [`Claimer::take`]).
+    uncharged: Mutex<Vec<(LaneId, i64, InFlight)>>,
 }
 
 /// How many known heads a claimer keeps at most; beyond that it forgets them all and looks
@@ -385,6 +389,7 @@ impl Claimer {
             moved_keys: Mutex::new(HashSet::new()),
             unpark_sweep: Periodic::new(UNPARK_SWEEP_INTERVAL_MS),
             known_heads: Mutex::new(HashMap::new()),
+            uncharged: Mutex::new(Vec::new()),
         }
     }
 
@@ -497,6 +502,15 @@ impl Claimer {
         now: DateTime,
     ) -> Result<Vec<ClaimedDelivery>, StoreError> {
         let until = self.lease_until(now);
+
+        // A takeover whose charge failed is finished first. Charging again changes nothing
+        // already charged (the charge applies at the listed generation only), and charging
+        // after the lane changed hands again is the charge its new owner would make.
+        let uncharged: Vec<InFlight> = self.uncharged.lock().expect("uncharged").iter().map(|(_, _, entry)| entry.clone()).collect();
+        if !uncharged.is_empty() {
+            backend.charge_lost(&uncharged, now).await?;
+            self.uncharged.lock().expect("uncharged").clear();
+        }
 
         // The lanes this instance still holds, and what of theirs still runs (as its last
         // claim left them, or read where that is unknown), with the lanes the search names
@@ -1124,10 +1138,19 @@ impl Claimer {
     }
 
     /// After a failed claim or hand-out: keeps in this instance's lanes only the leases it
-    /// issued, and moves every other listed delivery's claim generation on.
+    /// issued (and the entries of takeovers it has still to charge), and moves every other
+    /// listed delivery's claim generation on.
     async fn reconcile<B: ClaimBackend>(&self, backend: &B) -> Result<(), StoreError> {
-        let issued: HashSet<Lease> = self.issued.lock().expect("issued leases").values().map(|i| i.lease).collect();
-        backend.reconcile(&self.holder, &issued).await
+        let mut keep: HashSet<Lease> = self.issued.lock().expect("issued leases").values().map(|i| i.lease).collect();
+        // Dropped unsettled, an uncharged entry of a delivery without a document would leave
+        // nothing that names it but its event.
+        keep.extend(self.uncharged.lock().expect("uncharged").iter().map(|(lane, epoch, entry)| Lease {
+            delivery: entry.delivery,
+            lane: *lane,
+            epoch: *epoch,
+            claims: entry.claims,
+        }));
+        backend.reconcile(&self.holder, &keep).await
     }
 
     /// Takes those of `lanes` that are free and charges what their previous owners left in
@@ -1136,7 +1159,9 @@ impl Claimer {
     /// Should the take fail, it may have happened without its reply reaching this instance:
     /// such a lane would stay its own, unused, until its lease ran out. So it asks which of
     /// `lanes` it holds, charges what they list as after any take, and counts them in `held`
-    /// (as lanes to read), before it fails; so does a failed charge with the lanes taken.
+    /// (as lanes to read), before it fails; so does a failed charge with the lanes taken,
+    /// whose entries it keeps as `uncharged`: dropped from the lists by the reconciliation
+    /// that follows, a delivery without a document would be lost.
     async fn take<B: ClaimBackend>(
         &self,
         backend: &B,
@@ -1162,6 +1187,10 @@ impl Claimer {
         // so that a takeover and a completion never both succeed.
         let lost: Vec<InFlight> = taken.iter().flat_map(|lane| lane.in_flight.iter().cloned()).collect();
         let charged = if lost.is_empty() { Ok(()) } else { backend.charge_lost(&lost, now).await };
+        if charged.is_err() {
+            let mut uncharged = self.uncharged.lock().expect("uncharged");
+            uncharged.extend(taken.iter().flat_map(|lane| lane.in_flight.iter().map(|entry| (lane.id, lane.epoch, entry.clone()))));
+        }
         match failure.map_or(charged, Err) {
             Ok(()) => Ok(taken),
             Err(error) => {

@@ -3,7 +3,8 @@
 //! reply did not (also when that record took the lane), a requeue racing a claim, and a
 //! settling write whose reply was lost (the claim trusts its own unsettled leases only for a
 //! while), a claim's or a hand-out's lane take that reached the database while its reply
-//! did not, and a hand-out sent before its commit, which then failed.
+//! did not, a hand-out sent before its commit, which then failed, and a takeover whose
+//! charge failed.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -31,6 +32,9 @@ enum Fault {
     FailAfterRecord,
     /// The claim's take of lanes is written but its reply is lost.
     FailAfterTake,
+    /// A takeover's charge of what the previous owner left in flight fails, having written
+    /// nothing (a transaction of a dead host kept it waiting too long, say).
+    FailCharge,
     /// Nothing goes wrong in the claim itself.
     Nothing,
 }
@@ -91,7 +95,10 @@ impl<B: ClaimBackend + Send, S: Store> ClaimBackend for Faulty<'_, B, S> {
         }
     }
     async fn charge_lost(&self, entries: &[InFlight], now: DateTime) -> Result<(), StoreError> {
-        self.inner.charge_lost(entries, now).await
+        match self.fault {
+            Fault::FailCharge => Err(injected()),
+            _ => self.inner.charge_lost(entries, now).await,
+        }
     }
     async fn current(&self, entries: &[InFlight]) -> Result<HashSet<DeliveryId>, StoreError> {
         self.current_reads.fetch_add(1, Ordering::SeqCst);
@@ -125,7 +132,7 @@ impl<B: ClaimBackend + Send, S: Store> ClaimBackend for Faulty<'_, B, S> {
                 self.store.requeue(id, DateTime::from_millis(T0 + 1)).await?;
                 self.inner.record(holder, records, write).await
             }
-            Fault::Nothing | Fault::FailAfterTake => self.inner.record(holder, records, write).await,
+            Fault::Nothing | Fault::FailAfterTake | Fault::FailCharge => self.inner.record(holder, records, write).await,
         }
     }
     async fn hand_back(&self, holder: &Holder, lanes: &[(LaneId, i64)], now: DateTime) -> Result<(), StoreError> {
@@ -233,6 +240,7 @@ both_stores!(an_unsettled_lease_is_trusted_for_a_while_then_checked, settled_wit
 both_stores!(a_hand_out_whose_take_reply_was_lost_reconciles, failure_after_hand_out_take);
 both_stores!(a_claim_whose_take_reply_was_lost_charges_the_takeover_and_keeps_the_lane, failure_after_take);
 both_stores!(a_hand_out_sent_before_its_commit_gives_word_of_it, early_hand_outs);
+both_stores!(a_takeover_whose_charge_failed_charges_it_at_the_next_claim, failure_of_charge);
 
 async fn requeue_during_claim<S: Store + Parts>(a: &S, _b: &S, _c: &S) {
     let handlers = vec!["h".to_string()];
@@ -318,6 +326,31 @@ async fn failure_after_take<S: Store + Parts>(a: &S, b: &S, c: &S) {
     let claimed = b.claim(&handlers, 1, later(2)).await.unwrap();
     assert_eq!(claimed.len(), 1);
     assert_eq!(claimed[0].lease.lane, lane);
+    assert_eq!(claimed[0].attempts, 1, "the lost attempt is charged exactly once");
+}
+
+async fn failure_of_charge<S: Store + Parts>(a: &S, b: &S, c: &S) {
+    let handlers = vec!["h".to_string()];
+    // a runs e-1, handed out by its fan-out (in MongoDB without a document), and dies.
+    run_in_transaction(a, async |tx| a.publish(tx, &NewEvent::new("e-1", "t", doc! {})).await.map(|_| ()))
+        .await
+        .unwrap();
+    let subscriptions = Subscriptions::new([Subscription::new("h", ["t"])]).unwrap();
+    let report = a.fan_out(&subscriptions, 10, 10, DateTime::from_millis(T0)).await.unwrap();
+    assert_eq!(report.claimed.len(), 1);
+    // b takes a's lane over after its lease expired; the charge of a's run fails.
+    let (backend, claimer) = b.parts();
+    let faulty = Faulty::new(backend, Fault::FailCharge, b);
+    let later = |ms| DateTime::from_millis(T0 + 31_000 + ms);
+    assert!(claimer.claim(&faulty, &handlers, LaneSearch::FreeWithDueWork, 1, later(0)).await.is_err());
+    // The lane is b's, and so is the charge: its next claims make it, then run e-1 again;
+    // nobody else sees it meanwhile.
+    assert!(c.claim(&handlers, 1, later(1)).await.unwrap().is_empty());
+    let mut claimed = Vec::new();
+    for ms in 2..5 {
+        claimed.extend(b.claim(&handlers, 1, later(ms)).await.unwrap());
+    }
+    assert_eq!(claimed.len(), 1, "e-1 runs again");
     assert_eq!(claimed[0].attempts, 1, "the lost attempt is charged exactly once");
 }
 
