@@ -451,15 +451,18 @@ impl Claimer {
         self.issued.lock().expect("issued leases").insert(lease.delivery, Issued { lease, at, key, unstored: None });
     }
 
-    /// Forgets every held lane and returns them (graceful stop), each with whether a lease
-    /// this instance issued in it is still unsettled.
+    /// Forgets every held lane and returns them (graceful stop), each with whether its list
+    /// names work still to settle: a lease this instance issued there and did not see
+    /// settled, or a takeover's entry it has still to charge.
     pub async fn take_held(&self) -> Vec<(LaneId, i64, bool)> {
         let mut held = self.held.lock().await;
         let issued = self.issued.lock().expect("issued leases");
+        let uncharged = self.uncharged.lock().expect("uncharged");
         std::mem::take(&mut *held)
             .into_iter()
             .map(|(lane, Held { epoch, .. })| {
-                (lane, epoch, issued.values().any(|i| i.lease.lane == lane && i.lease.epoch == epoch))
+                let running = issued.values().any(|i| i.lease.lane == lane && i.lease.epoch == epoch);
+                (lane, epoch, running || uncharged.iter().any(|(l, e, _)| *l == lane && *e == epoch))
             })
             .collect()
     }

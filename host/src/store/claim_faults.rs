@@ -241,6 +241,7 @@ both_stores!(a_hand_out_whose_take_reply_was_lost_reconciles, failure_after_hand
 both_stores!(a_claim_whose_take_reply_was_lost_charges_the_takeover_and_keeps_the_lane, failure_after_take);
 both_stores!(a_hand_out_sent_before_its_commit_gives_word_of_it, early_hand_outs);
 both_stores!(a_takeover_whose_charge_failed_charges_it_at_the_next_claim, failure_of_charge);
+both_stores!(a_stop_before_a_failed_charge_was_made_leaves_it_to_the_next_taker, stop_after_failed_charge);
 
 async fn requeue_during_claim<S: Store + Parts>(a: &S, _b: &S, _c: &S) {
     let handlers = vec!["h".to_string()];
@@ -350,6 +351,24 @@ async fn failure_of_charge<S: Store + Parts>(a: &S, b: &S, c: &S) {
     for ms in 2..5 {
         claimed.extend(b.claim(&handlers, 1, later(ms)).await.unwrap());
     }
+    assert_eq!(claimed.len(), 1, "e-1 runs again");
+    assert_eq!(claimed[0].attempts, 1, "the lost attempt is charged exactly once");
+}
+
+async fn stop_after_failed_charge<S: Store + Parts>(a: &S, b: &S, c: &S) {
+    let handlers = vec!["h".to_string()];
+    run_in_transaction(a, async |tx| a.publish(tx, &NewEvent::new("e-1", "t", doc! {})).await.map(|_| ()))
+        .await
+        .unwrap();
+    let subscriptions = Subscriptions::new([Subscription::new("h", ["t"])]).unwrap();
+    assert_eq!(a.fan_out(&subscriptions, 10, 10, DateTime::from_millis(T0)).await.unwrap().claimed.len(), 1);
+    let (backend, claimer) = b.parts();
+    let faulty = Faulty::new(backend, Fault::FailCharge, b);
+    let later = |ms| DateTime::from_millis(T0 + 31_000 + ms);
+    assert!(claimer.claim(&faulty, &handlers, LaneSearch::FreeWithDueWork, 1, later(0)).await.is_err());
+    // b stops before charging: the lane it gives back still lists a's run, for the next taker.
+    b.relinquish().await.unwrap();
+    let claimed = c.claim(&handlers, 1, later(1)).await.unwrap();
     assert_eq!(claimed.len(), 1, "e-1 runs again");
     assert_eq!(claimed[0].attempts, 1, "the lost attempt is charged exactly once");
 }
