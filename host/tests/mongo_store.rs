@@ -993,6 +993,38 @@ async fn a_plain_mark_that_fails_halfway_hands_back_what_it_listed_and_loses_not
     assert_eq!(ran, expected);
 }
 
+/// A host killed while committing its handler's completion leaves its transaction open, and
+/// the event it was writing locked, until the server aborts it. A host that takes that lane
+/// over cannot charge the lost attempt meanwhile: it leaves the lane waiting and claims from
+/// its other lanes, and once the transaction is gone its next claim charges the attempt and
+/// runs the delivery again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_held_up_by_a_dead_hosts_transaction_does_not_hold_up_other_lanes() {
+    let Recorded { client, store: a, .. } = recorded_store().await;
+    let b = a.instance("b");
+    let subscriptions = subs(&[("h", &["t"])]);
+    let (stuck, other) = (id_in_lane("stuck", 3), id_in_lane("other", 9));
+    publish_all(&a, vec![event(&stuck, "t")]).await;
+    assert_eq!(a.fan_out(&subscriptions, 10, 10, at(T0)).await.unwrap().claimed.len(), 1);
+    // a's handler transaction took the handler out of the event's list, and a died.
+    let mut dead = client.start_session().await.unwrap();
+    dead.start_transaction().await.unwrap();
+    a.events_collection().update_one(doc! { "_id": &stuck }, doc! { "$pull": { "handedOut": "h" } }).session(&mut dead).await.unwrap();
+    // Another event waits in a lane nobody holds.
+    publish_all(&a, vec![event(&other, "t")]).await;
+    assert_eq!(a.fan_out(&subscriptions, 10, 0, at(T0)).await.unwrap().events, 1);
+
+    let later = |ms| at(T0 + 31_000 + ms);
+    let h = handlers(&["h"]);
+    let claim = b.claim(&h, 10, later(0));
+    let claimed = tokio::time::timeout(Duration::from_secs(60), claim).await.expect("the claim does not wait on the lock").unwrap();
+    assert_eq!(ids(&claimed), [format!("{other}/h")]);
+    dead.abort_transaction().await.unwrap();
+    let claimed = b.claim(&h, 10, later(1)).await.unwrap();
+    assert_eq!(ids(&claimed), [format!("{stuck}/h")]);
+    assert_eq!(claimed[0].attempts, 1, "the lost attempt is charged");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_thousand_parked_followers_leave_other_keys_flowing() {
     let fixture = MongoFixture::new().await;

@@ -29,6 +29,13 @@ const REQUEUE_RACE_WINDOW_MS: i64 = 60_000;
 /// settles well within this, so the claims skip a read of a few hundred deliveries each.
 const UNSETTLED_TRUSTED_FOR_MS: i64 = 2_000;
 
+/// How long a claim waits for a takeover's charge before it leaves that lane for a later
+/// claim and goes on with the others. The charge waits for whatever still writes the lost
+/// deliveries: a host killed while committing a transactional handler's work leaves its
+/// transaction open, with its locks, until the server aborts it (after
+/// `transactionLifetimeLimitSeconds`, 60 s by default).
+const CHARGE_WAIT: Duration = Duration::from_secs(2);
+
 /// Who holds a lane: a worker name and the store instance inside it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Holder {
@@ -509,10 +516,18 @@ impl Claimer {
         // A takeover whose charge failed is finished first. Charging again changes nothing
         // already charged (the charge applies at the listed generation only), and charging
         // after the lane changed hands again is the charge its new owner would make.
-        let uncharged: Vec<InFlight> = self.uncharged.lock().expect("uncharged").iter().map(|(_, _, entry)| entry.clone()).collect();
+        // While it still cannot be made, its lanes sit this claim out.
+        let uncharged: Vec<(LaneId, i64, InFlight)> = self.uncharged.lock().expect("uncharged").clone();
+        let mut waiting = BTreeSet::new();
         if !uncharged.is_empty() {
-            backend.charge_lost(&uncharged, now).await?;
-            self.uncharged.lock().expect("uncharged").clear();
+            let entries: Vec<InFlight> = uncharged.iter().map(|(_, _, entry)| entry.clone()).collect();
+            match charge(backend, &entries, now).await {
+                Ok(()) => self.uncharged.lock().expect("uncharged").clear(),
+                Err(error) => {
+                    tracing::debug!(%error, "charging a takeover failed again");
+                    waiting.extend(uncharged.iter().map(|(lane, _, _)| *lane));
+                }
+            }
         }
 
         // The lanes this instance still holds, and what of theirs still runs (as its last
@@ -541,6 +556,9 @@ impl Claimer {
             let mut left_over = Vec::new();
             let states = if read_ids.is_empty() { Vec::new() } else { backend.lanes(&read_ids).await? };
             for state in states {
+                if waiting.contains(&state.id) {
+                    continue;
+                }
                 if held.get(&state.id).map(|lane| lane.epoch) == Some(state.epoch) && state.held_by(holder) {
                     let lane = HeldLane {
                         epoch: state.epoch,
@@ -603,7 +621,7 @@ impl Claimer {
                 return Err(error);
             }
         };
-        held.retain(|lane, _| mine.get(lane).is_some_and(|lane| lane.takes_free_at.is_none()));
+        held.retain(|id, _| waiting.contains(id) || mine.get(id).is_some_and(|lane| lane.takes_free_at.is_none()));
         for lane in mine.values_mut() {
             lane.running.retain(|entry| current.contains(&entry.delivery));
         }
@@ -636,7 +654,7 @@ impl Claimer {
         let lanes: Vec<LaneId> = mine.keys().copied().collect();
         scan(backend, &mut plan, &lanes, handlers, now).await?;
 
-        let mut tried: BTreeSet<LaneId> = mine.keys().copied().collect();
+        let mut tried: BTreeSet<LaneId> = mine.keys().chain(&waiting).copied().collect();
         // Held lanes can fill a claim on their own with work younger than what waits in lanes
         // nobody holds: a lane kept busy by a steady stream would then keep the others waiting
         // for as long as the stream lasts. At most once a second (it costs a query), free lanes
@@ -1162,9 +1180,10 @@ impl Claimer {
     /// Should the take fail, it may have happened without its reply reaching this instance:
     /// such a lane would stay its own, unused, until its lease ran out. So it asks which of
     /// `lanes` it holds, charges what they list as after any take, and counts them in `held`
-    /// (as lanes to read), before it fails; so does a failed charge with the lanes taken,
-    /// whose entries it keeps as `uncharged`: dropped from the lists by the reconciliation
-    /// that follows, a delivery without a document would be lost.
+    /// (as lanes to read), before it fails. A charge that fails, or does not finish within
+    /// [`CHARGE_WAIT`], leaves the lanes that listed something held but out of this claim,
+    /// their entries kept as `uncharged` for later claims to charge first (dropped from the
+    /// lists, a delivery without a document would be lost); the claim goes on with the rest.
     async fn take<B: ClaimBackend>(
         &self,
         backend: &B,
@@ -1189,14 +1208,25 @@ impl Claimer {
         // Charge what the previous owner left in flight before reading what to claim,
         // so that a takeover and a completion never both succeed.
         let lost: Vec<InFlight> = taken.iter().flat_map(|lane| lane.in_flight.iter().cloned()).collect();
-        let charged = if lost.is_empty() { Ok(()) } else { backend.charge_lost(&lost, now).await };
+        let charged = if lost.is_empty() { Ok(()) } else { charge(backend, &lost, now).await };
         if charged.is_err() {
             let mut uncharged = self.uncharged.lock().expect("uncharged");
             uncharged.extend(taken.iter().flat_map(|lane| lane.in_flight.iter().map(|entry| (lane.id, lane.epoch, entry.clone()))));
         }
-        match failure.map_or(charged, Err) {
-            Ok(()) => Ok(taken),
-            Err(error) => {
+        match (failure, charged) {
+            (None, Ok(())) => Ok(taken),
+            // The lanes that listed nothing serve this claim; the others wait, held, for the
+            // charge a later claim makes first.
+            (None, Err(error)) => {
+                tracing::warn!(%error, lanes = ?taken.iter().map(|lane| lane.id).collect::<Vec<_>>(), "charging a takeover failed");
+                let (usable, waiting): (Vec<LaneState>, Vec<LaneState>) =
+                    taken.into_iter().partition(|lane| lane.in_flight.is_empty());
+                for lane in &waiting {
+                    held.insert(lane.id, Held { epoch: lane.epoch, known: None });
+                }
+                Ok(usable)
+            }
+            (Some(error), _) => {
                 for lane in &taken {
                     held.insert(lane.id, Held { epoch: lane.epoch, known: None });
                 }
@@ -1264,6 +1294,14 @@ fn gather_unstored(held: &BTreeMap<LaneId, Held>, unsettled: impl Fn(&Listed) ->
         }
     }
     gathered
+}
+
+/// Charges `entries` (see [`ClaimBackend::charge_lost`]), waiting at most [`CHARGE_WAIT`]. A
+/// charge cut short is made again in full later: each of its writes applies once.
+async fn charge<B: ClaimBackend>(backend: &B, entries: &[InFlight], now: DateTime) -> Result<(), StoreError> {
+    tokio::time::timeout(CHARGE_WAIT, backend.charge_lost(entries, now))
+        .await
+        .unwrap_or(Err(StoreError::ChargeWaiting(CHARGE_WAIT)))
 }
 
 /// The lease of `pick` in its lane at `epoch`, counted as issued at `now`, handed out with

@@ -43,6 +43,10 @@ pub enum StoreError {
     /// acknowledged once applied, not yet majority-committed): run it again.
     #[error("the transaction's snapshot is behind a write acknowledged already: {0}")]
     SnapshotBehind(String),
+    /// A takeover's charge did not finish in time: something still holds the lost
+    /// deliveries (a dead host's open transaction, until the server aborts it).
+    #[error("the charge of a lane's lost deliveries waited {0:?} and is left for a later claim")]
+    ChargeWaiting(Duration),
     #[error("transaction gave up after {attempts} attempts over {elapsed:?}: {last}")]
     RetriesExhausted { attempts: u32, elapsed: Duration, last: Box<StoreError> },
     #[error("MongoDB: {0}")]
