@@ -330,21 +330,26 @@ async fn failure_after_take<S: Store + Parts>(a: &S, b: &S, c: &S) {
     assert_eq!(claimed[0].attempts, 1, "the lost attempt is charged exactly once");
 }
 
-async fn failure_of_charge<S: Store + Parts>(a: &S, b: &S, c: &S) {
-    let handlers = vec!["h".to_string()];
-    // a runs e-1, handed out by its fan-out (in MongoDB without a document), and dies.
+/// a runs e-1, handed out by its fan-out (in MongoDB without a document), and dies; b takes
+/// a's lane over after its lease expired, and the charge of a's run fails, so the lane sits
+/// that claim out. Returns the time of that claim plus `ms`.
+async fn lost_run_whose_charge_failed<S: Store + Parts>(a: &S, b: &S) -> impl Fn(i64) -> DateTime {
     run_in_transaction(a, async |tx| a.publish(tx, &NewEvent::new("e-1", "t", doc! {})).await.map(|_| ()))
         .await
         .unwrap();
     let subscriptions = Subscriptions::new([Subscription::new("h", ["t"])]).unwrap();
-    let report = a.fan_out(&subscriptions, 10, 10, DateTime::from_millis(T0)).await.unwrap();
-    assert_eq!(report.claimed.len(), 1);
-    // b takes a's lane over after its lease expired; the charge of a's run fails, and the
-    // lane sits that claim out.
+    assert_eq!(a.fan_out(&subscriptions, 10, 10, DateTime::from_millis(T0)).await.unwrap().claimed.len(), 1);
     let (backend, claimer) = b.parts();
     let faulty = Faulty::new(backend, Fault::FailCharge, b);
     let later = |ms| DateTime::from_millis(T0 + 31_000 + ms);
+    let handlers = vec!["h".to_string()];
     assert!(claimer.claim(&faulty, &handlers, LaneSearch::FreeWithDueWork, 1, later(0)).await.unwrap().is_empty());
+    later
+}
+
+async fn failure_of_charge<S: Store + Parts>(a: &S, b: &S, c: &S) {
+    let handlers = vec!["h".to_string()];
+    let later = lost_run_whose_charge_failed(a, b).await;
     // The lane is b's, and so is the charge: its next claims make it, then run e-1 again;
     // nobody else sees it meanwhile.
     assert!(c.claim(&handlers, 1, later(1)).await.unwrap().is_empty());
@@ -357,19 +362,10 @@ async fn failure_of_charge<S: Store + Parts>(a: &S, b: &S, c: &S) {
 }
 
 async fn stop_after_failed_charge<S: Store + Parts>(a: &S, b: &S, c: &S) {
-    let handlers = vec!["h".to_string()];
-    run_in_transaction(a, async |tx| a.publish(tx, &NewEvent::new("e-1", "t", doc! {})).await.map(|_| ()))
-        .await
-        .unwrap();
-    let subscriptions = Subscriptions::new([Subscription::new("h", ["t"])]).unwrap();
-    assert_eq!(a.fan_out(&subscriptions, 10, 10, DateTime::from_millis(T0)).await.unwrap().claimed.len(), 1);
-    let (backend, claimer) = b.parts();
-    let faulty = Faulty::new(backend, Fault::FailCharge, b);
-    let later = |ms| DateTime::from_millis(T0 + 31_000 + ms);
-    assert!(claimer.claim(&faulty, &handlers, LaneSearch::FreeWithDueWork, 1, later(0)).await.unwrap().is_empty());
+    let later = lost_run_whose_charge_failed(a, b).await;
     // b stops before charging: the lane it gives back still lists a's run, for the next taker.
     b.relinquish().await.unwrap();
-    let claimed = c.claim(&handlers, 1, later(1)).await.unwrap();
+    let claimed = c.claim(&["h".to_string()], 1, later(1)).await.unwrap();
     assert_eq!(claimed.len(), 1, "e-1 runs again");
     assert_eq!(claimed[0].attempts, 1, "the lost attempt is charged exactly once");
 }
