@@ -4,7 +4,7 @@
 //! settling write whose reply was lost (the claim trusts its own unsettled leases only for a
 //! while), a claim's or a hand-out's lane take that reached the database while its reply
 //! did not, a hand-out sent before its commit, which then failed, and a takeover whose
-//! charge failed.
+//! charge failed (then a stop, or a death, before it is made).
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -242,6 +242,7 @@ both_stores!(a_claim_whose_take_reply_was_lost_charges_the_takeover_and_keeps_th
 both_stores!(a_hand_out_sent_before_its_commit_gives_word_of_it, early_hand_outs);
 both_stores!(a_takeover_whose_charge_failed_charges_it_at_the_next_claim, failure_of_charge);
 both_stores!(a_stop_before_a_failed_charge_was_made_leaves_it_to_the_next_taker, stop_after_failed_charge);
+both_stores!(a_death_before_a_failed_charge_was_made_leaves_it_to_the_next_taker, death_before_failed_charge_was_made);
 
 async fn requeue_during_claim<S: Store + Parts>(a: &S, _b: &S, _c: &S) {
     let handlers = vec!["h".to_string()];
@@ -366,6 +367,15 @@ async fn stop_after_failed_charge<S: Store + Parts>(a: &S, b: &S, c: &S) {
     // b stops before charging: the lane it gives back still lists a's run, for the next taker.
     b.relinquish().await.unwrap();
     let claimed = c.claim(&["h".to_string()], 1, later(1)).await.unwrap();
+    assert_eq!(claimed.len(), 1, "e-1 runs again");
+    assert_eq!(claimed[0].attempts, 1, "the lost attempt is charged exactly once");
+}
+
+async fn death_before_failed_charge_was_made<S: Store + Parts>(a: &S, b: &S, c: &S) {
+    let later = lost_run_whose_charge_failed(a, b).await;
+    // b dies before charging: once its lease ran out, c takes the lane over, with a's run
+    // still listed, and charges it once.
+    let claimed = c.claim(&["h".to_string()], 1, later(31_000)).await.unwrap();
     assert_eq!(claimed.len(), 1, "e-1 runs again");
     assert_eq!(claimed[0].attempts, 1, "the lost attempt is charged exactly once");
 }
