@@ -979,19 +979,7 @@ impl Claimer {
                 }
             }
             listed.extend(taken.iter().map(|(lane, epoch)| (*lane, *epoch, by_lane[lane].clone())));
-            let mut events: HashMap<DeliveryId, (Candidate, EventRecord)> =
-                fresh.into_iter().map(|Fresh { candidate, event }| (candidate.id, (candidate, event))).collect();
-            let mut claimed = Vec::new();
-            let mut issued = self.issued.lock().expect("issued leases");
-            for (lane, epoch, in_flight) in listed {
-                for entry in &by_lane[&lane] {
-                    if let Some((candidate, event)) = events.remove(&entry.delivery) {
-                        claimed.push(issue(&mut issued, candidate, epoch, event, now));
-                    }
-                }
-                held.insert(lane, Held { epoch, known: Some(Listed { in_flight, lease_until: until }) });
-            }
-            claimed
+            self.issue_listed(held, listed, &by_lane, fresh, |_| true, now)
         };
         let Some(early) = early else {
             // Issued once committed: each lease names a delivery that exists.
@@ -1034,17 +1022,16 @@ impl Claimer {
     /// Returns `Ok(None)`, having marked nothing, when not every one of `fresh` fits in a lane
     /// this instance holds and knows the list of ([`gather_unstored`]), when a claim of this
     /// instance is under way (it owns the lists), or when a list could not be written (the
-    /// next claim reads those lanes). Otherwise `mark` is given the deliveries listed (all of
-    /// them) and resolves to those whose events it marked (another fan-out may have marked
-    /// some first); their leases are issued and sent to `early`, with word that their fan-out
-    /// is done. Should `mark` fail, it may have marked any of them: all are sent as not run,
+    /// next claim reads those lanes). Otherwise `mark` runs, and resolves to the deliveries
+    /// whose events it marked (another fan-out may have marked some first); their leases are
+    /// issued and sent to `early`, with word that their fan-out is done. Should `mark` fail, it may have marked any of them: all are sent as not run,
     /// and the dispatcher hands them back, which gives each whose event was marked its
     /// document (see [`Candidate::unstored`]).
     pub async fn hand_out_listed_first<B: ClaimBackend, F>(
         &self,
         backend: &B,
         fresh: Vec<Fresh>,
-        mark: impl FnOnce(HashSet<DeliveryId>) -> F,
+        mark: impl FnOnce() -> F,
         early: &EarlyHandOuts,
         now: DateTime,
     ) -> Result<Option<Vec<DeliveryId>>, StoreError>
@@ -1070,30 +1057,14 @@ impl Claimer {
                 return Ok(None);
             }
         }
-        let listed: HashSet<DeliveryId> = fresh.iter().map(|fresh| fresh.candidate.id).collect();
-        let marked = mark(listed.clone()).await;
-        let (ours, done) = match &marked {
-            Ok(ours) => (ours, true),
-            Err(_) => (&listed, false),
-        };
-        let mut events: HashMap<DeliveryId, (Candidate, EventRecord)> =
-            fresh.into_iter().map(|Fresh { candidate, event }| (candidate.id, (candidate, event))).collect();
-        let mut claimed = Vec::new();
-        {
-            let mut issued = self.issued.lock().expect("issued leases");
-            for record in records {
-                for entry in &by_lane[&record.lane] {
-                    if ours.contains(&entry.delivery) {
-                        let (candidate, event) = events.remove(&entry.delivery).expect("listed once");
-                        claimed.push(issue(&mut issued, candidate, record.epoch, event, now));
-                    }
-                }
-                // Entries of events another fan-out marked stay listed, unissued: they run
-                // nowhere, and the next write of the list leaves them out.
-                let listed = Listed { in_flight: record.in_flight, lease_until: until };
-                held.insert(record.lane, Held { epoch: record.epoch, known: Some(listed) });
-            }
-        }
+        let marked = mark().await;
+        // After a failed mark every one is issued, to be handed back as not run. Entries of
+        // events another fan-out marked stay listed, unissued: they run nowhere, and the next
+        // write of their list leaves them out.
+        let issued_for = |delivery: &DeliveryId| marked.as_ref().map_or(true, |ours| ours.contains(delivery));
+        let listed = records.into_iter().map(|record| (record.lane, record.epoch, record.in_flight)).collect();
+        let claimed = self.issue_listed(&mut held, listed, &by_lane, fresh, issued_for, now);
+        let done = marked.is_ok();
         drop(held);
         let sent: Vec<DeliveryId> = claimed.iter().map(|c| c.lease.delivery).collect();
         let (tell, commit) = FanOutCommit::channel();
@@ -1103,6 +1074,34 @@ impl Claimer {
             tracing::debug!(deliveries = sent.len(), "a hand-out found the dispatcher gone");
         }
         marked.map(|_| Some(sent))
+    }
+
+    /// Issues the leases of those of `fresh` that `issued_for` admits, in the lanes of `listed`
+    /// (each with the epoch and the whole list written), and counts those lanes as held with
+    /// these lists.
+    fn issue_listed(
+        &self,
+        held: &mut BTreeMap<LaneId, Held>,
+        listed: Vec<(LaneId, i64, Vec<InFlight>)>,
+        by_lane: &BTreeMap<LaneId, Vec<InFlight>>,
+        fresh: Vec<Fresh>,
+        issued_for: impl Fn(&DeliveryId) -> bool,
+        now: DateTime,
+    ) -> Vec<ClaimedDelivery> {
+        let until = self.lease_until(now);
+        let mut events: HashMap<DeliveryId, (Candidate, EventRecord)> =
+            fresh.into_iter().map(|Fresh { candidate, event }| (candidate.id, (candidate, event))).collect();
+        let mut claimed = Vec::new();
+        let mut issued = self.issued.lock().expect("issued leases");
+        for (lane, epoch, in_flight) in listed {
+            for entry in by_lane.get(&lane).into_iter().flatten().filter(|entry| issued_for(&entry.delivery)) {
+                if let Some((candidate, event)) = events.remove(&entry.delivery) {
+                    claimed.push(issue(&mut issued, candidate, epoch, event, now));
+                }
+            }
+            held.insert(lane, Held { epoch, known: Some(Listed { in_flight, lease_until: until }) });
+        }
+        claimed
     }
 
     /// After a hand-out whose fan-out or lane writes failed: learns what it cannot know

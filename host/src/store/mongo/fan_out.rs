@@ -250,20 +250,14 @@ async fn plain(
     }
     let unstored = WithoutDocuments::of(&plan, &mut fresh);
     let (plan, handed_out) = (&plan, &unstored.handlers);
-    let mark = |_listed: HashSet<DeliveryId>| async move {
+    let mark = || async move {
         let ours = mark_plainly(store, &plan.events, handed_out, ObjectId::new(), now).await?;
         Ok(plan.deliveries.iter().filter(|d| ours.contains(&id_text(&d.event_id))).map(|d| d.id).collect())
     };
-    match store.claimer.hand_out_listed_first(&lanes::Backend { store }, fresh, mark, early, now).await {
-        Ok(Some(sent)) => Ok(Some(plan.report(Vec::new(), &sent))),
-        // The lanes held have no room for it (the transaction's hand-out takes some), or a
-        // claim owns them now.
-        Ok(None) => Ok(None),
-        Err(error) => {
-            store.heard.missed_some();
-            Err(error)
-        }
-    }
+    // `None`: the lanes held have no room for it (the transaction's hand-out takes some), or
+    // a claim owns them now.
+    let sent = store.claimer.hand_out_listed_first(&lanes::Backend { store }, fresh, mark, early, now).await?;
+    Ok(sent.map(|sent| plan.report(Vec::new(), &sent)))
 }
 
 /// Marks `events` fanned out by `fan_out` with plain updates, two commands at once (one per
