@@ -22,7 +22,7 @@ use bson::DateTime;
 use relayhost::event::NewEvent;
 use relayhost::lane::LaneId;
 use relayhost::store::{
-    ClaimedDelivery, DeliveryFilter, DeliveryPage, DeliveryView, EarlyHandOut, EarlyHandOuts, FanOutCommit, FanOutReport,
+    Capacity, ClaimedDelivery, DeliveryFilter, DeliveryPage, DeliveryView, EarlyHandOut, EarlyHandOuts, FanOutCommit, FanOutReport,
     HandlerStatistics, Lease, Published, PurgeOptions, PurgeReport, Settlement, Store, StoreError, StoreOptions,
     Subscriptions,
 };
@@ -345,7 +345,13 @@ impl Store for FaultyStore {
     async fn publish(&self, tx: &mut Self::Tx, event: &NewEvent) -> Result<Published, StoreError> {
         self.inner.publish(tx, event).await
     }
-    async fn fan_out(&self, subscriptions: &Subscriptions, limit: usize, hand_out: usize, now: DateTime) -> Result<FanOutReport, StoreError> {
+    async fn fan_out(
+        &self,
+        subscriptions: &Subscriptions,
+        limit: usize,
+        hand_out: impl Into<Capacity> + Send,
+        now: DateTime,
+    ) -> Result<FanOutReport, StoreError> {
         if fails(&self.fan_outs_hanging) {
             let _abandoned = CountOnDrop(&self.fan_outs_abandoned);
             std::future::pending::<()>().await;
@@ -360,7 +366,7 @@ impl Store for FaultyStore {
         &self,
         subscriptions: &Subscriptions,
         limit: usize,
-        hand_out: usize,
+        hand_out: impl Into<Capacity> + Send,
         early: &EarlyHandOuts,
         now: DateTime,
     ) -> Result<FanOutReport, StoreError> {
@@ -381,13 +387,24 @@ impl Store for FaultyStore {
         });
         Ok(report)
     }
-    async fn claim(&self, handlers: &[String], limit: usize, now: DateTime) -> Result<Vec<ClaimedDelivery>, StoreError> {
-        self.claim_limits.lock().unwrap().push(limit);
+    async fn claim(&self, handlers: &[String], limit: impl Into<Capacity> + Send, now: DateTime) -> Result<Vec<ClaimedDelivery>, StoreError> {
+        let limit = limit.into();
+        self.claim_limits.lock().unwrap().push(limit.total);
         self.inner.claim(handlers, limit, now).await
     }
-    async fn claim_in(&self, handlers: &[String], lanes: &[LaneId], limit: usize, now: DateTime) -> Result<Vec<ClaimedDelivery>, StoreError> {
-        self.claim_limits.lock().unwrap().push(limit);
+    async fn claim_in(
+        &self,
+        handlers: &[String],
+        lanes: &[LaneId],
+        limit: impl Into<Capacity> + Send,
+        now: DateTime,
+    ) -> Result<Vec<ClaimedDelivery>, StoreError> {
+        let limit = limit.into();
+        self.claim_limits.lock().unwrap().push(limit.total);
         self.inner.claim_in(handlers, lanes, limit, now).await
+    }
+    async fn record_starts(&self, leases: &[Lease]) -> Result<Vec<bool>, StoreError> {
+        self.inner.record_starts(leases).await
     }
     async fn complete_many(&self, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {
         if fails(&self.completions_failing) {

@@ -45,10 +45,11 @@ use tokio::task::{AbortHandle, JoinHandle};
 use tokio::time::Instant;
 
 use super::completion::{Completions, step_result};
+use super::starts::StartRecorder;
 use super::{AttemptResult, RetryPolicy, Settle, bury_with_dead_letter, decide};
 use crate::lane::LaneId;
 use crate::store::{
-    ClaimedDelivery, DeliveryId, EarlyHandOut, EarlyHandOuts, FanOutCommit, Lease, Store, StoreError, Subscription,
+    Capacity, ClaimedDelivery, DeliveryId, EarlyHandOut, EarlyHandOuts, FanOutCommit, Lease, Store, StoreError, Subscription,
     Subscriptions,
 };
 
@@ -216,10 +217,12 @@ struct Flight<S: Store> {
     completions: Completions<S>,
     /// Finished runs whose outcome could not be written yet; still in `running`.
     unsettled: Vec<(ClaimedDelivery, RunResult)>,
+    /// Records the starts of what was claimed ahead, before it runs.
+    starts: StartRecorder,
 }
 
 impl<S: Store> Flight<S> {
-    fn new(completions: Completions<S>) -> Self {
+    fn new(completions: Completions<S>, starts: StartRecorder) -> Self {
         Self {
             running: HashMap::new(),
             retry_timers: BinaryHeap::new(),
@@ -234,6 +237,7 @@ impl<S: Store> Flight<S> {
             claim_lanes: BTreeSet::new(),
             completions,
             unsettled: Vec::new(),
+            starts,
         }
     }
 }
@@ -259,7 +263,8 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         let (finished_tx, mut finished) = mpsc::unbounded_channel::<(ClaimedDelivery, RunResult)>();
         let (early_tx, mut early) = mpsc::unbounded_channel::<EarlyHandOut>();
         let fanned = Arc::new(Notify::new());
-        let mut flight = Flight::new(Completions::new(self.store.clone(), self.options.poll_interval));
+        let completions = Completions::new(self.store.clone(), self.options.poll_interval);
+        let mut flight = Flight::new(completions, StartRecorder::spawn(self.store.clone()));
         let mut renewal = tokio::time::interval(self.options.lease_duration / 3);
         renewal.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -361,6 +366,13 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         Ok(())
     }
 
+    /// The free capacity (run slots and `claim_ahead`), of which the free run slots start at
+    /// once (see [`Capacity`]).
+    fn capacity(&self, flight: &Flight<S>) -> Capacity {
+        let (free, _) = self.free_capacity(flight);
+        Capacity::new(free, self.options.concurrency.saturating_sub(flight.running.len()))
+    }
+
     /// The free capacity (run slots and `claim_ahead`), and whether it is worth a claim.
     fn free_capacity(&self, flight: &Flight<S>) -> (usize, bool) {
         let capacity = self.options.concurrency + self.options.claim_ahead;
@@ -395,7 +407,9 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             // What it hands out runs at once or waits for a run slot, like a claim's picks.
             flight.fanning_hands_out.store(free > 0, Ordering::SeqCst);
             let hands_out = flight.fanning_hands_out.clone();
-            flight.fanning = Some(self.spawn_fan_out(subscriptions, fanned.clone(), free, early.clone(), hands_out, flight.stop_fanning.clone()));
+            let capacity = self.capacity(flight);
+            flight.fanning =
+                Some(self.spawn_fan_out(subscriptions, fanned.clone(), capacity, early.clone(), hands_out, flight.stop_fanning.clone()));
         }
         Ok(())
     }
@@ -418,10 +432,11 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         let lanes: Vec<LaneId> = std::mem::take(&mut flight.claim_lanes).into_iter().collect();
         let handlers: Vec<String> = specs.iter().map(|s| s.handler.clone()).collect();
         let started = Instant::now();
+        let capacity = self.capacity(flight);
         let claimed = if search_all {
-            self.store.claim(&handlers, free, DateTime::now()).await?
+            self.store.claim(&handlers, capacity, DateTime::now()).await?
         } else {
-            self.store.claim_in(&handlers, &lanes, free, DateTime::now()).await?
+            self.store.claim_in(&handlers, &lanes, capacity, DateTime::now()).await?
         };
         tracing::trace!(elapsed_us = started.elapsed().as_micros() as u64, count = claimed.len(), "claimed");
         flight.backlog = claimed.len() >= free;
@@ -471,15 +486,25 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             let (runner, finished_tx, permits) = (self.runner.clone(), finished_tx.clone(), permits.clone());
             let lease = delivery.lease;
             let (commit, transactional) = (commit.clone(), spec.transactional);
+            // Claimed ahead: its start is recorded once it has a run slot, before it runs.
+            let starts = (!delivery.started).then(|| flight.starts.clone());
             let task = tokio::spawn(async move {
                 // A closed semaphore means the host is stopping: hand it back unstarted.
-                let result = match (permits.acquire_owned().await, commit) {
-                    (Err(_), _) => RunResult::NotRun,
-                    (Ok(_permit), None) => runner.run(delivery.clone()).await,
-                    (Ok(_permit), Some(commit)) if transactional => {
+                let Ok(_permit) = permits.acquire_owned().await else {
+                    let _ = finished_tx.send((delivery, RunResult::NotRun));
+                    return;
+                };
+                let recorded = match &starts {
+                    Some(starts) => starts.record(lease).await,
+                    None => true,
+                };
+                let result = match commit {
+                    _ if !recorded => RunResult::LeaseLost,
+                    None => runner.run(delivery.clone()).await,
+                    Some(commit) if transactional => {
                         if commit.committed().await { runner.run(delivery.clone()).await } else { RunResult::NotRun }
                     }
-                    (Ok(_permit), Some(commit)) => {
+                    Some(commit) => {
                         let result = runner.run(delivery.clone()).await;
                         if commit.committed().await { result } else { RunResult::NotRun }
                     }
@@ -501,7 +526,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         &self,
         subscriptions: Subscriptions,
         fanned: Arc<Notify>,
-        hand_out: usize,
+        hand_out: Capacity,
         early: EarlyHandOuts,
         hands_out: Arc<AtomicBool>,
         stop: Arc<AtomicBool>,
@@ -517,7 +542,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 let batch_started = Instant::now();
                 // A batch that may hand out is no bigger than what it may hand out: the rest
                 // would be left to claims.
-                let batch = if hand_out > 0 { batch.min(hand_out) } else { batch };
+                let batch = if hand_out.total > 0 { batch.min(hand_out.total) } else { batch };
                 let report = store.fan_out_early(&subscriptions, batch, hand_out, &early, DateTime::now()).await?;
                 let handed_out = report.claimed.len() + report.sent_early;
                 tracing::trace!(
@@ -530,7 +555,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 // It handed out all it made: the next batch is to wait for room to do the same.
                 // Otherwise (lanes another host holds, keyed events) the rest of the backlog is
                 // fanned out at once for claims, as a fan-out that hands out nothing does.
-                let whole = hand_out > 0 && handed_out > 0 && report.lanes.is_empty();
+                let whole = hand_out.total > 0 && handed_out > 0 && report.lanes.is_empty();
                 hands_out.store(false, Ordering::SeqCst);
                 claimed.extend(report.claimed);
                 if !full || whole || stop.load(Ordering::Relaxed) {
@@ -548,7 +573,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                     fanned.notify_one();
                 }
                 first = false;
-                hand_out = 0;
+                hand_out = Capacity::from(0);
             }
         })
     }

@@ -9,6 +9,7 @@ mod completion;
 mod dead_letter;
 mod dispatcher;
 mod settle;
+mod starts;
 
 pub use dispatcher::{Dispatcher, DispatcherCounters, DispatcherOptions, HandlerSpec, RunResult, Runner};
 pub use dead_letter::{DEAD_LETTER_EVENT_TYPE, bury_by_operator, bury_with_dead_letter, dead_letter_event};

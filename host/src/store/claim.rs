@@ -15,7 +15,7 @@ use std::time::Duration;
 use bson::oid::ObjectId;
 use bson::{Bson, DateTime, Document};
 
-use super::{ClaimedDelivery, DeliveryId, EarlyHandOut, EarlyHandOuts, FanOutCommit, Lease, StoreError};
+use super::{Capacity, ClaimedDelivery, DeliveryId, EarlyHandOut, EarlyHandOuts, FanOutCommit, Lease, StoreError};
 use crate::event::EventRecord;
 use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
 
@@ -52,15 +52,26 @@ pub(crate) struct InFlight {
     pub handler: String,
     pub key: Option<String>,
     /// See [`Candidate::unstored`].
-    pub unstored: Option<EventId>,
+    pub unstored: Option<HandOutOf>,
+    /// Whether its holder had started running it when it listed it, or recorded since that
+    /// it has (see [`Claimer::record_starts`]): a takeover charges an attempt for these
+    /// only. A delivery claimed ahead of a free run slot is listed unstarted.
+    pub started: bool,
 }
 
-/// An event's `_id` as stored (publishers choose its type).
+/// What names a delivery handed out without a document: its event's `_id` as stored
+/// (publishers choose its type) and the fan-out that handed it out, which its event's mark
+/// stamps (`fanOut`). Two fan-outs racing for an event both list a delivery for it; only the
+/// one whose mark won made a delivery that exists, and the stamp says which (`None`: an entry
+/// written before entries named their fan-out, matched by its event alone).
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct EventId(pub Bson);
+pub(crate) struct HandOutOf {
+    pub event: Bson,
+    pub fan_out: Option<ObjectId>,
+}
 
 // Ids are compared as documents compare them in the store: by type and value.
-impl Eq for EventId {}
+impl Eq for HandOutOf {}
 
 /// A lane document.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -95,7 +106,10 @@ pub(crate) struct Candidate {
     /// handler until the delivery is completed or given a document. Every other outcome, a
     /// takeover, or a check of it gives it its document first, in its event's lane; until
     /// then it may be listed in any lane its holder holds (see [`gather_unstored`]).
-    pub unstored: Option<EventId>,
+    pub unstored: Option<HandOutOf>,
+    /// Once picked: whether it starts at once, or is claimed ahead of a free run slot (see
+    /// [`InFlight::started`]).
+    pub started: bool,
 }
 
 impl Candidate {
@@ -107,6 +121,7 @@ impl Candidate {
             handler: self.handler.clone(),
             key: self.key.clone(),
             unstored: self.unstored.clone(),
+            started: self.started,
         }
     }
 
@@ -243,9 +258,21 @@ pub(crate) trait ClaimBackend: Sync {
         now: DateTime,
         until: DateTime,
     ) -> impl Future<Output = Result<Vec<(LaneId, i64)>, StoreError>> + Send;
-    /// Charges one attempt to every entry still at its listed claim generation, and moves the
-    /// generation on. Conditional on the generation, so repeating it charges nothing twice.
+    /// Moves every entry still at its listed claim generation on to the next, and charges an
+    /// attempt to those listed as started ([`InFlight::started`]). Conditional on the
+    /// generation, so repeating it charges nothing twice; `entries` hold no delivery twice.
+    /// An entry of a delivery without a document ([`Candidate::unstored`]) counts only while
+    /// its event names it as handed out by that entry's fan-out: an entry of a fan-out that
+    /// lost the race for its event names a delivery that never existed.
     fn charge_lost(&self, entries: &[InFlight], now: DateTime) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// Lists the given deliveries of each lane (held by `holder` at the epoch given) as
+    /// started; one flag per lane, `false` when the lane is not held so or does not list them
+    /// all. Durable before it returns (see [`Claimer::record_starts`]).
+    fn record_starts(
+        &self,
+        holder: &Holder,
+        lanes: &[(LaneId, i64, Vec<DeliveryId>)],
+    ) -> impl Future<Output = Result<Vec<bool>, StoreError>> + Send;
     /// The entries whose delivery is still pending at the listed claim generation.
     fn current(&self, entries: &[InFlight]) -> impl Future<Output = Result<HashSet<DeliveryId>, StoreError>> + Send;
     /// Due, ready deliveries of `handlers` in `lanes`, in `(dueAt, _id)` order after `after`,
@@ -381,7 +408,7 @@ struct Issued {
 /// An issued lease's delivery that has no document (see [`Candidate::unstored`]).
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Unstored {
-    pub event: EventId,
+    pub event: HandOutOf,
     pub handler: String,
 }
 
@@ -432,6 +459,43 @@ impl Claimer {
         }
     }
 
+    /// Records that the deliveries of `leases`, claimed ahead, start now (see
+    /// [`ClaimedDelivery::started`]); one flag per lease, `false` for one whose lane this
+    /// instance no longer holds at its epoch, or that it did not issue: that one must not run.
+    ///
+    /// Serialized with claims and hand-outs, which rewrite whole lists from what this
+    /// instance knows of them: the known lists are updated with the write, so that no later
+    /// record lists a started delivery as unstarted again.
+    ///
+    /// This is what a start costs when it was not known at the claim: a takeover must charge
+    /// a delivery that was running when its host died (or a poison event that kills its host
+    /// would never go dead), and must not charge one that only waited for a run slot.
+    pub async fn record_starts<B: ClaimBackend>(&self, backend: &B, leases: &[Lease]) -> Result<Vec<bool>, StoreError> {
+        let mut held = self.held.lock().await;
+        let mut by_lane: BTreeMap<(LaneId, i64), Vec<DeliveryId>> = BTreeMap::new();
+        for lease in leases.iter().filter(|lease| self.issued(lease)) {
+            if held.get(&lease.lane).is_some_and(|lane| lane.epoch == lease.epoch) {
+                by_lane.entry((lease.lane, lease.epoch)).or_default().push(lease.delivery);
+            }
+        }
+        let lanes: Vec<(LaneId, i64, Vec<DeliveryId>)> =
+            by_lane.into_iter().map(|((lane, epoch), deliveries)| (lane, epoch, deliveries)).collect();
+        let recorded = if lanes.is_empty() { Vec::new() } else { backend.record_starts(&self.holder, &lanes).await? };
+        let mut started: HashSet<(LaneId, i64)> = HashSet::new();
+        for ((lane, epoch, deliveries), ok) in lanes.iter().zip(recorded) {
+            if !ok {
+                continue;
+            }
+            started.insert((*lane, *epoch));
+            if let Some(Held { known: Some(listed), .. }) = held.get_mut(lane) {
+                for entry in listed.in_flight.iter_mut().filter(|entry| deliveries.contains(&entry.delivery)) {
+                    entry.started = true;
+                }
+            }
+        }
+        Ok(leases.iter().map(|lease| self.issued(lease) && started.contains(&(lease.lane, lease.epoch))).collect())
+    }
+
     /// What a claim at `now` unparks: every key at most every [`UNPARK_SWEEP_INTERVAL_MS`],
     /// otherwise the keys that moved since the last claim; `None` when there are none.
     fn unpark_scope(&self, now: DateTime) -> Option<Unpark> {
@@ -479,11 +543,12 @@ impl Claimer {
         backend: &B,
         handlers: &[String],
         search: LaneSearch<'_>,
-        limit: usize,
+        limit: impl Into<Capacity>,
         now: DateTime,
     ) -> Result<Vec<ClaimedDelivery>, StoreError> {
+        let limit = limit.into();
         let mut held = self.held.lock().await;
-        if limit == 0 || handlers.is_empty() {
+        if limit.total == 0 || handlers.is_empty() {
             return Ok(Vec::new());
         }
         match self.claim_serialized(backend, &mut held, handlers, search, limit, now).await {
@@ -508,9 +573,10 @@ impl Claimer {
         held: &mut BTreeMap<LaneId, Held>,
         handlers: &[String],
         search: LaneSearch<'_>,
-        limit: usize,
+        capacity: Capacity,
         now: DateTime,
     ) -> Result<Vec<ClaimedDelivery>, StoreError> {
+        let limit = capacity.total;
         let until = self.lease_until(now);
 
         // A takeover whose charge failed is finished first. Charging again changes nothing
@@ -714,6 +780,10 @@ impl Claimer {
         // claim, and the reconciliation undoes what was recorded.
         let mut records = Vec::new();
         let mut idle = Vec::new();
+        // The first picks take the free run slots; the others are listed as claimed ahead.
+        for (at, pick) in plan.picks.iter_mut().enumerate() {
+            pick.started = at < capacity.run_now;
+        }
         // A lane that runs something and picked nothing new keeps its list and lease as
         // written (entries settled since are harmless there: a takeover charges only those
         // still at their listed generation), unless its lease is running out.
@@ -1297,8 +1367,22 @@ fn gather_unstored(held: &BTreeMap<LaneId, Held>, unsettled: impl Fn(&Listed) ->
 
 /// Charges `entries` (see [`ClaimBackend::charge_lost`]), waiting at most [`CHARGE_WAIT`]. A
 /// charge cut short is made again in full later: each of its writes applies once.
+///
+/// A delivery listed twice (in two lanes, or twice in one: racing fan-outs and failures can
+/// leave that behind) is charged once, as started if any of its entries says so.
 async fn charge<B: ClaimBackend>(backend: &B, entries: &[InFlight], now: DateTime) -> Result<(), StoreError> {
-    tokio::time::timeout(CHARGE_WAIT, backend.charge_lost(entries, now))
+    let mut unique: Vec<InFlight> = Vec::with_capacity(entries.len());
+    let mut at: HashMap<(DeliveryId, i64), usize> = HashMap::new();
+    for entry in entries {
+        match at.get(&(entry.delivery, entry.claims)) {
+            Some(seen) => unique[*seen].started |= entry.started,
+            None => {
+                at.insert((entry.delivery, entry.claims), unique.len());
+                unique.push(entry.clone());
+            }
+        }
+    }
+    tokio::time::timeout(CHARGE_WAIT, backend.charge_lost(&unique, now))
         .await
         .unwrap_or(Err(StoreError::ChargeWaiting(CHARGE_WAIT)))
 }
@@ -1310,7 +1394,7 @@ fn issue(issued: &mut HashMap<DeliveryId, Issued>, pick: Candidate, epoch: i64, 
     let key = pick.handler_key();
     let unstored = pick.unstored.map(|event| Unstored { event, handler: pick.handler.clone() });
     issued.insert(pick.id, Issued { lease, at: now, key, unstored });
-    ClaimedDelivery { lease, handler: pick.handler, attempts: pick.attempts, event }
+    ClaimedDelivery { lease, handler: pick.handler, attempts: pick.attempts, event, started: pick.started }
 }
 
 /// Counts lanes just taken as held, with nothing of theirs running; returns their ids.

@@ -100,6 +100,9 @@ impl<B: ClaimBackend + Send, S: Store> ClaimBackend for Faulty<'_, B, S> {
             _ => self.inner.charge_lost(entries, now).await,
         }
     }
+    async fn record_starts(&self, holder: &Holder, lanes: &[(LaneId, i64, Vec<DeliveryId>)]) -> Result<Vec<bool>, StoreError> {
+        self.inner.record_starts(holder, lanes).await
+    }
     async fn current(&self, entries: &[InFlight]) -> Result<HashSet<DeliveryId>, StoreError> {
         self.current_reads.fetch_add(1, Ordering::SeqCst);
         self.inner.current(entries).await

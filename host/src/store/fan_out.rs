@@ -13,7 +13,7 @@ use bson::oid::ObjectId;
 use bson::{Bson, DateTime, Document};
 
 use super::claim::{Candidate, Fresh};
-use super::{ClaimedDelivery, DeliveryId, MALFORMED_EVENT_HANDLER, Subscriptions};
+use super::{Capacity, ClaimedDelivery, DeliveryId, MALFORMED_EVENT_HANDLER, Subscriptions};
 use crate::event::{EventRecord, field};
 use crate::lane::{LaneId, lane_for_event};
 
@@ -162,9 +162,10 @@ pub(crate) fn plan(batch: &[Document], subscriptions: &Subscriptions) -> FanOutP
 
 /// Up to `budget` deliveries of `plan` that may be handed out as the fan-out commits them:
 /// live, unkeyed ones (a keyed one may have an unfinished predecessor, which only a claim
-/// looks for), with the events of `batch` they are for.
-pub(crate) fn fresh(plan: &FanOutPlan, batch: &[Document], budget: usize, now: DateTime) -> Vec<Fresh> {
-    if budget == 0 {
+/// looks for), with the events of `batch` they are for; the first `budget.run_now` of them
+/// start at once, the others are claimed ahead.
+pub(crate) fn fresh(plan: &FanOutPlan, batch: &[Document], budget: Capacity, now: DateTime) -> Vec<Fresh> {
+    if budget.total == 0 {
         return Vec::new();
     }
     // Only the events of what is handed out are parsed (again: `plan` parsed them all).
@@ -186,10 +187,16 @@ pub(crate) fn fresh(plan: &FanOutPlan, batch: &[Document], budget: usize, now: D
                 claims: 0,
                 attempts: 0,
                 unstored: None,
+                started: false,
             };
             Some(Fresh { candidate, event })
         })
-        .take(budget)
+        .take(budget.total)
+        .enumerate()
+        .map(|(at, mut fresh)| {
+            fresh.candidate.started = at < budget.run_now;
+            fresh
+        })
         .collect()
 }
 

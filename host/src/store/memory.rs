@@ -20,7 +20,7 @@ use super::claim::{
 use super::fan_out::{self, FanOutPlan, NewDelivery, id_text, string_key};
 use super::retention::event_expired;
 use super::{
-    ClaimedDelivery, DeliveryFilter, DeliveryId, DeliveryPage, DeliveryStatus, DeliveryView, FanOutReport,
+    Capacity, ClaimedDelivery, LOST_WHILE_RUNNING, DeliveryFilter, DeliveryId, DeliveryPage, DeliveryStatus, DeliveryView, FanOutReport,
     HandlerStatistics, Lease, PurgeOptions, PurgeReport, Published, Settlement, Store, StoreError, StoreOptions,
     StoreTransaction, Subscriptions,
 };
@@ -385,7 +385,13 @@ impl Store for MemoryStore {
         tx.publish(event, self.options.max_payload_bytes)
     }
 
-    async fn fan_out(&self, subscriptions: &Subscriptions, limit: usize, hand_out: usize, now: DateTime) -> Result<FanOutReport, StoreError> {
+    async fn fan_out(
+        &self,
+        subscriptions: &Subscriptions,
+        limit: usize,
+        hand_out: impl Into<Capacity> + Send,
+        now: DateTime,
+    ) -> Result<FanOutReport, StoreError> {
         let mut state = self.state.lock().await;
         let mut unfanned: Vec<&Document> =
             state.events.values().filter(|doc| !doc.contains_key(field::FANNED_OUT_AT)).collect();
@@ -398,7 +404,7 @@ impl Store for MemoryStore {
         let prefixes: Vec<Document> = prefixes.into_iter().take(limit.saturating_mul(4)).cloned().collect();
         let batch = fan_out::assemble(first, prefixes);
         let plan = fan_out::plan(&batch, subscriptions);
-        let fresh = fan_out::fresh(&plan, &batch, hand_out, now);
+        let fresh = fan_out::fresh(&plan, &batch, hand_out.into(), now);
         // Written while the claimer waits to list what it hands out (it locks the state after
         // this), as a MongoDB fan-out commits while the lists are written.
         // Its commit costs nothing: what it hands out is handed out after it.
@@ -410,12 +416,22 @@ impl Store for MemoryStore {
         Ok(handed.committed.report(handed.claimed, &handed.sent_early))
     }
 
-    async fn claim(&self, handlers: &[String], limit: usize, now: DateTime) -> Result<Vec<ClaimedDelivery>, StoreError> {
-        self.claimer.claim(&Backend(&self.state), handlers, LaneSearch::FreeWithDueWork, limit, now).await
+    async fn claim(&self, handlers: &[String], limit: impl Into<Capacity> + Send, now: DateTime) -> Result<Vec<ClaimedDelivery>, StoreError> {
+        self.claimer.claim(&Backend(&self.state), handlers, LaneSearch::FreeWithDueWork, limit.into(), now).await
     }
 
-    async fn claim_in(&self, handlers: &[String], lanes: &[LaneId], limit: usize, now: DateTime) -> Result<Vec<ClaimedDelivery>, StoreError> {
-        self.claimer.claim(&Backend(&self.state), handlers, LaneSearch::Only(lanes), limit, now).await
+    async fn claim_in(
+        &self,
+        handlers: &[String],
+        lanes: &[LaneId],
+        limit: impl Into<Capacity> + Send,
+        now: DateTime,
+    ) -> Result<Vec<ClaimedDelivery>, StoreError> {
+        self.claimer.claim(&Backend(&self.state), handlers, LaneSearch::Only(lanes), limit.into(), now).await
+    }
+
+    async fn record_starts(&self, leases: &[Lease]) -> Result<Vec<bool>, StoreError> {
+        self.claimer.record_starts(&Backend(&self.state), leases).await
     }
 
     async fn complete_many(&self, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {
@@ -746,13 +762,33 @@ impl ClaimBackend for Backend<'_> {
             if let Some(d) = state.deliveries.get_mut(&entry.delivery) {
                 if d.claims == entry.claims && d.status == DeliveryStatus::Pending {
                     d.claims += 1;
-                    d.attempts += 1;
-                    d.last_error = Some("lease lost: the worker running it stopped renewing its lane".to_string());
-                    d.updated_at = Some(now);
+                    if entry.started {
+                        d.attempts += 1;
+                        d.last_error = Some(LOST_WHILE_RUNNING.to_string());
+                        d.updated_at = Some(now);
+                    }
                 }
             }
         }
         Ok(())
+    }
+
+    async fn record_starts(&self, holder: &Holder, lanes: &[(LaneId, i64, Vec<DeliveryId>)]) -> Result<Vec<bool>, StoreError> {
+        let mut state = self.0.lock().await;
+        Ok(lanes
+            .iter()
+            .map(|(id, epoch, deliveries)| {
+                let lane = &mut state.lanes[usize::from(*id)];
+                let listed = |d: &DeliveryId| lane.in_flight.iter().any(|entry| entry.delivery == *d);
+                let ok = lane.held_by(holder) && lane.epoch == *epoch && deliveries.iter().all(listed);
+                if ok {
+                    for entry in lane.in_flight.iter_mut().filter(|entry| deliveries.contains(&entry.delivery)) {
+                        entry.started = true;
+                    }
+                }
+                ok
+            })
+            .collect())
     }
 
     async fn current(&self, entries: &[InFlight]) -> Result<HashSet<DeliveryId>, StoreError> {
@@ -797,6 +833,7 @@ impl ClaimBackend for Backend<'_> {
                 claims: d.claims,
                 attempts: d.attempts,
                 unstored: None,
+                started: false,
             })
             .collect();
         rows.sort_by_key(|row| (row.due_at, row.id));

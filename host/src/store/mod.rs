@@ -42,6 +42,9 @@ pub const MALFORMED_EVENT_HANDLER: &str = "relayhost.malformed";
 /// Longest handler id, in characters.
 pub const MAX_HANDLER_CHARS: usize = 128;
 
+/// The `lastError` of a delivery charged an attempt because the host running it died.
+pub(crate) const LOST_WHILE_RUNNING: &str = "lease lost: the worker running it stopped renewing its lane";
+
 /// Settings shared by both stores.
 #[derive(Debug, Clone)]
 pub struct StoreOptions {
@@ -148,6 +151,38 @@ pub struct ClaimedDelivery {
     /// Attempts already charged before this one (failed runs and lost leases).
     pub attempts: u32,
     pub event: EventRecord,
+    /// Listed in its lane as started: it may run at once. One claimed ahead of a free run
+    /// slot is listed as not started, and must have its start recorded
+    /// ([`Store::record_starts`]) before it runs, or a takeover would not charge it.
+    pub started: bool,
+}
+
+/// How many deliveries a claim or a hand-out may take (`total`), and how many of them start
+/// at once (`run_now`, the free run slots): the others are claimed ahead, to wait for a
+/// slot, and are listed as not started, so that a host that dies is charged only for what it
+/// ran (see [`ClaimedDelivery::started`]). A plain count takes that many, all started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capacity {
+    pub total: usize,
+    pub run_now: usize,
+}
+
+impl Capacity {
+    /// `total` places of which the first `run_now` (at most `total`) start at once.
+    pub fn new(total: usize, run_now: usize) -> Self {
+        Self { total, run_now: run_now.min(total) }
+    }
+
+    /// What is left after `taken` places went, the places that start at once first.
+    pub fn less(self, taken: usize) -> Self {
+        Self::new(self.total.saturating_sub(taken), self.run_now.saturating_sub(taken))
+    }
+}
+
+impl From<usize> for Capacity {
+    fn from(total: usize) -> Self {
+        Self { total, run_now: total }
+    }
 }
 
 /// The result of settling one lease.
@@ -391,7 +426,7 @@ pub trait Store: Send + Sync + 'static {
     /// hands out up to `hand_out` of the new ones that nothing can be ahead of (unkeyed) to
     /// this instance as it commits them, where their lanes are free or its own (see
     /// [`FanOutReport::claimed`]): the short way from a commit to its handler.
-    fn fan_out(&self, subscriptions: &Subscriptions, limit: usize, hand_out: usize, now: DateTime)
+    fn fan_out(&self, subscriptions: &Subscriptions, limit: usize, hand_out: impl Into<Capacity> + Send, now: DateTime)
     -> impl Future<Output = Result<FanOutReport, StoreError>> + Send;
 
     /// Like [`Store::fan_out`], but it may send what it hands out to `early` as soon as it
@@ -405,7 +440,7 @@ pub trait Store: Send + Sync + 'static {
         &self,
         subscriptions: &Subscriptions,
         limit: usize,
-        hand_out: usize,
+        hand_out: impl Into<Capacity> + Send,
         early: &EarlyHandOuts,
         now: DateTime,
     ) -> impl Future<Output = Result<FanOutReport, StoreError>> + Send {
@@ -413,15 +448,22 @@ pub trait Store: Send + Sync + 'static {
         self.fan_out(subscriptions, limit, hand_out, now)
     }
 
-    /// Claims up to `limit` due deliveries of `handlers` through lane leases.
-    fn claim(&self, handlers: &[String], limit: usize, now: DateTime)
+    /// Claims up to `limit` due deliveries of `handlers` through lane leases (those beyond
+    /// its `run_now` claimed ahead, see [`Capacity`]).
+    fn claim(&self, handlers: &[String], limit: impl Into<Capacity> + Send, now: DateTime)
     -> impl Future<Output = Result<Vec<ClaimedDelivery>, StoreError>> + Send;
 
     /// Claims like [`Store::claim`], but takes new lanes only among `lanes` (those a fan-out
     /// just filled, see [`FanOutReport::lanes`]) instead of searching every free lane: the
     /// short path from a commit to its handler. Lanes held already are claimed from as usual.
-    fn claim_in(&self, handlers: &[String], lanes: &[LaneId], limit: usize, now: DateTime)
+    fn claim_in(&self, handlers: &[String], lanes: &[LaneId], limit: impl Into<Capacity> + Send, now: DateTime)
     -> impl Future<Output = Result<Vec<ClaimedDelivery>, StoreError>> + Send;
+
+    /// Records that deliveries claimed ahead (not [`ClaimedDelivery::started`]) start now, in
+    /// their lanes' lists, so that a takeover charges them should this host die while they
+    /// run; one flag per lease: `false` when its lane is no longer this instance's at the
+    /// lease's epoch (it must not run: the lease is lost). Durable before it returns.
+    fn record_starts(&self, leases: &[Lease]) -> impl Future<Output = Result<Vec<bool>, StoreError>> + Send;
 
     /// Completes a batch in a fixed number of commands; one result per lease, in order.
     fn complete_many(&self, leases: &[Lease], now: DateTime)

@@ -4,7 +4,7 @@
 use bson::oid::ObjectId;
 use bson::{Bson, DateTime, Document, doc};
 
-use super::super::claim::{Candidate, EventId, InFlight, LaneState};
+use super::super::claim::{Candidate, HandOutOf, InFlight, LaneState};
 use super::super::fan_out::{NewDelivery, id_text};
 use super::super::{DeliveryStatus, DeliveryView, StoreError};
 use crate::lane::LaneId;
@@ -54,6 +54,10 @@ pub(super) mod entry {
     pub const KEY: &str = "k";
     /// The event of a delivery handed out without a document.
     pub const EVENT: &str = "e";
+    /// The fan-out that handed out a delivery without a document (its event's `fanOut`).
+    pub const FAN_OUT: &str = "f";
+    /// `false` for a delivery claimed ahead that has not started (absent: started).
+    pub const STARTED: &str = "s";
 }
 
 pub(super) mod history {
@@ -122,6 +126,7 @@ pub(super) fn candidate(document: &Document) -> Result<Candidate, StoreError> {
         claims: integer(document, delivery::CLAIMS).unwrap_or(0),
         attempts: integer(document, delivery::ATTEMPTS).unwrap_or(0).clamp(0, i64::from(u32::MAX)) as u32,
         unstored: None,
+        started: false,
     })
 }
 
@@ -130,8 +135,14 @@ pub(super) fn in_flight_document(entry: &InFlight) -> Document {
     if let Some(key) = &entry.key {
         document.insert(entry::KEY, key);
     }
-    if let Some(EventId(event)) = &entry.unstored {
+    if let Some(HandOutOf { event, fan_out }) = &entry.unstored {
         document.insert(entry::EVENT, event.clone());
+        if let Some(fan_out) = fan_out {
+            document.insert(entry::FAN_OUT, *fan_out);
+        }
+    }
+    if !entry.started {
+        document.insert(entry::STARTED, false);
     }
     document
 }
@@ -147,7 +158,11 @@ pub(super) fn lane_state(document: &Document) -> Result<LaneState, StoreError> {
                     claims: integer(listed, entry::CLAIMS).unwrap_or(0),
                     handler: optional_string(listed, entry::HANDLER).unwrap_or_default(),
                     key: optional_string(listed, entry::KEY),
-                    unstored: listed.get(entry::EVENT).cloned().map(EventId),
+                    unstored: listed.get(entry::EVENT).cloned().map(|event| HandOutOf {
+                        event,
+                        fan_out: listed.get_object_id(entry::FAN_OUT).ok(),
+                    }),
+                    started: listed.get_bool(entry::STARTED).unwrap_or(true),
                 })
             })
             .collect::<Result<Vec<_>, StoreError>>()?,

@@ -34,9 +34,9 @@ use super::generations::WriteIn;
 use super::{Commit, MongoStore, generations, lanes, setup};
 use super::documents::new_delivery_document;
 use crate::event::field;
-use crate::store::claim::{EventId, Fresh};
+use crate::store::claim::{Fresh, HandOutOf};
 use crate::store::fan_out::{self, FanOutPlan, FannedEvent, id_text};
-use crate::store::{DeliveryId, EarlyHandOuts, FanOutReport, StoreError, StoreTransaction, Subscriptions};
+use crate::store::{Capacity, DeliveryId, EarlyHandOuts, FanOutReport, StoreError, StoreTransaction, Subscriptions};
 
 /// Events the change stream reported inserted, kept for the next fan-out that hands out, so
 /// that it need not read them (see [`run`]). A hint only: that fan-out's transaction checks
@@ -100,7 +100,7 @@ pub(super) async fn run(
     store: &MongoStore,
     subscriptions: &Subscriptions,
     limit: usize,
-    hand_out: usize,
+    hand_out: Capacity,
     early: Option<&EarlyHandOuts>,
     now: DateTime,
 ) -> Result<FanOutReport, StoreError> {
@@ -112,7 +112,7 @@ pub(super) async fn run(
     // Heard events are committed already: a fan-out that does not hand out reads them below
     // (or, if its batch comes back full, counts a miss), so they are dropped then.
     let heard = store.heard.take();
-    if hand_out > 0 {
+    if hand_out.total > 0 {
         // The heard events, unkeyed ones only: a keyed event needs its key's lower unfanned
         // events with it, which only reading finds.
         if heard.len() > limit {
@@ -133,7 +133,7 @@ pub(super) async fn run(
                 }
             }
         }
-        hand_out = hand_out.saturating_sub(report.claimed.len() + report.sent_early);
+        hand_out = hand_out.less(report.claimed.len() + report.sent_early);
     }
     let since = store.heard.misses.load(Ordering::SeqCst);
     match read(store, subscriptions, limit, hand_out, early, now).await {
@@ -159,12 +159,12 @@ async fn read(
     store: &MongoStore,
     subscriptions: &Subscriptions,
     limit: usize,
-    hand_out: usize,
+    hand_out: Capacity,
     early: Option<&EarlyHandOuts>,
     now: DateTime,
 ) -> Result<FanOutReport, StoreError> {
     let mut lanes_to_read = Vec::new();
-    if hand_out > 0 {
+    if hand_out.total > 0 {
         let plainly = early.filter(|_| !store.options.completion_history && store.plain_marks.worth_trying());
         if let Some(early) = plainly {
             match plain(store, subscriptions, limit, hand_out, early, now).await {
@@ -234,7 +234,7 @@ async fn plain(
     store: &MongoStore,
     subscriptions: &Subscriptions,
     limit: usize,
-    hand_out: usize,
+    hand_out: Capacity,
     early: &EarlyHandOuts,
     now: DateTime,
 ) -> Result<Option<FanOutReport>, StoreError> {
@@ -249,9 +249,9 @@ async fn plain(
         return Ok(None);
     }
     let unstored = WithoutDocuments::of(&plan, &mut fresh);
-    let (plan, handed_out) = (&plan, &unstored.handlers);
+    let (plan, handed_out, fan_out) = (&plan, &unstored.handlers, unstored.fan_out);
     let mark = || async move {
-        let ours = mark_plainly(store, &plan.events, handed_out, ObjectId::new(), now).await?;
+        let ours = mark_plainly(store, &plan.events, handed_out, fan_out, now).await?;
         Ok(plan.deliveries.iter().filter(|d| ours.contains(&id_text(&d.event_id))).map(|d| d.id).collect())
     };
     // `None`: the lanes held have no room for it (the transaction's hand-out takes some), or
@@ -273,7 +273,7 @@ async fn mark_plainly(
 ) -> Result<HashSet<String>, StoreError> {
     let collection = store.collections.events.name();
     let halves: Vec<Vec<Document>> =
-        events.chunks(events.len().div_ceil(2).max(1)).map(|half| mark_statements(half, handed_out, Some(fan_out), now)).collect();
+        events.chunks(events.len().div_ceil(2).max(1)).map(|half| mark_statements(half, handed_out, Some(Stamp::Plain(fan_out)), now)).collect();
     let mut attempts = 0;
     let marked: u64 = loop {
         let sent = halves.iter().map(|statements| {
@@ -335,7 +335,7 @@ async fn handing_out(
     store: &MongoStore,
     subscriptions: &Subscriptions,
     batch: Batch,
-    hand_out: usize,
+    hand_out: Capacity,
     early: Option<&EarlyHandOuts>,
     now: DateTime,
 ) -> Result<FanOutReport, StoreError> {
@@ -359,7 +359,7 @@ async fn handing_out(
     // The first stage is the mark, which makes this fan-out the only one of its events; the
     // inserts go with the commit, so that a hand-out sent early need not wait for them.
     let write = async move {
-        let marked = mark(store, tx.session(), written, &unstored.handlers, now).await;
+        let marked = mark(store, tx.session(), written, unstored, now).await;
         match marked {
             // Every heard event must still have been unfanned: one that was not is another
             // fan-out's (whose deliveries may even be completed and gone by now).
@@ -426,7 +426,7 @@ async fn read_batch(store: &MongoStore, session: Option<&mut ClientSession>, lim
 /// Marks the plan's events fanned out and inserts their deliveries; returns how many it
 /// marked (those still unfanned).
 async fn write(store: &MongoStore, session: &mut ClientSession, plan: &FanOutPlan, now: DateTime) -> Result<u64, StoreError> {
-    let marked = mark(store, session, plan, &HashMap::new(), now).await?;
+    let marked = mark(store, session, plan, &WithoutDocuments::default(), now).await?;
     insert(store, session, plan, &HashSet::new(), now).await?;
     Ok(marked)
 }
@@ -434,6 +434,8 @@ async fn write(store: &MongoStore, session: &mut ClientSession, plan: &FanOutPla
 /// The fresh deliveries of a hand-out that are to have no document (see [`super::unstored`]).
 #[derive(Debug, Default)]
 struct WithoutDocuments {
+    /// The fan-out's id, stamped on the events it marks and named by the lane entries.
+    fan_out: ObjectId,
     /// By event (as [`id_text`] prints it): the handlers its `handedOut` list gets.
     handlers: HashMap<String, Vec<String>>,
     /// Each one's event and handler.
@@ -444,10 +446,10 @@ impl WithoutDocuments {
     /// Every one of `fresh`, each marked as such.
     fn of(plan: &FanOutPlan, fresh: &mut [Fresh]) -> Self {
         let events: HashMap<DeliveryId, &Bson> = plan.deliveries.iter().map(|d| (d.id, &d.event_id)).collect();
-        let mut unstored = Self::default();
+        let mut unstored = Self { fan_out: ObjectId::new(), ..Self::default() };
         for Fresh { candidate, .. } in fresh {
             let Some(event) = events.get(&candidate.id) else { continue };
-            candidate.unstored = Some(EventId((*event).clone()));
+            candidate.unstored = Some(HandOutOf { event: (*event).clone(), fan_out: Some(unstored.fan_out) });
             unstored.handlers.entry(id_text(event)).or_default().push(candidate.handler.clone());
             unstored.deliveries.insert(candidate.id, ((*event).clone(), candidate.handler.clone()));
         }
@@ -485,14 +487,15 @@ impl WithoutDocuments {
 }
 
 /// Marks the plan's events fanned out, with the handlers they had deliveries for and those
-/// of `handed_out` (by event) whose deliveries are handed out without a document; returns
-/// how many it marked (those still unfanned). Once this statement succeeded, no other
-/// fan-out of those events can: it would write the same documents, and conflict.
+/// of `unstored` whose deliveries are handed out without a document (stamped with its
+/// fan-out, which their lane entries name); returns how many it marked (those still
+/// unfanned). Once this statement succeeded, no other fan-out of those events can: it would
+/// write the same documents, and conflict.
 async fn mark(
     store: &MongoStore,
     session: &mut ClientSession,
     plan: &FanOutPlan,
-    handed_out: &HashMap<String, Vec<String>>,
+    unstored: &WithoutDocuments,
     now: DateTime,
 ) -> Result<u64, StoreError> {
     if plan.events.is_empty() {
@@ -500,19 +503,28 @@ async fn mark(
     }
     // The lists were read in this transaction, so a concurrent change of one conflicts with
     // this write.
-    let statements = mark_statements(&plan.events, handed_out, None, now);
+    let stamp = (!unstored.handlers.is_empty()).then_some(Stamp::InTransaction(unstored.fan_out));
+    let statements = mark_statements(&plan.events, &unstored.handlers, stamp, now);
     generations::update_each(store, store.collections.events.name(), statements, WriteIn::Transaction(session)).await
 }
 
-/// The statements that mark `events` fanned out (by `fan_out`, if given: see
-/// [`mark_plainly`]). One statement per distinct pair of resulting lists (in practice: per
-/// event type and whether it is handed out), all in one command, so a batch of many types
-/// costs one round trip too. A malformed `handlers` field is replaced by the readable part
-/// of it.
+/// How a mark names its fan-out in the events' `fanOut`.
+#[derive(Debug, Clone, Copy)]
+enum Stamp {
+    /// Inside the fan-out's transaction, where only unfanned events are marked.
+    InTransaction(ObjectId),
+    /// A plain mark, which also matches what this very fan-out marked (see [`mark_plainly`]).
+    Plain(ObjectId),
+}
+
+/// The statements that mark `events` fanned out (stamped with their fan-out, if given). One
+/// statement per distinct pair of resulting lists (in practice: per event type and whether
+/// it is handed out), all in one command, so a batch of many types costs one round trip
+/// too. A malformed `handlers` field is replaced by the readable part of it.
 fn mark_statements(
     events: &[FannedEvent],
     handed_out: &HashMap<String, Vec<String>>,
-    fan_out: Option<ObjectId>,
+    stamp: Option<Stamp>,
     now: DateTime,
 ) -> Vec<Document> {
     let none = Vec::new();
@@ -529,10 +541,14 @@ fn mark_statements(
                 set.insert(field::HANDED_OUT, handed_out);
             }
             let mut filter = doc! { field::ID: { "$in": ids } };
-            match fan_out {
-                Some(fan_out) => {
+            match stamp {
+                Some(Stamp::Plain(fan_out)) => {
                     set.insert(field::FAN_OUT, fan_out);
                     filter.insert("$or", vec![doc! { field::FANNED_OUT_AT: Bson::Null }, doc! { field::FAN_OUT: fan_out }]);
+                }
+                Some(Stamp::InTransaction(fan_out)) => {
+                    set.insert(field::FAN_OUT, fan_out);
+                    filter.insert(field::FANNED_OUT_AT, Bson::Null);
                 }
                 None => {
                     filter.insert(field::FANNED_OUT_AT, Bson::Null);

@@ -14,7 +14,7 @@ use super::{generations, unstored};
 use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
 use crate::store::claim::MIN_ROWS_PER_LANE_QUERY;
 use crate::store::claim::{Candidate, ClaimBackend, HandlerKey, Holder, InFlight, LaneRecord, LaneState, LaneWrite, Unpark};
-use crate::store::{DeliveryId, Lease, StoreError};
+use crate::store::{DeliveryId, LOST_WHILE_RUNNING, Lease, StoreError};
 
 /// Keys whose heads one command looks up.
 const HEADS_PER_COMMAND: usize = 1_000;
@@ -405,18 +405,47 @@ impl ClaimBackend for Backend<'_> {
     }
 
     async fn charge_lost(&self, entries: &[InFlight], now: DateTime) -> Result<(), StoreError> {
-        // A delivery its fan-out handed out without a document gets one first, at the
-        // generation the list names, so the charge below applies to it like to any other.
-        unstored::materialize(self.store, &unstored::Entry::listed(entries), now).await?;
-        let update = doc! {
+        // A delivery its fan-out handed out without a document gets one, charged as the
+        // others are, in the transaction that writes it.
+        unstored::materialize(self.store, &unstored::Entry::listed(entries), unstored::Charge::Takeover, now).await?;
+        let (started, waiting): (Vec<&InFlight>, Vec<&InFlight>) =
+            entries.iter().filter(|entry| entry.unstored.is_none()).partition(|entry| entry.started);
+        let charged = doc! {
             "$inc": { delivery::ATTEMPTS: 1, delivery::CLAIMS: 1_i64 },
-            "$set": {
-                delivery::LAST_ERROR: "lease lost: the worker running it stopped renewing its lane",
-                delivery::UPDATED_AT: now,
-            },
+            "$set": { delivery::LAST_ERROR: LOST_WHILE_RUNNING, delivery::UPDATED_AT: now },
         };
-        generations::update_current(self.store, &generation_pairs(entries), &update).await?;
+        let moved_on = doc! { "$inc": { delivery::CLAIMS: 1_i64 } };
+        let pairs = |entries: Vec<&InFlight>| entries.into_iter().map(|entry| (entry.delivery, entry.claims)).collect::<Vec<_>>();
+        let (started, waiting) = (pairs(started), pairs(waiting));
+        futures::try_join!(
+            async { if started.is_empty() { Ok(0) } else { generations::update_current(self.store, &started, &charged).await } },
+            async { if waiting.is_empty() { Ok(0) } else { generations::update_current(self.store, &waiting, &moved_on).await } },
+        )?;
         Ok(())
+    }
+
+    async fn record_starts(&self, holder: &Holder, lanes: &[(LaneId, i64, Vec<DeliveryId>)]) -> Result<Vec<bool>, StoreError> {
+        // One statement per lane, all at once: a batch of starts touches a few lanes.
+        let started = format!("{}.$[started].{}", lane::IN_FLIGHT, entry::STARTED);
+        let listed = format!("{}.{}", lane::IN_FLIGHT, entry::DELIVERY);
+        let writes = lanes.iter().map(|(id, epoch, deliveries)| {
+            let filter = doc! {
+                lane::ID: i32::from(*id),
+                lane::OWNER: &holder.owner,
+                lane::INSTANCE: &holder.instance,
+                lane::EPOCH: *epoch,
+                &listed: { "$all": deliveries },
+            };
+            self.store
+                .collections
+                .lanes
+                .update_one(filter, doc! { "$unset": { &started: "" } })
+                .array_filters(vec![doc! { format!("started.{}", entry::DELIVERY): { "$in": deliveries } }])
+                .write_concern(Commit::from(LaneWrite::Durable).write_concern())
+                .into_future()
+        });
+        let results = try_join_all(writes).await?;
+        Ok(results.iter().map(|result| result.matched_count == 1).collect())
     }
 
     async fn current(&self, entries: &[InFlight]) -> Result<HashSet<DeliveryId>, StoreError> {

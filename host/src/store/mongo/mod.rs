@@ -53,7 +53,7 @@ use mongodb::{Client, ClientSession, Collection, Database};
 use super::claim::{Claimer, LaneSearch};
 use crate::lane::LaneId;
 use super::{
-    ClaimedDelivery, DeliveryFilter, DeliveryPage, EarlyHandOuts, FanOutReport, HandlerStatistics, Lease, PurgeOptions,
+    Capacity, ClaimedDelivery, DeliveryFilter, DeliveryPage, EarlyHandOuts, FanOutReport, HandlerStatistics, Lease, PurgeOptions,
     PurgeReport, Published, Settlement, Store, StoreError, StoreOptions, StoreTransaction, Subscriptions,
 };
 use crate::event::NewEvent;
@@ -317,27 +317,43 @@ impl Store for MongoStore {
         self.publisher.publish(&mut tx.session, event).await
     }
 
-    async fn fan_out(&self, subscriptions: &Subscriptions, limit: usize, hand_out: usize, now: DateTime) -> Result<FanOutReport, StoreError> {
-        fan_out::run(self, subscriptions, limit, hand_out, None, now).await
+    async fn fan_out(
+        &self,
+        subscriptions: &Subscriptions,
+        limit: usize,
+        hand_out: impl Into<Capacity> + Send,
+        now: DateTime,
+    ) -> Result<FanOutReport, StoreError> {
+        fan_out::run(self, subscriptions, limit, hand_out.into(), None, now).await
     }
 
     async fn fan_out_early(
         &self,
         subscriptions: &Subscriptions,
         limit: usize,
-        hand_out: usize,
+        hand_out: impl Into<Capacity> + Send,
         early: &EarlyHandOuts,
         now: DateTime,
     ) -> Result<FanOutReport, StoreError> {
-        fan_out::run(self, subscriptions, limit, hand_out, Some(early), now).await
+        fan_out::run(self, subscriptions, limit, hand_out.into(), Some(early), now).await
     }
 
-    async fn claim(&self, handlers: &[String], limit: usize, now: DateTime) -> Result<Vec<ClaimedDelivery>, StoreError> {
-        self.claimer.claim(&lanes::Backend { store: self }, handlers, LaneSearch::FreeWithDueWork, limit, now).await
+    async fn claim(&self, handlers: &[String], limit: impl Into<Capacity> + Send, now: DateTime) -> Result<Vec<ClaimedDelivery>, StoreError> {
+        self.claimer.claim(&lanes::Backend { store: self }, handlers, LaneSearch::FreeWithDueWork, limit.into(), now).await
     }
 
-    async fn claim_in(&self, handlers: &[String], lanes: &[LaneId], limit: usize, now: DateTime) -> Result<Vec<ClaimedDelivery>, StoreError> {
-        self.claimer.claim(&lanes::Backend { store: self }, handlers, LaneSearch::Only(lanes), limit, now).await
+    async fn claim_in(
+        &self,
+        handlers: &[String],
+        lanes: &[LaneId],
+        limit: impl Into<Capacity> + Send,
+        now: DateTime,
+    ) -> Result<Vec<ClaimedDelivery>, StoreError> {
+        self.claimer.claim(&lanes::Backend { store: self }, handlers, LaneSearch::Only(lanes), limit.into(), now).await
+    }
+
+    async fn record_starts(&self, leases: &[Lease]) -> Result<Vec<bool>, StoreError> {
+        self.claimer.record_starts(&lanes::Backend { store: self }, leases).await
     }
 
     async fn complete_many(&self, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {

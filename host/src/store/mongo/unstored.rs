@@ -23,26 +23,32 @@ use bson::{Bson, DateTime, Document, doc};
 use futures::TryStreamExt;
 use mongodb::ClientSession;
 
-use super::documents::new_delivery_document;
+use super::documents::{delivery, new_delivery_document};
 use super::generations::{self, WriteIn};
 use super::{Commit, MongoStore};
 use crate::event::field;
 use crate::lane::{LaneId, lane_for_event};
-use crate::store::claim::{EventId, InFlight, Unstored};
+use crate::store::claim::{HandOutOf, InFlight, Unstored};
 use crate::store::fan_out::{NewDelivery, id_text};
-use crate::store::{DeliveryId, Lease, StoreError};
+use crate::store::{DeliveryId, LOST_WHILE_RUNNING, Lease, StoreError};
 
 /// A delivery without a document, as its lane lists it or its lease says.
 #[derive(Debug, Clone)]
 pub(super) struct Entry {
     pub delivery: DeliveryId,
     pub event: Bson,
+    /// The fan-out that handed it out (`None`: an entry of an earlier version, which named
+    /// none).
+    pub fan_out: Option<ObjectId>,
     pub handler: String,
+    /// Listed as started: a takeover's materialization charges it (see [`materialize`]).
+    pub started: bool,
 }
 
 impl Entry {
     pub fn of_lease(lease: &Lease, unstored: Unstored) -> Self {
-        Self { delivery: lease.delivery, event: unstored.event.0, handler: unstored.handler }
+        let HandOutOf { event, fan_out } = unstored.event;
+        Self { delivery: lease.delivery, event, fan_out, handler: unstored.handler, started: false }
     }
 
     /// The unstored ones among lanes' in-flight entries.
@@ -50,8 +56,8 @@ impl Entry {
         entries
             .iter()
             .filter_map(|entry| {
-                let EventId(event) = entry.unstored.clone()?;
-                Some(Self { delivery: entry.delivery, event, handler: entry.handler.clone() })
+                let HandOutOf { event, fan_out } = entry.unstored.clone()?;
+                Some(Self { delivery: entry.delivery, event, fan_out, handler: entry.handler.clone(), started: entry.started })
             })
             .collect()
     }
@@ -64,22 +70,45 @@ impl Entry {
 
     /// The filter of its event while the delivery has no document and is not completed.
     fn event_filter(&self) -> Document {
-        doc! { field::ID: self.event.clone(), field::HANDED_OUT: &self.handler }
+        let mut filter = doc! { field::ID: self.event.clone(), field::HANDED_OUT: &self.handler };
+        if let Some(fan_out) = self.fan_out {
+            filter.insert(field::FAN_OUT, fan_out);
+        }
+        filter
+    }
+
+    /// Whether `event` (its document) still names this delivery as handed out without a
+    /// document: it lists the handler, and its mark is this entry's fan-out's. An entry of a
+    /// fan-out whose mark lost names a delivery that never existed.
+    fn named_by(&self, event: &Document) -> bool {
+        let listed = match event.get(field::HANDED_OUT) {
+            Some(Bson::Array(handlers)) => handlers.iter().any(|handler| handler.as_str() == Some(&self.handler)),
+            _ => false,
+        };
+        listed && self.fan_out.is_none_or(|fan_out| event.get_object_id(field::FAN_OUT).ok() == Some(fan_out))
     }
 }
 
-/// The handlers an event document's `handedOut` lists.
-fn handed_out(event: &Document) -> HashSet<&str> {
-    match event.get(field::HANDED_OUT) {
-        Some(Bson::Array(handlers)) => handlers.iter().filter_map(Bson::as_str).collect(),
-        _ => HashSet::new(),
-    }
+/// How a materialization counts the run of the deliveries it gives a document.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Charge {
+    /// Not at all: the outcome that follows counts it (a failure, a hand-back, a check).
+    Nothing,
+    /// A takeover's: each is at the next claim generation, and those listed as started are
+    /// charged the attempt their dead host did not finish. In the transaction that writes
+    /// the document, so a crash between the two can neither lose nor repeat the charge.
+    Takeover,
 }
 
-/// Gives each of `entries` whose event still lists its handler its document, at claim
-/// generation 0, ready and due now, and takes the handler out of the list, in one
-/// transaction. Repeating it changes nothing.
-pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], now: DateTime) -> Result<(), StoreError> {
+/// Gives each of `entries` whose event still names it (see [`Entry::named_by`]) its
+/// document, ready and due now, at claim generation 0 (or charged, see [`Charge`]), and takes
+/// the handler out of the list, in one transaction. Repeating it changes nothing.
+///
+/// Whatever racing fan-outs, failures and crashes left in lanes' lists, it never writes a
+/// second document for an event and handler: entries naming the same one are made once, and
+/// one that has a document already (the unique `(eventId, handler)` index would refuse the
+/// batch, for good) only leaves the list.
+pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], charge: Charge, now: DateTime) -> Result<(), StoreError> {
     if entries.is_empty() {
         return Ok(());
     }
@@ -89,8 +118,8 @@ pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], now: Date
         let events: Vec<Document> = store
             .collections
             .events
-            .find(doc! { field::ID: { "$in": ids } })
-            .projection(doc! { field::ID: 1, field::TYPE: 1, field::HANDED_OUT: 1 })
+            .find(doc! { field::ID: { "$in": &ids } })
+            .projection(doc! { field::ID: 1, field::TYPE: 1, field::HANDED_OUT: 1, field::FAN_OUT: 1 })
             .batch_size(super::outcome::one_batch(entries.len()))
             .session(&mut *session)
             .await?
@@ -99,16 +128,46 @@ pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], now: Date
             .await?;
         let events: HashMap<String, &Document> =
             events.iter().map(|event| (id_text(event.get(field::ID).unwrap_or(&Bson::Null)), event)).collect();
+        let existing: Vec<Document> = store
+            .collections
+            .deliveries
+            .find(doc! { delivery::EVENT_ID: { "$in": &ids } })
+            .projection(doc! { delivery::EVENT_ID: 1, delivery::HANDLER: 1 })
+            .batch_size(super::outcome::one_batch(entries.len()))
+            .session(&mut *session)
+            .await?
+            .stream(&mut *session)
+            .try_collect()
+            .await?;
+        let mut made: HashSet<(String, String)> = existing
+            .iter()
+            .map(|d| {
+                let event = id_text(d.get(delivery::EVENT_ID).unwrap_or(&Bson::Null));
+                (event, d.get_str(delivery::HANDLER).unwrap_or_default().to_string())
+            })
+            .collect();
         let mut statements = Vec::new();
         let mut documents = Vec::new();
         let mut unlisted = Vec::new();
         for entry in entries {
-            let listed = events.get(&id_text(&entry.event)).filter(|event| handed_out(event).contains(entry.handler.as_str()));
+            let listed = events.get(&id_text(&entry.event)).filter(|event| entry.named_by(event));
             let Some(event) = listed else {
                 unlisted.push(entry.clone());
                 continue;
             };
-            statements.push(doc! { "q": entry.event_filter(), "u": { "$pull": { field::HANDED_OUT: &entry.handler } } });
+            let pull = doc! { "q": entry.event_filter(), "u": { "$pull": { field::HANDED_OUT: &entry.handler } } };
+            if !made.insert((id_text(&entry.event), entry.handler.clone())) {
+                // Another entry of the same delivery, or one that has its document already.
+                tracing::warn!(
+                    delivery = %entry.delivery,
+                    event = %id_text(&entry.event),
+                    handler = %entry.handler,
+                    "a delivery handed out without a document is listed twice, or has a document already; it is given one document",
+                );
+                statements.push(pull);
+                continue;
+            }
+            statements.push(pull);
             let new = NewDelivery {
                 id: entry.delivery,
                 event_id: entry.event.clone(),
@@ -119,19 +178,29 @@ pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], now: Date
                 lane: entry.lane(),
                 dead_reason: None,
             };
-            documents.push(new_delivery_document(&new, now));
+            let mut document = new_delivery_document(&new, now);
+            if charge == Charge::Takeover {
+                document.insert(delivery::CLAIMS, 1_i64);
+                if entry.started {
+                    document.insert(delivery::ATTEMPTS, 1_i64);
+                    document.insert(delivery::LAST_ERROR, LOST_WHILE_RUNNING);
+                }
+            }
+            documents.push(document);
         }
         // The snapshot may not hold the fan-out that listed them yet (its commit is acknowledged
         // once applied): one the latest data still lists is not settled, and must not be lost.
         if !unfinished(store, &unlisted).await?.is_empty() {
             return Err(StoreError::SnapshotBehind("a delivery without a document to materialize".into()));
         }
-        if documents.is_empty() {
+        if statements.is_empty() {
             return Ok(());
         }
         generations::update_each(store, store.collections.events.name(), statements, WriteIn::Transaction(&mut *session))
             .await?;
-        store.collections.deliveries.insert_many(documents).session(&mut *session).await?;
+        if !documents.is_empty() {
+            store.collections.deliveries.insert_many(documents).session(&mut *session).await?;
+        }
         Ok(())
     })
 }
@@ -206,7 +275,7 @@ pub(super) async fn unfinished(store: &MongoStore, entries: &[Entry]) -> Result<
         .collections
         .events
         .find(doc! { field::ID: { "$in": ids }, field::HANDED_OUT: { "$exists": true } })
-        .projection(doc! { field::ID: 1, field::HANDED_OUT: 1 })
+        .projection(doc! { field::ID: 1, field::HANDED_OUT: 1, field::FAN_OUT: 1 })
         .batch_size(super::outcome::one_batch(entries.len()))
         .await?
         .try_collect()
@@ -215,7 +284,7 @@ pub(super) async fn unfinished(store: &MongoStore, entries: &[Entry]) -> Result<
         events.iter().map(|event| (id_text(event.get(field::ID).unwrap_or(&Bson::Null)), event)).collect();
     Ok(entries
         .iter()
-        .filter(|entry| events.get(&id_text(&entry.event)).is_some_and(|event| handed_out(event).contains(entry.handler.as_str())))
+        .filter(|entry| events.get(&id_text(&entry.event)).is_some_and(|event| entry.named_by(event)))
         .map(|entry| entry.delivery)
         .collect())
 }
