@@ -7,6 +7,7 @@
 //! [`handler_transaction`] lets a transactional handler write in its delivery's transaction.
 
 pub mod config;
+pub mod death;
 pub mod dispatch;
 pub mod event;
 pub mod handler_transaction;

@@ -257,8 +257,24 @@ async fn malformed_event_documents_are_dead_lettered_and_block_nothing<F: Fixtur
     assert!(reasons["no-sequence"].1.contains("`sequence` is missing"));
     assert!(reasons["bad-headers"].1.contains("`headers` must be a document of strings"));
     assert!(reasons["7"].1.contains("`_id` must be a string"));
+    // Every death is announced, in the fan-out that made it: one dead letter per dead
+    // delivery, naming the event and the reason.
+    let hook = subs(&[("h", &["t"]), ("dead-letters", &[relayhost::dispatch::DEAD_LETTER_EVENT_TYPE])]);
+    let announced = store.fan_out(&hook, 100, 0, at(T0)).await.unwrap();
+    assert_eq!((announced.events, announced.malformed), (6, 0), "{announced:?}");
+    let letters = store.claim(&handlers(&["dead-letters"]), 10, at(T0)).await.unwrap();
+    let said: BTreeMap<String, (String, String)> = letters
+        .iter()
+        .map(|letter| {
+            let payload = &letter.event.payload;
+            let field = |name: &str| payload.get_str(name).unwrap_or_default().to_string();
+            (field("eventId"), (field("handler"), field("lastError")))
+        })
+        .collect();
+    assert_eq!(said, reasons, "each death is announced with its handler and reason");
+    assert!(letters.iter().all(|letter| letter.event.causation_id.as_deref() == letter.event.payload.get_str("eventId").ok()));
     // Nothing is left unfanned: a malformed document never holds the fan-out back.
-    assert_eq!(store.fan_out(&subscriptions, 100, 0, at(T0)).await.unwrap().events, 0);
+    assert_eq!(store.fan_out(&hook, 100, 0, at(T0)).await.unwrap().events, 0);
 }
 
 async fn skewed_clocks_and_split_batches_keep_sequence_order<F: Fixture>() {

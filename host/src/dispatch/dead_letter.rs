@@ -2,13 +2,12 @@
 //! published in the same transaction that marks it dead, so a plugin can subscribe to it and
 //! the two never happen apart.
 
-use bson::{DateTime, doc};
+use bson::DateTime;
 
+pub use crate::death::DEAD_LETTER_EVENT_TYPE;
+use crate::death::Death;
 use crate::event::NewEvent;
 use crate::store::{ClaimedDelivery, DeliveryView, Retrying, Settlement, Store, StoreError};
-
-/// The type of the event published when a delivery dies.
-pub const DEAD_LETTER_EVENT_TYPE: &str = "relayhost.delivery.dead";
 
 /// The dead-letter event of `delivery`, dead after `attempts` attempts with `reason`. Its id is
 /// unique per burial, so a requeued delivery that dies again announces it again.
@@ -28,37 +27,6 @@ pub fn dead_letter_event(delivery: &ClaimedDelivery, attempts: u32, reason: &str
     event
 }
 
-/// What a dead-letter event says, however the delivery died.
-struct Death<'a> {
-    id: String,
-    delivery_id: String,
-    event_id: &'a str,
-    event_type: &'a str,
-    handler: &'a str,
-    key: Option<&'a str>,
-    attempts: u32,
-    reason: &'a str,
-}
-
-impl Death<'_> {
-    fn event(&self) -> NewEvent {
-        let mut payload = doc! {
-            "deliveryId": &self.delivery_id,
-            "eventId": self.event_id,
-            "eventType": self.event_type,
-            "handler": self.handler,
-            "attempts": i64::from(self.attempts),
-            "lastError": self.reason,
-        };
-        if let Some(key) = self.key {
-            payload.insert("key", key);
-        }
-        let mut event = NewEvent::new(&self.id, DEAD_LETTER_EVENT_TYPE, payload);
-        event.causation_id = Some(self.event_id.to_string());
-        event
-    }
-}
-
 /// Operator action: buries a pending delivery that is not running and announces its death in
 /// the same transaction (unless it is itself a dead-letter delivery, as with any burial).
 pub async fn bury_by_operator<S: Store>(store: &S, delivery_id: &str, reason: &str) -> Result<DeliveryView, StoreError> {
@@ -68,18 +36,18 @@ pub async fn bury_by_operator<S: Store>(store: &S, delivery_id: &str, reason: &s
         let mut tx = store.begin().await?;
         let attempt = async {
             let buried = store.bury_pending_in(&mut tx, delivery_id, reason, now).await?;
-            if buried.event_type != DEAD_LETTER_EVENT_TYPE {
-                let death = Death {
+            let death = Death {
                     // Unique per burial: the same delivery may be requeued and buried again.
-                    id: format!("dead:{}:operator:{}", buried.id, now.timestamp_millis()),
-                    delivery_id: buried.id.clone(),
-                    event_id: &buried.event_id,
-                    event_type: &buried.event_type,
-                    handler: &buried.handler,
-                    key: buried.key.as_deref(),
-                    attempts: buried.attempts,
-                    reason,
-                };
+                id: format!("dead:{}:operator:{}", buried.id, now.timestamp_millis()),
+                delivery_id: buried.id.clone(),
+                event_id: &buried.event_id,
+                event_type: &buried.event_type,
+                handler: &buried.handler,
+                key: buried.key.as_deref(),
+                attempts: buried.attempts,
+                reason,
+            };
+            if death.announced() {
                 store.publish(&mut tx, &death.event()).await?;
             }
             Ok(buried)

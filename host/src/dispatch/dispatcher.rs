@@ -45,6 +45,7 @@ use tokio::task::{AbortHandle, JoinHandle};
 use tokio::time::Instant;
 
 use super::completion::{Completions, step_result};
+use super::sequence_watch::SequenceWatch;
 use super::starts::StartRecorder;
 use super::{AttemptResult, RetryPolicy, Settle, bury_with_dead_letter, decide};
 use crate::lane::LaneId;
@@ -141,6 +142,9 @@ pub struct DispatcherCounters {
     pub released: AtomicU64,
     /// Store errors the loop logged and went on from.
     pub store_errors: AtomicU64,
+    /// Keyed deliveries that started after a higher sequence of their key (see
+    /// [`SequenceWatch`]).
+    pub out_of_order: AtomicU64,
 }
 
 impl DispatcherCounters {
@@ -182,6 +186,19 @@ struct FannedOut {
     handed_out_full: bool,
 }
 
+/// Malformed events a fan-out names in its log, at most; the rest are counted.
+const MALFORMED_LOGGED: usize = 10;
+
+/// Says which events a fan-out found malformed (their deliveries are dead, and announced).
+fn log_malformed(malformed: &[(String, String)]) {
+    for (event, reason) in malformed.iter().take(MALFORMED_LOGGED) {
+        tracing::warn!(event = %event, %reason, "a malformed event was dead-lettered at fan-out");
+    }
+    if malformed.len() > MALFORMED_LOGGED {
+        tracing::warn!(more = malformed.len() - MALFORMED_LOGGED, "more malformed events were dead-lettered at fan-out");
+    }
+}
+
 /// A fan-out that touched at most this many lanes is followed by a claim in just those.
 const CLAIM_IN_MAX_LANES: usize = 8;
 
@@ -219,6 +236,8 @@ struct Flight<S: Store> {
     unsettled: Vec<(ClaimedDelivery, RunResult)>,
     /// Records the starts of what was claimed ahead, before it runs.
     starts: StartRecorder,
+    /// Reports keyed deliveries that start out of their key's sequence order.
+    sequences: SequenceWatch,
 }
 
 impl<S: Store> Flight<S> {
@@ -238,6 +257,7 @@ impl<S: Store> Flight<S> {
             completions,
             unsettled: Vec::new(),
             starts,
+            sequences: SequenceWatch::default(),
         }
     }
 }
@@ -486,6 +506,9 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             let (runner, finished_tx, permits) = (self.runner.clone(), finished_tx.clone(), permits.clone());
             let lease = delivery.lease;
             let (commit, transactional) = (commit.clone(), spec.transactional);
+            if flight.sequences.starts(&delivery) {
+                DispatcherCounters::add(&self.counters.out_of_order, 1);
+            }
             // Claimed ahead: its start is recorded once it has a run slot, before it runs.
             let starts = (!delivery.started).then(|| flight.starts.clone());
             let task = tokio::spawn(async move {
@@ -545,6 +568,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 let batch = if hand_out.total > 0 { batch.min(hand_out.total) } else { batch };
                 let report = store.fan_out_early(&subscriptions, batch, hand_out, &early, DateTime::now()).await?;
                 let handed_out = report.claimed.len() + report.sent_early;
+                log_malformed(&report.malformed_events);
                 tracing::trace!(
                     elapsed_us = batch_started.elapsed().as_micros() as u64,
                     count = report.deliveries,

@@ -8,6 +8,7 @@
 mod completion;
 mod dead_letter;
 mod dispatcher;
+mod sequence_watch;
 mod settle;
 mod starts;
 

@@ -105,11 +105,22 @@ impl HealthState {
             ("dead", &self.counters.dead, "Deliveries this host made dead"),
             ("released", &self.counters.released, "Deliveries handed back uncharged"),
             ("store_errors", &self.counters.store_errors, "Store errors the claim loop went on from"),
+            (
+                "out_of_order",
+                &self.counters.out_of_order,
+                "Keyed deliveries that started after a higher sequence of their key and handler (a publisher broke the protocol, or a dead delivery was requeued)",
+            ),
         ];
         for (name, counter, help) in counters {
             let _ = writeln!(out, "# HELP relayhost_{name}_total {help}\n# TYPE relayhost_{name}_total counter");
             let _ = writeln!(out, "relayhost_{name}_total {}", DispatcherCounters::get(counter));
         }
+        let waiting = self.store.lanes_waiting_for_charge();
+        let _ = writeln!(
+            out,
+            "# HELP relayhost_lanes_waiting_for_charge Lanes taken over whose previous holder's deliveries could not be charged yet\n# TYPE relayhost_lanes_waiting_for_charge gauge"
+        );
+        let _ = writeln!(out, "relayhost_lanes_waiting_for_charge {waiting}");
         let statistics = self
             .statistics
             .get_or_refresh(|| async {

@@ -331,6 +331,8 @@ pub(crate) struct Claimer {
     issued: Mutex<HashMap<DeliveryId, Issued>>,
     /// The look for older work in free lanes (see the claim).
     fairness_check: Periodic,
+    /// The warning that lanes still wait for a takeover's charge, at most this often.
+    charge_warning: Periodic,
     /// Keys whose deliveries this instance settled since the last claim's unparking.
     moved_keys: Mutex<HashSet<HandlerKey>>,
     /// The unparking of every key with parked deliveries.
@@ -346,6 +348,9 @@ pub(crate) struct Claimer {
 /// How many known heads a claimer keeps at most; beyond that it forgets them all and looks
 /// them up again as it meets their keys.
 const KNOWN_HEADS_MAX: usize = 100_000;
+
+/// How often at most a claim warns that lanes wait for a takeover's charge.
+const CHARGE_WARNING_INTERVAL_MS: i64 = 10_000;
 
 /// A lane this instance holds.
 #[derive(Debug, Clone)]
@@ -420,6 +425,7 @@ impl Claimer {
             held: tokio::sync::Mutex::new(BTreeMap::new()),
             issued: Mutex::new(HashMap::new()),
             fairness_check: Periodic::new(FAIRNESS_CHECK_INTERVAL_MS),
+            charge_warning: Periodic::new(CHARGE_WARNING_INTERVAL_MS),
             moved_keys: Mutex::new(HashSet::new()),
             unpark_sweep: Periodic::new(UNPARK_SWEEP_INTERVAL_MS),
             known_heads: Mutex::new(HashMap::new()),
@@ -442,6 +448,13 @@ impl Claimer {
     pub fn unstored(&self, lease: &Lease) -> Option<Unstored> {
         let issued = self.issued.lock().expect("issued leases");
         issued.get(&lease.delivery).filter(|issued| issued.lease == *lease).and_then(|issued| issued.unstored.clone())
+    }
+
+    /// How many lanes this instance took over and cannot use yet, since what their previous
+    /// holder left in flight could not be charged (see [`Claimer::take`]).
+    pub fn lanes_waiting_for_charge(&self) -> usize {
+        let uncharged = self.uncharged.lock().expect("uncharged");
+        uncharged.iter().map(|(lane, _, _)| *lane).collect::<BTreeSet<_>>().len()
     }
 
     /// Counts `leases` as settled: they run no more, and their keys may have moved on.
@@ -590,8 +603,14 @@ impl Claimer {
             match charge(backend, &entries, now).await {
                 Ok(()) => self.uncharged.lock().expect("uncharged").clear(),
                 Err(error) => {
-                    tracing::debug!(%error, "charging a takeover failed again");
                     waiting.extend(uncharged.iter().map(|(lane, _, _)| *lane));
+                    if self.charge_warning.due(now) {
+                        tracing::warn!(
+                            %error,
+                            lanes = ?waiting,
+                            "lanes taken over still wait for their previous holder's deliveries to be charged; trying again at every claim",
+                        );
+                    }
                 }
             }
         }

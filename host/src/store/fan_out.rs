@@ -14,7 +14,8 @@ use bson::{Bson, DateTime, Document};
 
 use super::claim::{Candidate, Fresh};
 use super::{Capacity, ClaimedDelivery, DeliveryId, MALFORMED_EVENT_HANDLER, Subscriptions};
-use crate::event::{EventRecord, field};
+use crate::death::Death;
+use crate::event::{EventRecord, NewEvent, field};
 use crate::lane::{LaneId, lane_for_event};
 
 /// A delivery to insert.
@@ -45,6 +46,11 @@ pub(crate) struct FanOutPlan {
     pub deliveries: Vec<NewDelivery>,
     pub events: Vec<FannedEvent>,
     pub malformed: usize,
+    /// The announcements of the deliveries it creates dead (of malformed events), to publish
+    /// in the transaction that writes them.
+    pub dead_letters: Vec<NewEvent>,
+    /// Each malformed event's id and what is wrong with it.
+    pub malformed_events: Vec<(String, String)>,
 }
 
 impl FanOutPlan {
@@ -57,6 +63,7 @@ impl FanOutPlan {
             events: self.events.len(),
             deliveries: self.deliveries.len(),
             malformed: self.malformed,
+            malformed_events: self.malformed_events.clone(),
             lanes: self
                 .deliveries
                 .iter()
@@ -135,19 +142,38 @@ pub(crate) fn plan(batch: &[Document], subscriptions: &Subscriptions) -> FanOutP
         let new_handlers: Vec<String> = targets.into_iter().filter(|h| !listed.contains(h.as_str())).collect();
         let event_id = id_text(&raw_id);
         let key = record.as_ref().map_or_else(|| string_key(doc).map(str::to_string), |r| r.key.clone());
+        let event_type =
+            record.as_ref().map_or_else(|| doc.get_str(field::TYPE).unwrap_or("").to_string(), |r| r.event_type.clone());
+        if let Some(reason) = &dead_reason {
+            plan.malformed_events.push((event_id.clone(), reason.clone()));
+        }
         for handler in &new_handlers {
-            plan.deliveries.push(NewDelivery {
+            let delivery = NewDelivery {
                 id: ObjectId::new(),
                 event_id: raw_id.clone(),
-                event_type: record
-                    .as_ref()
-                    .map_or_else(|| doc.get_str(field::TYPE).unwrap_or("").to_string(), |r| r.event_type.clone()),
+                event_type: event_type.clone(),
                 handler: handler.clone(),
                 key: key.clone(),
                 sequence: record.as_ref().and_then(|r| r.sequence),
                 lane: lane_for_event(&event_id, key.as_deref()),
                 dead_reason: dead_reason.clone(),
-            });
+            };
+            if let Some(reason) = &delivery.dead_reason {
+                let death = Death {
+                    id: format!("dead:{}:0", delivery.id.to_hex()),
+                    delivery_id: delivery.id.to_hex(),
+                    event_id: &event_id,
+                    event_type: &event_type,
+                    handler,
+                    key: key.as_deref(),
+                    attempts: 0,
+                    reason,
+                };
+                if death.announced() {
+                    plan.dead_letters.push(death.event());
+                }
+            }
+            plan.deliveries.push(delivery);
         }
         let mut handlers: Vec<String> = Vec::with_capacity(listed.len() + new_handlers.len());
         for handler in listed_in_order.iter().copied().chain(new_handlers.iter().map(String::as_str)) {

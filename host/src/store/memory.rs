@@ -24,6 +24,7 @@ use super::{
     HandlerStatistics, Lease, PurgeOptions, PurgeReport, Published, Settlement, Store, StoreError, StoreOptions,
     StoreTransaction, Subscriptions,
 };
+use crate::death::Death;
 use crate::event::{NewEvent, field};
 use crate::lane::{LANE_COUNT, LaneId};
 
@@ -140,8 +141,13 @@ impl State {
             })
     }
 
-    /// Inserts a fan-out's deliveries and marks its events fanned out.
+    /// Inserts a fan-out's deliveries, announces those it creates dead and marks its events
+    /// fanned out.
     fn write_fan_out(&mut self, plan: &FanOutPlan, now: DateTime) {
+        for dead_letter in &plan.dead_letters {
+            // Built by the store itself, so it is valid; one published already stays.
+            let _ = self.publish(dead_letter, usize::MAX);
+        }
         for NewDelivery { id, event_id, event_type, handler, key, sequence, lane, dead_reason } in &plan.deliveries {
             let dead = dead_reason.is_some();
             self.deliveries.insert(
@@ -939,14 +945,30 @@ impl ClaimBackend for Backend<'_> {
     async fn bury_unrunnable(&self, doomed: &[(DeliveryId, i64, String)], now: DateTime) -> Result<(), StoreError> {
         let mut state = self.0.lock().await;
         for (id, claims, reason) in doomed {
-            if let Some(d) = state.deliveries.get_mut(id) {
-                if d.claims == *claims && d.status == DeliveryStatus::Pending {
-                    d.status = DeliveryStatus::Dead;
-                    d.lane = LaneKind::Dead;
-                    d.claims += 1;
-                    d.last_error = Some(reason.clone());
-                    d.updated_at = Some(now);
-                }
+            let Some(d) = state.deliveries.get_mut(id).filter(|d| d.claims == *claims && d.status == DeliveryStatus::Pending)
+            else {
+                continue;
+            };
+            d.status = DeliveryStatus::Dead;
+            d.lane = LaneKind::Dead;
+            d.claims += 1;
+            d.last_error = Some(reason.clone());
+            d.updated_at = Some(now);
+            let (event_id, event_type, handler, key, attempts) =
+                (id_text(&d.event_id), d.event_type.clone(), d.handler.clone(), d.key.clone(), d.attempts);
+            let death = Death {
+                id: format!("dead:{}:{}", id.to_hex(), claims),
+                delivery_id: id.to_hex(),
+                event_id: &event_id,
+                event_type: &event_type,
+                handler: &handler,
+                key: key.as_deref(),
+                attempts,
+                reason,
+            };
+            if death.announced() {
+                // Built by the store itself, so it is valid; one published already stays.
+                let _ = state.publish(&death.event(), usize::MAX);
             }
         }
         Ok(())

@@ -203,6 +203,9 @@ pub struct FanOutReport {
     pub deliveries: usize,
     /// Malformed event documents dead-lettered.
     pub malformed: usize,
+    /// Each malformed event (its id and what is wrong with it): its deliveries are dead, and
+    /// their deaths announced.
+    pub malformed_events: Vec<(String, String)>,
     /// The lanes of the new deliveries that are left to a claim (for [`Store::claim_in`]):
     /// all of them but those handed out.
     pub lanes: BTreeSet<LaneId>,
@@ -219,6 +222,7 @@ impl FanOutReport {
         self.events += other.events;
         self.deliveries += other.deliveries;
         self.malformed += other.malformed;
+        self.malformed_events.extend(other.malformed_events);
         self.lanes.extend(other.lanes);
         self.claimed.extend(other.claimed);
         self.sent_early += other.sent_early;

@@ -576,5 +576,9 @@ async fn insert(
     if !documents.is_empty() {
         store.collections.deliveries.insert_many(documents).session(&mut *session).await?;
     }
+    // The deaths of what it creates dead are announced with them.
+    for dead_letter in &plan.dead_letters {
+        store.publisher.publish(session, dead_letter).await?;
+    }
     Ok(())
 }

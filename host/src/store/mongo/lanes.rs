@@ -11,6 +11,7 @@ use mongodb::ClientSession;
 use super::{Commit, MongoStore};
 use super::documents::{self, delivery, entry, in_flight_document, lane, lane_state};
 use super::{generations, unstored};
+use crate::death::Death;
 use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
 use crate::store::claim::MIN_ROWS_PER_LANE_QUERY;
 use crate::store::claim::{Candidate, ClaimBackend, HandlerKey, Holder, InFlight, LaneRecord, LaneState, LaneWrite, Unpark};
@@ -590,23 +591,45 @@ impl ClaimBackend for Backend<'_> {
     }
 
     async fn bury_unrunnable(&self, doomed: &[(DeliveryId, i64, String)], now: DateTime) -> Result<(), StoreError> {
-        let deliveries = &self.store.collections.deliveries;
-        try_join_all(doomed.iter().map(|(id, claims, reason)| async move {
-            deliveries
-                .update_one(
-                    doc! { delivery::ID: *id, delivery::CLAIMS: *claims, delivery::STATUS: delivery::PENDING },
-                    doc! {
-                        "$set": {
-                            delivery::STATUS: delivery::DEAD, delivery::LANE: delivery::DEAD,
-                            delivery::LAST_ERROR: reason, delivery::UPDATED_AT: now,
+        // Rare (an event deleted or rewritten under its deliveries), so one statement each, in
+        // the transaction that publishes each death.
+        let store = self.store;
+        transaction!(store, |tx| {
+            let session = tx.session();
+            for (id, claims, reason) in doomed {
+                let buried = store
+                    .collections
+                    .deliveries
+                    .find_one_and_update(
+                        doc! { delivery::ID: *id, delivery::CLAIMS: *claims, delivery::STATUS: delivery::PENDING },
+                        doc! {
+                            "$set": {
+                                delivery::STATUS: delivery::DEAD, delivery::LANE: delivery::DEAD,
+                                delivery::LAST_ERROR: reason, delivery::UPDATED_AT: now,
+                            },
+                            "$inc": { delivery::CLAIMS: 1_i64 },
                         },
-                        "$inc": { delivery::CLAIMS: 1_i64 },
-                    },
-                )
-                .await
-        }))
-        .await?;
-        Ok(())
+                    )
+                    .session(&mut *session)
+                    .await?;
+                let Some(buried) = buried else { continue };
+                let view = documents::view(&buried)?;
+                let death = Death {
+                    id: format!("dead:{}:{}", view.id, claims),
+                    delivery_id: view.id.clone(),
+                    event_id: &view.event_id,
+                    event_type: &view.event_type,
+                    handler: &view.handler,
+                    key: view.key.as_deref(),
+                    attempts: view.attempts,
+                    reason,
+                };
+                if death.announced() {
+                    store.publisher.publish(&mut *session, &death.event()).await?;
+                }
+            }
+            Ok(())
+        })
     }
 
     async fn reconcile(&self, holder: &Holder, issued: &HashSet<Lease>) -> Result<(), StoreError> {

@@ -186,6 +186,12 @@ impl MongoStore {
         self.client.database(&self.location.database)
     }
 
+    /// Lanes this instance took over that wait for the charge of what their previous holder
+    /// left in flight (a `/metrics` gauge: it should be 0 but for moments).
+    pub fn lanes_waiting_for_charge(&self) -> usize {
+        self.claimer.lanes_waiting_for_charge()
+    }
+
     /// The publisher writing into this store's events collection.
     pub fn publisher(&self) -> &Publisher {
         &self.publisher
