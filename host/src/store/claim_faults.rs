@@ -162,13 +162,13 @@ impl<B: ClaimBackend + Send, S: Store> ClaimBackend for Faulty<'_, B, S> {
     }
 }
 
-const T0: i64 = 1_900_000_000_000;
+pub(super) const T0: i64 = 1_900_000_000_000;
 
-fn options(owner: &str) -> StoreOptions {
+pub(super) fn options(owner: &str) -> StoreOptions {
     StoreOptions { owner: owner.to_string(), ..StoreOptions::default() }
 }
 
-async fn mongo_store() -> MongoStore {
+pub(super) async fn mongo_store() -> MongoStore {
     static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let uri = crate::mongod::process_server().unwrap_or_else(|e| panic!("starting the test mongod: {e}"));
     let client = mongodb::Client::with_uri_str(uri).await.unwrap();
@@ -221,7 +221,7 @@ macro_rules! both_stores {
     };
 }
 
-trait Parts {
+pub(super) trait Parts {
     fn parts(&self) -> (impl ClaimBackend + Send + '_, &super::claim::Claimer);
 }
 impl Parts for MemoryStore {

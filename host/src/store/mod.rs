@@ -16,6 +16,8 @@ mod lease;
 pub mod memory;
 pub mod mongo;
 mod retention;
+#[cfg(test)]
+mod takeover_states;
 mod transaction;
 
 use std::collections::{BTreeMap, BTreeSet};

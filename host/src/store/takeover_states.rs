@@ -1,0 +1,181 @@
+//! The states crashes and races leave in lanes' in-flight lists, and what a takeover makes of
+//! them, against both stores: the same delivery listed in two lanes and twice in one, the
+//! entries of a fan-out that lost the race for its event (naming a delivery that never
+//! existed) beside the winner's when both holders die together, and a death with a full
+//! claim-ahead, where only what had started is charged. Each must end with every delivery
+//! run once more and nothing waiting.
+
+use bson::oid::ObjectId;
+use bson::{DateTime, doc};
+
+use super::claim::{ClaimBackend, HandOutOf, InFlight, LaneRecord, LaneWrite};
+use super::claim_faults::{Parts, T0, mongo_store, options};
+use super::memory::MemoryStore;
+use super::{
+    Capacity, DeliveryFilter, DeliveryStatus, DeliveryView, Store, Subscription, Subscriptions, run_in_transaction,
+};
+use crate::event::NewEvent;
+use crate::lane::LaneId;
+
+fn at(ms: i64) -> DateTime {
+    DateTime::from_millis(ms)
+}
+
+/// After the holder's lease of 30 s ran out.
+const LATER: i64 = T0 + 31_000;
+
+macro_rules! both_stores {
+    ($name:ident, $body:ident) => {
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn memory() {
+                let first = super::MemoryStore::new(super::options("a"));
+                let (second, third) = (first.instance("b"), first.instance("c"));
+                super::$body(&first, &second, &third).await;
+            }
+
+            /// Without completion history, so that what a fan-out hands out has no document.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn mongo() {
+                let first = super::mongo_store().await;
+                let (second, third) = (first.instance("b"), first.instance("c"));
+                super::$body(&first, &second, &third).await;
+            }
+        }
+    };
+}
+
+both_stores!(a_delivery_listed_in_two_lanes_and_twice_in_one_is_charged_once, listed_twice);
+both_stores!(two_holders_dying_after_a_racing_fan_out_charge_only_the_delivery_that_exists, racing_fan_outs_then_two_deaths);
+both_stores!(a_death_with_a_full_claim_ahead_charges_only_what_had_started, full_claim_ahead);
+
+fn handlers() -> Vec<String> {
+    vec!["h".to_string()]
+}
+
+fn subscriptions() -> Subscriptions {
+    Subscriptions::new([Subscription::new("h", ["t"])]).unwrap()
+}
+
+async fn publish<S: Store>(store: &S, ids: impl IntoIterator<Item = String>) {
+    let events: Vec<NewEvent> = ids.into_iter().map(|id| NewEvent::new(id, "t", doc! {})).collect();
+    run_in_transaction(store, async |tx| {
+        for event in &events {
+            store.publish(tx, event).await?;
+        }
+        Ok(())
+    })
+    .await
+    .unwrap();
+}
+
+async fn deliveries<S: Store>(store: &S, status: DeliveryStatus) -> Vec<DeliveryView> {
+    let filter = DeliveryFilter { status: Some(status), limit: 1_000, ..Default::default() };
+    store.list_deliveries(&filter).await.unwrap().deliveries
+}
+
+/// Completes everything claimable at `now` and checks that nothing is left, pending or dead.
+async fn drain<S: Store>(store: &S, now: i64) {
+    let claimed = store.claim(&handlers(), 100, at(now)).await.unwrap();
+    let leases: Vec<_> = claimed.iter().map(|c| c.lease).collect();
+    store.complete_many(&leases, at(now)).await.unwrap();
+    assert!(deliveries(store, DeliveryStatus::Pending).await.is_empty(), "nothing is left waiting");
+    assert!(deliveries(store, DeliveryStatus::Dead).await.is_empty(), "nothing died");
+}
+
+/// Two free lanes next to `lane`, one below and one above it.
+fn beside(lane: LaneId) -> (LaneId, LaneId) {
+    (lane.wrapping_sub(1).min(lane.wrapping_add(1)), lane.wrapping_sub(1).max(lane.wrapping_add(1)))
+}
+
+async fn listed_twice<S: Store + Parts>(a: &S, b: &S, _c: &S) {
+    publish(a, ["e-1".to_string()]).await;
+    a.fan_out(&subscriptions(), 10, 0, at(T0)).await.unwrap();
+    let lease = a.claim(&handlers(), 1, at(T0)).await.unwrap().remove(0).lease;
+    // Crashes and failed writes left its entry twice in its lane and once in another lane of
+    // the same holder.
+    let (backend, claimer) = a.parts();
+    let lane = backend.lanes(&[lease.lane]).await.unwrap().remove(0);
+    let entry = lane.in_flight[0].clone();
+    let twice = LaneRecord {
+        lane: lease.lane,
+        epoch: lane.epoch,
+        in_flight: vec![entry.clone(), entry.clone()],
+        lease_until: at(T0 + 30_000),
+        takes_free_at: None,
+    };
+    assert_eq!(backend.record(&claimer.holder, &[twice], LaneWrite::Durable).await.unwrap(), [true]);
+    let (other, _) = beside(lease.lane);
+    let taken = backend.take_listing(&[(other, vec![entry])], &claimer.holder, at(T0), at(T0 + 30_000)).await.unwrap();
+    assert_eq!(taken.len(), 1);
+
+    // a dies; b takes both lanes over at once.
+    let claimed = b.claim_in(&handlers(), &[lease.lane, other], 10, at(LATER)).await.unwrap();
+    assert_eq!(claimed.len(), 1, "the lanes do not stall");
+    assert_eq!((claimed[0].lease.delivery, claimed[0].attempts), (lease.delivery, 1), "charged once");
+    b.complete_many(&[claimed[0].lease], at(LATER)).await.unwrap();
+    drain(b, LATER + 1).await;
+}
+
+async fn racing_fan_outs_then_two_deaths<S: Store + Parts>(a: &S, b: &S, c: &S) {
+    publish(a, ["e-1".to_string()]).await;
+    let winner = a.fan_out(&subscriptions(), 10, 1, at(T0)).await.unwrap().claimed.remove(0).lease;
+    // b's fan-out of the same event lost the race: what it listed names a delivery that was
+    // never created (and, in MongoDB, its own fan-out, whose mark lost). It listed it in two
+    // lanes, one below the winner's and one above.
+    let (backend_a, _) = a.parts();
+    let listed = backend_a.lanes(&[winner.lane]).await.unwrap().remove(0).in_flight[0].clone();
+    let losing = || InFlight {
+        delivery: ObjectId::new(),
+        unstored: listed.unstored.clone().map(|handed| HandOutOf { fan_out: Some(ObjectId::new()), ..handed }),
+        ..listed.clone()
+    };
+    let (below, above) = beside(winner.lane);
+    let (backend_b, claimer_b) = b.parts();
+    let lists = [(below, vec![losing()]), (above, vec![losing()])];
+    assert_eq!(backend_b.take_listing(&lists, &claimer_b.holder, at(T0), at(T0 + 30_000)).await.unwrap().len(), 2);
+
+    // Both die together; c takes all three lanes over in one claim.
+    let claimed = c.claim_in(&handlers(), &[below, winner.lane, above], 10, at(LATER)).await.unwrap();
+    assert_eq!(claimed.len(), 1, "the lanes do not stall");
+    assert_eq!((claimed[0].lease.delivery, claimed[0].attempts), (winner.delivery, 1), "the winner's delivery, charged once");
+    let pending = deliveries(c, DeliveryStatus::Pending).await;
+    assert_eq!(pending.iter().map(|d| d.id.clone()).collect::<Vec<_>>(), [winner.delivery.to_hex()], "no delivery of the loser");
+    c.complete_many(&[claimed[0].lease], at(LATER)).await.unwrap();
+    drain(c, LATER + 1).await;
+}
+
+async fn full_claim_ahead<S: Store + Parts>(a: &S, b: &S, _c: &S) {
+    publish(a, (0..6).map(|n| format!("claimed-{n}"))).await;
+    a.fan_out(&subscriptions(), 6, 0, at(T0)).await.unwrap();
+    // Six claimed with two free run slots: two start, four wait; one of those gets a slot
+    // and records its start.
+    let claimed = a.claim(&handlers(), Capacity::new(6, 2), at(T0)).await.unwrap();
+    assert_eq!(claimed.iter().filter(|c| c.started).count(), 2);
+    let ahead: Vec<_> = claimed.iter().filter(|c| !c.started).map(|c| c.lease).collect();
+    assert_eq!(a.record_starts(&ahead[..1]).await.unwrap(), [true]);
+    // A hand-out of four with one free run slot: one starts, three wait (in MongoDB they have
+    // no document).
+    publish(a, (0..4).map(|n| format!("handed-{n}"))).await;
+    let handed = a.fan_out(&subscriptions(), 4, Capacity::new(4, 1), at(T0)).await.unwrap().claimed;
+    assert_eq!((handed.len(), handed.iter().filter(|c| c.started).count()), (4, 1));
+    let mut started: Vec<String> =
+        claimed.iter().chain(&handed).filter(|c| c.started || c.lease == ahead[0]).map(|c| c.event.id.clone()).collect();
+    started.sort();
+
+    // a dies; b takes over: each delivery runs again, and only what a had started is charged.
+    // (What a takeover gives its document lands in its event's lane: the next claim finds
+    // what this one did not.)
+    let mut again = b.claim(&handlers(), 100, at(LATER)).await.unwrap();
+    again.extend(b.claim(&handlers(), 100, at(LATER + 1)).await.unwrap());
+    again.sort_by(|x, y| x.event.id.cmp(&y.event.id));
+    assert_eq!(again.len(), 10, "every delivery runs again");
+    let charged: Vec<String> = again.iter().filter(|c| c.attempts == 1).map(|c| c.event.id.clone()).collect();
+    assert_eq!(charged, started, "only what had started is charged");
+    assert!(again.iter().all(|c| c.attempts <= 1));
+    // The dead host's unstarted picks may not start any more.
+    assert_eq!(a.record_starts(&ahead[1..2]).await.unwrap(), [false]);
+    let leases: Vec<_> = again.iter().map(|c| c.lease).collect();
+    b.complete_many(&leases, at(LATER)).await.unwrap();
+    drain(b, LATER + 1).await;
+}
