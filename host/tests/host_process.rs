@@ -382,6 +382,7 @@ async fn hosts_killed_while_running_deliveries_without_documents_lose_nothing_an
         publish_all(deployment.fixture.store(), chunk.iter().map(|id| NewEvent::new(id.clone(), "order.placed", doc! {})).collect()).await;
     }
     let events = deployment.collection("relayhost_events");
+    let lanes = deployment.collection("relayhost_lanes");
     let audit = deployment.collection("audit_log");
     let mut interrupted: Vec<String> = Vec::new();
     for round in 0..3 {
@@ -395,14 +396,14 @@ async fn hosts_killed_while_running_deliveries_without_documents_lose_nothing_an
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
             let audited = audit.count_documents(doc! {}).await.unwrap();
-            if audited >= target && (round > 0 || !running_without_document(&events).await.is_empty()) {
+            if audited >= target && (round > 0 || !running_without_document(&events, &lanes).await.is_empty()) {
                 break;
             }
             assert!(Instant::now() < deadline, "round {round}: {audited} audited, none running now:\n{}", host.log());
         }
         host.signal(libc::SIGKILL);
         assert!(!host.wait(Duration::from_secs(10)));
-        interrupted.extend(running_without_document(&events).await);
+        interrupted.extend(running_without_document(&events, &lanes).await);
     }
     assert!(!interrupted.is_empty(), "some deliveries without documents were cut off by the kills");
     let survivor = deployment.start("host");
@@ -418,27 +419,40 @@ async fn hosts_killed_while_running_deliveries_without_documents_lose_nothing_an
         let audited = audit.find_one(doc! { "_id": event }).await.unwrap().unwrap();
         assert!(audited.get("attempt").and_then(integer).unwrap() >= 2, "{audited}");
     }
-    assert!(running_without_document(&events).await.is_empty());
+    assert!(running_without_document(&events, &lanes).await.is_empty());
     let dead = deployment.fixture.store().list_deliveries(&DeliveryFilter { status: Some(relayhost::store::DeliveryStatus::Dead), ..Default::default() }).await.unwrap();
     assert!(dead.deliveries.is_empty(), "{dead:?}");
     survivor.stop();
 }
 
-/// Events whose delivery runs without a document: their `handedOut` still lists its handler.
-async fn running_without_document(events: &mongodb::Collection<Document>) -> Vec<String> {
+/// Events whose delivery runs without a document: their `handedOut` still lists its handler,
+/// and a lane lists it as started (not claimed ahead, which a takeover does not charge).
+async fn running_without_document(events: &mongodb::Collection<Document>, lanes: &mongodb::Collection<Document>) -> Vec<String> {
     let running: Vec<Document> =
         events.find(doc! { "handedOut.0": { "$exists": true } }).projection(doc! { "_id": 1 }).await.unwrap().try_collect().await.unwrap();
-    running.iter().map(|event| event.get_str("_id").unwrap().to_string()).collect()
+    let mut started = Vec::new();
+    for event in running {
+        let id = event.get_str("_id").unwrap();
+        let listed = doc! { "inFlight": { "$elemMatch": { "e": id, "s": { "$ne": false } } } };
+        if lanes.find_one(listed).await.unwrap().is_some() {
+            started.push(id.to_string());
+        }
+    }
+    started
 }
 
-/// Deliveries a lane lists in flight that still exist at the generation they were claimed
-/// with: started and not completed.
+/// Deliveries a lane lists in flight as started that still exist at the generation they
+/// were claimed with: running and not completed (not those claimed ahead, waiting for a run
+/// slot, which a takeover does not charge).
 async fn in_flight(lanes: &mongodb::Collection<Document>, deliveries: &mongodb::Collection<Document>) -> Vec<bson::oid::ObjectId> {
     let mut running = Vec::new();
     let busy: Vec<Document> = lanes.find(doc! { "inFlight.0": { "$exists": true } }).await.unwrap().try_collect().await.unwrap();
     for lane in busy {
         for entry in lane.get_array("inFlight").unwrap() {
             let entry = entry.as_document().unwrap();
+            if entry.get_bool("s") == Ok(false) {
+                continue;
+            }
             let (id, claims) = (entry.get_object_id("d").unwrap(), entry.get_i64("c").unwrap());
             if deliveries.find_one(doc! { "_id": id, "claims": claims }).await.unwrap().is_some() {
                 running.push(id);
@@ -491,6 +505,70 @@ async fn a_poison_plugin_runs_into_the_dead_letters_and_the_hook_is_delivered() 
     let counters = host.stop();
     assert_eq!(counters["dead"], 3);
     assert_eq!(counters["retried"], 6);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_that_kills_its_host_every_time_goes_dead_after_max_attempts_deaths() {
+    // Its handler hangs; each host that runs it is killed with SIGKILL while it does, as a
+    // poison event that crashes its host would. Each death is charged at takeover, so it goes
+    // dead after `max_attempts` of them, and the death is announced. The events claimed with
+    // it, ahead of a free run slot (there is one), never started, and are never charged.
+    let extra = "concurrency = 1\nclaim_ahead = 8\nlease = \"2s\"\npoll_interval = \"200ms\"\n\n\
+                 [plugin.hostile]\nwall_time = \"60s\"\nretry = { max_attempts = 3 }";
+    let deployment = Deployment::new(&["hostile", "dead_letter_alert"], extra).await;
+    let (deliveries, lanes) = (deployment.collection("relayhost_deliveries"), deployment.collection("relayhost_lanes"));
+    let hang = doc! { "eventId": "hang-1", "handler": "hang" };
+    let bystanders = ["bystander-1", "bystander-2", "bystander-3"];
+    let mut deaths: i64 = 0;
+    loop {
+        let host = deployment.start("host");
+        if deaths == 0 {
+            let publish = |id: &str, payload: &str| deployment.relayhost(&["publish", "--type", "hang", "--id", id, "--payload", payload]);
+            assert!(publish("hang-1", "{}").status.success());
+            for id in bystanders {
+                assert!(publish(id, "{\"hang\": false}").status.success());
+            }
+        }
+        // Until its attempts are used up: then the host buries it without running it.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let buried = loop {
+            let delivery = deliveries.find_one(hang.clone()).await.unwrap().expect("its delivery is there");
+            if delivery.get_str("status") == Ok("dead") {
+                break true;
+            }
+            // Listed as started by this host: after each death's charge, at the next claim
+            // generation (the dead host's lane lists the one before until it is charged).
+            let id = delivery.get_object_id("_id").unwrap();
+            let running = doc! { "inFlight": { "$elemMatch": { "d": id, "c": deaths, "s": { "$ne": false } } } };
+            if deaths < 3 && lanes.find_one(running).await.unwrap().is_some() {
+                break false;
+            }
+            assert!(Instant::now() < deadline, "the host neither ran nor buried it:\n{}", host.log());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        if buried {
+            deployment.wait_until("the bystanders are delivered", Duration::from_secs(60), async |d| d.drained().await).await;
+            host.stop();
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        host.signal(libc::SIGKILL);
+        assert!(!host.wait(Duration::from_secs(10)));
+        deaths += 1;
+        assert!(deaths <= 3, "it keeps running after three deaths");
+    }
+    assert_eq!(deaths, 3, "dead after exactly max_attempts deaths");
+    let dead = deliveries.find_one(hang.clone()).await.unwrap().unwrap();
+    assert_eq!(dead.get("attempts").and_then(integer), Some(3), "{dead}");
+    assert!(dead.get_str("lastError").unwrap().contains("attempts used up by workers that stopped while running it"), "{dead}");
+    let alerts = deployment.documents("dead_letter_alerts").await;
+    assert!(alerts.iter().any(|a| a.get_str("eventId") == Ok("hang-1")), "its death is announced: {alerts:?}");
+    // Claimed ahead at every death, the bystanders ran once, in their first attempt.
+    let history = deployment.collection("relayhost_completed_deliveries");
+    for bystander in bystanders {
+        let record = history.find_one(doc! { "eventId": bystander }).await.unwrap().expect("delivered");
+        assert_eq!(record.get("attempts").and_then(integer), Some(1), "{record}");
+    }
 }
 
 // ---- graceful stop ----

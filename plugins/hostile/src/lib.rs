@@ -27,6 +27,9 @@ impl Plugin for Hostile {
         subscriptions.push(Subscription::new("write-collection", ["attack"]).transactional());
         // Traps on every event it gets: the dead-letter path end to end.
         subscriptions.push(Subscription::new("poison", ["poison"]));
+        // Never returns (within its wall time): the tests kill the host running it, as a
+        // poison event that crashes its host would.
+        subscriptions.push(Subscription::new("hang", ["hang"]));
         subscriptions
     }
 
@@ -67,6 +70,11 @@ impl Plugin for Hostile {
                 transaction::insert(&target, r#"{"stolen": true}"#).map(|_| ()).map_err(blocked)
             }
             "poison" => panic!("poisoned by event {}", event.id),
+            "hang" if payload["hang"] == Value::Bool(false) => Ok(()),
+            "hang" => {
+                std::thread::sleep(std::time::Duration::from_secs(3_600));
+                Ok(())
+            }
             "log-flood" => {
                 let line = "x".repeat(1_000);
                 for _ in 0..20_000 {
