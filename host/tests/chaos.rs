@@ -1,0 +1,366 @@
+//! Chaos: three `relayhost run` processes on a real three-member replica set, a pymongo
+//! publisher following the README's protocol in its own transactions (keyed and unkeyed
+//! events, several threads with skewed clocks, some transactions aborted), hosts killed with
+//! SIGKILL every few seconds (sometimes two at once) and restarted, the primary killed and
+//! later stepped down. At the end the transactional projection holds exactly the committed
+//! events, each key's events were handled in sequence, nothing is pending or dead, and the
+//! drain ended within a lease, a transaction lifetime and a stated margin of the last kill.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bson::{Document, doc};
+use futures::TryStreamExt;
+use mongodb::Client;
+
+const RELAYHOST: &str = env!("CARGO_BIN_EXE_relayhost");
+const SET: &str = "chaos";
+/// The hosts' lease, and the server's transaction lifetime: a killed host's open transaction
+/// holds its locks until the server aborts it.
+const LEASE: Duration = Duration::from_secs(2);
+const TRANSACTION_LIFETIME: Duration = Duration::from_secs(10);
+/// What the drain may take beyond those after the last kill: the backlog the kills let pile
+/// up, run by three hosts on two cores beside three `mongod`s.
+const MARGIN: Duration = Duration::from_secs(45);
+/// How long the kills go on.
+const CHAOS: Duration = Duration::from_secs(60);
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+/// A small deterministic generator, so that a failing schedule can be run again.
+struct Dice(u64);
+
+impl Dice {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
+    fn millis(&mut self, from: u64, to: u64) -> Duration {
+        Duration::from_millis(from + self.below(to - from))
+    }
+}
+
+fn kill(child: &mut Option<Child>) {
+    if let Some(mut child) = child.take() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
+/// One member of the replica set; its data survives its kills.
+struct Member {
+    port: u16,
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+impl Member {
+    fn start(&mut self) {
+        let binary = relayhost::mongod::find_binary().unwrap();
+        let child = Command::new(binary)
+            .args(["--replSet", SET, "--bind_ip", "127.0.0.1", "--port", &self.port.to_string()])
+            .arg("--dbpath")
+            .arg(&self.dir)
+            .arg("--logpath")
+            .arg(self.dir.join("mongod.log"))
+            .args(["--logappend", "--wiredTigerCacheSizeGB", "0.25", "--oplogSize", "128"])
+            .args(["--setParameter", "diagnosticDataCollectionEnabled=false"])
+            .args(["--setParameter", &format!("transactionLifetimeLimitSeconds={}", TRANSACTION_LIFETIME.as_secs())])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+    }
+
+    async fn direct(&self) -> Client {
+        let uri = format!("mongodb://127.0.0.1:{}/?directConnection=true&serverSelectionTimeoutMS=2000", self.port);
+        Client::with_uri_str(uri).await.unwrap()
+    }
+
+    async fn is_primary(&self) -> bool {
+        match self.direct().await.database("admin").run_command(doc! { "hello": 1 }).await {
+            Ok(hello) => hello.get_bool("isWritablePrimary").unwrap_or(false),
+            Err(_) => false,
+        }
+    }
+}
+
+struct ReplicaSet {
+    members: Vec<Member>,
+}
+
+impl ReplicaSet {
+    async fn start(root: &Path) -> Self {
+        let mut members: Vec<Member> = (0..3)
+            .map(|n| {
+                let dir = root.join(format!("member-{n}"));
+                std::fs::create_dir_all(&dir).unwrap();
+                Member { port: relayhost::mongod::free_port().unwrap(), dir, child: None }
+            })
+            .collect();
+        for member in &mut members {
+            member.start();
+        }
+        let hosts: Vec<Document> = members
+            .iter()
+            .enumerate()
+            .map(|(n, m)| doc! { "_id": n as i32, "host": format!("127.0.0.1:{}", m.port) })
+            .collect();
+        // Elections within seconds, so that a primary's death costs the test seconds.
+        let config = doc! {
+            "_id": SET,
+            "members": hosts,
+            "settings": { "electionTimeoutMillis": 2000, "heartbeatIntervalMillis": 500 },
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let first = members[0].direct().await;
+        while let Err(error) = first.database("admin").run_command(doc! { "replSetInitiate": config.clone() }).await {
+            assert!(Instant::now() < deadline, "replSetInitiate: {error}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let set = Self { members };
+        set.wait_for_primary().await;
+        set
+    }
+
+    fn uri(&self) -> String {
+        let hosts: Vec<String> = self.members.iter().map(|m| format!("127.0.0.1:{}", m.port)).collect();
+        format!("mongodb://{}/?replicaSet={SET}", hosts.join(","))
+    }
+
+    async fn primary(&self) -> Option<usize> {
+        for (n, member) in self.members.iter().enumerate() {
+            if member.child.is_some() && member.is_primary().await {
+                return Some(n);
+            }
+        }
+        None
+    }
+
+    async fn wait_for_primary(&self) -> usize {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(primary) = self.primary().await {
+                return primary;
+            }
+            assert!(Instant::now() < deadline, "no primary was elected");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
+impl Drop for ReplicaSet {
+    fn drop(&mut self) {
+        for member in &mut self.members {
+            kill(&mut member.child);
+        }
+    }
+}
+
+/// The hosts, each restarted under its own name with its log appended.
+struct Hosts {
+    config: PathBuf,
+    dir: PathBuf,
+    children: Vec<Option<Child>>,
+}
+
+impl Hosts {
+    fn start(&mut self, n: usize) {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.join(format!("host-{n}.log"))).unwrap();
+        let child = Command::new(RELAYHOST)
+            .args(["run", "--config"])
+            .arg(&self.config)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.children[n] = Some(child);
+    }
+
+    fn kill(&mut self, n: usize) {
+        kill(&mut self.children[n]);
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for child in &mut self.children {
+            kill(child);
+        }
+        if std::thread::panicking() {
+            eprintln!("the hosts' and members' logs are kept in {}", self.dir.display());
+        }
+    }
+}
+
+async fn all(collection: &mongodb::Collection<Document>, filter: Document) -> Vec<Document> {
+    collection.find(filter).await.unwrap().try_collect().await.unwrap()
+}
+
+/// Nothing is left to deliver: every committed order's event is audited, nothing is
+/// unfanned, pending or dead.
+async fn drained(db: &mongodb::Database) -> Result<bool, mongodb::error::Error> {
+    let events = db.collection::<Document>("relayhost_events");
+    let unfanned = events.count_documents(doc! { "fannedOutAt": null }).await?;
+    let deliveries = db.collection::<Document>("relayhost_deliveries").count_documents(doc! {}).await?;
+    let handed_out = events.count_documents(doc! { "handedOut.0": { "$exists": true } }).await?;
+    let orders = events.count_documents(doc! { "type": "order.placed" }).await?;
+    let audited = db.collection::<Document>("audit_log").count_documents(doc! {}).await?;
+    Ok(unfanned == 0 && deliveries == 0 && handed_out == 0 && audited == orders)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hosts_and_the_primary_killed_over_and_over_lose_nothing_duplicate_nothing_and_keep_every_keys_order() {
+    let seed: u64 = std::env::var("RELAYHOST_CHAOS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1
+    });
+    eprintln!("chaos seed {seed} (RELAYHOST_CHAOS_SEED={seed} runs this schedule again)");
+    let mut dice = Dice(seed);
+    let dir = std::env::temp_dir().join(format!("relayhost-chaos-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("plugins")).unwrap();
+    std::fs::copy(common::plugins_dir().join("audit_log.wasm"), dir.join("plugins/audit_log.wasm")).unwrap();
+    let mut set = ReplicaSet::start(&dir).await;
+    let uri = set.uri();
+
+    // Without completion history: what fan-outs hand out runs without a delivery document,
+    // the riskiest way a delivery can take.
+    let config = dir.join("relayhost.toml");
+    let text = format!(
+        "[mongodb]\nuri = {uri:?}\ndatabase = \"chaos\"\n\n[plugins]\ndirectory = {plugins:?}\n\n\
+         [host]\nartifact_cache = {artifacts:?}\ncompletion_history = false\nconcurrency = 8\n\
+         lease = \"{lease}s\"\npoll_interval = \"200ms\"\n\n[defaults]\nwall_time = \"5s\"\n\n\
+         [plugin.audit_log]\ngrants = {{ collections = [\"audit_log\", \"audit_order\"] }}\n",
+        plugins = dir.join("plugins"),
+        artifacts = repo_root().join("target/relayhost-test-artifacts"),
+        lease = LEASE.as_secs(),
+    );
+    std::fs::write(&config, text).unwrap();
+    let mut hosts = Hosts { config, dir: dir.clone(), children: vec![None, None, None] };
+    for n in 0..3 {
+        hosts.start(n);
+    }
+
+    let python_path = Command::new(repo_root().join("scripts/ensure-python-deps.sh")).output().unwrap();
+    assert!(python_path.status.success());
+    let deps = String::from_utf8(python_path.stdout).unwrap().trim().to_string();
+    let readme = repo_root().join("examples/publishers/python");
+    let stop_file = dir.join("stop-publishing");
+    let mut publisher = Command::new("python3")
+        .arg(repo_root().join("host/tests/chaos/publisher.py"))
+        .args([uri.as_str(), "chaos"])
+        .arg(&stop_file)
+        .arg("3")
+        .env("PYTHONPATH", format!("{deps}:{}", readme.display()))
+        .stderr(std::fs::File::create(dir.join("publisher.log")).unwrap())
+        .spawn()
+        .unwrap();
+
+    // The kills: one host, or two at once, every 2-5 s; the primary killed once and
+    // restarted, and stepped down once later.
+    let started = Instant::now();
+    let mut round = 0;
+    let mut last_kill = Instant::now();
+    while started.elapsed() < CHAOS {
+        tokio::time::sleep(dice.millis(2_000, 5_000)).await;
+        round += 1;
+        match round {
+            4 => {
+                let primary = set.wait_for_primary().await;
+                eprintln!("{:?}: killing the primary, member {primary}", started.elapsed());
+                kill(&mut set.members[primary].child);
+                tokio::time::sleep(dice.millis(2_000, 4_000)).await;
+                set.members[primary].start();
+            }
+            9 => {
+                let primary = set.wait_for_primary().await;
+                eprintln!("{:?}: stepping the primary, member {primary}, down", started.elapsed());
+                let admin = set.members[primary].direct().await;
+                let _ = admin.database("admin").run_command(doc! { "replSetStepDown": 10, "secondaryCatchUpPeriodSecs": 5 }).await;
+            }
+            _ => {
+                let two = round % 3 == 0;
+                let first = dice.below(3) as usize;
+                let victims = if two { vec![first, (first + 1 + dice.below(2) as usize) % 3] } else { vec![first] };
+                eprintln!("{:?}: SIGKILL host(s) {victims:?}", started.elapsed());
+                for &n in &victims {
+                    hosts.kill(n);
+                }
+                last_kill = Instant::now();
+                tokio::time::sleep(dice.millis(300, 1_500)).await;
+                for &n in &victims {
+                    hosts.start(n);
+                }
+            }
+        }
+    }
+    std::fs::write(&stop_file, b"").unwrap();
+    let status = publisher.wait().unwrap();
+    assert!(status.success(), "the publisher failed: see {}", dir.join("publisher.log").display());
+
+    let client = Client::with_uri_str(&uri).await.unwrap();
+    let db = client.database("chaos");
+    let deadline = last_kill + LEASE + TRANSACTION_LIFETIME + MARGIN;
+    loop {
+        if drained(&db).await.unwrap_or(false) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not drained within lease + transaction lifetime + {MARGIN:?} of the last kill");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    eprintln!("drained {:?} after the last kill", last_kill.elapsed());
+
+    // Exactly the committed events, each once: the orders committed are those whose event
+    // exists (their transaction wrote both), and aborted ones left neither.
+    let events = all(&db.collection("relayhost_events"), doc! { "type": "order.placed" }).await;
+    assert!(events.len() > 500, "the publisher committed {} events", events.len());
+    let committed: BTreeSet<String> = events.iter().map(|e| e.get_str("_id").unwrap().to_string()).collect();
+    let orders: BTreeSet<String> =
+        all(&db.collection("orders"), doc! {}).await.iter().map(|o| format!("order-placed-{}", o.get_str("_id").unwrap())).collect();
+    assert_eq!(orders, committed, "business data and events committed together");
+    let audited: Vec<String> = all(&db.collection("audit_log"), doc! {}).await.iter().map(|a| a.get_str("_id").unwrap().to_string()).collect();
+    assert_eq!(audited.len(), committed.len(), "no duplicate");
+    assert_eq!(audited.into_iter().collect::<BTreeSet<_>>(), committed, "no loss, no phantom");
+
+    // Each key's events were handled one at a time, in sequence (commit) order.
+    let mut by_key: BTreeMap<String, Vec<(i64, String)>> = BTreeMap::new();
+    for event in &events {
+        if let Ok(key) = event.get_str("key") {
+            let sequence = event.get_i64("sequence").or_else(|_| event.get_i32("sequence").map(i64::from)).unwrap();
+            by_key.entry(key.to_string()).or_default().push((sequence, event.get_str("_id").unwrap().to_string()));
+        }
+    }
+    assert!(by_key.len() > 5);
+    let handled: BTreeMap<String, Vec<String>> = all(&db.collection("audit_order"), doc! {})
+        .await
+        .iter()
+        .map(|d| {
+            let events = d.get_array("events").unwrap().iter().map(|e| e.as_str().unwrap().to_string()).collect();
+            (d.get_str("_id").unwrap().to_string(), events)
+        })
+        .collect();
+    for (key, mut sequence) in by_key {
+        sequence.sort();
+        let expected: Vec<String> = sequence.into_iter().map(|(_, id)| id).collect();
+        assert_eq!(handled.get(&key), Some(&expected), "key {key} was handled in sequence");
+    }
+    let dead = db.collection::<Document>("relayhost_deliveries").count_documents(doc! { "status": "dead" }).await.unwrap();
+    assert_eq!(dead, 0);
+    eprintln!("{} events, {} rounds of kills", committed.len(), round);
+}
