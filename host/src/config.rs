@@ -186,6 +186,10 @@ pub struct PluginConfig {
     pub memory: Option<Size>,
     pub wall_time: Option<Span>,
     pub output: Option<Size>,
+    /// Longest failure reason kept from the plugin.
+    pub reason: Option<Size>,
+    /// Furthest ahead a plugin may put its retry.
+    pub not_before_horizon: Option<Span>,
     pub retry: Option<RetryConfig>,
     pub grants: GrantsConfig,
 }
@@ -329,6 +333,11 @@ impl Config {
                 .or(self.defaults.wall_time)
                 .map_or(defaults.wall_time, |s| s.0),
             output_bytes: pick(&|p| p.output.map(|s| s.0 as u64), defaults.output_bytes as u64) as usize,
+            reason_bytes: pick(&|p| p.reason.map(|s| s.0 as u64), defaults.reason_bytes as u64) as usize,
+            not_before_horizon: own
+                .and_then(|p| p.not_before_horizon)
+                .or(self.defaults.not_before_horizon)
+                .map_or(defaults.not_before_horizon, |s| s.0),
         };
         let grants = own.map(|p| &p.grants).cloned().unwrap_or_default();
         PluginPolicy {
@@ -363,6 +372,13 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
     humantime::parse_duration(text).map_err(|e| format!("{text:?} is not a duration like \"30s\": {e}"))
 }
 
+/// The longest failure reason an operator may let a plugin store: its dead letter repeats it,
+/// and both must stay far below a document's 16 MiB.
+const MAX_REASON_BYTES: usize = 64 * 1024;
+
+/// How far ahead a plugin may be allowed to put its retry, at most.
+const MAX_NOT_BEFORE_HORIZON: Duration = Duration::from_secs(365 * 24 * 3600);
+
 fn validate_plugin(section: &str, plugin: &PluginConfig) -> Result<(), ConfigError> {
     if plugin.fuel == Some(0) {
         return Err(invalid(format!("{section}.fuel"), "must be more than 0"));
@@ -374,6 +390,12 @@ fn validate_plugin(section: &str, plugin: &PluginConfig) -> Result<(), ConfigErr
     }
     if plugin.wall_time.is_some_and(|w| w.0.is_zero()) {
         return Err(invalid(format!("{section}.wall_time"), "must be more than 0s"));
+    }
+    if plugin.reason.is_some_and(|r| !(64..=MAX_REASON_BYTES).contains(&r.0)) {
+        return Err(invalid(format!("{section}.reason"), "must be between 64B and 64KiB"));
+    }
+    if plugin.not_before_horizon.is_some_and(|h| h.0.is_zero() || h.0 > MAX_NOT_BEFORE_HORIZON) {
+        return Err(invalid(format!("{section}.not_before_horizon"), "must be more than 0s and at most 365 days"));
     }
     if let Some(retry) = &plugin.retry {
         if retry.max_attempts == 0 {

@@ -27,7 +27,13 @@ fn runtime() -> PluginRuntime {
 }
 
 fn quick_limits() -> Limits {
-    Limits { fuel: 200_000_000, memory_bytes: 32 * 1024 * 1024, wall_time: Duration::from_secs(2), output_bytes: 8 * 1024 }
+    Limits {
+        fuel: 200_000_000,
+        memory_bytes: 32 * 1024 * 1024,
+        wall_time: Duration::from_secs(2),
+        output_bytes: 8 * 1024,
+        ..Limits::default()
+    }
 }
 
 fn policy(grants: Grants) -> PluginPolicy {

@@ -45,3 +45,44 @@ impl SequenceWatch {
         true
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::EventRecord;
+    use crate::store::Lease;
+    use bson::oid::ObjectId;
+
+    fn delivery(handler: &str, key: Option<&str>, sequence: i64) -> ClaimedDelivery {
+        let mut document = crate::event::NewEvent::new(format!("e-{sequence}"), "t", bson::doc! {})
+            .to_document(key.map(|_| sequence), bson::DateTime::now());
+        if let Some(key) = key {
+            document.insert("key", key);
+        }
+        ClaimedDelivery {
+            lease: Lease { delivery: ObjectId::new(), lane: 0, epoch: 1, claims: 0 },
+            handler: handler.to_string(),
+            attempts: 0,
+            event: EventRecord::from_document(&document).unwrap(),
+            started: true,
+        }
+    }
+
+    #[test]
+    fn a_lower_sequence_after_a_higher_one_of_its_key_and_handler_is_reported_once() {
+        let mut watch = SequenceWatch::default();
+        let started: Vec<bool> = [("h", Some("k"), 1), ("h", Some("k"), 3), ("h", Some("k"), 3), ("h", Some("k"), 2)]
+            .into_iter()
+            .map(|(handler, key, sequence)| watch.starts(&delivery(handler, key, sequence)))
+            .collect();
+        // A retry of 3 is no break; 2 after 3 is.
+        assert_eq!(started, [false, false, false, true]);
+        // Other handlers, other keys and unkeyed events have orders of their own.
+        assert!(!watch.starts(&delivery("other", Some("k"), 1)));
+        assert!(!watch.starts(&delivery("h", Some("k2"), 1)));
+        assert!(!watch.starts(&delivery("h", None, 0)));
+        // 4 follows 3, and the break did not lower what 4 is compared with.
+        assert!(!watch.starts(&delivery("h", Some("k"), 4)));
+        assert!(watch.starts(&delivery("h", Some("k"), 3)));
+    }
+}

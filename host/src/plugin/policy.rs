@@ -15,6 +15,13 @@ pub struct Limits {
     pub wall_time: Duration,
     /// Log lines plus stdout/stderr kept per delivery, in bytes; the rest is dropped.
     pub output_bytes: usize,
+    /// Longest failure reason kept from the plugin, in bytes; a longer one is cut, saying so.
+    /// The host stores it (`lastError`) and repeats it (the dead letter), so it must stay far
+    /// below what a document may hold.
+    pub reason_bytes: usize,
+    /// Furthest ahead a plugin's `not-before` may put its retry; a later one is brought back
+    /// to this.
+    pub not_before_horizon: Duration,
 }
 
 impl Default for Limits {
@@ -24,6 +31,8 @@ impl Default for Limits {
             memory_bytes: 64 * 1024 * 1024,
             wall_time: Duration::from_secs(30),
             output_bytes: 64 * 1024,
+            reason_bytes: 4 * 1024,
+            not_before_horizon: Duration::from_secs(7 * 24 * 3600),
         }
     }
 }

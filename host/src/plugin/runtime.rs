@@ -145,6 +145,21 @@ impl transaction::Host for HostState {
     }
 }
 
+/// `reason` as the host keeps it: at most `max` bytes, cut at a character boundary and saying
+/// how long it was. A plugin's words are stored and repeated (in `lastError` and its dead
+/// letter), so their size is the operator's to bound, never the plugin's.
+fn cut(reason: String, max: usize) -> String {
+    if reason.len() <= max {
+        return reason;
+    }
+    let note = format!(" [cut: {} bytes in all]", reason.len());
+    let mut end = max.saturating_sub(note.len());
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{note}", &reason[..end])
+}
+
 /// How one delivery ended, as far as the plugin is concerned.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
@@ -406,8 +421,12 @@ impl PluginRuntime {
         let result = tokio::time::timeout(plugin.policy.limits.wall_time, call).await;
         let outcome = match result {
             Ok(Ok(Ok(()))) => Outcome::Completed,
-            Ok(Ok(Err(types::Failure::Retry(retry)))) => Outcome::Retry { reason: retry.reason, not_before: retry.not_before },
-            Ok(Ok(Err(types::Failure::Unprocessable(reason)))) => Outcome::Unprocessable(reason),
+            Ok(Ok(Err(types::Failure::Retry(retry)))) => {
+                let limits = &plugin.policy.limits;
+                let horizon = bson::DateTime::now().timestamp_millis().saturating_add(limits.not_before_horizon.as_millis() as i64);
+                Outcome::Retry { reason: cut(retry.reason, limits.reason_bytes), not_before: retry.not_before.map(|at| at.min(horizon)) }
+            }
+            Ok(Ok(Err(types::Failure::Unprocessable(reason)))) => Outcome::Unprocessable(cut(reason, plugin.policy.limits.reason_bytes)),
             Ok(Err(error)) => {
                 // A guest that panics prints why to stderr just before its trap; a limit
                 // needs no more words than its own.

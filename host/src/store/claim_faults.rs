@@ -354,6 +354,8 @@ async fn lost_run_whose_charge_failed<S: Store + Parts>(a: &S, b: &S) -> impl Fn
 async fn failure_of_charge<S: Store + Parts>(a: &S, b: &S, c: &S) {
     let handlers = vec!["h".to_string()];
     let later = lost_run_whose_charge_failed(a, b).await;
+    // The lane waits, and says so (the `/metrics` gauge).
+    assert_eq!(b.parts().1.lanes_waiting_for_charge(), 1);
     // The lane is b's, and so is the charge: its next claims make it, then run e-1 again;
     // nobody else sees it meanwhile.
     assert!(c.claim(&handlers, 1, later(1)).await.unwrap().is_empty());
@@ -361,6 +363,7 @@ async fn failure_of_charge<S: Store + Parts>(a: &S, b: &S, c: &S) {
     for ms in 2..5 {
         claimed.extend(b.claim(&handlers, 1, later(ms)).await.unwrap());
     }
+    assert_eq!(b.parts().1.lanes_waiting_for_charge(), 0);
     assert_eq!(claimed.len(), 1, "e-1 runs again");
     assert_eq!(claimed[0].attempts, 1, "the lost attempt is charged exactly once");
 }

@@ -27,6 +27,9 @@ impl Plugin for Hostile {
         subscriptions.push(Subscription::new("write-collection", ["attack"]).transactional());
         // Traps on every event it gets: the dead-letter path end to end.
         subscriptions.push(Subscription::new("poison", ["poison"]));
+        // Hands the host a failure reason of the payload's `bytes` (retried, not before the
+        // end of time, when `retry` is set; unprocessable otherwise).
+        subscriptions.push(Subscription::new("huge-reason", ["huge-reason"]));
         // Never returns (within its wall time): the tests kill the host running it, as a
         // poison event that crashes its host would.
         subscriptions.push(Subscription::new("hang", ["hang"]));
@@ -70,6 +73,14 @@ impl Plugin for Hostile {
                 transaction::insert(&target, r#"{"stolen": true}"#).map(|_| ()).map_err(blocked)
             }
             "poison" => panic!("poisoned by event {}", event.id),
+            "huge-reason" => {
+                let reason = "E".repeat(payload["bytes"].as_u64().unwrap_or(1_100_000) as usize);
+                if payload["retry"] == Value::Bool(true) {
+                    Err(Failure::retry_at(reason, i64::MAX))
+                } else {
+                    Err(Failure::unprocessable(reason))
+                }
+            }
             "hang" if payload["hang"] == Value::Bool(false) => Ok(()),
             "hang" => {
                 std::thread::sleep(std::time::Duration::from_secs(3_600));
