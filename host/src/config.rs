@@ -503,6 +503,8 @@ mod tests {
             ("[plugin.x]\nmemory = \"2GiB\"", "plugin.x.memory"),
             ("[plugin.x]\nmemory = \"lots\"", "memory"),
             ("[plugin.x]\nretry = { max_attempts = 0 }", "plugin.x.retry.max_attempts"),
+            ("[plugin.x]\nreason = \"1MiB\"", "plugin.x.reason"),
+            ("[defaults]\nnot_before_horizon = \"0s\"", "defaults.not_before_horizon"),
             ("[plugin.x]\ngrants = { collections = [\"system.users\"] }", "plugin.x.grants.collections"),
             ("[plugin.x]\ngrants = { directory = \"relative\" }", "plugin.x.grants.directory"),
             ("[plugin.x]\ngrants = { everything = true }", "everything"),

@@ -465,6 +465,54 @@ async fn in_flight(lanes: &mongodb::Collection<Document>, deliveries: &mongodb::
 // ---- dead letters and the hook ----
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn huge_failure_reasons_are_cut_and_stall_nothing_beside_them() {
+    // A plugin hands back failure reasons of 1.1 MB (over the dead letter's 1 MiB payload) and
+    // 17 MB (over a document's 16 MiB), and retries not before the end of time. Beside it a
+    // transactional plugin's deliveries keep flowing; the hostile ones end dead or rescheduled
+    // with reasons cut to the limit, and their deaths are announced.
+    let extra = "concurrency = 8\npoll_interval = \"200ms\"\n\n[plugin.hostile]\nmemory = \"128MiB\"\nreason = \"1KiB\"\n\
+                 retry = { max_attempts = 3, initial_backoff = \"100ms\", max_backoff = \"1s\" }";
+    let deployment = Deployment::new(&["hostile", "audit_log", "dead_letter_alert"], extra).await;
+    let host = deployment.start("host");
+    let store = deployment.fixture.store();
+    let mut hostile = Vec::new();
+    for n in 0..20 {
+        let bytes = if n % 2 == 0 { 1_100_000 } else { 17_000_000 };
+        hostile.push(NewEvent::new(format!("huge-{n}"), "huge-reason", doc! { "bytes": bytes }));
+    }
+    hostile.push(NewEvent::new("never", "huge-reason", doc! { "bytes": 2_000, "retry": true }));
+    publish_all(store, hostile).await;
+    let orders = keyed_orders(0..40, 4);
+    let published = Instant::now();
+    publish_orders(&deployment, &orders).await;
+    deployment.wait_until("the orders beside them are audited", Duration::from_secs(20), async |d| {
+        d.documents("audit_log").await.len() == orders.len()
+    })
+    .await;
+    assert!(published.elapsed() < Duration::from_secs(20));
+    deployment.wait_until("every huge reason is dead and announced", Duration::from_secs(60), async |d| {
+        d.documents("dead_letter_alerts").await.len() == 20
+    })
+    .await;
+    let dead = store
+        .list_deliveries(&DeliveryFilter { status: Some(relayhost::store::DeliveryStatus::Dead), limit: 100, ..Default::default() })
+        .await
+        .unwrap();
+    assert_eq!(dead.deliveries.len(), 20);
+    for delivery in &dead.deliveries {
+        let error = delivery.last_error.as_deref().unwrap();
+        assert!(error.len() <= 1_100 && error.contains("bytes in all]"), "{} bytes: {}", error.len(), &error[..80]);
+    }
+    // The retry asked for the end of time: it is due within the horizon (7 days), stored as a
+    // date every driver reads.
+    let never = deployment.collection("relayhost_deliveries").find_one(doc! { "eventId": "never" }).await.unwrap().unwrap();
+    let due = never.get_datetime("dueAt").unwrap().timestamp_millis();
+    assert!(due <= bson::DateTime::now().timestamp_millis() + 7 * 24 * 3_600_000, "{never}");
+    assert!(never.get_str("lastError").unwrap().len() <= 1_024);
+    host.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poison_plugin_runs_into_the_dead_letters_and_the_hook_is_delivered() {
     let extra = "poll_interval = \"5s\"\n\n[plugin.hostile]\nretry = { max_attempts = 3, initial_backoff = \"100ms\", max_backoff = \"1s\" }";
     let deployment = Deployment::new(&["hostile", "dead_letter_alert"], extra).await;

@@ -54,11 +54,11 @@ mod tests {
     use bson::oid::ObjectId;
 
     fn delivery(handler: &str, key: Option<&str>, sequence: i64) -> ClaimedDelivery {
-        let mut document = crate::event::NewEvent::new(format!("e-{sequence}"), "t", bson::doc! {})
-            .to_document(key.map(|_| sequence), bson::DateTime::now());
+        let mut event = crate::event::NewEvent::new(format!("e-{sequence}"), "t", bson::doc! {});
         if let Some(key) = key {
-            document.insert("key", key);
+            event = event.with_key(key);
         }
+        let document = event.to_document(key.map(|_| sequence), bson::DateTime::now());
         ClaimedDelivery {
             lease: Lease { delivery: ObjectId::new(), lane: 0, epoch: 1, claims: 0 },
             handler: handler.to_string(),

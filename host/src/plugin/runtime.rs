@@ -630,3 +630,18 @@ fn validate_subscriptions(subscriptions: Vec<types::Subscription>) -> Result<Vec
     }
     Ok(result)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::cut;
+
+    #[test]
+    fn a_reason_is_cut_at_a_character_boundary_within_its_limit_and_says_how_long_it_was() {
+        assert_eq!(cut("short".into(), 64), "short");
+        let long = "é".repeat(1_000);
+        let kept = cut(long.clone(), 101);
+        assert!(kept.len() <= 101, "{}", kept.len());
+        assert!(kept.ends_with(" [cut: 2000 bytes in all]"), "{kept}");
+        assert!(long.starts_with(kept.trim_end_matches(" [cut: 2000 bytes in all]")));
+    }
+}
