@@ -97,15 +97,14 @@ async fn broken_files_are_refused_naming_the_file_and_the_reason() {
     let runtime = runtime();
     let dir = std::env::temp_dir().join(format!("relayhost-broken-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
+    let foreign = r#"(component (import "acme:evil/backdoor" (instance (export "open" (func)))))"#;
     let cases: Vec<(&str, Vec<u8>, &str)> = vec![
-        ("garbage.wasm", b"definitely not wasm".to_vec(), "not a valid WebAssembly component"),
+        ("garbage.wasm", b"definitely not wasm".to_vec(), "not a WebAssembly binary"),
+        // Text is never read as the WebAssembly text format: its error would quote it.
+        ("text.wasm", b"(component)".to_vec(), "not a WebAssembly binary"),
         ("core-module.wasm", b"\0asm\x01\0\0\0".to_vec(), "not a valid WebAssembly component"),
-        ("empty-component.wasm", b"(component)".to_vec(), "does not implement relayhost:plugin/handler@0.1.0"),
-        (
-            "foreign-import.wasm",
-            br#"(component (import "acme:evil/backdoor" (instance (export "open" (func)))))"#.to_vec(),
-            "needs an import relayhost does not provide",
-        ),
+        ("empty-component.wasm", wat::parse_str("(component)").unwrap(), "does not implement relayhost:plugin/handler@0.1.0"),
+        ("foreign-import.wasm", wat::parse_str(foreign).unwrap(), "needs an import relayhost does not provide"),
     ];
     for (name, bytes, expected) in cases {
         let path = dir.join(name);
@@ -115,6 +114,22 @@ async fn broken_files_are_refused_naming_the_file_and_the_reason() {
         assert!(matches!(error, PluginError::Refused { .. }), "{message}");
         assert!(message.contains(name) && message.contains(expected), "{message}");
     }
+    // A link to a secret, and a file that says it is empty and is not, are refused without a
+    // word of what they hold.
+    let secret = dir.join("secret.txt");
+    std::fs::write(&secret, "SECRET_TOKEN=hunter2\n").unwrap();
+    std::os::unix::fs::symlink(&secret, dir.join("secret.wasm")).unwrap();
+    std::os::unix::fs::symlink("/proc/self/environ", dir.join("environ.wasm")).unwrap();
+    for name in ["secret.wasm", "environ.wasm"] {
+        let message = runtime.load(&dir.join(name), PluginPolicy::default()).await.unwrap_err().to_string();
+        assert!(message.contains(name) && message.contains("not a WebAssembly binary"), "{message}");
+        assert!(!message.contains("hunter2") && !message.contains("PATH="), "{message}");
+    }
+    // A file over the size limit is refused before it is read (a sparse one here).
+    let huge = std::fs::File::create(dir.join("huge.wasm")).unwrap();
+    huge.set_len(relayhost::plugin::MAX_PLUGIN_FILE_BYTES + 1).unwrap();
+    let message = runtime.load(&dir.join("huge.wasm"), PluginPolicy::default()).await.unwrap_err().to_string();
+    assert!(message.contains("over the 268435456 bytes a plugin file may have"), "{message}");
     // A half-written copy of a real plugin is refused too.
     let real = std::fs::read(plugin_file("noop")).unwrap();
     let half = dir.join("half.wasm");

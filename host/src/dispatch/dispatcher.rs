@@ -509,8 +509,9 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             if flight.sequences.starts(&delivery) {
                 DispatcherCounters::add(&self.counters.out_of_order, 1);
             }
-            // Claimed ahead: its start is recorded once it has a run slot, before it runs.
-            let starts = (!delivery.started).then(|| flight.starts.clone());
+            // Claimed ahead and suspect (a host died while it may have been running it): its
+            // start is recorded once it has a run slot, before it runs.
+            let starts = (!delivery.started && delivery.suspect).then(|| flight.starts.clone());
             let task = tokio::spawn(async move {
                 // A closed semaphore means the host is stopping: hand it back unstarted.
                 let Ok(_permit) = permits.acquire_owned().await else {

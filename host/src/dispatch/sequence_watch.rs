@@ -65,6 +65,7 @@ mod tests {
             attempts: 0,
             event: EventRecord::from_document(&document).unwrap(),
             started: true,
+            suspect: false,
         }
     }
 

@@ -15,7 +15,10 @@ mod runtime;
 pub use capability::{CapabilityFuture, FollowUpEvent, TransactionCapability};
 pub use policy::{Grants, Limits, PluginPolicy};
 pub use registry::{Change, DEBOUNCE, PluginRegistry, WatchGuard};
-pub use runtime::{DeliveryInfo, LoadedPlugin, LogLevel, MAX_MEMORY_BYTES, Outcome, PluginRuntime, Ran, RuntimeOptions};
+pub use runtime::{
+    DeliveryInfo, LoadedPlugin, LogLevel, MAX_MEMORY_BYTES, MAX_PLUGIN_FILE_BYTES, Outcome, PluginRuntime, Ran, RuntimeOptions,
+    read_plugin_file,
+};
 
 /// A handler a plugin offers.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -16,6 +16,7 @@ use std::time::Duration;
 use notify::{RecursiveMode, Watcher};
 use sha2::{Digest, Sha256};
 
+use super::runtime::read_plugin_file;
 use super::{LoadedPlugin, PluginError, PluginPolicy, PluginRuntime, Subscription};
 
 /// How long the directory must be quiet before a scan.
@@ -116,8 +117,12 @@ impl PluginRegistry {
         }
         self.catalog.write().expect("catalog").refused.retain(|name, _| files.contains_key(name));
         for (name, path) in &files {
-            let Ok(bytes) = std::fs::read(path) else { continue };
-            let hash = hex::encode(Sha256::digest(&bytes));
+            // Read once, and hashed: an unreadable file is remembered by its reason instead.
+            let read = read_plugin_file(path);
+            let hash = match &read {
+                Ok(bytes) => hex::encode(Sha256::digest(bytes)),
+                Err(reason) => format!("unreadable: {reason}"),
+            };
             let known = {
                 let catalog = self.catalog.read().expect("catalog");
                 catalog.plugins.get(name).map(|p| &p.content_hash) == Some(&hash) || catalog.refused.get(name) == Some(&hash)
@@ -125,7 +130,11 @@ impl PluginRegistry {
             if known {
                 continue;
             }
-            let change = match self.runtime.load(path, (self.policy_for)(name)).await {
+            let loaded = match read {
+                Ok(bytes) => self.runtime.load_bytes(path, bytes, (self.policy_for)(name)).await,
+                Err(reason) => Err(PluginError::Refused { file: path.display().to_string(), reason }),
+            };
+            let change = match loaded {
                 Ok(plugin) => self.install(name, plugin),
                 Err(error) => Err(error.to_string()),
             };

@@ -301,6 +301,12 @@ impl PluginRuntime {
     /// Compiles (or loads from the artifact cache) and validates one plugin file: a component
     /// of this world, with well-formed, unique handler ids. The error names the file.
     pub async fn load(&self, path: &Path, policy: PluginPolicy) -> Result<LoadedPlugin, PluginError> {
+        let bytes = read_plugin_file(path).map_err(|reason| PluginError::Refused { file: path.display().to_string(), reason })?;
+        self.load_bytes(path, bytes, policy).await
+    }
+
+    /// [`PluginRuntime::load`] of a file's bytes read already (by [`read_plugin_file`]).
+    pub async fn load_bytes(&self, path: &Path, bytes: Vec<u8>, policy: PluginPolicy) -> Result<LoadedPlugin, PluginError> {
         let file = path.display().to_string();
         let refuse = |reason: String| PluginError::Refused { file: file.clone(), reason };
         let name = path
@@ -308,7 +314,6 @@ impl PluginRuntime {
             .and_then(|s| s.to_str())
             .ok_or_else(|| refuse("the file name is not valid UTF-8".to_string()))?
             .to_string();
-        let bytes = std::fs::read(path).map_err(|e| refuse(format!("cannot read it: {e}")))?;
         let content_hash = hex::encode(Sha256::digest(&bytes));
         // Compiling is seconds of CPU for a large component: keep it off the async threads.
         let (engine, cache_dir, hash) = (self.engine.clone(), self.cache_dir.clone(), content_hash.clone());
@@ -505,6 +510,33 @@ impl TransactionCapability for Returning {
     fn publish(&mut self, event: FollowUpEvent) -> super::capability::CapabilityFuture<'_, ()> {
         self.inner.as_mut().expect("present until dropped").publish(event)
     }
+}
+
+/// The largest plugin file the host reads: a Python or JavaScript component with its
+/// interpreter is tens of MiB.
+pub const MAX_PLUGIN_FILE_BYTES: u64 = 256 << 20;
+
+/// Reads a plugin file, refusing one over [`MAX_PLUGIN_FILE_BYTES`] (before reading it, where
+/// its size is known) and one that is not a WebAssembly binary. A refusal never quotes the
+/// content: the file may be anything an operator's directory holds, or a link to a secret.
+pub fn read_plugin_file(path: &Path) -> Result<Vec<u8>, String> {
+    let file = std::fs::File::open(path).map_err(|e| format!("cannot read it: {}", e.kind()))?;
+    let size = file.metadata().map_err(|e| format!("cannot read it: {}", e.kind()))?.len();
+    let over = |size: u64| format!("it is {size} bytes or more, over the {MAX_PLUGIN_FILE_BYTES} bytes a plugin file may have");
+    if size > MAX_PLUGIN_FILE_BYTES {
+        return Err(over(size));
+    }
+    // Some files say they are empty and are not (`/proc`): read no more than the limit.
+    let mut bytes = Vec::with_capacity(size as usize);
+    std::io::Read::read_to_end(&mut std::io::Read::take(file, MAX_PLUGIN_FILE_BYTES + 1), &mut bytes)
+        .map_err(|e| format!("cannot read it: {}", e.kind()))?;
+    if bytes.len() as u64 > MAX_PLUGIN_FILE_BYTES {
+        return Err(over(bytes.len() as u64));
+    }
+    if !bytes.starts_with(b"\0asm") {
+        return Err("it is not a WebAssembly binary (a component starts with the bytes \\0asm; its content is not shown)".into());
+    }
+    Ok(bytes)
 }
 
 /// Compiles a component, or loads it from the artifact cache of this engine.

@@ -110,6 +110,12 @@ pub(crate) struct Candidate {
     /// Once picked: whether it starts at once, or is claimed ahead of a free run slot (see
     /// [`InFlight::started`]).
     pub started: bool,
+    /// A host died while it was listed unstarted (claimed ahead): it may have been running
+    /// nonetheless, since a start from the queue of claimed-ahead work is not recorded. From
+    /// then on, claimed ahead, it records its start before it runs (see
+    /// [`ClaimedDelivery::suspect`]), so that a delivery that kills its host is charged at
+    /// every death but its first.
+    pub suspect: bool,
 }
 
 impl Candidate {
@@ -267,7 +273,8 @@ pub(crate) trait ClaimBackend: Sync {
     fn charge_lost(&self, entries: &[InFlight], now: DateTime) -> impl Future<Output = Result<(), StoreError>> + Send;
     /// Lists the given deliveries of each lane (held by `holder` at the epoch given) as
     /// started; one flag per lane, `false` when the lane is not held so or does not list them
-    /// all. Durable before it returns (see [`Claimer::record_starts`]).
+    /// all. Acknowledged once applied ([`LaneWrite::Applied`]): only the failover of a primary
+    /// that had not replicated it loses it, and that costs a charge, never a run or an order.
     fn record_starts(
         &self,
         holder: &Holder,
@@ -1417,7 +1424,7 @@ fn issue(issued: &mut HashMap<DeliveryId, Issued>, pick: Candidate, epoch: i64, 
     let key = pick.handler_key();
     let unstored = pick.unstored.map(|event| Unstored { event, handler: pick.handler.clone() });
     issued.insert(pick.id, Issued { lease, at: now, key, unstored });
-    ClaimedDelivery { lease, handler: pick.handler, attempts: pick.attempts, event, started: pick.started }
+    ClaimedDelivery { lease, handler: pick.handler, attempts: pick.attempts, event, started: pick.started, suspect: pick.suspect }
 }
 
 /// Counts lanes just taken as held, with nothing of theirs running; returns their ids.

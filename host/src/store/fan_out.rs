@@ -214,6 +214,7 @@ pub(crate) fn fresh(plan: &FanOutPlan, batch: &[Document], budget: Capacity, now
                 attempts: 0,
                 unstored: None,
                 started: false,
+                suspect: false,
             };
             Some(Fresh { candidate, event })
         })

@@ -62,6 +62,8 @@ struct Delivery {
     updated_at: Option<DateTime>,
     requeued_at: Option<DateTime>,
     last_error: Option<String>,
+    /// See `Candidate::suspect`.
+    suspect: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -168,6 +170,7 @@ impl State {
                     updated_at: dead.then_some(now),
                     requeued_at: None,
                     last_error: dead_reason.clone(),
+                    suspect: false,
                 },
             );
         }
@@ -772,6 +775,8 @@ impl ClaimBackend for Backend<'_> {
                         d.attempts += 1;
                         d.last_error = Some(LOST_WHILE_RUNNING.to_string());
                         d.updated_at = Some(now);
+                    } else {
+                        d.suspect = true;
                     }
                 }
             }
@@ -840,6 +845,7 @@ impl ClaimBackend for Backend<'_> {
                 attempts: d.attempts,
                 unstored: None,
                 started: false,
+                suspect: d.suspect,
             })
             .collect();
         rows.sort_by_key(|row| (row.due_at, row.id));

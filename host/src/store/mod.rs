@@ -153,10 +153,14 @@ pub struct ClaimedDelivery {
     /// Attempts already charged before this one (failed runs and lost leases).
     pub attempts: u32,
     pub event: EventRecord,
-    /// Listed in its lane as started: it may run at once. One claimed ahead of a free run
-    /// slot is listed as not started, and must have its start recorded
-    /// ([`Store::record_starts`]) before it runs, or a takeover would not charge it.
+    /// Listed in its lane as started: should the host die, a takeover charges its attempt.
+    /// One claimed ahead of a free run slot is listed as not started, and is not charged: it
+    /// may only have waited for a slot.
     pub started: bool,
+    /// A host died while it was claimed ahead and may have been running it (see
+    /// `Candidate::suspect`): claimed ahead, it records its start ([`Store::record_starts`])
+    /// before it runs, so that its next death is charged.
+    pub suspect: bool,
 }
 
 /// How many deliveries a claim or a hand-out may take (`total`), and how many of them start
@@ -468,7 +472,8 @@ pub trait Store: Send + Sync + 'static {
     /// Records that deliveries claimed ahead (not [`ClaimedDelivery::started`]) start now, in
     /// their lanes' lists, so that a takeover charges them should this host die while they
     /// run; one flag per lease: `false` when its lane is no longer this instance's at the
-    /// lease's epoch (it must not run: the lease is lost). Durable before it returns.
+    /// lease's epoch (it must not run: the lease is lost). Acknowledged once applied: a
+    /// failover may lose it, which costs that start its charge should the host die.
     fn record_starts(&self, leases: &[Lease]) -> impl Future<Output = Result<Vec<bool>, StoreError>> + Send;
 
     /// Completes a batch in a fixed number of commands; one result per lease, in order.

@@ -178,6 +178,11 @@ async fn full_claim_ahead<S: Store + Parts>(a: &S, b: &S, _c: &S) {
     let charged: Vec<String> = again.iter().filter(|c| c.attempts == 1).map(|c| c.event.id.clone()).collect();
     assert_eq!(charged, started, "only what had started is charged");
     assert!(again.iter().all(|c| c.attempts <= 1));
+    // What was claimed ahead may have started unrecorded: it is suspect, and records its
+    // start before it runs from now on; what was charged is not.
+    let suspect: Vec<String> = again.iter().filter(|c| c.suspect).map(|c| c.event.id.clone()).collect();
+    let uncharged: Vec<String> = again.iter().filter(|c| c.attempts == 0).map(|c| c.event.id.clone()).collect();
+    assert_eq!(suspect, uncharged);
     // The dead host's unstarted picks may not start any more.
     assert_eq!(a.record_starts(&ahead[1..2]).await.unwrap(), [false]);
     let leases: Vec<_> = again.iter().map(|c| c.lease).collect();

@@ -27,6 +27,9 @@ pub(super) mod delivery {
     pub const CREATED_AT: &str = "createdAt";
     pub const UPDATED_AT: &str = "updatedAt";
     pub const LAST_ERROR: &str = "lastError";
+    /// Set when a host died while it was claimed ahead, unrecorded: it may have been running
+    /// (see `Candidate::suspect`).
+    pub const SUSPECT: &str = "suspect";
     /// When an operator last requeued it.
     pub const REQUEUED_AT: &str = "requeuedAt";
 
@@ -127,6 +130,7 @@ pub(super) fn candidate(document: &Document) -> Result<Candidate, StoreError> {
         attempts: integer(document, delivery::ATTEMPTS).unwrap_or(0).clamp(0, i64::from(u32::MAX)) as u32,
         unstored: None,
         started: false,
+        suspect: document.get_bool(delivery::SUSPECT).unwrap_or(false),
     })
 }
 

@@ -438,7 +438,9 @@ impl ClaimBackend for Backend<'_> {
             "$inc": { delivery::ATTEMPTS: 1, delivery::CLAIMS: 1_i64 },
             "$set": { delivery::LAST_ERROR: LOST_WHILE_RUNNING, delivery::UPDATED_AT: now },
         };
-        let moved_on = doc! { "$inc": { delivery::CLAIMS: 1_i64 } };
+        // Unrecorded, it may have started all the same: suspect from now on (see
+        // `Candidate::suspect`), not charged.
+        let moved_on = doc! { "$inc": { delivery::CLAIMS: 1_i64 }, "$set": { delivery::SUSPECT: true } };
         let pairs = |entries: Vec<&InFlight>| entries.into_iter().map(|entry| (entry.delivery, entry.claims)).collect::<Vec<_>>();
         let (started, waiting) = (pairs(started), pairs(waiting));
         futures::try_join!(
@@ -465,7 +467,7 @@ impl ClaimBackend for Backend<'_> {
                 .lanes
                 .update_one(filter, doc! { "$unset": { &started: "" } })
                 .array_filters(vec![doc! { format!("started.{}", entry::DELIVERY): { "$in": deliveries } }])
-                .write_concern(Commit::from(LaneWrite::Durable).write_concern())
+                .write_concern(Commit::from(LaneWrite::Applied).write_concern())
                 .into_future()
         });
         let results = try_join_all(writes).await?;
@@ -522,7 +524,7 @@ impl ClaimBackend for Backend<'_> {
             .hint(mongodb::options::Hint::Name("claim".to_string()))
             .projection(doc! {
                 delivery::ID: 1, delivery::EVENT_ID: 1, delivery::HANDLER: 1, delivery::KEY: 1, delivery::LANE_ID: 1,
-                delivery::DUE_AT: 1, delivery::CLAIMS: 1, delivery::ATTEMPTS: 1,
+                delivery::DUE_AT: 1, delivery::CLAIMS: 1, delivery::ATTEMPTS: 1, delivery::SUSPECT: 1,
             })
             .await?
             .try_collect()

@@ -184,6 +184,8 @@ pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], charge: C
                 if entry.started {
                     document.insert(delivery::ATTEMPTS, 1_i64);
                     document.insert(delivery::LAST_ERROR, LOST_WHILE_RUNNING);
+                } else {
+                    document.insert(delivery::SUSPECT, true);
                 }
             }
             documents.push(document);
