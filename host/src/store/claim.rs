@@ -300,9 +300,7 @@ pub(crate) trait ClaimBackend: Sync {
     ) -> impl Future<Output = Result<HashMap<HandlerKey, DeliveryId>, StoreError>> + Send;
     fn park(&self, ids: &[DeliveryId]) -> impl Future<Output = Result<(), StoreError>> + Send;
     /// Writes each lane's new in-flight list and lease, conditional on the epoch and holder;
-    /// one flag per record, once `write` says the write counts. An entry the record lists
-    /// unstarted that the lane lists started at the same generation stays started: starts are
-    /// recorded beside claims ([`Claimer::record_starts`]).
+    /// one flag per record, once `write` says the write counts.
     fn record(
         &self,
         holder: &Holder,
@@ -485,39 +483,34 @@ impl Claimer {
     /// [`ClaimedDelivery::started`]); one flag per lease, `false` for one whose lane this
     /// instance no longer holds at its epoch, or that it did not issue: that one must not run.
     ///
-    /// It does not wait for a claim or a hand-out of this instance (which may rewrite the same
-    /// lists meanwhile from what it knows of them): a record keeps every start the lane lists
-    /// (see [`ClaimBackend::record`]), and the lists this instance knows are brought up to
-    /// date when no claim has them.
-    ///
-    /// This is what a start costs when it was not known at the claim: a takeover must charge
-    /// a delivery that was running when its host died (or a poison event that kills its host
-    /// would never go dead), and must not charge one that only waited for a run slot.
+    /// Serialized with claims and hand-outs, which rewrite whole lists from what this
+    /// instance knows of them: the known lists are updated with the write, so that no later
+    /// record lists a started delivery as unstarted again. Only suspects record their starts
+    /// ([`Candidate::suspect`]), so this is rare.
     pub async fn record_starts<B: ClaimBackend>(&self, backend: &B, leases: &[Lease]) -> Result<Vec<bool>, StoreError> {
+        let mut held = self.held.lock().await;
         let mut by_lane: BTreeMap<(LaneId, i64), Vec<DeliveryId>> = BTreeMap::new();
         for lease in leases.iter().filter(|lease| self.issued(lease)) {
-            by_lane.entry((lease.lane, lease.epoch)).or_default().push(lease.delivery);
+            if held.get(&lease.lane).is_some_and(|lane| lane.epoch == lease.epoch) {
+                by_lane.entry((lease.lane, lease.epoch)).or_default().push(lease.delivery);
+            }
         }
         let lanes: Vec<(LaneId, i64, Vec<DeliveryId>)> =
             by_lane.into_iter().map(|((lane, epoch), deliveries)| (lane, epoch, deliveries)).collect();
         let recorded = if lanes.is_empty() { Vec::new() } else { backend.record_starts(&self.holder, &lanes).await? };
-        let started: HashMap<(LaneId, i64), &Vec<DeliveryId>> = lanes
-            .iter()
-            .zip(recorded)
-            .filter(|(_, ok)| *ok)
-            .map(|((lane, epoch, deliveries), _)| ((*lane, *epoch), deliveries))
-            .collect();
-        if let Ok(mut held) = self.held.try_lock() {
-            for ((lane, epoch), deliveries) in &started {
-                if let Some(Held { epoch: held_at, known: Some(listed) }) = held.get_mut(lane) {
-                    let listed_started = listed.in_flight.iter_mut().filter(|entry| deliveries.contains(&entry.delivery));
-                    for entry in listed_started.filter(|_| *held_at == *epoch) {
-                        entry.started = true;
-                    }
+        let mut started: HashSet<(LaneId, i64)> = HashSet::new();
+        for ((lane, epoch, deliveries), ok) in lanes.iter().zip(recorded) {
+            if !ok {
+                continue;
+            }
+            started.insert((*lane, *epoch));
+            if let Some(Held { known: Some(listed), .. }) = held.get_mut(lane) {
+                for entry in listed.in_flight.iter_mut().filter(|entry| deliveries.contains(&entry.delivery)) {
+                    entry.started = true;
                 }
             }
         }
-        Ok(leases.iter().map(|lease| self.issued(lease) && started.contains_key(&(lease.lane, lease.epoch))).collect())
+        Ok(leases.iter().map(|lease| self.issued(lease) && started.contains(&(lease.lane, lease.epoch))).collect())
     }
 
     /// What a claim at `now` unparks: every key at most every [`UNPARK_SWEEP_INTERVAL_MS`],

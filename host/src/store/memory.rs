@@ -905,13 +905,7 @@ impl ClaimBackend for Backend<'_> {
                 }
                 let ok = lane.epoch == record.epoch && lane.held_by(holder);
                 if ok {
-                    // A start recorded meanwhile stays recorded (see `ClaimBackend::record`).
-                    let started: HashSet<(DeliveryId, i64)> =
-                        lane.in_flight.iter().filter(|e| e.started).map(|e| (e.delivery, e.claims)).collect();
                     lane.in_flight = record.in_flight.clone();
-                    for entry in &mut lane.in_flight {
-                        entry.started |= started.contains(&(entry.delivery, entry.claims));
-                    }
                     lane.lease_expires_at = lane.lease_expires_at.max(record.lease_until);
                 }
                 ok

@@ -48,7 +48,6 @@ macro_rules! both_stores {
 both_stores!(a_delivery_listed_in_two_lanes_and_twice_in_one_is_charged_once, listed_twice);
 both_stores!(two_holders_dying_after_a_racing_fan_out_charge_only_the_delivery_that_exists, racing_fan_outs_then_two_deaths);
 both_stores!(a_death_with_a_full_claim_ahead_charges_only_what_had_started, full_claim_ahead);
-both_stores!(a_lane_record_keeps_the_starts_recorded_beside_it, record_beside_a_start);
 
 fn handlers() -> Vec<String> {
     vec!["h".to_string()]
@@ -188,30 +187,4 @@ async fn full_claim_ahead<S: Store + Parts>(a: &S, b: &S, _c: &S) {
     let leases: Vec<_> = again.iter().map(|c| c.lease).collect();
     b.complete_many(&leases, at(later)).await.unwrap();
     drain(b, later + 2).await;
-}
-
-async fn record_beside_a_start<S: Store + Parts>(a: &S, _b: &S, _c: &S) {
-    publish(a, ["e-1".to_string()]).await;
-    a.fan_out(&subscriptions(), 10, 0, at(T0)).await.unwrap();
-    let claimed = a.claim(&handlers(), Capacity::new(1, 0), at(T0)).await.unwrap().remove(0);
-    let (backend, claimer) = a.parts();
-    let lane = backend.lanes(&[claimed.lease.lane]).await.unwrap().remove(0);
-    assert!(!lane.in_flight[0].started, "claimed ahead");
-    // A claim made its list before the start was recorded, and writes it after.
-    let stale = LaneRecord {
-        lane: lane.id,
-        epoch: lane.epoch,
-        in_flight: lane.in_flight.clone(),
-        lease_until: at(T0 + 30_000),
-        takes_free_at: None,
-    };
-    let deliveries = vec![claimed.lease.delivery];
-    assert_eq!(backend.record_starts(&claimer.holder, &[(lane.id, lane.epoch, deliveries)]).await.unwrap(), [true]);
-    assert_eq!(backend.record(&claimer.holder, &[stale.clone()], LaneWrite::Durable).await.unwrap(), [true]);
-    let after = backend.lanes(&[lane.id]).await.unwrap().remove(0);
-    assert!(after.in_flight[0].started, "the start stays recorded");
-    // Not for another claim generation of the same delivery.
-    let later = LaneRecord { in_flight: vec![InFlight { claims: 1, ..lane.in_flight[0].clone() }], ..stale };
-    assert_eq!(backend.record(&claimer.holder, &[later], LaneWrite::Durable).await.unwrap(), [true]);
-    assert!(!backend.lanes(&[lane.id]).await.unwrap().remove(0).in_flight[0].started);
 }

@@ -79,29 +79,6 @@ fn held_statement(holder: &Holder, records: &[&LaneRecord]) -> Option<Document> 
     let lists: Vec<Vec<Document>> =
         records.iter().map(|record| record.in_flight.iter().map(in_flight_document).collect()).collect();
     let of_lane = |values: Bson| doc! { "$arrayElemAt": [values, { "$indexOfArray": [&ids, format!("${}", lane::ID)] }] };
-    // A start recorded since the list was made (`record_starts`, which does not wait for
-    // claims) stays recorded: an entry listed unstarted whose delivery, at that generation, the
-    // lane lists as started now is written started.
-    let (d, c, s) = (entry::DELIVERY, entry::CLAIMS, entry::STARTED);
-    let started_now = doc! { "$map": {
-        "input": { "$filter": {
-            "input": { "$ifNull": [format!("${}", lane::IN_FLIGHT), []] },
-            "cond": { "$ne": [format!("$$this.{s}"), false] },
-        } },
-        "in": { d: format!("$$this.{d}"), c: format!("$$this.{c}") },
-    } };
-    let listed = doc! { "$map": {
-        "input": of_lane(Bson::from(doc! { "$literal": lists })),
-        "as": "entry",
-        "in": { "$cond": [
-            { "$and": [
-                { "$eq": [format!("$$entry.{s}"), false] },
-                { "$in": [{ d: format!("$$entry.{d}"), c: format!("$$entry.{c}") }, started_now] },
-            ] },
-            { "$mergeObjects": ["$$entry", { s: true }] },
-            "$$entry",
-        ] },
-    } };
     Some(doc! {
         "q": {
             lane::ID: { "$in": &ids },
@@ -111,7 +88,7 @@ fn held_statement(holder: &Holder, records: &[&LaneRecord]) -> Option<Document> 
         },
         "u": [{
             "$set": {
-                lane::IN_FLIGHT: listed,
+                lane::IN_FLIGHT: of_lane(Bson::from(doc! { "$literal": lists })),
                 lane::LEASE_EXPIRES_AT: { "$max": [format!("${}", lane::LEASE_EXPIRES_AT), of_lane(Bson::from(untils))] },
             },
         }],
