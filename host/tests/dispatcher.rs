@@ -24,7 +24,7 @@ use relayhost::lane::LaneId;
 use relayhost::store::{
     Capacity, ClaimedDelivery, DeliveryFilter, DeliveryPage, DeliveryView, EarlyHandOut, EarlyHandOuts, FanOutCommit, FanOutReport,
     HandlerStatistics, Lease, Published, PurgeOptions, PurgeReport, Settlement, Store, StoreError, StoreOptions,
-    Subscriptions,
+    Subscription, Subscriptions,
 };
 
 type Behaviour = dyn Fn(&ClaimedDelivery) -> AttemptResult + Send + Sync;
@@ -290,6 +290,8 @@ struct FaultyStore {
     early_words: Mutex<Vec<bool>>,
     /// Words given so far.
     words_given: Arc<AtomicUsize>,
+    /// Leases whose starts were recorded.
+    starts_recorded: AtomicUsize,
 }
 
 /// Counts one up when dropped.
@@ -313,6 +315,7 @@ impl FaultyStore {
             claim_limits: Mutex::default(),
             early_words: Mutex::default(),
             words_given: Arc::default(),
+            starts_recorded: 0.into(),
         }
     }
 
@@ -404,6 +407,7 @@ impl Store for FaultyStore {
         self.inner.claim_in(handlers, lanes, limit, now).await
     }
     async fn record_starts(&self, leases: &[Lease]) -> Result<Vec<bool>, StoreError> {
+        self.starts_recorded.fetch_add(leases.len(), SeqCst);
         self.inner.record_starts(leases).await
     }
     async fn complete_many(&self, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {
@@ -646,4 +650,34 @@ async fn stop_while_a_fan_out_finishes(store: FaultyStore) {
     let successor = Arc::new(store.inner.instance("successor"));
     run_until(successor, runner, options(4), "the deliveries ran", || runs.lock().unwrap().len() == 2).await;
     assert_eq!(events_run(&runs), ["e-0", "e-1"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_claimed_ahead_when_its_host_died_is_not_charged_and_records_its_start_before_it_runs_again() {
+    // A host claimed four deliveries ahead of its run slots and died: none is charged, but
+    // any may have been running, so each is suspect, and records its start before it runs.
+    let lease = Duration::from_millis(300);
+    let dead = MemoryStore::new(StoreOptions { owner: "dead".into(), lease_duration: lease, ..StoreOptions::default() });
+    publish_orders(&dead, 4).await;
+    dead.fan_out(&Subscriptions::new([Subscription::new("mailer", ["order.placed"])]).unwrap(), 10, 0, DateTime::now()).await.unwrap();
+    let claimed = dead.claim(&["mailer".to_string()], Capacity::new(4, 0), DateTime::now()).await.unwrap();
+    assert_eq!((claimed.len(), claimed.iter().filter(|c| c.started || c.suspect).count()), (4, 0));
+    tokio::time::sleep(lease + Duration::from_millis(50)).await;
+
+    let store = Arc::new(FaultyStore::new(dead.instance("survivor"), 0, 0));
+    let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
+    let runner = Arc::new(NativeRunner {
+        specs: vec![spec("mailer", &["order.placed"], quick_retry(3))],
+        behaviour: Arc::new(|_| AttemptResult::Completed),
+        delay: Duration::from_millis(20),
+        runs: runs.clone(),
+        busy: Arc::default(),
+    });
+    let seen = runs.clone();
+    run_until(store.clone(), runner, options(1), "the four run again", move || seen.lock().unwrap().len() == 4).await;
+    let attempts: Vec<u32> = runs.lock().unwrap().iter().map(|run| run.attempt).collect();
+    assert_eq!(attempts, [1, 1, 1, 1], "nothing charged");
+    // One run slot: the first pick starts at once, the three claimed ahead of it record
+    // their starts first.
+    assert_eq!(store.starts_recorded.load(SeqCst), 3);
 }
