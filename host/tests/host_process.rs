@@ -339,22 +339,28 @@ async fn hosts_killed_mid_delivery_lose_nothing_and_duplicate_nothing() {
     let lanes = deployment.collection("relayhost_lanes");
     let deliveries = deployment.collection("relayhost_deliveries");
     let audit = deployment.collection("audit_log");
-    let mut interrupted: Vec<bson::oid::ObjectId> = Vec::new();
+    let (mut interrupted, mut waiting): (Vec<bson::oid::ObjectId>, Vec<bson::oid::ObjectId>) = (Vec::new(), Vec::new());
     for round in 0..3 {
         let host = deployment.start("host");
         // Kill it while it is delivering: once the projection grew by another 100 orders and a
         // delivery is in flight.
         let target = 100 * (round + 1);
         let deadline = Instant::now() + Duration::from_secs(120);
-        while audit.count_documents(doc! {}).await.unwrap() < target || in_flight(&lanes, &deliveries).await.is_empty() {
+        loop {
+            let (started, ahead) = in_flight(&lanes, &deliveries).await;
+            if audit.count_documents(doc! {}).await.unwrap() >= target && (!started.is_empty() || !ahead.is_empty()) {
+                break;
+            }
             assert!(Instant::now() < deadline, "round {round}: the host did not deliver:\n{}", host.log());
         }
         host.signal(libc::SIGKILL);
         assert!(!host.wait(Duration::from_secs(10)));
-        // What the killed host had started and not completed.
-        interrupted.extend(in_flight(&lanes, &deliveries).await);
+        // What the killed host had started and not completed, and what it had claimed ahead.
+        let (started, ahead) = in_flight(&lanes, &deliveries).await;
+        interrupted.extend(started);
+        waiting.extend(ahead);
     }
-    assert!(!interrupted.is_empty(), "some deliveries were cut off by the kills");
+    assert!(!interrupted.is_empty() || !waiting.is_empty(), "some deliveries were cut off by the kills");
     let survivor = deployment.start("host");
     deployment.assert_audited_exactly(&orders, Duration::from_secs(180), "across the kills").await;
     // The takeover charged the attempt the killed host had started.
@@ -365,6 +371,11 @@ async fn hosts_killed_mid_delivery_lose_nothing_and_duplicate_nothing() {
         // The run that committed saw the charged attempt too.
         let audited = audit.find_one(doc! { "_id": record.get_str("eventId").unwrap() }).await.unwrap().unwrap();
         assert!(audited.get("attempt").and_then(integer).unwrap() >= 2, "{audited}");
+    }
+    // What was only claimed ahead at every kill was never charged.
+    for delivery in waiting.iter().filter(|delivery| !interrupted.contains(delivery)) {
+        let record = history.find_one(doc! { "_id": delivery }).await.unwrap().expect("every delivery completed later");
+        assert_eq!(record.get_i32("attempts").unwrap(), 1, "{record}");
     }
     let dead = deployment.fixture.store().list_deliveries(&DeliveryFilter { status: Some(relayhost::store::DeliveryStatus::Dead), ..Default::default() }).await.unwrap();
     assert!(dead.deliveries.is_empty(), "{dead:?}");
@@ -384,11 +395,11 @@ async fn hosts_killed_while_running_deliveries_without_documents_lose_nothing_an
     let events = deployment.collection("relayhost_events");
     let lanes = deployment.collection("relayhost_lanes");
     let audit = deployment.collection("audit_log");
-    let mut interrupted: Vec<String> = Vec::new();
+    let (mut interrupted, mut waiting): (Vec<String>, Vec<String>) = (Vec::new(), Vec::new());
     for round in 0..3 {
         let host = deployment.start("host");
         // Kill it once the projection grew by another 150 orders, the first time while such a
-        // delivery runs. Later hosts may have none of their own: a host whose first batch
+        // delivery is in flight. Later hosts may have none of their own: a host whose first batch
         // cannot be handed out whole (the dead host's lanes are still leased) fans the rest of
         // the backlog out with documents, and what the dead hosts left may be taken over
         // already (or wait, as long as the server keeps a dead host's open transaction).
@@ -396,16 +407,19 @@ async fn hosts_killed_while_running_deliveries_without_documents_lose_nothing_an
         let deadline = Instant::now() + Duration::from_secs(120);
         loop {
             let audited = audit.count_documents(doc! {}).await.unwrap();
-            if audited >= target && (round > 0 || !running_without_document(&events, &lanes).await.is_empty()) {
+            let (started, ahead) = in_flight_without_document(&events, &lanes).await;
+            if audited >= target && (round > 0 || !started.is_empty() || !ahead.is_empty()) {
                 break;
             }
             assert!(Instant::now() < deadline, "round {round}: {audited} audited, none running now:\n{}", host.log());
         }
         host.signal(libc::SIGKILL);
         assert!(!host.wait(Duration::from_secs(10)));
-        interrupted.extend(running_without_document(&events, &lanes).await);
+        let (started, ahead) = in_flight_without_document(&events, &lanes).await;
+        interrupted.extend(started);
+        waiting.extend(ahead);
     }
-    assert!(!interrupted.is_empty(), "some deliveries without documents were cut off by the kills");
+    assert!(!interrupted.is_empty() || !waiting.is_empty(), "some deliveries without documents were cut off by the kills");
     let survivor = deployment.start("host");
     deployment.wait_until("all 1,200 orders are audited", Duration::from_secs(180), async |d| {
         d.documents("audit_log").await.len() >= 1_200 && d.drained().await
@@ -414,52 +428,62 @@ async fn hosts_killed_while_running_deliveries_without_documents_lose_nothing_an
     let (ids, _) = deployment.audit().await;
     assert_eq!(ids, orders, "the projection is the set of events, no gap, no duplicate");
     // The takeover charged the attempt the killed host had started, and the run that
-    // committed saw it.
+    // committed saw it; what it had only claimed ahead was never charged.
     for event in &interrupted {
         let audited = audit.find_one(doc! { "_id": event }).await.unwrap().unwrap();
         assert!(audited.get("attempt").and_then(integer).unwrap() >= 2, "{audited}");
     }
-    assert!(running_without_document(&events, &lanes).await.is_empty());
+    for event in waiting.iter().filter(|event| !interrupted.contains(event)) {
+        let audited = audit.find_one(doc! { "_id": event }).await.unwrap().unwrap();
+        assert_eq!(audited.get("attempt").and_then(integer), Some(1), "{audited}");
+    }
+    assert_eq!(in_flight_without_document(&events, &lanes).await, (Vec::new(), Vec::new()));
     let dead = deployment.fixture.store().list_deliveries(&DeliveryFilter { status: Some(relayhost::store::DeliveryStatus::Dead), ..Default::default() }).await.unwrap();
     assert!(dead.deliveries.is_empty(), "{dead:?}");
     survivor.stop();
 }
 
-/// Events whose delivery runs without a document: their `handedOut` still lists its handler,
-/// and a lane lists it as started (not claimed ahead, which a takeover does not charge).
-async fn running_without_document(events: &mongodb::Collection<Document>, lanes: &mongodb::Collection<Document>) -> Vec<String> {
-    let running: Vec<Document> =
+/// Events whose delivery is in flight without a document (their `handedOut` still lists its
+/// handler): those a lane lists as started, and those it lists as claimed ahead (which a
+/// takeover does not charge).
+async fn in_flight_without_document(
+    events: &mongodb::Collection<Document>,
+    lanes: &mongodb::Collection<Document>,
+) -> (Vec<String>, Vec<String>) {
+    let listed: Vec<Document> =
         events.find(doc! { "handedOut.0": { "$exists": true } }).projection(doc! { "_id": 1 }).await.unwrap().try_collect().await.unwrap();
-    let mut started = Vec::new();
-    for event in running {
+    let (mut started, mut ahead) = (Vec::new(), Vec::new());
+    for event in listed {
         let id = event.get_str("_id").unwrap();
-        let listed = doc! { "inFlight": { "$elemMatch": { "e": id, "s": { "$ne": false } } } };
-        if lanes.find_one(listed).await.unwrap().is_some() {
+        let running = doc! { "inFlight": { "$elemMatch": { "e": id, "s": { "$ne": false } } } };
+        if lanes.find_one(running).await.unwrap().is_some() {
             started.push(id.to_string());
+        } else if lanes.find_one(doc! { "inFlight": { "$elemMatch": { "e": id, "s": false } } }).await.unwrap().is_some() {
+            ahead.push(id.to_string());
         }
     }
-    started
+    (started, ahead)
 }
 
-/// Deliveries a lane lists in flight as started that still exist at the generation they
-/// were claimed with: running and not completed (not those claimed ahead, waiting for a run
-/// slot, which a takeover does not charge).
-async fn in_flight(lanes: &mongodb::Collection<Document>, deliveries: &mongodb::Collection<Document>) -> Vec<bson::oid::ObjectId> {
-    let mut running = Vec::new();
+/// Deliveries a lane lists in flight that still exist at the generation they were claimed
+/// with (not completed): those listed as started, and those claimed ahead (which a takeover
+/// does not charge).
+async fn in_flight(
+    lanes: &mongodb::Collection<Document>,
+    deliveries: &mongodb::Collection<Document>,
+) -> (Vec<bson::oid::ObjectId>, Vec<bson::oid::ObjectId>) {
+    let (mut running, mut ahead) = (Vec::new(), Vec::new());
     let busy: Vec<Document> = lanes.find(doc! { "inFlight.0": { "$exists": true } }).await.unwrap().try_collect().await.unwrap();
     for lane in busy {
         for entry in lane.get_array("inFlight").unwrap() {
             let entry = entry.as_document().unwrap();
-            if entry.get_bool("s") == Ok(false) {
-                continue;
-            }
             let (id, claims) = (entry.get_object_id("d").unwrap(), entry.get_i64("c").unwrap());
             if deliveries.find_one(doc! { "_id": id, "claims": claims }).await.unwrap().is_some() {
-                running.push(id);
+                if entry.get_bool("s") == Ok(false) { ahead.push(id) } else { running.push(id) }
             }
         }
     }
-    running
+    (running, ahead)
 }
 
 // ---- dead letters and the hook ----

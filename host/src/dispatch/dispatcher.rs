@@ -234,7 +234,7 @@ struct Flight<S: Store> {
     completions: Completions<S>,
     /// Finished runs whose outcome could not be written yet; still in `running`.
     unsettled: Vec<(ClaimedDelivery, RunResult)>,
-    /// Records the starts of what was claimed ahead, before it runs.
+    /// Records the starts of suspects claimed ahead, before they run.
     starts: StartRecorder,
     /// Reports keyed deliveries that start out of their key's sequence order.
     sequences: SequenceWatch,

@@ -220,6 +220,7 @@ macro_rules! both_stores {
         }
     };
 }
+pub(super) use both_stores;
 
 pub(super) trait Parts {
     fn parts(&self) -> (impl ClaimBackend + Send + '_, &super::claim::Claimer);

@@ -9,7 +9,7 @@ use bson::oid::ObjectId;
 use bson::{DateTime, doc};
 
 use super::claim::{ClaimBackend, HandOutOf, InFlight, LaneRecord, LaneWrite};
-use super::claim_faults::{Parts, T0, mongo_store, options};
+use super::claim_faults::{Parts, T0, both_stores, mongo_store, options};
 use super::memory::MemoryStore;
 use super::{
     Capacity, DeliveryFilter, DeliveryStatus, DeliveryView, Store, Subscription, Subscriptions, run_in_transaction,
@@ -23,27 +23,6 @@ fn at(ms: i64) -> DateTime {
 
 /// After the holder's lease of 30 s ran out.
 const LATER: i64 = T0 + 31_000;
-
-macro_rules! both_stores {
-    ($name:ident, $body:ident) => {
-        mod $name {
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn memory() {
-                let first = super::MemoryStore::new(super::options("a"));
-                let (second, third) = (first.instance("b"), first.instance("c"));
-                super::$body(&first, &second, &third).await;
-            }
-
-            /// Without completion history, so that what a fan-out hands out has no document.
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn mongo() {
-                let first = super::mongo_store().await;
-                let (second, third) = (first.instance("b"), first.instance("c"));
-                super::$body(&first, &second, &third).await;
-            }
-        }
-    };
-}
 
 both_stores!(a_delivery_listed_in_two_lanes_and_twice_in_one_is_charged_once, listed_twice);
 both_stores!(two_holders_dying_after_a_racing_fan_out_charge_only_the_delivery_that_exists, racing_fan_outs_then_two_deaths);

@@ -115,30 +115,14 @@ pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], charge: C
     transaction!(store, |tx| {
         let session = tx.session();
         let ids: Vec<Bson> = entries.iter().map(|entry| entry.event.clone()).collect();
-        let events: Vec<Document> = store
-            .collections
-            .events
-            .find(doc! { field::ID: { "$in": &ids } })
-            .projection(doc! { field::ID: 1, field::TYPE: 1, field::HANDED_OUT: 1, field::FAN_OUT: 1 })
-            .batch_size(super::outcome::one_batch(entries.len()))
-            .session(&mut *session)
-            .await?
-            .stream(&mut *session)
-            .try_collect()
-            .await?;
+        let (events, deliveries) = (&store.collections.events, &store.collections.deliveries);
+        let projection = doc! { field::ID: 1, field::TYPE: 1, field::HANDED_OUT: 1, field::FAN_OUT: 1 };
+        let events = read_in(session, events, doc! { field::ID: { "$in": &ids } }, projection, entries.len()).await?;
         let events: HashMap<String, &Document> =
             events.iter().map(|event| (id_text(event.get(field::ID).unwrap_or(&Bson::Null)), event)).collect();
-        let existing: Vec<Document> = store
-            .collections
-            .deliveries
-            .find(doc! { delivery::EVENT_ID: { "$in": &ids } })
-            .projection(doc! { delivery::EVENT_ID: 1, delivery::HANDLER: 1 })
-            .batch_size(super::outcome::one_batch(entries.len()))
-            .session(&mut *session)
-            .await?
-            .stream(&mut *session)
-            .try_collect()
-            .await?;
+        let filter = doc! { delivery::EVENT_ID: { "$in": &ids } };
+        let projection = doc! { delivery::EVENT_ID: 1, delivery::HANDLER: 1 };
+        let existing = read_in(session, deliveries, filter, projection, entries.len()).await?;
         let mut made: HashSet<(String, String)> = existing
             .iter()
             .map(|d| {
@@ -205,6 +189,27 @@ pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], charge: C
         }
         Ok(())
     })
+}
+
+/// The documents `filter` matches in `collection`, read in `session`'s transaction (about
+/// `expected` of them, in one batch).
+async fn read_in(
+    session: &mut ClientSession,
+    collection: &mongodb::Collection<Document>,
+    filter: Document,
+    projection: Document,
+    expected: usize,
+) -> Result<Vec<Document>, StoreError> {
+    let found = collection
+        .find(filter)
+        .projection(projection)
+        .batch_size(super::outcome::one_batch(expected))
+        .session(&mut *session)
+        .await?
+        .stream(&mut *session)
+        .try_collect()
+        .await?;
+    Ok(found)
 }
 
 /// Completes `entries`: takes each handler out of its event's list and stamps the event (in
