@@ -166,7 +166,7 @@ pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], charge: C
             if charge == Charge::Takeover {
                 document.insert(delivery::CLAIMS, 1_i64);
                 if entry.started {
-                    document.insert(delivery::ATTEMPTS, 1_i64);
+                    document.insert(delivery::ATTEMPTS, 1_i32);
                     document.insert(delivery::LAST_ERROR, LOST_WHILE_RUNNING);
                 } else {
                     document.insert(delivery::SUSPECT, true);
