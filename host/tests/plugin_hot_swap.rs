@@ -162,7 +162,7 @@ async fn a_handler_id_belongs_to_one_plugin_and_broken_files_do_not_stop_the_oth
     assert!(changes.iter().any(|c| matches!(c, Change::Refused { plugin, reason }
         if plugin == "b-noop-copy" && reason.contains("handler `noop` is already provided by plugin `a-noop`"))));
     assert!(changes.iter().any(|c| matches!(c, Change::Refused { plugin, reason }
-        if plugin == "broken" && reason.contains("broken.wasm") && reason.contains("not a valid WebAssembly component"))));
+        if plugin == "broken" && reason.contains("broken.wasm") && reason.contains("not a WebAssembly binary"))));
     assert_eq!(registry.versions().keys().cloned().collect::<Vec<_>>(), ["a-noop", "audit"]);
     assert_eq!(&*registry.plugin_for("audit-log").unwrap().name, "audit");
     // An unchanged refused file is not loaded again on the next scan.
