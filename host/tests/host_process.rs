@@ -489,6 +489,30 @@ async fn in_flight(
 // ---- dead letters and the hook ----
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relayhost_publish_waits_out_a_transaction_holding_its_key() {
+    // Another transaction (a handler publishing on the key, say) holds the key's counter for a
+    // second: the command's transaction conflicts, is retried, and publishes after it.
+    let deployment = Deployment::new(&[], "").await;
+    let store = deployment.fixture.store();
+    assert!(deployment.relayhost(&["setup"]).status.success());
+    let mut holding = store.begin().await.unwrap();
+    store.publish(&mut holding, &NewEvent::new("first", "t", doc! {}).with_key("k")).await.unwrap();
+    let config = deployment.config.clone();
+    let publishing = tokio::task::spawn_blocking(move || {
+        Command::new(RELAYHOST)
+            .args(["publish", "--type", "t", "--key", "k", "--id", "second", "--payload", "{}", "--config"])
+            .arg(&config)
+            .output()
+            .unwrap()
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    relayhost::store::StoreTransaction::commit(holding).await.unwrap();
+    let output = publishing.await.unwrap();
+    assert!(output.status.success(), "{}", stdout(&output));
+    assert!(stdout(&output).contains("published second (sequence 2 of its key)"), "{}", stdout(&output));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn huge_failure_reasons_are_cut_and_stall_nothing_beside_them() {
     // A plugin hands back failure reasons of 1.1 MB (over the dead letter's 1 MiB payload) and
     // 17 MB (over a document's 16 MiB), and retries not before the end of time. Beside it a

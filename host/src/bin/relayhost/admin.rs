@@ -15,7 +15,7 @@ use relayhost::event::NewEvent;
 use relayhost::plugin::Change;
 use relayhost::service::{connect, registry_for, store_for};
 use relayhost::store::mongo::MongoStore;
-use relayhost::store::{DeliveryFilter, DeliveryStatus, Published, Store, StoreTransaction};
+use relayhost::store::{DeliveryFilter, DeliveryStatus, Published, Store, run_in_transaction};
 
 #[derive(Subcommand)]
 pub enum DeadCommand {
@@ -196,9 +196,9 @@ pub async fn publish(config: &Config, args: PublishArgs) -> Result<ExitCode> {
     }
     with_store(config, async |store| {
         store.setup().await?;
-        let mut tx = store.begin().await?;
-        let published = store.publish(&mut tx, &event).await?;
-        tx.commit().await?;
+        // Retried like any publisher's transaction: another transaction holding the key's
+        // counter (a handler publishing on it, say) is a write conflict, not a failure.
+        let published = run_in_transaction(store, async |tx| store.publish(tx, &event).await).await?;
         match published {
             Published::New { sequence: Some(sequence) } => println!("published {id} (sequence {sequence} of its key)"),
             Published::New { sequence: None } => println!("published {id}"),
