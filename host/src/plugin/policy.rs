@@ -52,12 +52,16 @@ pub struct Grants {
 }
 
 impl Grants {
-    pub(crate) fn allows_http(&self, host: &str, port: Option<u16>) -> bool {
+    /// Whether a request to `host` on `port` is granted; `port` is the one the request names,
+    /// or its scheme's default (`default_port`). A grant without a port allows the scheme's
+    /// default port only.
+    pub(crate) fn allows_http(&self, host: &str, port: Option<u16>, default_port: u16) -> bool {
+        let port = port.unwrap_or(default_port);
         self.http_hosts.iter().any(|granted| match granted.rsplit_once(':') {
             Some((granted_host, granted_port)) if granted_port.parse::<u16>().is_ok() => {
-                granted_host.eq_ignore_ascii_case(host) && port.map(|p| p.to_string()).as_deref() == Some(granted_port)
+                granted_host.eq_ignore_ascii_case(host) && granted_port.parse::<u16>() == Ok(port)
             }
-            _ => granted.eq_ignore_ascii_case(host),
+            _ => granted.eq_ignore_ascii_case(host) && port == default_port,
         })
     }
 
@@ -78,13 +82,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn http_grants_match_host_and_optional_port() {
+    fn http_grants_match_host_and_port_and_a_grant_without_port_means_the_default_one() {
         let grants = Grants { http_hosts: vec!["api.example.com".into(), "127.0.0.1:8080".into()], ..Default::default() };
-        assert!(grants.allows_http("api.example.com", Some(443)));
-        assert!(grants.allows_http("API.example.com", None));
-        assert!(grants.allows_http("127.0.0.1", Some(8080)));
-        assert!(!grants.allows_http("127.0.0.1", Some(8081)));
-        assert!(!grants.allows_http("evil.example.com", Some(443)));
-        assert!(!grants.allows_http("api.example.com.evil", None));
+        assert!(grants.allows_http("api.example.com", Some(443), 443));
+        assert!(grants.allows_http("API.example.com", None, 443));
+        assert!(grants.allows_http("api.example.com", None, 80));
+        assert!(!grants.allows_http("api.example.com", Some(8443), 443), "no port granted: not every port");
+        assert!(!grants.allows_http("api.example.com", Some(22), 80));
+        assert!(grants.allows_http("127.0.0.1", Some(8080), 80));
+        assert!(!grants.allows_http("127.0.0.1", Some(8081), 80));
+        assert!(!grants.allows_http("127.0.0.1", None, 80));
+        assert!(!grants.allows_http("evil.example.com", Some(443), 443));
+        assert!(!grants.allows_http("api.example.com.evil", None, 443));
     }
 }
