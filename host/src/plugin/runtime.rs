@@ -632,22 +632,34 @@ fn to_wit_event(event: &EventRecord) -> types::Event {
     }
 }
 
+/// The most handlers one plugin may subscribe, and event types one handler may: every claim
+/// names the handlers a host serves, and every fan-out looks up each event's type.
+pub const MAX_HANDLERS_PER_PLUGIN: usize = 100;
+pub const MAX_EVENT_TYPES_PER_HANDLER: usize = 100;
+
+/// The longest event type a handler may subscribe (the events' own limit).
+const MAX_EVENT_TYPE_CHARS: usize = 256;
+
+/// A string a plugin handed over, as an error may quote it: its first 64 characters at most.
+fn shown(text: &str) -> String {
+    let head: String = text.chars().take(64).collect();
+    if head.len() < text.len() { format!("{head:?}...") } else { format!("{head:?}") }
+}
+
 fn validate_subscriptions(subscriptions: Vec<types::Subscription>) -> Result<Vec<Subscription>, String> {
     if subscriptions.is_empty() {
         return Err("it subscribes no handler".to_string());
     }
+    if subscriptions.len() > MAX_HANDLERS_PER_PLUGIN {
+        return Err(format!("it subscribes {} handlers, over the {MAX_HANDLERS_PER_PLUGIN} a plugin may", subscriptions.len()));
+    }
+    let printable = |text: &str, max: usize| !text.is_empty() && text.chars().count() <= max && !text.chars().any(char::is_control);
     let mut seen = BTreeSet::new();
     let mut result = Vec::with_capacity(subscriptions.len());
     for subscription in subscriptions {
         let handler = subscription.handler;
-        if handler.is_empty()
-            || handler.chars().count() > crate::store::MAX_HANDLER_CHARS
-            || handler.chars().any(char::is_control)
-        {
-            return Err(format!(
-                "handler id {handler:?} must be 1-{} printable characters",
-                crate::store::MAX_HANDLER_CHARS
-            ));
+        if !printable(&handler, crate::store::MAX_HANDLER_CHARS) {
+            return Err(format!("handler id {} must be 1-{} printable characters", shown(&handler), crate::store::MAX_HANDLER_CHARS));
         }
         if handler == crate::store::MALFORMED_EVENT_HANDLER {
             return Err(format!("handler id {handler:?} is reserved"));
@@ -655,8 +667,12 @@ fn validate_subscriptions(subscriptions: Vec<types::Subscription>) -> Result<Vec
         if !seen.insert(handler.clone()) {
             return Err(format!("handler id {handler:?} is subscribed twice"));
         }
-        if subscription.event_types.is_empty() || subscription.event_types.iter().any(|t| t.is_empty()) {
-            return Err(format!("handler {handler:?} must subscribe non-empty event types"));
+        let types = &subscription.event_types;
+        if types.is_empty() || types.len() > MAX_EVENT_TYPES_PER_HANDLER {
+            return Err(format!("handler {handler:?} must subscribe 1-{MAX_EVENT_TYPES_PER_HANDLER} event types"));
+        }
+        if let Some(bad) = types.iter().find(|t| !printable(t, MAX_EVENT_TYPE_CHARS)) {
+            return Err(format!("handler {handler:?} subscribes event type {}: it must be 1-{MAX_EVENT_TYPE_CHARS} printable characters", shown(bad)));
         }
         result.push(Subscription { handler, event_types: subscription.event_types, transactional: subscription.transactional });
     }
@@ -665,7 +681,32 @@ fn validate_subscriptions(subscriptions: Vec<types::Subscription>) -> Result<Vec
 
 #[cfg(test)]
 mod tests {
-    use super::cut;
+    use super::{MAX_HANDLERS_PER_PLUGIN, cut, types, validate_subscriptions};
+
+    fn subscription(handler: &str, types: &[&str]) -> types::Subscription {
+        types::Subscription {
+            handler: handler.to_string(),
+            event_types: types.iter().map(|t| t.to_string()).collect(),
+            transactional: false,
+        }
+    }
+
+    #[test]
+    fn subscriptions_are_bounded_and_printable_and_errors_quote_little() {
+        assert!(validate_subscriptions(vec![subscription("h", &["order.placed"])]).is_ok());
+        let many: Vec<_> = (0..=MAX_HANDLERS_PER_PLUGIN).map(|n| subscription(&format!("h{n}"), &["t"])).collect();
+        assert!(validate_subscriptions(many).unwrap_err().contains("101 handlers, over the 100"));
+        for bad in ["a\0b", "line\nbreak", ""] {
+            let error = validate_subscriptions(vec![subscription("h", &[bad])]).unwrap_err();
+            assert!(error.contains("printable characters"), "{error}");
+        }
+        let types: Vec<String> = (0..101).map(|n| format!("t{n}")).collect();
+        let types: Vec<&str> = types.iter().map(String::as_str).collect();
+        assert!(validate_subscriptions(vec![subscription("h", &types)]).unwrap_err().contains("1-100 event types"));
+        let huge = "x".repeat(1_000_000);
+        let error = validate_subscriptions(vec![subscription(&huge, &["t"])]).unwrap_err();
+        assert!(error.len() < 200, "{} bytes", error.len());
+    }
 
     #[test]
     fn a_reason_is_cut_at_a_character_boundary_within_its_limit_and_says_how_long_it_was() {
