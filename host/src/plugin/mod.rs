@@ -5,6 +5,7 @@
 //! and its grants, and the host capabilities (log, transaction, outgoing HTTP) behind narrow
 //! interfaces the dispatcher wires up. It must never know lanes, leases or outbox documents.
 
+mod bounds;
 mod capability;
 mod http;
 mod output;
@@ -15,10 +16,8 @@ mod runtime;
 pub use capability::{CapabilityFuture, FollowUpEvent, TransactionCapability};
 pub use policy::{Grants, Limits, PluginPolicy};
 pub use registry::{Change, DEBOUNCE, PluginRegistry, WatchGuard};
-pub use runtime::{
-    DeliveryInfo, LoadedPlugin, LogLevel, MAX_MEMORY_BYTES, MAX_PLUGIN_FILE_BYTES, Outcome, PluginRuntime, Ran, RuntimeOptions,
-    read_plugin_file,
-};
+pub use bounds::{MAX_EVENT_TYPES_PER_HANDLER, MAX_HANDLERS_PER_PLUGIN, MAX_PLUGIN_FILE_BYTES, read_plugin_file};
+pub use runtime::{DeliveryInfo, LoadedPlugin, LogLevel, MAX_MEMORY_BYTES, Outcome, PluginRuntime, Ran, RuntimeOptions};
 
 /// A handler a plugin offers.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -16,7 +16,7 @@ use std::time::Duration;
 use notify::{RecursiveMode, Watcher};
 use sha2::{Digest, Sha256};
 
-use super::runtime::read_plugin_file;
+use super::bounds::read_plugin_file;
 use super::{LoadedPlugin, PluginError, PluginPolicy, PluginRuntime, Subscription};
 
 /// How long the directory must be quiet before a scan.

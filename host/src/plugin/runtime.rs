@@ -5,7 +5,6 @@
 //! It knows components, grants and limits; it must never know lanes, leases or documents
 //! of the outbox: the dispatcher hands it an event and gets an outcome back.
 
-use std::collections::BTreeSet;
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -18,6 +17,7 @@ use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConf
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 use wasmtime_wasi_http::{WasiHttpCtx, WasiHttpView};
 
+use super::bounds::{cut, read_plugin_file, validate_subscriptions};
 use super::capability::{FollowUpEvent, TransactionCapability};
 use super::http::GrantedHosts;
 use super::output::{Output, Source};
@@ -143,21 +143,6 @@ impl transaction::Host for HostState {
         };
         self.capability(None)?.publish(follow_up).await
     }
-}
-
-/// `reason` as the host keeps it: at most `max` bytes, cut at a character boundary and saying
-/// how long it was. A plugin's words are stored and repeated (in `lastError` and its dead
-/// letter), so their size is the operator's to bound, never the plugin's.
-fn cut(reason: String, max: usize) -> String {
-    if reason.len() <= max {
-        return reason;
-    }
-    let note = format!(" [cut: {} bytes in all]", reason.len());
-    let mut end = max.saturating_sub(note.len());
-    while !reason.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}{note}", &reason[..end])
 }
 
 /// How one delivery ended, as far as the plugin is concerned.
@@ -350,7 +335,12 @@ impl PluginRuntime {
             Ok(Err(error)) => return Err(format!("its `subscriptions` failed: {}", describe_trap(&error, &store))),
             Err(_) => return Err("its `subscriptions` ran past the wall-clock limit".to_string()),
         };
-        validate_subscriptions(subscriptions)
+        let subscriptions = subscriptions.into_iter().map(|s| Subscription {
+            handler: s.handler,
+            event_types: s.event_types,
+            transactional: s.transactional,
+        });
+        validate_subscriptions(subscriptions.collect())
     }
 
     fn store(&self, plugin: &LoadedPlugin, transaction: Option<Box<dyn TransactionCapability>>) -> (Store<HostState>, Output) {
@@ -512,33 +502,6 @@ impl TransactionCapability for Returning {
     }
 }
 
-/// The largest plugin file the host reads: a Python or JavaScript component with its
-/// interpreter is tens of MiB.
-pub const MAX_PLUGIN_FILE_BYTES: u64 = 256 << 20;
-
-/// Reads a plugin file, refusing one over [`MAX_PLUGIN_FILE_BYTES`] (before reading it, where
-/// its size is known) and one that is not a WebAssembly binary. A refusal never quotes the
-/// content: the file may be anything an operator's directory holds, or a link to a secret.
-pub fn read_plugin_file(path: &Path) -> Result<Vec<u8>, String> {
-    let file = std::fs::File::open(path).map_err(|e| format!("cannot read it: {}", e.kind()))?;
-    let size = file.metadata().map_err(|e| format!("cannot read it: {}", e.kind()))?.len();
-    let over = |size: u64| format!("it is {size} bytes or more, over the {MAX_PLUGIN_FILE_BYTES} bytes a plugin file may have");
-    if size > MAX_PLUGIN_FILE_BYTES {
-        return Err(over(size));
-    }
-    // Some files say they are empty and are not (`/proc`): read no more than the limit.
-    let mut bytes = Vec::with_capacity(size as usize);
-    std::io::Read::read_to_end(&mut std::io::Read::take(file, MAX_PLUGIN_FILE_BYTES + 1), &mut bytes)
-        .map_err(|e| format!("cannot read it: {}", e.kind()))?;
-    if bytes.len() as u64 > MAX_PLUGIN_FILE_BYTES {
-        return Err(over(bytes.len() as u64));
-    }
-    if !bytes.starts_with(b"\0asm") {
-        return Err("it is not a WebAssembly binary (a component starts with the bytes \\0asm; its content is not shown)".into());
-    }
-    Ok(bytes)
-}
-
 /// Compiles a component, or loads it from the artifact cache of this engine.
 fn compile(engine: &Engine, cache_dir: Option<&Path>, bytes: &[u8], content_hash: &str) -> Result<Component, String> {
     let cached = cache_dir.map(|dir| dir.join(engine_fingerprint(engine)).join(format!("{content_hash}.cwasm")));
@@ -629,92 +592,5 @@ fn to_wit_event(event: &EventRecord) -> types::Event {
         correlation_id: event.correlation_id.clone(),
         causation_id: event.causation_id.clone(),
         created_at: event.created_at.timestamp_millis(),
-    }
-}
-
-/// The most handlers one plugin may subscribe, and event types one handler may: every claim
-/// names the handlers a host serves, and every fan-out looks up each event's type.
-pub const MAX_HANDLERS_PER_PLUGIN: usize = 100;
-pub const MAX_EVENT_TYPES_PER_HANDLER: usize = 100;
-
-/// The longest event type a handler may subscribe (the events' own limit).
-const MAX_EVENT_TYPE_CHARS: usize = 256;
-
-/// A string a plugin handed over, as an error may quote it: its first 64 characters at most.
-fn shown(text: &str) -> String {
-    let head: String = text.chars().take(64).collect();
-    if head.len() < text.len() { format!("{head:?}...") } else { format!("{head:?}") }
-}
-
-fn validate_subscriptions(subscriptions: Vec<types::Subscription>) -> Result<Vec<Subscription>, String> {
-    if subscriptions.is_empty() {
-        return Err("it subscribes no handler".to_string());
-    }
-    if subscriptions.len() > MAX_HANDLERS_PER_PLUGIN {
-        return Err(format!("it subscribes {} handlers, over the {MAX_HANDLERS_PER_PLUGIN} a plugin may", subscriptions.len()));
-    }
-    let printable = |text: &str, max: usize| !text.is_empty() && text.chars().count() <= max && !text.chars().any(char::is_control);
-    let mut seen = BTreeSet::new();
-    let mut result = Vec::with_capacity(subscriptions.len());
-    for subscription in subscriptions {
-        let handler = subscription.handler;
-        if !printable(&handler, crate::store::MAX_HANDLER_CHARS) {
-            return Err(format!("handler id {} must be 1-{} printable characters", shown(&handler), crate::store::MAX_HANDLER_CHARS));
-        }
-        if handler == crate::store::MALFORMED_EVENT_HANDLER {
-            return Err(format!("handler id {handler:?} is reserved"));
-        }
-        if !seen.insert(handler.clone()) {
-            return Err(format!("handler id {handler:?} is subscribed twice"));
-        }
-        let types = &subscription.event_types;
-        if types.is_empty() || types.len() > MAX_EVENT_TYPES_PER_HANDLER {
-            return Err(format!("handler {handler:?} must subscribe 1-{MAX_EVENT_TYPES_PER_HANDLER} event types"));
-        }
-        if let Some(bad) = types.iter().find(|t| !printable(t, MAX_EVENT_TYPE_CHARS)) {
-            return Err(format!("handler {handler:?} subscribes event type {}: it must be 1-{MAX_EVENT_TYPE_CHARS} printable characters", shown(bad)));
-        }
-        result.push(Subscription { handler, event_types: subscription.event_types, transactional: subscription.transactional });
-    }
-    Ok(result)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{MAX_HANDLERS_PER_PLUGIN, cut, types, validate_subscriptions};
-
-    fn subscription(handler: &str, types: &[&str]) -> types::Subscription {
-        types::Subscription {
-            handler: handler.to_string(),
-            event_types: types.iter().map(|t| t.to_string()).collect(),
-            transactional: false,
-        }
-    }
-
-    #[test]
-    fn subscriptions_are_bounded_and_printable_and_errors_quote_little() {
-        assert!(validate_subscriptions(vec![subscription("h", &["order.placed"])]).is_ok());
-        let many: Vec<_> = (0..=MAX_HANDLERS_PER_PLUGIN).map(|n| subscription(&format!("h{n}"), &["t"])).collect();
-        assert!(validate_subscriptions(many).unwrap_err().contains("101 handlers, over the 100"));
-        for bad in ["a\0b", "line\nbreak", ""] {
-            let error = validate_subscriptions(vec![subscription("h", &[bad])]).unwrap_err();
-            assert!(error.contains("printable characters"), "{error}");
-        }
-        let types: Vec<String> = (0..101).map(|n| format!("t{n}")).collect();
-        let types: Vec<&str> = types.iter().map(String::as_str).collect();
-        assert!(validate_subscriptions(vec![subscription("h", &types)]).unwrap_err().contains("1-100 event types"));
-        let huge = "x".repeat(1_000_000);
-        let error = validate_subscriptions(vec![subscription(&huge, &["t"])]).unwrap_err();
-        assert!(error.len() < 200, "{} bytes", error.len());
-    }
-
-    #[test]
-    fn a_reason_is_cut_at_a_character_boundary_within_its_limit_and_says_how_long_it_was() {
-        assert_eq!(cut("short".into(), 64), "short");
-        let long = "é".repeat(1_000);
-        let kept = cut(long.clone(), 101);
-        assert!(kept.len() <= 101, "{}", kept.len());
-        assert!(kept.ends_with(" [cut: 2000 bytes in all]"), "{kept}");
-        assert!(long.starts_with(kept.trim_end_matches(" [cut: 2000 bytes in all]")));
     }
 }
