@@ -396,6 +396,8 @@ async fn hosts_killed_while_running_deliveries_without_documents_lose_nothing_an
     let lanes = deployment.collection("relayhost_lanes");
     let audit = deployment.collection("audit_log");
     let (mut interrupted, mut waiting): (Vec<String>, Vec<String>) = (Vec::new(), Vec::new());
+    let mut started_with_document: Vec<String> = Vec::new();
+    let deliveries = deployment.collection("relayhost_deliveries");
     for round in 0..3 {
         let host = deployment.start("host");
         // Kill it once the projection grew by another 150 orders, the first time while such a
@@ -418,6 +420,13 @@ async fn hosts_killed_while_running_deliveries_without_documents_lose_nothing_an
         let (started, ahead) = in_flight_without_document(&events, &lanes).await;
         interrupted.extend(started);
         waiting.extend(ahead);
+        // Those given a document at an earlier takeover run with it: started ones of them are
+        // charged too.
+        let (running, _) = in_flight(&lanes, &deliveries).await;
+        for delivery in running {
+            let document = deliveries.find_one(doc! { "_id": delivery }).await.unwrap().unwrap();
+            started_with_document.push(document.get_str("eventId").unwrap().to_string());
+        }
     }
     assert!(!interrupted.is_empty() || !waiting.is_empty(), "some deliveries without documents were cut off by the kills");
     let survivor = deployment.start("host");
@@ -433,7 +442,7 @@ async fn hosts_killed_while_running_deliveries_without_documents_lose_nothing_an
         let audited = audit.find_one(doc! { "_id": event }).await.unwrap().unwrap();
         assert!(audited.get("attempt").and_then(integer).unwrap() >= 2, "{audited}");
     }
-    for event in waiting.iter().filter(|event| !interrupted.contains(event)) {
+    for event in waiting.iter().filter(|event| !interrupted.contains(event) && !started_with_document.contains(event)) {
         let audited = audit.find_one(doc! { "_id": event }).await.unwrap().unwrap();
         assert_eq!(audited.get("attempt").and_then(integer), Some(1), "{audited}");
     }
