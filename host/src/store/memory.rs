@@ -5,6 +5,10 @@
 //! generations, parking and fencing, and shares the claim algorithm with the MongoDB store.
 //! Transactions are serializable: a transaction holds the whole state until it commits or
 //! aborts, so never claim from inside one. Nothing here survives the process.
+//!
+//! One file past 600 lines because it implements the whole `Store` and `ClaimBackend` over
+//! one in-process state, each method a few lines against it, so that its semantics can be
+//! read side by side with the MongoDB store's.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;

@@ -1,5 +1,9 @@
 //! The claim primitives in MongoDB: each is one query or one write (or a bounded parallel
 //! set of them), on the claim, ordering and parked indexes.
+//!
+//! One file past 600 lines because it is the one `ClaimBackend` implementation in MongoDB:
+//! every primitive the shared claim calls, together, so that each can be checked against its
+//! contract in `store/claim.rs` and its twin in `store/memory.rs`.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
