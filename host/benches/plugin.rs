@@ -35,6 +35,7 @@ fn event(event_type: &str, payload: bson::Document) -> EventRecord {
         headers: BTreeMap::new(),
         correlation_id: None,
         causation_id: None,
+        chain_depth: 0,
         created_at: DateTime::now(),
     }
 }
@@ -67,7 +68,7 @@ fn main() {
         let mut plugin_samples = Vec::new();
         for round in 0..2_200 {
             let started = Instant::now();
-            let ran = metered.invoke(&noop, &order, &info, None).await;
+            let ran = metered.invoke(&noop, &order, &info).await;
             let elapsed = started.elapsed();
             assert_eq!(ran.outcome, Outcome::Completed);
             if round >= 200 {
@@ -104,10 +105,10 @@ fn main() {
         for round in 0..24 {
             // Interleaved, so that both see the same machine.
             let started = Instant::now();
-            assert_eq!(metered.invoke(&with_fuel, &burn, &info, None).await.outcome, Outcome::Completed);
+            assert_eq!(metered.invoke(&with_fuel, &burn, &info).await.outcome, Outcome::Completed);
             let metered_time = started.elapsed();
             let started = Instant::now();
-            assert_eq!(unmetered.invoke(&without_fuel, &burn, &info, None).await.outcome, Outcome::Completed);
+            assert_eq!(unmetered.invoke(&without_fuel, &burn, &info).await.outcome, Outcome::Completed);
             let unmetered_time = started.elapsed();
             if round >= 4 {
                 metered_samples.push(metered_time);

@@ -11,6 +11,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::dispatch::DispatcherOptions;
+use crate::plugin::capability::{http, log, transaction};
 use crate::plugin::{Grants, Limits, MAX_MEMORY_BYTES, PluginPolicy};
 
 /// Prefix of environment overrides: `RELAYHOST_MONGODB_URI`, `RELAYHOST_HOST_CONCURRENCY`, ...
@@ -175,7 +176,13 @@ pub struct GrantsConfig {
     pub directory: Option<PathBuf>,
     pub environment: Vec<String>,
     pub http_hosts: Vec<String>,
+    /// Whether the HTTP hosts may resolve to private, loopback or link-local addresses.
+    pub private_networks: bool,
     pub collections: Vec<String>,
+    /// Event types its follow-ups may have (`order.*` for a prefix).
+    pub publish_types: Vec<String>,
+    /// What its follow-ups' ids start with; `<plugin name>:` when absent.
+    pub publish_id_prefix: Option<String>,
 }
 
 /// Limits and retry policy of one plugin; absent fields come from `[defaults]`.
@@ -190,6 +197,16 @@ pub struct PluginConfig {
     pub reason: Option<Size>,
     /// Furthest ahead a plugin may put its retry.
     pub not_before_horizon: Option<Span>,
+    /// Follow-up events one delivery may publish.
+    pub follow_ups: Option<u32>,
+    /// Largest payload of a follow-up event.
+    pub follow_up_payload: Option<Size>,
+    /// Deepest chain of follow-ups.
+    pub chain_depth: Option<u32>,
+    /// Most bytes one `find` may hand back.
+    pub returned: Option<Size>,
+    /// Re-runs of a transactional handler in one attempt after transient errors.
+    pub reruns: Option<u32>,
     pub retry: Option<RetryConfig>,
     pub grants: GrantsConfig,
 }
@@ -325,6 +342,7 @@ impl Config {
         let pick = |get: &dyn Fn(&PluginConfig) -> Option<u64>, fallback: u64| {
             own.and_then(get).or_else(|| get(&self.defaults)).unwrap_or(fallback)
         };
+        let transaction_defaults = transaction::Limits::default();
         let limits = Limits {
             fuel: pick(&|p| p.fuel, defaults.fuel),
             memory_bytes: pick(&|p| p.memory.map(|s| s.0 as u64), defaults.memory_bytes as u64) as usize,
@@ -332,12 +350,22 @@ impl Config {
                 .and_then(|p| p.wall_time)
                 .or(self.defaults.wall_time)
                 .map_or(defaults.wall_time, |s| s.0),
-            output_bytes: pick(&|p| p.output.map(|s| s.0 as u64), defaults.output_bytes as u64) as usize,
+            log: log::Limits { output_bytes: pick(&|p| p.output.map(|s| s.0 as u64), defaults.log.output_bytes as u64) as usize },
             reason_bytes: pick(&|p| p.reason.map(|s| s.0 as u64), defaults.reason_bytes as u64) as usize,
             not_before_horizon: own
                 .and_then(|p| p.not_before_horizon)
                 .or(self.defaults.not_before_horizon)
                 .map_or(defaults.not_before_horizon, |s| s.0),
+            transaction: transaction::Limits {
+                follow_ups: pick(&|p| p.follow_ups.map(u64::from), u64::from(transaction_defaults.follow_ups)) as u32,
+                follow_up_payload_bytes: pick(
+                    &|p| p.follow_up_payload.map(|s| s.0 as u64),
+                    transaction_defaults.follow_up_payload_bytes as u64,
+                ) as usize,
+                chain_depth: pick(&|p| p.chain_depth.map(u64::from), u64::from(transaction_defaults.chain_depth)) as u32,
+                returned_bytes: pick(&|p| p.returned.map(|s| s.0 as u64), transaction_defaults.returned_bytes as u64) as usize,
+                reruns: pick(&|p| p.reruns.map(u64::from), u64::from(transaction_defaults.reruns)) as u32,
+            },
         };
         let grants = own.map(|p| &p.grants).cloned().unwrap_or_default();
         PluginPolicy {
@@ -345,8 +373,12 @@ impl Config {
             grants: Grants {
                 read_only_directory: grants.directory,
                 environment: grants.environment,
-                http_hosts: grants.http_hosts,
-                collections: grants.collections,
+                http: http::Grant { hosts: grants.http_hosts, private_networks: grants.private_networks },
+                transaction: transaction::Grant {
+                    collections: grants.collections,
+                    publish_types: grants.publish_types,
+                    publish_id_prefix: grants.publish_id_prefix,
+                },
             },
         }
     }
@@ -397,6 +429,15 @@ fn validate_plugin(section: &str, plugin: &PluginConfig) -> Result<(), ConfigErr
     if plugin.not_before_horizon.is_some_and(|h| h.0.is_zero() || h.0 > MAX_NOT_BEFORE_HORIZON) {
         return Err(invalid(format!("{section}.not_before_horizon"), "must be more than 0s and at most 365 days"));
     }
+    let range = |field: &str, value: Option<u64>, min: u64, max: u64, shown: &str| match value {
+        Some(value) if !(min..=max).contains(&value) => Err(invalid(format!("{section}.{field}"), format!("must be {shown}"))),
+        _ => Ok(()),
+    };
+    range("follow_ups", plugin.follow_ups.map(u64::from), 0, 1_000, "between 0 and 1000")?;
+    range("follow_up_payload", plugin.follow_up_payload.map(|s| s.0 as u64), 64, 4 << 20, "between 64B and 4MiB")?;
+    range("chain_depth", plugin.chain_depth.map(u64::from), 0, 64, "between 0 and 64")?;
+    range("returned", plugin.returned.map(|s| s.0 as u64), 1024, MAX_MEMORY_BYTES as u64, "between 1KiB and 1GiB")?;
+    range("reruns", plugin.reruns.map(u64::from), 0, 100, "between 0 and 100")?;
     if let Some(retry) = &plugin.retry {
         if retry.max_attempts == 0 {
             return Err(invalid(format!("{section}.retry.max_attempts"), "must be at least 1"));
@@ -408,6 +449,20 @@ fn validate_plugin(section: &str, plugin: &PluginConfig) -> Result<(), ConfigErr
     for host in &plugin.grants.http_hosts {
         if host.is_empty() || host.contains(['/', '*', ' ']) {
             return Err(invalid(format!("{section}.grants.http_hosts"), format!("{host:?} is not a host or host:port")));
+        }
+    }
+    for event_type in &plugin.grants.publish_types {
+        let name = event_type.strip_suffix('*').unwrap_or(event_type);
+        if event_type.is_empty() || name.contains('*') || event_type.len() > 256 || event_type.chars().any(char::is_control) {
+            return Err(invalid(format!("{section}.grants.publish_types"), format!("{event_type:?} is not an event type or a prefix ending in *")));
+        }
+        if name.starts_with(transaction::HOST_EVENT_TYPE_PREFIX) {
+            return Err(invalid(format!("{section}.grants.publish_types"), format!("{event_type:?}: relayhost.* event types are the host's alone")));
+        }
+    }
+    if let Some(prefix) = &plugin.grants.publish_id_prefix {
+        if prefix.chars().count() > 128 || prefix.chars().any(char::is_control) {
+            return Err(invalid(format!("{section}.grants.publish_id_prefix"), "must be at most 128 printable characters"));
         }
     }
     for collection in &plugin.grants.collections {
@@ -463,9 +518,18 @@ mod tests {
         let webhook = config.policy_for("webhook");
         assert_eq!(webhook.limits.memory_bytes, 32 << 20);
         assert_eq!(webhook.limits.wall_time, Duration::from_secs(10), "from [defaults]");
-        assert_eq!(webhook.grants.http_hosts, ["hooks.example.com"]);
+        assert_eq!(webhook.grants.http.hosts, ["hooks.example.com"]);
         assert_eq!(config.policy_for("audit_log").limits.fuel, 500_000_000);
-        assert_eq!(config.policy_for("audit_log").grants.collections, ["audit_log"]);
+        assert_eq!(config.policy_for("audit_log").grants.transaction.collections, ["audit_log"]);
+        let billing = load("[plugin.billing]\nfollow_ups = 3\nchain_depth = 2\nreturned = \"1MiB\"\nreruns = 1\n\
+             grants = { publish_types = [\"invoice.*\"], publish_id_prefix = \"inv-\", private_networks = true }", &[])
+        .unwrap()
+        .policy_for("billing");
+        let limits = &billing.limits.transaction;
+        assert_eq!((limits.follow_ups, limits.chain_depth, limits.returned_bytes, limits.reruns), (3, 2, 1 << 20, 1));
+        assert_eq!(billing.grants.transaction.publish_types, ["invoice.*"]);
+        assert_eq!(billing.grants.transaction.id_prefix("billing"), "inv-");
+        assert!(billing.grants.http.private_networks);
         // An unconfigured plugin gets the default limits and no grants at all.
         let stranger = config.policy_for("stranger");
         assert_eq!(stranger.grants, Grants::default());
@@ -510,6 +574,13 @@ mod tests {
             ("[plugin.x]\ngrants = { everything = true }", "everything"),
             ("[defaults]\ngrants = { collections = [\"a\"] }", "defaults.grants"),
             ("[plugin.\"../evil\"]\nfuel = 1", "plugin.../evil"),
+            ("[plugin.x]\nfollow_ups = 5000", "plugin.x.follow_ups"),
+            ("[defaults]\nfollow_up_payload = \"16MiB\"", "defaults.follow_up_payload"),
+            ("[plugin.x]\nchain_depth = 65", "plugin.x.chain_depth"),
+            ("[plugin.x]\nreturned = \"10B\"", "plugin.x.returned"),
+            ("[plugin.x]\nreruns = 1000", "plugin.x.reruns"),
+            ("[plugin.x]\ngrants = { publish_types = [\"relayhost.delivery.dead\"] }", "relayhost.* event types are the host's"),
+            ("[plugin.x]\ngrants = { publish_types = [\"a*b\"] }", "plugin.x.grants.publish_types"),
         ];
         for (text, field) in cases {
             let error = load(text, &[]).unwrap_err().to_string();

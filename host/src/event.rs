@@ -19,6 +19,9 @@ pub mod field {
     pub const HEADERS: &str = "headers";
     pub const CORRELATION_ID: &str = "correlationId";
     pub const CAUSATION_ID: &str = "causationId";
+    /// How many handlers' follow-ups lie between it and an application's event (0, the
+    /// default, is left out): a handler's follow-up of an event of depth `n` has `n + 1`.
+    pub const CHAIN_DEPTH: &str = "chainDepth";
     pub const CREATED_AT: &str = "createdAt";
     /// Written by the host at fan-out; absent until then.
     pub const FANNED_OUT_AT: &str = "fannedOutAt";
@@ -43,6 +46,16 @@ pub const MAX_KEY_CHARS: usize = 512;
 /// Default ceiling of an encoded payload, in bytes (the whole document must stay under
 /// MongoDB's 16 MiB, and every byte also goes to the oplog).
 pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
+/// Most headers an event may carry.
+pub const MAX_HEADERS: usize = 64;
+/// Longest header name, in characters.
+pub const MAX_HEADER_NAME_CHARS: usize = 128;
+/// Longest header value, in bytes.
+pub const MAX_HEADER_VALUE_BYTES: usize = 4 * 1024;
+/// Largest stored event document a fan-out delivers, in bytes: the host adds its marks
+/// (`fannedOutAt`, `handlers`, ...) to it, and a document may not pass MongoDB's 16 MiB. A
+/// larger one, whoever wrote it, is dead-lettered at fan-out instead of failing every fan-out.
+pub const MAX_EVENT_DOCUMENT_BYTES: usize = 15 * 1024 * 1024;
 
 /// What is wrong with an event, named by field.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -65,6 +78,16 @@ pub enum EventError {
     SequenceWithoutKey,
     #[error("`key` is set but `sequence` is missing; a keyed publish must increment the key's counter and store it")]
     KeyWithoutSequence,
+    #[error("`headers` has {count} entries; the limit is {max}")]
+    TooManyHeaders { count: usize, max: usize },
+    #[error("header name {name} is not allowed: {why}")]
+    BadHeaderName { name: String, why: &'static str },
+    #[error("header {name} is {bytes} bytes long; the limit is {max}")]
+    HeaderTooLong { name: String, bytes: usize, max: usize },
+    #[error("`chainDepth` must be a non-negative integer, found {0}")]
+    BadChainDepth(String),
+    #[error("the event document is {bytes} bytes as BSON; the limit is {max} (the host adds to it, and a document may not pass 16 MiB)")]
+    DocumentTooLarge { bytes: usize, max: usize },
 }
 
 /// An event as an application hands it to [`crate::publish::Publisher::publish`] or a store.
@@ -77,6 +100,8 @@ pub struct NewEvent {
     pub headers: BTreeMap<String, String>,
     pub correlation_id: Option<String>,
     pub causation_id: Option<String>,
+    /// See [`field::CHAIN_DEPTH`]; set by the host for handlers' follow-ups.
+    pub chain_depth: u32,
     /// Defaults to the publisher's clock at publish time.
     pub created_at: Option<DateTime>,
 }
@@ -91,6 +116,7 @@ impl NewEvent {
             headers: BTreeMap::new(),
             correlation_id: None,
             causation_id: None,
+            chain_depth: 0,
             created_at: None,
         }
     }
@@ -123,6 +149,7 @@ impl NewEvent {
         if let Some(id) = &self.causation_id {
             check_text(field::CAUSATION_ID, id, MAX_ID_CHARS)?;
         }
+        check_headers(self.headers.iter().map(|(name, value)| (name.as_str(), value.as_str())), self.headers.len())?;
         let bytes = bson::to_vec(&self.payload).map(|v| v.len()).unwrap_or(usize::MAX);
         if bytes > max_payload_bytes {
             return Err(EventError::PayloadTooLarge { bytes, max: max_payload_bytes });
@@ -153,6 +180,9 @@ impl NewEvent {
         if let Some(id) = &self.causation_id {
             document.insert(field::CAUSATION_ID, id);
         }
+        if self.chain_depth > 0 {
+            document.insert(field::CHAIN_DEPTH, i64::from(self.chain_depth));
+        }
         document.insert(field::CREATED_AT, self.created_at.unwrap_or(now));
         document
     }
@@ -172,6 +202,45 @@ fn check_text(field: &'static str, value: &str, max: usize) -> Result<(), EventE
     Ok(())
 }
 
+/// Headers are metadata, not a second payload: bounded in number and size, and named so that
+/// no name can be read as an operator or a path (`$`, `.`) or break a log line.
+fn check_headers<'a>(headers: impl Iterator<Item = (&'a str, &'a str)>, count: usize) -> Result<(), EventError> {
+    if count > MAX_HEADERS {
+        return Err(EventError::TooManyHeaders { count, max: MAX_HEADERS });
+    }
+    for (name, value) in headers {
+        let shown = || format!("{:?}", name.chars().take(64).collect::<String>());
+        let why = if name.is_empty() {
+            Some("it is empty")
+        } else if name.chars().count() > MAX_HEADER_NAME_CHARS {
+            Some("it is longer than 128 characters")
+        } else if name.chars().any(char::is_control) {
+            Some("it contains a control character")
+        } else if name.starts_with('$') || name.contains('.') {
+            Some("it starts with `$` or contains `.`")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(EventError::BadHeaderName { name: shown(), why });
+        }
+        if value.len() > MAX_HEADER_VALUE_BYTES {
+            return Err(EventError::HeaderTooLong { name: shown(), bytes: value.len(), max: MAX_HEADER_VALUE_BYTES });
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a stored event document too large to deliver ([`MAX_EVENT_DOCUMENT_BYTES`]).
+pub fn check_document_size(doc: &Document) -> Result<(), EventError> {
+    // Encoding it again costs about a microsecond for a usual event, at every fan-out read.
+    let bytes = bson::to_vec(doc).map(|encoded| encoded.len()).unwrap_or(usize::MAX);
+    if bytes > MAX_EVENT_DOCUMENT_BYTES {
+        return Err(EventError::DocumentTooLarge { bytes, max: MAX_EVENT_DOCUMENT_BYTES });
+    }
+    Ok(())
+}
+
 /// A stored event that passed fan-out validation: what a handler receives.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EventRecord {
@@ -183,6 +252,7 @@ pub struct EventRecord {
     pub headers: BTreeMap<String, String>,
     pub correlation_id: Option<String>,
     pub causation_id: Option<String>,
+    pub chain_depth: u32,
     pub created_at: DateTime,
 }
 
@@ -272,14 +342,21 @@ impl EventRecord {
             }
             Some(other) => return Err(wrong(field::HEADERS, "a document of strings", other)),
         }
+        check_headers(headers.iter().map(|(name, value)| (name.as_str(), value.as_str())), headers.len())?;
         let correlation_id = optional_text(doc, field::CORRELATION_ID, MAX_ID_CHARS)?;
         let causation_id = optional_text(doc, field::CAUSATION_ID, MAX_ID_CHARS)?;
+        let chain_depth = match doc.get(field::CHAIN_DEPTH) {
+            None | Some(Bson::Null) => 0,
+            Some(Bson::Int32(n)) => u32::try_from(*n).map_err(|_| EventError::BadChainDepth(n.to_string()))?,
+            Some(Bson::Int64(n)) => u32::try_from(*n).map_err(|_| EventError::BadChainDepth(n.to_string()))?,
+            Some(other) => return Err(EventError::BadChainDepth(bson_type_name(other))),
+        };
         let created_at = match doc.get(field::CREATED_AT) {
             Some(Bson::DateTime(at)) => *at,
             Some(other) => return Err(wrong(field::CREATED_AT, "a date", other)),
             None => return Err(EventError::Missing { field: field::CREATED_AT }),
         };
-        Ok(Self { id, event_type, payload, key, sequence, headers, correlation_id, causation_id, created_at })
+        Ok(Self { id, event_type, payload, key, sequence, headers, correlation_id, causation_id, chain_depth, created_at })
     }
 }
 
@@ -331,6 +408,12 @@ mod tests {
             (Box::new(|d| {
                 d.insert("_id", bson::oid::ObjectId::new());
             }), "`_id` must be a string, found an ObjectId"),
+            (Box::new(|d| {
+                d.insert("headers", doc! { "$where": "x" });
+            }), "header name \"$where\" is not allowed"),
+            (Box::new(|d| {
+                d.insert("chainDepth", -1);
+            }), "`chainDepth` must be a non-negative integer"),
         ];
         for (mutate, expected) in cases {
             let mut document = stored();
@@ -338,6 +421,24 @@ mod tests {
             let error = EventRecord::from_document(&document).unwrap_err().to_string();
             assert!(error.contains(expected), "{error:?} should contain {expected:?}");
         }
+    }
+
+    #[test]
+    fn a_stored_document_too_large_to_mark_is_refused_by_size() {
+        let mut document = stored();
+        assert!(check_document_size(&document).is_ok());
+        document.insert("payload", doc! { "blob": bson::Binary { subtype: bson::spec::BinarySubtype::Generic, bytes: vec![0; MAX_EVENT_DOCUMENT_BYTES] } });
+        let error = check_document_size(&document).unwrap_err().to_string();
+        assert!(error.contains("the limit is 15728640"), "{error}");
+    }
+
+    #[test]
+    fn chain_depth_is_stored_only_when_not_zero() {
+        let mut event = NewEvent::new("e", "t", doc! {});
+        assert!(!event.to_document(None, DateTime::now()).contains_key("chainDepth"));
+        event.chain_depth = 3;
+        let record = EventRecord::from_document(&event.to_document(None, DateTime::now())).unwrap();
+        assert_eq!(record.chain_depth, 3);
     }
 
     #[test]
@@ -352,6 +453,17 @@ mod tests {
             NewEvent::new("e", "t\n", doc! {}).validate(1024),
             Err(EventError::ControlCharacter { field: "type" })
         ));
+        let mut headers = NewEvent::new("e", "t", doc! {});
+        for n in 0..=MAX_HEADERS {
+            headers = headers.with_header(format!("h{n}"), "v");
+        }
+        assert!(matches!(headers.validate(1024), Err(EventError::TooManyHeaders { count: 65, max: 64 })));
+        for (name, why) in [("$set", "`$`"), ("a.b", "`.`"), ("a\nb", "control"), ("", "empty")] {
+            let error = NewEvent::new("e", "t", doc! {}).with_header(name, "v").validate(1024).unwrap_err().to_string();
+            assert!(error.contains(why), "{error}");
+        }
+        let long_value = NewEvent::new("e", "t", doc! {}).with_header("trace", "v".repeat(MAX_HEADER_VALUE_BYTES + 1));
+        assert!(matches!(long_value.validate(1024), Err(EventError::HeaderTooLong { .. })));
         let big = NewEvent::new("e", "t", doc! { "blob": "y".repeat(2048) });
         assert!(matches!(big.validate(1024), Err(EventError::PayloadTooLarge { max: 1024, .. })));
         assert!(big.validate(DEFAULT_MAX_PAYLOAD_BYTES).is_ok());

@@ -2,10 +2,13 @@
 //!
 //! This module owns the translation between what a plugin asks through the `transaction`
 //! import (relaxed extended JSON text) and the delivery's `MongoTx`, so that the handler's
-//! writes, its follow-up events and the delivery's completion commit together. Grants are
-//! checked by the plugin layer before a call gets here; this module refuses what no grant can
-//! make safe (server-side JavaScript). It must never commit or abort: the dispatcher does,
-//! after the handler returned.
+//! writes, its follow-up events and the delivery's completion commit together. Grants and
+//! limits are checked by the plugin layer before a call gets here; this module refuses what
+//! no grant can make safe (server-side JavaScript) and stops reading a `find` at the bytes
+//! the plugin may be handed. Follow-up events are kept until the handler returned and
+//! published just before the commit ([`publish_follow_ups`]): a keyed one takes its key's
+//! counter then, so a handler never holds a publisher's key for its run time. It must never
+//! commit or abort: the dispatcher does, after the handler returned.
 
 use std::sync::Arc;
 
@@ -15,7 +18,7 @@ use mongodb::Database;
 use tokio::sync::Mutex;
 
 use crate::event::NewEvent;
-use crate::plugin::{CapabilityFuture, FollowUpEvent, TransactionCapability};
+use crate::plugin::{CapabilityFuture, TransactionCapability};
 use crate::publish::Publisher;
 use crate::store::StoreError;
 use crate::store::mongo::MongoTx;
@@ -32,19 +35,20 @@ pub type SharedTx = Arc<Mutex<MongoTx>>;
 /// made of the error, so the caller runs the handler again in a new transaction.
 pub type TransientError = Arc<std::sync::Mutex<Option<StoreError>>>;
 
+/// The follow-up events a handler published, to be published at its commit.
+pub type FollowUps = Arc<std::sync::Mutex<Vec<NewEvent>>>;
+
 /// The `transaction` import of one transactional delivery.
 pub struct MongoHandlerTransaction {
     tx: SharedTx,
     database: Database,
-    publisher: Publisher,
-    /// The id of the event being handled: the causation id of follow-up events.
-    causation_id: String,
+    follow_ups: FollowUps,
     transient: TransientError,
 }
 
 impl MongoHandlerTransaction {
-    pub fn new(tx: SharedTx, database: Database, publisher: Publisher, causation_id: String, transient: TransientError) -> Self {
-        Self { tx, database, publisher, causation_id, transient }
+    pub fn new(tx: SharedTx, database: Database, follow_ups: FollowUps, transient: TransientError) -> Self {
+        Self { tx, database, follow_ups, transient }
     }
 
     /// The error as the plugin sees it; a transient one is also kept for the caller.
@@ -153,38 +157,53 @@ impl TransactionCapability for MongoHandlerTransaction {
         })
     }
 
-    fn find<'a>(&'a mut self, collection: &'a str, filter: &'a str, limit: u32) -> CapabilityFuture<'a, Vec<String>> {
+    fn find<'a>(&'a mut self, collection: &'a str, filter: &'a str, limit: u32, max_bytes: usize) -> CapabilityFuture<'a, Vec<String>> {
         Box::pin(async move {
             let filter = parse_document("the filter", filter)?;
             let mut tx = self.tx.lock().await;
             let session = tx.session();
-            let documents: Vec<Document> = self
+            // Small batches, read one document at a time: the host holds at most one batch
+            // beyond what the plugin may be handed.
+            let mut cursor = self
                 .database
                 .collection::<Document>(collection)
                 .find(filter)
                 .limit(i64::from(limit.clamp(1, 1_000)))
+                .batch_size(16)
                 .session(&mut *session)
                 .await
-                .map_err(|e| self.failed(e))?
-                .stream(&mut *session)
-                .try_collect()
-                .await
                 .map_err(|e| self.failed(e))?;
-            Ok(documents.into_iter().map(|d| to_json(Bson::Document(d))).collect())
+            let (mut found, mut bytes) = (Vec::new(), 0_usize);
+            let mut stream = cursor.stream(&mut *session);
+            while let Some(document) = stream.try_next().await.map_err(|e| self.failed(e))? {
+                let json = to_json(Bson::Document(document));
+                bytes += json.len();
+                if bytes > max_bytes {
+                    return Err(format!(
+                        "the documents found pass the {max_bytes} bytes a call may return (the plugin's `returned` limit); \
+                         narrow the filter or lower the limit"
+                    ));
+                }
+                found.push(json);
+            }
+            Ok(found)
         })
     }
 
-    fn publish(&mut self, event: FollowUpEvent) -> CapabilityFuture<'_, ()> {
-        Box::pin(async move {
-            let payload = parse_document("the payload", &event.payload)?;
-            let mut new_event = NewEvent::new(event.id, event.event_type, payload);
-            new_event.key = event.key;
-            new_event.headers = event.headers.into_iter().collect();
-            new_event.causation_id = Some(self.causation_id.clone());
-            let mut tx = self.tx.lock().await;
-            self.publisher.publish(tx.session(), &new_event).await.map(|_| ()).map_err(|e| self.failed(e))
-        })
+    fn publish(&mut self, event: NewEvent) -> CapabilityFuture<'_, ()> {
+        self.follow_ups.lock().expect("follow-ups").push(event);
+        Box::pin(async { Ok(()) })
     }
+}
+
+/// Publishes the follow-ups a handler published, in its transaction, just before the commit.
+/// An id that exists already is skipped, as any publisher's is.
+pub async fn publish_follow_ups(tx: &mut MongoTx, publisher: &Publisher, follow_ups: &FollowUps) -> Result<(), StoreError> {
+    let events = std::mem::take(&mut *follow_ups.lock().expect("follow-ups"));
+    for event in &events {
+        publisher.publish(tx.session(), event).await?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

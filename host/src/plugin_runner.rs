@@ -2,9 +2,10 @@
 //!
 //! This module joins the three layers and owns only the joining: which loaded version serves
 //! a claimed delivery, the delivery's context, and for transactional handlers the MongoDB
-//! transaction around the run (the handler runs again after a transient transaction error;
-//! its writes, follow-up events and the completion commit together). It must never decide
-//! retries (the dispatcher does) nor touch lanes (the store does).
+//! transaction around the run (the handler runs again after a transient transaction error,
+//! up to its plugin's `reruns`, then the attempt is charged; its writes, follow-up events and
+//! the completion commit together). It must never decide retries (the dispatcher does) nor
+//! touch lanes (the store does).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -13,7 +14,7 @@ use std::sync::Arc;
 use bson::DateTime;
 
 use crate::dispatch::{AttemptResult, HandlerSpec, RetryPolicy, RunResult, Runner};
-use crate::handler_transaction::{MongoHandlerTransaction, TransientError};
+use crate::handler_transaction::{FollowUps, MongoHandlerTransaction, TransientError, publish_follow_ups};
 use crate::plugin::{DeliveryInfo, LoadedPlugin, Outcome, PluginRegistry};
 use crate::store::mongo::MongoStore;
 use crate::store::{ClaimedDelivery, Retrying, Store, StoreError};
@@ -71,7 +72,7 @@ impl Runner for PluginRunner {
             if plugin.subscription(&delivery.handler).is_some_and(|s| s.transactional) {
                 run_transactional(&registry, &store, &plugin, &delivery, &info).await
             } else {
-                RunResult::Attempt(attempt_of(registry.runtime().invoke(&plugin, &delivery.event, &info, None).await.outcome))
+                RunResult::Attempt(attempt_of(registry.runtime().invoke(&plugin, &delivery.event, &info).await.outcome))
             }
         })
     }
@@ -85,19 +86,26 @@ async fn run_transactional(
     info: &DeliveryInfo,
 ) -> RunResult {
     let mut retrying = Retrying::new();
+    let mut reruns = 0;
+    // A transient error means the transaction cannot commit: the handler runs again in a new
+    // one, which is no attempt (the handler did not fail, the transaction did), up to the
+    // plugin's limit; past it, the attempt is charged with the error.
+    let mut rerun = |error: String| {
+        reruns += 1;
+        let limit = plugin.policy.limits.transaction.reruns;
+        (reruns > limit).then(|| {
+            RunResult::Attempt(AttemptResult::Failed(format!(
+                "its transaction met a transient error {reruns} times in this attempt (the plugin's `reruns` limit is {limit}); the last: {error}"
+            )))
+        })
+    };
     loop {
         let tx = match store.begin().await {
             Ok(tx) => Arc::new(tokio::sync::Mutex::new(tx)),
             Err(error) => return RunResult::Attempt(AttemptResult::Failed(format!("cannot start its transaction: {error}"))),
         };
-        let transient = TransientError::default();
-        let capability = MongoHandlerTransaction::new(
-            tx.clone(),
-            store.database(),
-            store.publisher().clone(),
-            delivery.event.id.clone(),
-            transient.clone(),
-        );
+        let (transient, follow_ups) = (TransientError::default(), FollowUps::default());
+        let capability = MongoHandlerTransaction::new(tx.clone(), store.database(), follow_ups.clone(), transient.clone());
         let (ran, returned) = registry.runtime().invoke_transactional(plugin, &delivery.event, info, Box::new(capability)).await;
         drop(returned);
         let Ok(tx) = Arc::try_unwrap(tx) else {
@@ -106,10 +114,12 @@ async fn run_transactional(
         let mut tx = tx.into_inner();
         let met = transient.lock().expect("transient error slot").take();
         if let Some(error) = met {
-            // The transaction cannot commit, whatever the handler answered: run it again in
-            // a new one (not an attempt: the handler did not fail, the transaction did).
+            let reason = error.to_string();
             match retrying.settle(tx, Err::<(), _>(error)).await {
-                None => continue,
+                None => match rerun(reason) {
+                    None => continue,
+                    Some(charged) => return charged,
+                },
                 Some(result) => {
                     let reason = result.err().map_or_else(|| "its transaction failed".to_string(), |e| e.to_string());
                     return RunResult::Attempt(AttemptResult::Failed(reason));
@@ -120,10 +130,16 @@ async fn run_transactional(
             let _ = crate::store::StoreTransaction::abort(tx).await;
             return RunResult::Attempt(attempt_of(ran.outcome));
         }
-        let completion = store.complete_in(&mut tx, &delivery.lease, DateTime::now()).await;
+        let completion = match publish_follow_ups(&mut tx, store.publisher(), &follow_ups).await {
+            Ok(()) => store.complete_in(&mut tx, &delivery.lease, DateTime::now()).await,
+            Err(error) => Err(error),
+        };
         match retrying.settle(tx, completion).await {
             // A transient error (a write conflict, a step-down): run the handler again.
-            None => continue,
+            None => match rerun("its commit met a transient error".to_string()) {
+                None => continue,
+                Some(charged) => return charged,
+            },
             Some(Ok(())) => return RunResult::CompletedInTransaction,
             Some(Err(StoreError::LeaseLost(_))) => return RunResult::LeaseLost,
             Some(Err(error)) => return RunResult::Attempt(AttemptResult::Failed(error.to_string())),

@@ -763,7 +763,7 @@ async fn a_graceful_stop_releases_claimed_work_without_charging_attempts_and_an_
     let receiver = Receiver::start();
     let extra = format!(
         "concurrency = 2\nshutdown_timeout = \"1s\"\n\n[plugin.webhook]\nwall_time = \"60s\"\n\
-         grants = {{ environment = [\"WEBHOOK_URL\"], http_hosts = [\"{}\"] }}",
+         grants = {{ environment = [\"WEBHOOK_URL\"], http_hosts = [\"{}\"], private_networks = true }}",
         receiver.address
     );
     let deployment = Deployment::new(&["webhook"], &extra).await;
@@ -824,7 +824,7 @@ async fn a_delivery_running_longer_than_its_lease_keeps_it_by_renewal() {
     receiver.delay_ms.store(3_500, Ordering::SeqCst);
     let extra = format!(
         "concurrency = 1\nlease = \"1s\"\npoll_interval = \"100ms\"\n\n[plugin.webhook]\nwall_time = \"30s\"\n\
-         grants = {{ environment = [\"WEBHOOK_URL\"], http_hosts = [\"{}\"] }}",
+         grants = {{ environment = [\"WEBHOOK_URL\"], http_hosts = [\"{}\"], private_networks = true }}",
         receiver.address
     );
     let deployment = Deployment::new(&["webhook"], &extra).await;

@@ -69,6 +69,7 @@ fn event() -> EventRecord {
         headers: Default::default(),
         correlation_id: None,
         causation_id: None,
+        chain_depth: 0,
         created_at: DateTime::now(),
     }
 }
@@ -93,7 +94,7 @@ async fn replacing_a_plugin_twenty_times_under_load_loses_nothing() {
                 while !stop.load(Ordering::SeqCst) {
                     let plugin = registry.plugin_for("noop").expect("the handler is served during every swap");
                     let info = DeliveryInfo { handler: "noop".into(), attempt: 1, max_attempts: 5, deadline: 0 };
-                    let ran = runtime.invoke(&plugin, &event(), &info, None).await;
+                    let ran = runtime.invoke(&plugin, &event(), &info).await;
                     assert_eq!(ran.outcome, Outcome::Completed);
                     used.lock().unwrap().push(plugin.content_hash.clone());
                     tokio::time::sleep(Duration::from_millis(1)).await;

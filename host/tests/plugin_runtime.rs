@@ -11,10 +11,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bson::{DateTime, doc};
-use relayhost::event::EventRecord;
+use relayhost::event::{EventRecord, NewEvent};
+use relayhost::plugin::capability::http::Grant as HttpGrant;
+use relayhost::plugin::capability::transaction::Grant as TransactionGrant;
 use common::{plugin_runtime, plugins_dir};
 use relayhost::plugin::{
-    CapabilityFuture, DeliveryInfo, FollowUpEvent, Grants, Limits, LoadedPlugin, Outcome, PluginError, PluginPolicy,
+    CapabilityFuture, DeliveryInfo, Grants, Limits, LoadedPlugin, Outcome, PluginError, PluginPolicy,
     PluginRuntime, TransactionCapability,
 };
 
@@ -31,7 +33,7 @@ fn quick_limits() -> Limits {
         fuel: 200_000_000,
         memory_bytes: 32 * 1024 * 1024,
         wall_time: Duration::from_secs(2),
-        output_bytes: 8 * 1024,
+        log: relayhost::plugin::capability::log::Limits { output_bytes: 8 * 1024 },
         ..Limits::default()
     }
 }
@@ -54,6 +56,7 @@ fn event(event_type: &str, payload: bson::Document) -> EventRecord {
         headers: BTreeMap::new(),
         correlation_id: None,
         causation_id: None,
+        chain_depth: 0,
         created_at: DateTime::now(),
     }
 }
@@ -63,7 +66,7 @@ fn delivery(handler: &str) -> DeliveryInfo {
 }
 
 async fn attack(runtime: &PluginRuntime, plugin: &LoadedPlugin, handler: &str, target: &str) -> Outcome {
-    runtime.invoke(plugin, &event("attack", doc! { "target": target }), &delivery(handler), None).await.outcome
+    runtime.invoke(plugin, &event("attack", doc! { "target": target }), &delivery(handler)).await.outcome
 }
 
 fn assert_blocked(outcome: &Outcome, why: &str) {
@@ -74,7 +77,7 @@ fn assert_blocked(outcome: &Outcome, why: &str) {
 }
 
 async fn noop_still_works(runtime: &PluginRuntime, noop: &LoadedPlugin) {
-    let ran = runtime.invoke(noop, &event("order.placed", doc! {}), &delivery("noop"), None).await;
+    let ran = runtime.invoke(noop, &event("order.placed", doc! {}), &delivery("noop")).await;
     assert_eq!(ran.outcome, Outcome::Completed);
 }
 
@@ -225,8 +228,8 @@ async fn grants_open_exactly_what_they_name() {
     let grants = Grants {
         read_only_directory: Some(dir.clone()),
         environment: vec!["RELAYHOST_TEST_GRANTED".into()],
-        http_hosts: vec![server.authority()],
-        collections: vec![],
+        http: HttpGrant { hosts: vec![server.authority()], private_networks: true },
+        ..Default::default()
     };
     let runtime = runtime();
     let hostile = load(&runtime, "hostile", grants).await;
@@ -239,6 +242,11 @@ async fn grants_open_exactly_what_they_name() {
     // Another port of the same host is not granted.
     let other = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().to_string();
     assert_blocked(&attack(&runtime, &hostile, "http", &other).await, "ungranted port");
+    // The same grant without private networks: the loopback address is refused.
+    let public_only = Grants { http: HttpGrant { hosts: vec![server.authority()], private_networks: false }, ..Default::default() };
+    let hostile = load(&runtime, "hostile", public_only).await;
+    assert_blocked(&attack(&runtime, &hostile, "http", &server.authority()).await, "loopback without private networks");
+    assert_eq!(server.requests().len(), 1, "nothing more reached the server");
     std::fs::remove_dir_all(dir).unwrap();
 }
 
@@ -247,7 +255,7 @@ async fn log_floods_are_capped_and_the_delivery_still_completes() {
     let runtime = runtime();
     let limits = Limits { wall_time: Duration::from_secs(60), fuel: u64::MAX / 2, ..quick_limits() };
     let hostile = runtime.load(&plugin_file("hostile"), PluginPolicy { limits, ..Default::default() }).await.unwrap();
-    let ran = runtime.invoke(&hostile, &event("attack", doc! {}), &delivery("log-flood"), None).await;
+    let ran = runtime.invoke(&hostile, &event("attack", doc! {}), &delivery("log-flood")).await;
     assert_eq!(ran.outcome, Outcome::Completed);
     assert!(ran.output_kept <= 8 * 1024, "{}", ran.output_kept);
     // 20,000 log lines and 20,000 printed lines of 1,000 bytes each, nearly all dropped.
@@ -258,7 +266,7 @@ async fn log_floods_are_capped_and_the_delivery_still_completes() {
 #[derive(Clone, Default)]
 struct RecordingTransaction {
     inserted: Arc<Mutex<Vec<(String, serde_json::Value)>>>,
-    published: Arc<Mutex<Vec<FollowUpEvent>>>,
+    published: Arc<Mutex<Vec<NewEvent>>>,
 }
 
 impl TransactionCapability for RecordingTransaction {
@@ -275,10 +283,10 @@ impl TransactionCapability for RecordingTransaction {
     fn delete<'a>(&'a mut self, _: &'a str, _: &'a str) -> CapabilityFuture<'a, u64> {
         Box::pin(async { Ok(0) })
     }
-    fn find<'a>(&'a mut self, _: &'a str, _: &'a str, _: u32) -> CapabilityFuture<'a, Vec<String>> {
+    fn find<'a>(&'a mut self, _: &'a str, _: &'a str, _: u32, _: usize) -> CapabilityFuture<'a, Vec<String>> {
         Box::pin(async { Ok(Vec::new()) })
     }
-    fn publish(&mut self, event: FollowUpEvent) -> CapabilityFuture<'_, ()> {
+    fn publish(&mut self, event: NewEvent) -> CapabilityFuture<'_, ()> {
         self.published.lock().unwrap().push(event);
         Box::pin(async { Ok(()) })
     }
@@ -287,7 +295,7 @@ impl TransactionCapability for RecordingTransaction {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transactional_handlers_write_only_granted_collections() {
     let runtime = runtime();
-    let grants = Grants { collections: vec!["audit_log".into(), "audit_order".into()], ..Default::default() };
+    let grants = Grants { transaction: TransactionGrant { collections: vec!["audit_log".into(), "audit_order".into()], ..Default::default() }, ..Default::default() };
     let audit = load(&runtime, "audit_log", grants.clone()).await;
     let recording = RecordingTransaction::default();
     let order = event("order.placed", doc! { "orderId": "o-1", "total": 12.5 });
@@ -311,7 +319,7 @@ async fn transactional_handlers_write_only_granted_collections() {
         .invoke_transactional(&hostile, &event("attack", doc! { "target": "secrets" }), &delivery("write-collection"), Box::new(recording.clone()))
         .await;
     match ran.outcome {
-        Outcome::Unprocessable(reason) => assert!(reason.contains("collection `secrets` is not granted to plugin `hostile`"), "{reason}"),
+        Outcome::Unprocessable(reason) => assert!(reason.contains("collection \"secrets\" is not granted to plugin `hostile`"), "{reason}"),
         other => panic!("{other:?}"),
     }
     assert!(recording.inserted.lock().unwrap().is_empty());
@@ -322,7 +330,11 @@ async fn the_webhook_posts_and_honours_retry_after() {
     let server = HttpServer::start(vec![(503, Some("7")), (429, None), (200, None), (404, None)]);
     // SAFETY: see the_sandbox_holds_without_grants.
     unsafe { std::env::set_var("WEBHOOK_URL", format!("http://{}/hooks/orders", server.authority())) };
-    let grants = Grants { environment: vec!["WEBHOOK_URL".into()], http_hosts: vec![server.authority()], ..Default::default() };
+    let grants = Grants {
+        environment: vec!["WEBHOOK_URL".into()],
+        http: HttpGrant { hosts: vec![server.authority()], private_networks: true },
+        ..Default::default()
+    };
     let runtime = runtime();
     let webhook = load(&runtime, "webhook", grants).await;
     let order = event("order.placed", doc! { "orderId": "o-9" });
@@ -349,7 +361,7 @@ async fn futures_in_order(runtime: &PluginRuntime, plugin: &LoadedPlugin, event:
     let mut outcomes = Vec::new();
     for attempt in 1..=times as u32 {
         let info = DeliveryInfo { attempt, ..delivery("webhook") };
-        outcomes.push(runtime.invoke(plugin, event, &info, None).await.outcome);
+        outcomes.push(runtime.invoke(plugin, event, &info).await.outcome);
     }
     outcomes
 }
@@ -458,7 +470,7 @@ async fn python_and_javascript_plugins_handle_real_events() {
         let run = |payload: bson::Document| {
             let plugin = &plugin;
             let runtime = &runtime;
-            async move { runtime.invoke(plugin, &event("order.placed", payload), &delivery(handler), None).await }
+            async move { runtime.invoke(plugin, &event("order.placed", payload), &delivery(handler)).await }
         };
         let ran = run(doc! { "orderId": "o-1", "total": 3 }).await;
         assert_eq!(ran.outcome, Outcome::Completed, "{file}");

@@ -10,6 +10,7 @@ use std::time::Duration;
 use bson::{Document, doc};
 use common::*;
 use relayhost::handler_transaction::MongoHandlerTransaction;
+use relayhost::plugin::capability::transaction::Grant as TransactionGrant;
 use relayhost::plugin::{DeliveryInfo, Grants, Limits, Outcome, PluginPolicy};
 use relayhost::store::{ClaimedDelivery, Store, StoreTransaction, Subscription, Subscriptions};
 
@@ -20,7 +21,7 @@ async fn the_handlers_write_and_the_completion_commit_together() {
     let runtime = plugin_runtime();
     let policy = PluginPolicy {
         limits: Limits { wall_time: Duration::from_secs(10), ..Limits::default() },
-        grants: Grants { collections: vec!["audit_log".into(), "audit_order".into()], ..Default::default() },
+        grants: Grants { transaction: TransactionGrant { collections: vec!["audit_log".into(), "audit_order".into()], ..Default::default() }, ..Default::default() },
     };
     let plugin = runtime.load(&plugins_dir().join("audit_log.wasm"), policy).await.unwrap();
     let subscriptions = Subscriptions::new(
@@ -61,13 +62,7 @@ async fn run_transactional(
 ) -> Outcome {
     let store = fixture.store();
     let shared = Arc::new(tokio::sync::Mutex::new(store.begin().await.unwrap()));
-    let capability = MongoHandlerTransaction::new(
-        shared.clone(),
-        store.database(),
-        store.publisher().clone(),
-        delivery.event.id.clone(),
-        Default::default(),
-    );
+    let capability = MongoHandlerTransaction::new(shared.clone(), store.database(), Default::default(), Default::default());
     let info = DeliveryInfo { handler: delivery.handler.clone(), attempt: 1, max_attempts: 5, deadline: 0 };
     let (ran, returned) = runtime.invoke_transactional(plugin, &delivery.event, &info, Box::new(capability)).await;
     drop(returned);
@@ -96,7 +91,13 @@ async fn the_dispatcher_runs_plugins_into_an_exact_projection() {
         std::fs::copy(plugins_dir().join(format!("{file}.wasm")), plugins.join(format!("{file}.wasm"))).unwrap();
     }
     let registry = Arc::new(PluginRegistry::new(Arc::new(plugin_runtime()), &plugins, |name| PluginPolicy {
-        grants: Grants { collections: if name == "audit_log" { vec!["audit_log".into(), "audit_order".into()] } else { vec![] }, ..Default::default() },
+        grants: Grants {
+            transaction: TransactionGrant {
+                collections: if name == "audit_log" { vec!["audit_log".into(), "audit_order".into()] } else { vec![] },
+                ..Default::default()
+            },
+            ..Default::default()
+        },
         ..Default::default()
     }));
     registry.scan().await.unwrap();
@@ -147,7 +148,7 @@ async fn a_conflicting_transaction_makes_the_handler_run_again_not_fail() {
     std::fs::create_dir_all(&plugins).unwrap();
     std::fs::copy(plugins_dir().join("audit_log.wasm"), plugins.join("audit_log.wasm")).unwrap();
     let registry = Arc::new(PluginRegistry::new(Arc::new(plugin_runtime()), &plugins, |_| PluginPolicy {
-        grants: Grants { collections: vec!["audit_log".into(), "audit_order".into()], ..Default::default() },
+        grants: Grants { transaction: TransactionGrant { collections: vec!["audit_log".into(), "audit_order".into()], ..Default::default() }, ..Default::default() },
         ..Default::default()
     }));
     registry.scan().await.unwrap();

@@ -2,18 +2,18 @@
 //!
 //! This module owns the plugin contract's host side (`wit/relayhost.wit`): loading and
 //! validating component files, the wasmtime engine and its per-delivery limits, the sandbox
-//! and its grants, and the host capabilities (log, transaction, outgoing HTTP) behind narrow
-//! interfaces the dispatcher wires up. It must never know lanes, leases or outbox documents.
+//! and its grants, and the host capabilities (log, environment, directory, HTTP,
+//! transaction; one unit each in [`capability`]) behind narrow interfaces the dispatcher
+//! wires up. It must never know lanes, leases or outbox documents.
 
+mod bindings;
 mod bounds;
-mod capability;
-mod http;
-mod output;
+pub mod capability;
 mod policy;
 mod registry;
 mod runtime;
 
-pub use capability::{CapabilityFuture, FollowUpEvent, TransactionCapability};
+pub use capability::transaction::{CapabilityFuture, TransactionCapability};
 pub use policy::{Grants, Limits, PluginPolicy};
 pub use registry::{Change, DEBOUNCE, PluginRegistry, WatchGuard};
 pub use bounds::{MAX_EVENT_TYPES_PER_HANDLER, MAX_HANDLERS_PER_PLUGIN, MAX_PLUGIN_FILE_BYTES, read_plugin_file};

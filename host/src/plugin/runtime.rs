@@ -17,25 +17,17 @@ use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConf
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 use wasmtime_wasi_http::{WasiHttpCtx, WasiHttpView};
 
+use super::bindings;
+use super::bindings::relayhost::plugin::types;
 use super::bounds::{cut, read_plugin_file, validate_subscriptions};
-use super::capability::{FollowUpEvent, TransactionCapability};
-use super::http::GrantedHosts;
-use super::output::{Output, Source};
+use super::capability::http::GrantedHosts;
+use super::capability::log::{Output, Source};
+use super::capability::transaction::{TransactionCapability, TransactionState};
+use super::capability::{directory, environment, http, log};
 use super::{PluginError, PluginPolicy, Subscription};
 use crate::event::EventRecord;
 
-mod bindings {
-    wasmtime::component::bindgen!({
-        path: "../wit",
-        world: "plugin",
-        imports: { default: async },
-        exports: { default: async },
-    });
-}
-
-use bindings::relayhost::plugin::{log, transaction, types};
-
-pub use bindings::relayhost::plugin::log::Level as LogLevel;
+pub use super::bindings::relayhost::plugin::log::Level as LogLevel;
 
 /// Milliseconds between epoch ticks: the resolution of the wall-clock limit.
 const EPOCH_TICK: Duration = Duration::from_millis(10);
@@ -43,12 +35,16 @@ const EPOCH_TICK: Duration = Duration::from_millis(10);
 const FUEL_YIELD_INTERVAL: u64 = 100_000;
 /// Concurrent instances the pooling allocator has slots for.
 const INSTANCE_SLOTS: u32 = 256;
+/// Longest a plugin's `subscriptions` may take (or its wall time, if shorter): it runs at
+/// every load, and a slow one would hold up the scan that loads the others.
+const SUBSCRIPTIONS_WALL_TIME: Duration = Duration::from_secs(2);
 /// Linear memory a reused instance slot keeps resident between deliveries.
 const KEEP_RESIDENT_BYTES: usize = 8 * 1024 * 1024;
 /// Largest memory any plugin may be granted.
 pub const MAX_MEMORY_BYTES: usize = 1 << 30;
 
-/// What the host keeps per delivery inside the wasmtime store.
+/// What the host keeps per delivery inside the wasmtime store: WASI (with the environment
+/// and directory capabilities in it) and each capability's per-instance state.
 pub(crate) struct HostState {
     wasi: WasiCtx,
     table: ResourceTable,
@@ -56,10 +52,7 @@ pub(crate) struct HostState {
     http_hosts: GrantedHosts,
     limiter: MemoryLimiter,
     output: Output,
-    plugin: Arc<str>,
-    policy: Arc<PluginPolicy>,
-    /// Present only for transactional handlers.
-    transaction: Option<Box<dyn TransactionCapability>>,
+    transaction: TransactionState,
 }
 
 impl WasiView for HostState {
@@ -95,55 +88,6 @@ impl ResourceLimiter for MemoryLimiter {
 }
 
 impl types::Host for HostState {}
-
-impl log::Host for HostState {
-    async fn log(&mut self, level: LogLevel, message: String) {
-        self.output.push(Source::Log(level), &message);
-    }
-}
-
-impl HostState {
-    fn capability(&mut self, collection: Option<&str>) -> Result<&mut dyn TransactionCapability, String> {
-        let Some(capability) = self.transaction.as_deref_mut() else {
-            return Err("the transaction capability is only available to transactional handlers".to_string());
-        };
-        if let Some(collection) = collection {
-            if !self.policy.grants.allows_collection(collection) {
-                return Err(format!("collection `{collection}` is not granted to plugin `{}`", self.plugin));
-            }
-        }
-        Ok(capability)
-    }
-}
-
-impl transaction::Host for HostState {
-    async fn insert(&mut self, collection: String, document: String) -> Result<String, String> {
-        self.capability(Some(&collection))?.insert(&collection, &document).await
-    }
-
-    async fn update(&mut self, collection: String, filter: String, update: String) -> Result<u64, String> {
-        self.capability(Some(&collection))?.update(&collection, &filter, &update).await
-    }
-
-    async fn delete(&mut self, collection: String, filter: String) -> Result<u64, String> {
-        self.capability(Some(&collection))?.delete(&collection, &filter).await
-    }
-
-    async fn find(&mut self, collection: String, filter: String, limit: u32) -> Result<Vec<String>, String> {
-        self.capability(Some(&collection))?.find(&collection, &filter, limit).await
-    }
-
-    async fn publish(&mut self, event: transaction::NewEvent) -> Result<(), String> {
-        let follow_up = FollowUpEvent {
-            id: event.id,
-            event_type: event.event_type,
-            key: event.key,
-            payload: event.payload,
-            headers: event.headers,
-        };
-        self.capability(None)?.publish(follow_up).await
-    }
-}
 
 /// How one delivery ended, as far as the plugin is concerned.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -262,11 +206,15 @@ impl PluginRuntime {
         config.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
         let engine = Engine::new(&config).map_err(|e| PluginError::Engine(e.to_string()))?;
 
-        let mut linker = Linker::new(&engine);
-        wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(|e| PluginError::Engine(e.to_string()))?;
-        wasmtime_wasi_http::p2::add_only_http_to_linker_async(&mut linker).map_err(|e| PluginError::Engine(e.to_string()))?;
-        bindings::Plugin::add_to_linker::<_, HasSelf<_>>(&mut linker, |state| state)
-            .map_err(|e| PluginError::Engine(e.to_string()))?;
+        let mut linker: Linker<HostState> = Linker::new(&engine);
+        let linked = (|| {
+            wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
+            types::add_to_linker::<_, HasSelf<_>>(&mut linker, |state| state)?;
+            log::link(&mut linker, |state| &mut state.output)?;
+            http::link(&mut linker)?;
+            super::capability::transaction::link(&mut linker, |state| &mut state.transaction)
+        })();
+        linked.map_err(|e| PluginError::Engine(e.to_string()))?;
 
         let stop_ticker = Arc::new(AtomicBool::new(false));
         let ticker_engine = engine.clone();
@@ -323,17 +271,18 @@ impl PluginRuntime {
     }
 
     async fn read_subscriptions(&self, plugin: &LoadedPlugin) -> Result<Vec<Subscription>, String> {
-        let (mut store, output) = self.store(plugin, None);
+        let (mut store, output) = self.store(plugin, None, None);
         let call = async {
             let instance = plugin.pre.instantiate_async(&mut store).await?;
             instance.relayhost_plugin_handler().call_subscriptions(&mut store).await
         };
-        let result = tokio::time::timeout(plugin.policy.limits.wall_time, call).await;
-        route_output(&plugin.name, plugin.short_hash(), &output);
+        let wall_time = plugin.policy.limits.wall_time.min(SUBSCRIPTIONS_WALL_TIME);
+        let result = tokio::time::timeout(wall_time, call).await;
+        log::route(&plugin.name, plugin.short_hash(), &output);
         let subscriptions = match result {
             Ok(Ok(subscriptions)) => subscriptions,
             Ok(Err(error)) => return Err(format!("its `subscriptions` failed: {}", describe_trap(&error, &store))),
-            Err(_) => return Err("its `subscriptions` ran past the wall-clock limit".to_string()),
+            Err(_) => return Err(format!("its `subscriptions` took longer than {wall_time:?}")),
         };
         let subscriptions = subscriptions.into_iter().map(|s| Subscription {
             handler: s.handler,
@@ -343,36 +292,33 @@ impl PluginRuntime {
         validate_subscriptions(subscriptions.collect())
     }
 
-    fn store(&self, plugin: &LoadedPlugin, transaction: Option<Box<dyn TransactionCapability>>) -> (Store<HostState>, Output) {
+    /// One instance's store: every capability prepared from the plugin's policy, for `event`
+    /// (none while listing subscriptions), with the transaction `backend` if transactional.
+    fn store(
+        &self,
+        plugin: &LoadedPlugin,
+        event: Option<&EventRecord>,
+        backend: Option<Box<dyn TransactionCapability>>,
+    ) -> (Store<HostState>, Output) {
         let policy = plugin.policy.clone();
-        let output = Output::new(policy.limits.output_bytes);
+        let (grants, limits) = (&policy.grants, &policy.limits);
         let mut wasi = WasiCtxBuilder::new();
-        wasi.stdout(output.stream(Source::Stdout))
-            .stderr(output.stream(Source::Stderr))
-            .allow_tcp(false)
+        // Sockets are no capability at all: outgoing HTTP goes through `wasi:http`.
+        wasi.allow_tcp(false)
             .allow_udp(false)
             .allow_ip_name_lookup(false)
             .socket_addr_check(|_, _| Box::pin(async { false }));
-        for name in &policy.grants.environment {
-            if let Ok(value) = std::env::var(name) {
-                wasi.env(name, value);
-            }
-        }
-        if let Some(directory) = &policy.grants.read_only_directory {
-            if let Err(error) = wasi.preopened_dir(directory, "/data", wasmtime_wasi::FsPerms::ReadOnly) {
-                tracing::warn!(plugin = %plugin.name, %error, directory = %directory.display(), "cannot open the granted directory");
-            }
-        }
+        let output = log::prepare(&limits.log, &mut wasi);
+        environment::prepare(&grants.environment, &mut wasi);
+        directory::prepare(&plugin.name, &grants.read_only_directory, &mut wasi);
         let state = HostState {
             wasi: wasi.build(),
             table: ResourceTable::new(),
             http: WasiHttpCtx::new(),
-            http_hosts: GrantedHosts::new(plugin.name.clone(), policy.clone()),
-            limiter: MemoryLimiter { max_bytes: policy.limits.memory_bytes.min(MAX_MEMORY_BYTES), refused: false },
+            http_hosts: GrantedHosts::prepare(plugin.name.clone(), &grants.http),
+            limiter: MemoryLimiter { max_bytes: limits.memory_bytes.min(MAX_MEMORY_BYTES), refused: false },
             output: output.clone(),
-            plugin: plugin.name.clone(),
-            policy: policy.clone(),
-            transaction,
+            transaction: TransactionState::prepare(plugin.name.clone(), &grants.transaction, &limits.transaction, event, backend),
         };
         let mut store = Store::new(&self.engine, state);
         store.limiter(|state| &mut state.limiter);
@@ -386,20 +332,36 @@ impl PluginRuntime {
         (store, output)
     }
 
-    /// Runs one delivery in a fresh instance. A transactional handler gets `transaction`;
-    /// it is handed back with the outcome so the caller can commit or abort.
-    pub async fn invoke(
+    /// Runs one delivery of a handler that is not transactional in a fresh instance.
+    pub async fn invoke(&self, plugin: &LoadedPlugin, event: &EventRecord, delivery: &DeliveryInfo) -> Ran {
+        self.run(plugin, event, delivery, None).await.0
+    }
+
+    /// Runs one delivery of a transactional handler and hands its transaction backend back,
+    /// for the caller to commit (on [`Outcome::Completed`]) or abort.
+    pub async fn invoke_transactional(
         &self,
         plugin: &LoadedPlugin,
         event: &EventRecord,
         delivery: &DeliveryInfo,
-        transaction: Option<Box<dyn TransactionCapability>>,
-    ) -> Ran {
+        backend: Box<dyn TransactionCapability>,
+    ) -> (Ran, Option<Box<dyn TransactionCapability>>) {
+        self.run(plugin, event, delivery, Some(backend)).await
+    }
+
+    async fn run(
+        &self,
+        plugin: &LoadedPlugin,
+        event: &EventRecord,
+        delivery: &DeliveryInfo,
+        backend: Option<Box<dyn TransactionCapability>>,
+    ) -> (Ran, Option<Box<dyn TransactionCapability>>) {
         let started = Instant::now();
         if !Engine::same(&self.engine, plugin.pre.engine()) {
-            return Ran { outcome: Outcome::Failed("the plugin was loaded by another runtime".into()), output_kept: 0, output_dropped: 0 };
+            let ran = Ran { outcome: Outcome::Failed("the plugin was loaded by another runtime".into()), output_kept: 0, output_dropped: 0 };
+            return (ran, backend);
         }
-        let (mut store, output) = self.store(plugin, transaction);
+        let (mut store, output) = self.store(plugin, Some(event), backend);
         let wit_event = to_wit_event(event);
         let context = types::DeliveryContext {
             handler: delivery.handler.clone(),
@@ -435,70 +397,14 @@ impl PluginRuntime {
             }
             Err(_) => Outcome::Failed(format!("wall-clock limit of {:?} exceeded", plugin.policy.limits.wall_time)),
         };
-        let (output_kept, output_dropped) = route_output(&plugin.name, plugin.short_hash(), &output);
+        let (output_kept, output_dropped) = log::route(&plugin.name, plugin.short_hash(), &output);
+        let backend = store.data_mut().transaction.take_backend();
         // A quick plugin may finish without ever yielding; let a caller running deliveries
         // back to back still share the thread with other tasks.
         tokio::task::consume_budget().await;
         tracing::debug!(plugin = %plugin.name, version = plugin.short_hash(), handler = %delivery.handler, event = %event.id,
             elapsed_us = started.elapsed().as_micros() as u64, ?outcome, "delivery ran");
-        Ran { outcome, output_kept, output_dropped }
-    }
-
-    /// Runs one delivery of a transactional handler and hands its transaction capability
-    /// back, for the caller to commit (on [`Outcome::Completed`]) or abort.
-    pub async fn invoke_transactional(
-        &self,
-        plugin: &LoadedPlugin,
-        event: &EventRecord,
-        delivery: &DeliveryInfo,
-        transaction: Box<dyn TransactionCapability>,
-    ) -> (Ran, Option<Box<dyn TransactionCapability>>) {
-        let holder = CapabilityReturn::default();
-        let ran = self.invoke(plugin, event, delivery, Some(Box::new(holder.wrap(transaction)))).await;
-        (ran, holder.take())
-    }
-}
-
-/// Hands a capability back out of a store that has been dropped.
-#[derive(Default, Clone)]
-struct CapabilityReturn(Arc<std::sync::Mutex<Option<Box<dyn TransactionCapability>>>>);
-
-struct Returning {
-    inner: Option<Box<dyn TransactionCapability>>,
-    slot: CapabilityReturn,
-}
-
-impl CapabilityReturn {
-    fn wrap(&self, capability: Box<dyn TransactionCapability>) -> Returning {
-        Returning { inner: Some(capability), slot: self.clone() }
-    }
-
-    fn take(&self) -> Option<Box<dyn TransactionCapability>> {
-        self.0.lock().expect("capability slot").take()
-    }
-}
-
-impl Drop for Returning {
-    fn drop(&mut self) {
-        *self.slot.0.lock().expect("capability slot") = self.inner.take();
-    }
-}
-
-impl TransactionCapability for Returning {
-    fn insert<'a>(&'a mut self, collection: &'a str, document: &'a str) -> super::capability::CapabilityFuture<'a, String> {
-        self.inner.as_mut().expect("present until dropped").insert(collection, document)
-    }
-    fn update<'a>(&'a mut self, collection: &'a str, filter: &'a str, update: &'a str) -> super::capability::CapabilityFuture<'a, u64> {
-        self.inner.as_mut().expect("present until dropped").update(collection, filter, update)
-    }
-    fn delete<'a>(&'a mut self, collection: &'a str, filter: &'a str) -> super::capability::CapabilityFuture<'a, u64> {
-        self.inner.as_mut().expect("present until dropped").delete(collection, filter)
-    }
-    fn find<'a>(&'a mut self, collection: &'a str, filter: &'a str, limit: u32) -> super::capability::CapabilityFuture<'a, Vec<String>> {
-        self.inner.as_mut().expect("present until dropped").find(collection, filter, limit)
-    }
-    fn publish(&mut self, event: FollowUpEvent) -> super::capability::CapabilityFuture<'_, ()> {
-        self.inner.as_mut().expect("present until dropped").publish(event)
+        (Ran { outcome, output_kept, output_dropped }, backend)
     }
 }
 
@@ -558,27 +464,6 @@ fn describe_trap(error: &wasmtime::Error, store: &Store<HostState>) -> String {
         Some(trap) => format!("trap: {trap}"),
         None => format!("failed: {}", root_cause(error)),
     }
-}
-
-/// Sends the delivery's output to `tracing`; returns the bytes kept and dropped.
-fn route_output(plugin: &str, version: &str, output: &Output) -> (usize, usize) {
-    let (kept, dropped) = output.take();
-    let kept_bytes = kept.iter().map(|(_, text)| text.len()).sum();
-    for (source, text) in kept {
-        for line in text.lines().filter(|l| !l.is_empty()) {
-            match source {
-                Source::Log(LogLevel::Error) | Source::Stderr => tracing::error!(plugin, version, "{line}"),
-                Source::Log(LogLevel::Warn) => tracing::warn!(plugin, version, "{line}"),
-                Source::Log(LogLevel::Info) | Source::Stdout => tracing::info!(plugin, version, "{line}"),
-                Source::Log(LogLevel::Debug) => tracing::debug!(plugin, version, "{line}"),
-                Source::Log(LogLevel::Trace) => tracing::trace!(plugin, version, "{line}"),
-            }
-        }
-    }
-    if dropped > 0 {
-        tracing::warn!(plugin, version, dropped_bytes = dropped, "plugin output over its budget was dropped");
-    }
-    (kept_bytes, dropped)
 }
 
 fn to_wit_event(event: &EventRecord) -> types::Event {

@@ -123,7 +123,8 @@ pub(crate) fn plan(batch: &[Document], subscriptions: &Subscriptions) -> FanOutP
             _ => Vec::new(),
         };
         let listed: HashSet<&str> = listed_in_order.iter().copied().collect();
-        let (targets, record, dead_reason) = match EventRecord::from_document(doc) {
+        let parsed = crate::event::check_document_size(doc).and_then(|()| EventRecord::from_document(doc));
+        let (targets, record, dead_reason) = match parsed {
             Ok(record) => {
                 let targets: Vec<String> = subscriptions.handlers_for(&record.event_type).cloned().collect();
                 (targets, Some(record), None)

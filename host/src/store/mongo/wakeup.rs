@@ -17,6 +17,9 @@ use tokio::task::JoinHandle;
 
 use super::MongoStore;
 
+/// Largest event passed on with its change; a larger one is read by the fan-out instead.
+const HEARD_DOCUMENT_BYTES: i32 = 1024 * 1024;
+
 /// Longest pause between attempts to reopen a failed change stream.
 const MAX_REOPEN_BACKOFF: Duration = Duration::from_secs(30);
 
@@ -42,12 +45,21 @@ impl EventWakeups {
             let mut resume = None;
             let mut backoff = self.fallback_poll;
             loop {
-                // Only inserts matter: the event, and the fields the driver needs to resume.
+                // Only inserts matter: the event, and the fields the driver needs to resume. An
+                // event too large to travel in a change (16 MiB with its envelope) would fail
+                // the stream at every resume: it comes without its document, and is read.
                 let opened = events
                     .watch()
                     .pipeline([
                         doc! { "$match": { "operationType": "insert" } },
-                        doc! { "$project": { "_id": 1, "operationType": 1, "ns": 1, "fullDocument": 1 } },
+                        doc! { "$project": {
+                            "_id": 1, "operationType": 1, "ns": 1,
+                            "fullDocument": { "$cond": [
+                                { "$lte": [{ "$bsonSize": "$fullDocument" }, HEARD_DOCUMENT_BYTES] },
+                                "$fullDocument",
+                                "$$REMOVE",
+                            ] },
+                        } },
                     ])
                     .resume_after(resume.clone())
                     .await;
@@ -65,8 +77,9 @@ impl EventWakeups {
                             match stream.next().await {
                                 Some(Ok(mut change)) => {
                                     tracing::trace!("new event");
-                                    if let Some(Bson::Document(event)) = change.remove("fullDocument") {
-                                        heard.push(event);
+                                    match change.remove("fullDocument") {
+                                        Some(Bson::Document(event)) => heard.push(event),
+                                        _ => heard.missed_some(),
                                     }
                                     waker.notify_one();
                                     resume = stream.resume_token();

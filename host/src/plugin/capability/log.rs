@@ -1,6 +1,7 @@
-//! Capped plugin output: log lines and stdout/stderr of one delivery, kept up to a byte
-//! budget and routed to `tracing` under the plugin's name afterwards. Output beyond the budget
-//! is counted and dropped; it never fails the plugin's write.
+//! The log capability: log lines (the `log` import) and stdout/stderr of one delivery, kept up
+//! to a byte budget and routed to `tracing` under the plugin's name afterwards. Every plugin
+//! has it (no grant); its limit is the budget. Output beyond it is counted and dropped; it
+//! never fails the plugin's write, and it never reaches the host's logs unbounded.
 
 use std::io;
 use std::pin::Pin;
@@ -8,7 +9,64 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use tokio::io::AsyncWrite;
+use wasmtime::component::{HasSelf, Linker};
 use wasmtime_wasi::cli::{IsTerminal, StdoutStream};
+use wasmtime_wasi::WasiCtxBuilder;
+
+use crate::plugin::bindings::relayhost::plugin::log;
+use crate::plugin::LogLevel;
+
+/// The log capability's limit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    /// Log lines plus stdout/stderr kept per delivery, in bytes; the rest is dropped.
+    pub output_bytes: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self { output_bytes: 64 * 1024 }
+    }
+}
+
+/// Links the `log` import to the instance's [`Output`].
+pub fn link<T: Send + 'static>(linker: &mut Linker<T>, get: fn(&mut T) -> &mut Output) -> wasmtime::Result<()> {
+    log::add_to_linker::<T, HasSelf<Output>>(linker, get)
+}
+
+/// The per-instance state: the delivery's output, with stdout and stderr wired into `wasi`.
+pub fn prepare(limits: &Limits, wasi: &mut WasiCtxBuilder) -> Output {
+    let output = Output::new(limits.output_bytes);
+    wasi.stdout(output.stream(Source::Stdout)).stderr(output.stream(Source::Stderr));
+    output
+}
+
+impl log::Host for Output {
+    async fn log(&mut self, level: LogLevel, message: String) {
+        self.push(Source::Log(level), &message);
+    }
+}
+
+/// Sends the delivery's output to `tracing`; returns the bytes kept and dropped.
+pub fn route(plugin: &str, version: &str, output: &Output) -> (usize, usize) {
+    let (kept, dropped) = output.take();
+    let kept_bytes = kept.iter().map(|(_, text)| text.len()).sum();
+    for (source, text) in kept {
+        for line in text.lines().filter(|l| !l.is_empty()) {
+            match source {
+                Source::Log(LogLevel::Error) | Source::Stderr => tracing::error!(plugin, version, "{line}"),
+                Source::Log(LogLevel::Warn) => tracing::warn!(plugin, version, "{line}"),
+                Source::Log(LogLevel::Info) | Source::Stdout => tracing::info!(plugin, version, "{line}"),
+                Source::Log(LogLevel::Debug) => tracing::debug!(plugin, version, "{line}"),
+                Source::Log(LogLevel::Trace) => tracing::trace!(plugin, version, "{line}"),
+            }
+        }
+    }
+    if dropped > 0 {
+        tracing::warn!(plugin, version, dropped_bytes = dropped, "plugin output over its budget was dropped");
+    }
+    (kept_bytes, dropped)
+}
 
 #[derive(Debug, Default)]
 struct Buffer {
@@ -20,7 +78,7 @@ struct Buffer {
 /// Where a piece of output came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Source {
-    Log(crate::plugin::LogLevel),
+    Log(LogLevel),
     Stdout,
     Stderr,
 }

@@ -1,0 +1,281 @@
+//! The transaction capability: what a transactional handler reads, writes and publishes in its
+//! delivery's MongoDB transaction.
+//!
+//! This unit owns the capability's grant (collections; the event types and the id space of
+//! follow-up events), its limits (follow-ups per delivery and their size, the depth of event
+//! chains, the bytes one call may return, re-runs after transient errors), its linking (the
+//! `transaction` import) and its per-instance state (the backend and what the delivery has
+//! published so far). Every bound is checked here, before a call reaches the backend, which
+//! the dispatcher implements over the delivery's transaction (`crate::handler_transaction`)
+//! and which never has to think about which plugin is calling. It must never commit or abort.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use bson::Bson;
+use wasmtime::component::{HasSelf, Linker};
+
+use crate::event::{EventRecord, NewEvent};
+use crate::plugin::bindings::relayhost::plugin::transaction;
+
+/// Event types only the host publishes (dead-letter announcements and the like).
+pub const HOST_EVENT_TYPE_PREFIX: &str = "relayhost.";
+
+/// What the transaction capability may touch. Nothing by default.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Grant {
+    /// Collections it may read and write.
+    pub collections: Vec<String>,
+    /// Event types its follow-ups may have: exact names, or prefixes ending in `*`
+    /// (`order.*`). `relayhost.*` is the host's alone, whatever this says.
+    pub publish_types: Vec<String>,
+    /// What its follow-ups' ids must start with; `None` means `<plugin name>:`, so a plugin
+    /// can never take an id an application will use.
+    pub publish_id_prefix: Option<String>,
+}
+
+impl Grant {
+    pub(crate) fn allows_collection(&self, collection: &str) -> bool {
+        self.collections.iter().any(|granted| granted == collection)
+    }
+
+    pub(crate) fn allows_event_type(&self, event_type: &str) -> bool {
+        !event_type.starts_with(HOST_EVENT_TYPE_PREFIX)
+            && self.publish_types.iter().any(|granted| match granted.strip_suffix('*') {
+                Some(prefix) => event_type.starts_with(prefix),
+                None => granted == event_type,
+            })
+    }
+
+    /// The prefix every follow-up id of `plugin` must have.
+    pub fn id_prefix(&self, plugin: &str) -> String {
+        self.publish_id_prefix.clone().unwrap_or_else(|| format!("{plugin}:"))
+    }
+}
+
+/// The transaction capability's limits, per delivery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    /// Follow-up events one delivery may publish.
+    pub follow_ups: u32,
+    /// Largest payload of a follow-up, in BSON bytes.
+    pub follow_up_payload_bytes: usize,
+    /// Deepest chain of follow-ups: an event an application published has depth 0, a
+    /// follow-up of an event of depth `n` has `n + 1`, and one past this is refused.
+    pub chain_depth: u32,
+    /// Most bytes (of extended JSON) one `find` may hand back; the host stops reading there.
+    pub returned_bytes: usize,
+    /// Times a delivery's handler runs again in one attempt after a transient transaction
+    /// error (a write conflict, a step-down) before the attempt is charged as failed.
+    pub reruns: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self { follow_ups: 16, follow_up_payload_bytes: 256 * 1024, chain_depth: 8, returned_bytes: 4 << 20, reruns: 5 }
+    }
+}
+
+/// A boxed future of a backend call; errors are messages for the plugin's logs.
+pub type CapabilityFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, String>> + Send + 'a>>;
+
+/// Reads and writes inside one delivery's transaction, as checked by this unit. Documents and
+/// filters are relaxed extended JSON text.
+pub trait TransactionCapability: Send {
+    fn insert<'a>(&'a mut self, collection: &'a str, document: &'a str) -> CapabilityFuture<'a, String>;
+    fn update<'a>(&'a mut self, collection: &'a str, filter: &'a str, update: &'a str) -> CapabilityFuture<'a, u64>;
+    fn delete<'a>(&'a mut self, collection: &'a str, filter: &'a str) -> CapabilityFuture<'a, u64>;
+    /// At most `limit` documents, and fails (reading no further) once their extended JSON
+    /// passes `max_bytes`.
+    fn find<'a>(&'a mut self, collection: &'a str, filter: &'a str, limit: u32, max_bytes: usize) -> CapabilityFuture<'a, Vec<String>>;
+    /// A follow-up event, valid and granted, to publish with the delivery's commit.
+    fn publish(&mut self, event: NewEvent) -> CapabilityFuture<'_, ()>;
+}
+
+/// Links the `transaction` import to the instance's [`TransactionState`].
+pub fn link<T: Send + 'static>(linker: &mut Linker<T>, get: fn(&mut T) -> &mut TransactionState) -> wasmtime::Result<()> {
+    transaction::add_to_linker::<T, HasSelf<TransactionState>>(linker, get)
+}
+
+/// What the handled event hands down to its follow-ups.
+#[derive(Debug, Clone)]
+struct Lineage {
+    causation_id: String,
+    correlation_id: String,
+    chain_depth: u32,
+}
+
+/// The per-instance state: the backend (transactional handlers only) and what was published.
+pub struct TransactionState {
+    plugin: Arc<str>,
+    grant: Grant,
+    limits: Limits,
+    lineage: Option<Lineage>,
+    backend: Option<Box<dyn TransactionCapability>>,
+    published: u32,
+}
+
+impl TransactionState {
+    /// The state of an instance handling `event` (none while listing subscriptions), with
+    /// `backend` if its handler is transactional.
+    pub fn prepare(
+        plugin: Arc<str>,
+        grant: &Grant,
+        limits: &Limits,
+        event: Option<&EventRecord>,
+        backend: Option<Box<dyn TransactionCapability>>,
+    ) -> Self {
+        let lineage = event.map(|event| Lineage {
+            causation_id: event.id.clone(),
+            correlation_id: event.correlation_id.clone().unwrap_or_else(|| event.id.clone()),
+            chain_depth: event.chain_depth,
+        });
+        Self { plugin, grant: grant.clone(), limits: limits.clone(), lineage, backend, published: 0 }
+    }
+
+    fn backend(&mut self, collection: Option<&str>) -> Result<&mut dyn TransactionCapability, String> {
+        let Some(backend) = self.backend.as_deref_mut() else {
+            return Err("the transaction capability is only available to transactional handlers".to_string());
+        };
+        if let Some(collection) = collection {
+            if !self.grant.allows_collection(collection) {
+                return Err(format!("collection {} is not granted to plugin `{}`", shown(collection), self.plugin));
+            }
+        }
+        Ok(backend)
+    }
+
+    /// The follow-up as it will be published, or why it may not be.
+    fn follow_up(&self, event: transaction::NewEvent) -> Result<NewEvent, String> {
+        let refuse = |why: String| format!("follow-up event {} refused: {why}", shown(&event.id));
+        if self.published >= self.limits.follow_ups {
+            return Err(refuse(format!("a delivery may publish {} follow-ups (the plugin's `follow_ups` limit)", self.limits.follow_ups)));
+        }
+        if !self.grant.allows_event_type(&event.event_type) {
+            return Err(refuse(format!("event type {} is not granted to plugin `{}`", shown(&event.event_type), self.plugin)));
+        }
+        let prefix = self.grant.id_prefix(&self.plugin);
+        if !event.id.starts_with(&prefix) {
+            return Err(refuse(format!("its id must start with {prefix:?} (the plugin's id space)")));
+        }
+        let lineage = self.lineage.as_ref().ok_or_else(|| refuse("no event is being handled".to_string()))?;
+        if lineage.chain_depth >= self.limits.chain_depth {
+            return Err(refuse(format!(
+                "the event handled is {} follow-ups deep, the plugin's `chain_depth` limit",
+                lineage.chain_depth
+            )));
+        }
+        // A payload larger than its JSON could never fit: refuse it before parsing.
+        if event.payload.len() > self.limits.follow_up_payload_bytes.saturating_mul(4) {
+            return Err(refuse(format!("its payload is {} bytes of JSON, over the `follow_up_payload` limit", event.payload.len())));
+        }
+        let value: serde_json::Value = serde_json::from_str(&event.payload).map_err(|e| refuse(format!("its payload is not JSON: {e}")))?;
+        let payload = match Bson::try_from(value).map_err(|e| refuse(format!("its payload is not extended JSON: {e}")))? {
+            Bson::Document(payload) => payload,
+            other => return Err(refuse(format!("its payload must be a JSON object, found {}", crate::event::bson_type_name(&other)))),
+        };
+        let mut follow_up = NewEvent::new(event.id.clone(), event.event_type.clone(), payload);
+        follow_up.key = event.key;
+        if event.headers.len() > crate::event::MAX_HEADERS {
+            return Err(refuse(format!("it has {} headers; the limit is {}", event.headers.len(), crate::event::MAX_HEADERS)));
+        }
+        follow_up.headers = event.headers.into_iter().collect();
+        follow_up.causation_id = Some(lineage.causation_id.clone());
+        follow_up.correlation_id = Some(lineage.correlation_id.clone());
+        follow_up.chain_depth = lineage.chain_depth + 1;
+        follow_up.validate(self.limits.follow_up_payload_bytes).map_err(|e| refuse(e.to_string()))?;
+        Ok(follow_up)
+    }
+
+    /// Hands the backend back (after the run, for the caller to commit or abort).
+    pub fn take_backend(&mut self) -> Option<Box<dyn TransactionCapability>> {
+        self.backend.take()
+    }
+}
+
+/// At most 64 characters of a plugin's text, quoted, for an error message.
+fn shown(text: &str) -> String {
+    format!("{:?}", text.chars().take(64).collect::<String>())
+}
+
+impl transaction::Host for TransactionState {
+    async fn insert(&mut self, collection: String, document: String) -> Result<String, String> {
+        self.backend(Some(&collection))?.insert(&collection, &document).await
+    }
+
+    async fn update(&mut self, collection: String, filter: String, update: String) -> Result<u64, String> {
+        self.backend(Some(&collection))?.update(&collection, &filter, &update).await
+    }
+
+    async fn delete(&mut self, collection: String, filter: String) -> Result<u64, String> {
+        self.backend(Some(&collection))?.delete(&collection, &filter).await
+    }
+
+    async fn find(&mut self, collection: String, filter: String, limit: u32) -> Result<Vec<String>, String> {
+        let max_bytes = self.limits.returned_bytes;
+        self.backend(Some(&collection))?.find(&collection, &filter, limit, max_bytes).await
+    }
+
+    async fn publish(&mut self, event: transaction::NewEvent) -> Result<(), String> {
+        self.backend(None)?;
+        let follow_up = self.follow_up(event)?;
+        self.published += 1;
+        self.backend(None)?.publish(follow_up).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(grant: Grant, chain_depth: u32) -> TransactionState {
+        let mut event = EventRecord::from_document(&NewEvent::new("e-1", "order.placed", bson::doc! {}).to_document(None, bson::DateTime::now())).unwrap();
+        event.chain_depth = chain_depth;
+        TransactionState::prepare("billing".into(), &grant, &Limits { follow_ups: 2, ..Limits::default() }, Some(&event), None)
+    }
+
+    fn new_event(id: &str, event_type: &str) -> transaction::NewEvent {
+        transaction::NewEvent { id: id.into(), event_type: event_type.into(), key: None, payload: "{}".into(), headers: vec![] }
+    }
+
+    #[test]
+    fn follow_ups_are_granted_by_type_in_the_plugins_id_space_and_never_host_types() {
+        let grant = Grant { publish_types: vec!["invoice.*".into(), "relayhost.delivery.dead".into(), "audit".into()], ..Grant::default() };
+        let state = state(grant, 0);
+        let follow_up = state.follow_up(new_event("billing:1", "invoice.sent")).unwrap();
+        assert_eq!((follow_up.causation_id.as_deref(), follow_up.correlation_id.as_deref(), follow_up.chain_depth), (Some("e-1"), Some("e-1"), 1));
+        assert!(state.follow_up(new_event("billing:2", "audit")).is_ok());
+        for (id, event_type, why) in [
+            ("billing:3", "auditing", "is not granted"),
+            ("billing:4", "relayhost.delivery.dead", "is not granted"),
+            ("order-placed-o-9", "invoice.sent", "must start with \"billing:\""),
+        ] {
+            let error = state.follow_up(new_event(id, event_type)).unwrap_err();
+            assert!(error.contains(why), "{error}");
+        }
+        let anything = Grant { publish_types: vec!["*".into()], publish_id_prefix: Some(String::new()), ..Grant::default() };
+        assert!(state_with(anything.clone()).follow_up(new_event("order-9", "x")).is_ok());
+        assert!(state_with(anything).follow_up(new_event("order-9", "relayhost.x")).is_err(), "the host's types stay the host's");
+    }
+
+    fn state_with(grant: Grant) -> TransactionState {
+        state(grant, 0)
+    }
+
+    #[test]
+    fn chains_count_and_headers_are_bounded() {
+        let grant = Grant { publish_types: vec!["*".into()], ..Grant::default() };
+        let error = state(grant.clone(), 8).follow_up(new_event("billing:1", "t")).unwrap_err();
+        assert!(error.contains("8 follow-ups deep"), "{error}");
+        let mut counted = state(grant.clone(), 0);
+        counted.published = 2;
+        assert!(counted.follow_up(new_event("billing:1", "t")).unwrap_err().contains("may publish 2 follow-ups"));
+        let mut headers = new_event("billing:1", "t");
+        headers.headers = vec![("$set".into(), "x".into())];
+        assert!(state(grant.clone(), 0).follow_up(headers).unwrap_err().contains("header name \"$set\""));
+        let mut big = new_event("billing:1", "t");
+        big.payload = format!("{{\"a\": \"{}\"}}", "x".repeat(300 * 1024));
+        assert!(state(grant, 0).follow_up(big).unwrap_err().contains("`payload` is"));
+    }
+}
