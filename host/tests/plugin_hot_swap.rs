@@ -159,14 +159,30 @@ async fn a_handler_id_belongs_to_one_plugin_and_broken_files_do_not_stop_the_oth
     let registry = PluginRegistry::new(runtime(), &dir, |_| PluginPolicy::default());
     let changes = registry.scan().await.unwrap();
     let refused: Vec<&Change> = changes.iter().filter(|c| matches!(c, Change::Refused { .. })).collect();
-    assert_eq!(refused.len(), 2, "{changes:?}");
-    assert!(changes.iter().any(|c| matches!(c, Change::Refused { plugin, reason }
-        if plugin == "b-noop-copy" && reason.contains("handler `noop` is already provided by plugin `a-noop`"))));
+    assert_eq!(refused.len(), 3, "{changes:?}");
+    // Two files offering one handler at startup: both refused, whatever their names' order.
+    for (plugin_name, other) in [("a-noop", "b-noop-copy"), ("b-noop-copy", "a-noop")] {
+        assert!(changes.iter().any(|c| matches!(c, Change::Refused { plugin, reason }
+            if plugin == plugin_name && reason.contains("handler `noop` is also offered by plugin(s)") && reason.contains(other))),
+            "{changes:?}");
+    }
     assert!(changes.iter().any(|c| matches!(c, Change::Refused { plugin, reason }
         if plugin == "broken" && reason.contains("broken.wasm") && reason.contains("not a WebAssembly binary"))));
-    assert_eq!(registry.versions().keys().cloned().collect::<Vec<_>>(), ["a-noop", "audit"]);
+    assert_eq!(registry.versions().keys().cloned().collect::<Vec<_>>(), ["audit"]);
+    assert!(registry.plugin_for("noop").is_none());
     assert_eq!(&*registry.plugin_for("audit-log").unwrap().name, "audit");
-    // An unchanged refused file is not loaded again on the next scan.
-    assert!(registry.scan().await.unwrap().is_empty());
+    // An unchanged broken file is not loaded again on the next scan; the contested ones are,
+    // until only one offers the handler.
+    let again = registry.scan().await.unwrap();
+    assert!(again.iter().all(|c| matches!(c, Change::Refused { plugin, .. } if plugin != "broken")), "{again:?}");
+    std::fs::remove_file(dir.join("b-noop-copy.wasm")).unwrap();
+    let changes = registry.scan().await.unwrap();
+    assert!(matches!(&changes[..], [Change::Loaded { plugin, .. }] if plugin == "a-noop"), "{changes:?}");
+    // A newcomer offering a served handler is refused; the serving plugin stays.
+    write_atomically(&dir, "c-noop.wasm", &variant(&noop, 2));
+    let changes = registry.scan().await.unwrap();
+    assert!(matches!(&changes[..], [Change::Refused { plugin, reason }]
+        if plugin == "c-noop" && reason.contains("handler `noop` is already provided by plugin `a-noop`")), "{changes:?}");
+    assert_eq!(&*registry.plugin_for("noop").unwrap().name, "a-noop");
     std::fs::remove_dir_all(dir).unwrap();
 }

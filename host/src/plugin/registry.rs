@@ -7,6 +7,12 @@
 //! previous version keeps serving. A delivery holds the `Arc` of the version that started it,
 //! so it finishes on that version whatever happens to the file. The registry never knows
 //! about lanes or claims: it answers "which plugin serves this handler now".
+//!
+//! A handler id belongs to one plugin. A new file offering a handler another plugin serves is
+//! refused; two files of one scan (at startup, every file) offering the same handler are both
+//! refused, loudly, so that no file name order decides who serves it. The files of a scan are
+//! loaded concurrently, and a file whose size, times and inode did not change since it was
+//! last decided on is not read again.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -35,8 +41,42 @@ pub enum Change {
 #[derive(Default)]
 struct Catalog {
     plugins: BTreeMap<String, Arc<LoadedPlugin>>,
-    /// Content hashes of files refused, so an unchanged broken file is not retried.
+    /// Content hashes of files refused for what they are, so an unchanged broken file is not
+    /// retried. (A file refused for a handler another file offers is retried at every scan.)
     refused: BTreeMap<String, String>,
+    /// What each file looked like when it was last decided on (loaded, or refused for what it
+    /// is): an unchanged file is not read again.
+    stamps: BTreeMap<String, Stamp>,
+}
+
+/// A file's size, modification and change times and inode: what tells, without reading it,
+/// that it is the file it was.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Stamp {
+    len: u64,
+    modified: Option<std::time::SystemTime>,
+    changed: (i64, i64),
+    inode: u64,
+}
+
+fn stamp_of(path: &Path) -> Option<Stamp> {
+    use std::os::unix::fs::MetadataExt;
+    let metadata = std::fs::metadata(path).ok()?;
+    Some(Stamp {
+        len: metadata.len(),
+        modified: metadata.modified().ok(),
+        changed: (metadata.ctime(), metadata.ctime_nsec()),
+        inode: metadata.ino(),
+    })
+}
+
+/// What reading and loading one file of a scan gave.
+enum Read {
+    /// The same content as the version serving or the refusal remembered.
+    Known,
+    Loaded(LoadedPlugin),
+    /// Refused for what the file is (not for what another file offers).
+    Refused(String),
 }
 
 impl Catalog {
@@ -109,41 +149,60 @@ impl PluginRegistry {
             reason: format!("cannot read the plugins directory: {e}"),
         })?;
         let mut changes = Vec::new();
-        let current = self.versions();
-        for (name, _) in current.iter().filter(|(name, _)| !files.contains_key(*name)) {
-            if let Some(plugin) = self.catalog.write().expect("catalog").plugins.remove(name) {
-                changes.push(Change::Removed { plugin: name.clone(), version: plugin.content_hash.clone() });
+        {
+            let mut catalog = self.catalog.write().expect("catalog");
+            let gone: Vec<String> = catalog.plugins.keys().filter(|name| !files.contains_key(*name)).cloned().collect();
+            for name in gone {
+                let plugin = catalog.plugins.remove(&name).expect("listed");
+                changes.push(Change::Removed { plugin: name, version: plugin.content_hash.clone() });
             }
+            catalog.refused.retain(|name, _| files.contains_key(name));
+            catalog.stamps.retain(|name, _| files.contains_key(name));
         }
-        self.catalog.write().expect("catalog").refused.retain(|name, _| files.contains_key(name));
-        for (name, path) in &files {
-            // Read once, and hashed: an unreadable file is remembered by its reason instead.
-            let read = read_plugin_file(path);
-            let hash = match &read {
-                Ok(bytes) => hex::encode(Sha256::digest(bytes)),
-                Err(reason) => format!("unreadable: {reason}"),
-            };
-            let known = {
-                let catalog = self.catalog.read().expect("catalog");
-                catalog.plugins.get(name).map(|p| &p.content_hash) == Some(&hash) || catalog.refused.get(name) == Some(&hash)
-            };
-            if known {
-                continue;
-            }
-            let loaded = match read {
-                Ok(bytes) => self.runtime.load_bytes(path, bytes, (self.policy_for)(name)).await,
-                Err(reason) => Err(PluginError::Refused { file: path.display().to_string(), reason }),
-            };
-            let change = match loaded {
-                Ok(plugin) => self.install(name, plugin),
-                Err(error) => Err(error.to_string()),
-            };
-            match change {
-                Ok(change) => changes.push(change),
-                Err(reason) => {
-                    self.catalog.write().expect("catalog").refused.insert(name.clone(), hash);
+        let changed: Vec<(&String, &PathBuf, Option<Stamp>)> = {
+            let catalog = self.catalog.read().expect("catalog");
+            files
+                .iter()
+                .map(|(name, path)| (name, path, stamp_of(path)))
+                .filter(|(name, _, stamp)| stamp.is_none() || catalog.stamps.get(*name) != stamp.as_ref())
+                .collect()
+        };
+        // Every changed file at once: one slow or large plugin holds up no other.
+        let reads = futures::future::join_all(changed.iter().map(|(name, path, _)| self.read(name, path))).await;
+        let mut loaded = Vec::new();
+        for ((name, _, stamp), read) in changed.into_iter().zip(reads) {
+            match read {
+                (_, Read::Known) => self.remember_stamp(name, stamp),
+                (_, Read::Loaded(plugin)) => loaded.push((name.clone(), plugin, stamp)),
+                (hash, Read::Refused(reason)) => {
+                    let mut catalog = self.catalog.write().expect("catalog");
+                    catalog.refused.insert(name.clone(), hash);
+                    if let Some(stamp) = stamp {
+                        catalog.stamps.insert(name.clone(), stamp);
+                    }
                     changes.push(Change::Refused { plugin: name.clone(), reason });
                 }
+            }
+        }
+        let contested = contested_handlers(&loaded);
+        for (name, plugin, stamp) in loaded {
+            let clash = plugin.subscriptions.iter().find_map(|s| contested.get(&s.handler).map(|others| (&s.handler, others)));
+            let installed = match clash {
+                Some((handler, others)) => {
+                    let others: Vec<&str> = others.iter().filter(|other| **other != name).map(String::as_str).collect();
+                    Err(format!(
+                        "handler `{handler}` is also offered by plugin(s) {others:?} loaded at the same time; all of them are \
+                         refused until only one offers it"
+                    ))
+                }
+                None => self.install(&name, plugin),
+            };
+            match installed {
+                Ok(change) => {
+                    self.remember_stamp(&name, stamp);
+                    changes.push(change);
+                }
+                Err(reason) => changes.push(Change::Refused { plugin: name, reason }),
             }
         }
         for change in &changes {
@@ -157,6 +216,35 @@ impl PluginRegistry {
             }
         }
         Ok(changes)
+    }
+
+    /// Reads one file and, unless its content is known, loads it; with the content's hash.
+    async fn read(&self, name: &str, path: &Path) -> (String, Read) {
+        let bytes = match read_plugin_file(path) {
+            Ok(bytes) => bytes,
+            Err(reason) => {
+                let refused = PluginError::Refused { file: path.display().to_string(), reason: reason.clone() };
+                return (format!("unreadable: {reason}"), Read::Refused(refused.to_string()));
+            }
+        };
+        let hash = hex::encode(Sha256::digest(&bytes));
+        let known = {
+            let catalog = self.catalog.read().expect("catalog");
+            catalog.plugins.get(name).map(|p| &p.content_hash) == Some(&hash) || catalog.refused.get(name) == Some(&hash)
+        };
+        if known {
+            return (hash, Read::Known);
+        }
+        match self.runtime.load_bytes(path, bytes, (self.policy_for)(name)).await {
+            Ok(plugin) => (hash, Read::Loaded(plugin)),
+            Err(error) => (hash, Read::Refused(error.to_string())),
+        }
+    }
+
+    fn remember_stamp(&self, name: &str, stamp: Option<Stamp>) {
+        if let Some(stamp) = stamp {
+            self.catalog.write().expect("catalog").stamps.insert(name.to_string(), stamp);
+        }
     }
 
     /// Puts a loaded version in place, unless one of its handlers belongs to another plugin.
@@ -220,6 +308,18 @@ impl Drop for WatchGuard {
     fn drop(&mut self) {
         self.task.abort();
     }
+}
+
+/// Handlers offered by more than one of `loaded`, with the plugins offering each.
+fn contested_handlers(loaded: &[(String, LoadedPlugin, Option<Stamp>)]) -> BTreeMap<String, Vec<String>> {
+    let mut offered: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (name, plugin, _) in loaded {
+        for subscription in &plugin.subscriptions {
+            offered.entry(subscription.handler.clone()).or_default().push(name.clone());
+        }
+    }
+    offered.retain(|_, plugins| plugins.len() > 1);
+    offered
 }
 
 /// `*.wasm` files of the directory by plugin name; hidden files (editors' and copy tools'

@@ -73,7 +73,7 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Self { follow_ups: 16, follow_up_payload_bytes: 256 * 1024, chain_depth: 8, returned_bytes: 4 << 20, reruns: 5 }
+        Self { follow_ups: 16, follow_up_payload_bytes: 256 * 1024, chain_depth: 8, returned_bytes: 4 << 20, reruns: 20 }
     }
 }
 
