@@ -3,6 +3,8 @@
 
 #![allow(dead_code, async_fn_in_trait)]
 
+pub mod deployment;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
