@@ -27,6 +27,9 @@ pub mod field {
     pub const FANNED_OUT_AT: &str = "fannedOutAt";
     /// Every handler the event ever had a delivery for, completed ones included.
     pub const HANDLERS: &str = "handlers";
+    /// Set by the host on an event too large to deliver: the collection its whole document
+    /// was moved to (its payload taken out of it here).
+    pub const PAYLOAD_MOVED_TO: &str = "payloadMovedTo";
     /// The time of the latest completion of any of its deliveries.
     pub const COMPLETED_AT: &str = "completedAt";
     /// Handlers whose delivery of it its fan-out handed out without writing a document for

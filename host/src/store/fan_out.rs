@@ -51,6 +51,10 @@ pub(crate) struct FanOutPlan {
     pub dead_letters: Vec<NewEvent>,
     /// Each malformed event's id and what is wrong with it.
     pub malformed_events: Vec<(String, String)>,
+    /// The documents of the events too large to deliver
+    /// ([`crate::event::MAX_EVENT_DOCUMENT_BYTES`]), whole: a store where one could not grow by
+    /// its mark moves it aside first.
+    pub oversized: Vec<Document>,
 }
 
 impl FanOutPlan {
@@ -123,7 +127,11 @@ pub(crate) fn plan(batch: &[Document], subscriptions: &Subscriptions) -> FanOutP
             _ => Vec::new(),
         };
         let listed: HashSet<&str> = listed_in_order.iter().copied().collect();
-        let parsed = crate::event::check_document_size(doc).and_then(|()| EventRecord::from_document(doc));
+        let size = crate::event::check_document_size(doc);
+        if size.is_err() {
+            plan.oversized.push(doc.clone());
+        }
+        let parsed = size.and_then(|()| EventRecord::from_document(doc));
         let (targets, record, dead_reason) = match parsed {
             Ok(record) => {
                 let targets: Vec<String> = subscriptions.handlers_for(&record.event_type).cloned().collect();

@@ -1,6 +1,11 @@
 //! Tries, one handler each, what a plugin must never manage: run forever, take all memory,
 //! blow the stack, sleep past its time, read host files and environment, open sockets, call
-//! hosts and write collections it was not granted, flood the logs.
+//! hosts and write collections it was not granted, flood the logs; and hand the host what it
+//! must bound: huge failure reasons, follow-up events of any shape, type, id, number and
+//! depth, endless transient errors, finds over large documents, keys held while it sleeps.
+//!
+//! With `HOSTILE_SQUAT` in its (granted) environment it offers only the `audit-log` handler of
+//! another plugin; with `HOSTILE_SLOW_SUBSCRIPTIONS` it takes a minute to list its handlers.
 //!
 //! A handler returns `unprocessable("blocked: ...")` when the sandbox held and `Ok` when it
 //! got through, so the tests can tell which happened.
@@ -23,7 +28,15 @@ fn blocked(what: impl std::fmt::Display) -> Failure {
 
 impl Plugin for Hostile {
     fn subscriptions() -> Vec<Subscription> {
-        let mut subscriptions: Vec<Subscription> = HANDLERS.iter().map(|h| Subscription::new(h, ["attack"])).collect();
+        if std::env::var("HOSTILE_SQUAT").is_ok() {
+            return vec![Subscription::new("audit-log", ["order.placed"]).transactional()];
+        }
+        if std::env::var("HOSTILE_SLOW_SUBSCRIPTIONS").is_ok() {
+            std::thread::sleep(std::time::Duration::from_secs(60));
+        }
+        // `attack` reaches every one of them, `attack.<handler>` only that one.
+        let mut subscriptions: Vec<Subscription> =
+            HANDLERS.iter().map(|h| Subscription::new(h, ["attack".to_string(), format!("attack.{h}")])).collect();
         subscriptions.push(Subscription::new("write-collection", ["attack"]).transactional());
         // Traps on every event it gets: the dead-letter path end to end.
         subscriptions.push(Subscription::new("poison", ["poison"]));
@@ -33,6 +46,14 @@ impl Plugin for Hostile {
         // Never returns (within its wall time): the tests kill the host running it, as a
         // poison event that crashes its host would.
         subscriptions.push(Subscription::new("hang", ["hang"]));
+        // Publishes the follow-ups its payload describes (see `publish`).
+        subscriptions.push(Subscription::new("publish", ["publish"]).transactional());
+        // Publishes two more events of its own type for every one it gets.
+        subscriptions.push(Subscription::new("chain", ["chain"]).transactional());
+        // Makes its transaction unusable (a failed server call, then another call) every time.
+        subscriptions.push(Subscription::new("rerun", ["rerun"]).transactional());
+        // Reads everything of the target collection (up to 1,000 documents).
+        subscriptions.push(Subscription::new("find-all", ["find-all"]).transactional());
         subscriptions
     }
 
@@ -81,6 +102,26 @@ impl Plugin for Hostile {
                     Err(Failure::unprocessable(reason))
                 }
             }
+            "publish" => {
+                publish(&event, &payload).map_err(blocked)?;
+                std::thread::sleep(std::time::Duration::from_millis(payload["sleep_ms"].as_u64().unwrap_or(0)));
+                Ok(())
+            }
+            "chain" => {
+                // A careless plugin: a refused publish ends the chain, and the delivery completes.
+                for n in 0..2 {
+                    let next = NewEvent::new(format!("hostile:{}-{n}", event.id), "chain", &serde_json::json!({}));
+                    if let Err(error) = transaction::publish(&next) {
+                        log::warn(&error);
+                    }
+                }
+                Ok(())
+            }
+            "rerun" => {
+                let _ = transaction::update(&target, "{}", r#"[{"$out": "elsewhere"}]"#);
+                transaction::find(&target, "{}", 1).map(|_| ()).map_err(Failure::retry)
+            }
+            "find-all" => transaction::find(&target, "{}", 1_000).map(|found| log::info(&format!("found {}", found.len()))).map_err(blocked),
             "hang" if payload["hang"] == Value::Bool(false) => Ok(()),
             "hang" => {
                 std::thread::sleep(std::time::Duration::from_secs(3_600));
@@ -97,6 +138,25 @@ impl Plugin for Hostile {
             other => Err(Failure::unprocessable(format!("unknown handler {other}"))),
         }
     }
+}
+
+/// Publishes `count` follow-ups (default 1) of `type`, ids `id` + n, on `key`, with a payload
+/// of `payload_bytes` and `headers` headers named `header_name` + n of `header_bytes` each.
+fn publish(event: &Event, payload: &Value) -> Result<(), String> {
+    let text = |name: &str, default: &str| payload[name].as_str().unwrap_or(default).to_string();
+    let number = |name: &str, default: u64| payload[name].as_u64().unwrap_or(default) as usize;
+    for n in 0..number("count", 1) {
+        let body = serde_json::json!({ "of": event.id, "filler": "p".repeat(number("payload_bytes", 0)) });
+        let mut next = NewEvent::new(format!("{}{n}", text("id", "hostile:")), text("type", "hostile.note"), &body);
+        if let Some(key) = payload["key"].as_str() {
+            next = next.with_key(key);
+        }
+        next.headers = (0..number("headers", 0))
+            .map(|h| (format!("{}{h}", text("header_name", "h")), "v".repeat(number("header_bytes", 1))))
+            .collect();
+        transaction::publish(&next)?;
+    }
+    Ok(())
 }
 
 #[allow(unconditional_recursion)]

@@ -501,11 +501,37 @@ async fn mark(
     if plan.events.is_empty() {
         return Ok(0);
     }
+    quarantine(store, session, plan).await?;
     // The lists were read in this transaction, so a concurrent change of one conflicts with
     // this write.
     let stamp = (!unstored.handlers.is_empty()).then_some(Stamp::InTransaction(unstored.fan_out));
     let statements = mark_statements(&plan.events, &unstored.handlers, stamp, now);
     generations::update_each(store, store.collections.events.name(), statements, WriteIn::Transaction(session)).await
+}
+
+/// Keeps the whole document of every oversized event of `plan` in `<prefix>oversized_events`
+/// (same `_id`) and takes the payload out of the event, before its mark: an event within
+/// bytes of 16 MiB cannot grow by its mark, and a mark that fails fails the whole fan-out,
+/// every time. Nothing is lost: the event's `payloadMovedTo` names where it is.
+async fn quarantine(store: &MongoStore, session: &mut ClientSession, plan: &FanOutPlan) -> Result<(), StoreError> {
+    for document in &plan.oversized {
+        let id = document.get(field::ID).cloned().unwrap_or(Bson::Null);
+        tracing::warn!(event = %id_text(&id), collection = store.collections.oversized_events.name(),
+            "an event too large to deliver is dead-lettered; its document is kept whole aside");
+        store
+            .collections
+            .oversized_events
+            .replace_one(doc! { field::ID: id.clone() }, document.clone())
+            .upsert(true)
+            .session(&mut *session)
+            .await?;
+        let moved = doc! {
+            "$unset": { field::PAYLOAD: "" },
+            "$set": { field::PAYLOAD_MOVED_TO: store.collections.oversized_events.name() },
+        };
+        store.collections.events.update_one(doc! { field::ID: id }, moved).session(&mut *session).await?;
+    }
+    Ok(())
 }
 
 /// How a mark names its fan-out in the events' `fanOut`.

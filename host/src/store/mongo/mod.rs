@@ -104,6 +104,8 @@ pub(crate) struct Collections {
     pub deliveries: Collection<Document>,
     pub lanes: Collection<Document>,
     pub history: Collection<Document>,
+    /// Event documents too large to deliver, kept whole (see `fan_out::quarantine`).
+    pub oversized_events: Collection<Document>,
 }
 
 impl Collections {
@@ -120,6 +122,7 @@ impl Collections {
             deliveries: collection("deliveries"),
             lanes: collection("lanes"),
             history: collection("completed_deliveries"),
+            oversized_events: collection("oversized_events"),
         }
     }
 }

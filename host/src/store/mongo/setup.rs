@@ -46,6 +46,7 @@ pub(super) async fn run(client: &Client, collections: &Collections, location: &M
         &collections.deliveries,
         &collections.lanes,
         &collections.history,
+        &collections.oversized_events,
     ] {
         match database.create_collection(collection.name()).await {
             Ok(()) => {}

@@ -1,0 +1,214 @@
+//! Hostile plugins in real host processes, beside a well-behaved transactional plugin whose
+//! deliveries must keep flowing: everything a plugin hands the host (follow-up events of any
+//! shape, type, id, number and depth; endless transient errors; finds over large documents;
+//! requests to private addresses; handler ids of another plugin; a slow `subscriptions`), and
+//! an event too large to fan out. Each hostile delivery ends dead or completed with a clear,
+//! capped reason; nothing is lost; the good plugin's latency is measured and bounded.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bson::{Bson, Document, doc};
+use common::deployment::Deployment;
+use common::{Fixture, keyed, plugins_dir, publish_all};
+use futures::TryStreamExt;
+use relayhost::event::NewEvent;
+use relayhost::store::{DeliveryFilter, DeliveryStatus, Store, StoreTransaction};
+
+/// Publishes `count` keyed orders, one every `every`, and returns how long each took to reach
+/// the audit-log plugin's collection (watched every 25 ms).
+async fn good_plugin_latencies(deployment: &Deployment, prefix: &str, count: usize, every: Duration) -> Vec<Duration> {
+    let audit = deployment.collection("audit_log");
+    let published: Arc<std::sync::Mutex<BTreeMap<String, Instant>>> = Arc::default();
+    let watcher = {
+        let published = published.clone();
+        let prefix = prefix.to_string();
+        tokio::spawn(async move {
+            let mut seen: BTreeMap<String, Duration> = BTreeMap::new();
+            let deadline = Instant::now() + Duration::from_secs(120);
+            while seen.len() < count && Instant::now() < deadline {
+                let filter = doc! { "_id": { "$regex": format!("^{prefix}") } };
+                let ids: Vec<Document> = audit.find(filter).projection(doc! { "_id": 1 }).await.unwrap().try_collect().await.unwrap();
+                let now = Instant::now();
+                for id in ids.iter().filter_map(|d| d.get_str("_id").ok()) {
+                    let at = published.lock().unwrap().get(id).copied();
+                    if let (Some(at), false) = (at, seen.contains_key(id)) {
+                        seen.insert(id.to_string(), now - at);
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            seen
+        })
+    };
+    let store = deployment.fixture.store();
+    for n in 0..count {
+        let id = format!("{prefix}{n:03}");
+        let event = keyed(&id, "order.placed", &format!("customer-{}", n % 4));
+        let mut tx = store.begin().await.unwrap();
+        store.publish(&mut tx, &event).await.unwrap();
+        tx.commit().await.unwrap();
+        published.lock().unwrap().insert(id, Instant::now());
+        tokio::time::sleep(every).await;
+    }
+    let seen = watcher.await.unwrap();
+    assert_eq!(seen.len(), count, "every good order is delivered");
+    let mut latencies: Vec<Duration> = seen.into_values().collect();
+    latencies.sort();
+    latencies
+}
+
+fn event(id: &str, event_type: &str, payload: Document) -> NewEvent {
+    NewEvent::new(id, event_type, payload)
+}
+
+async fn last_error(deployment: &Deployment, event_id: &str) -> (String, String) {
+    let delivery = deployment.collection("relayhost_deliveries").find_one(doc! { "eventId": event_id }).await.unwrap();
+    let delivery = delivery.unwrap_or_else(|| panic!("no delivery of {event_id}"));
+    (delivery.get_str("status").unwrap_or("?").to_string(), delivery.get_str("lastError").unwrap_or("").to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_plugins_hand_back_is_bounded_and_the_good_plugin_keeps_flowing() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let loopback = closed.local_addr().unwrap().to_string();
+    let extra = format!(
+        "concurrency = 8\npoll_interval = \"200ms\"\n\n[plugin.hostile]\nmemory = \"128MiB\"\nreason = \"1KiB\"\n\
+         follow_ups = 4\nchain_depth = 3\nreturned = \"256KiB\"\nreruns = 3\n\
+         retry = {{ max_attempts = 2, initial_backoff = \"100ms\", max_backoff = \"200ms\" }}\n\
+         grants = {{ collections = [\"big\", \"hostile_target\"], publish_types = [\"chain\", \"hostile.*\"], http_hosts = [\"{loopback}\"] }}"
+    );
+    let deployment = Deployment::new(&["hostile", "audit_log", "dead_letter_alert"], &extra).await;
+    // Twenty documents of 100 kB: 2 MB a find of everything would hand the host.
+    let big: Vec<Document> = (0..20).map(|n| doc! { "_id": n, "blob": "b".repeat(100_000) }).collect();
+    deployment.collection("big").insert_many(big).await.unwrap();
+    let host = deployment.start("host");
+    let store = deployment.fixture.store();
+
+    let refused_publishes = [
+        ("too-many", doc! { "count": 10 }, "may publish 4 follow-ups"),
+        ("forged-type", doc! { "type": "relayhost.delivery.dead" }, "event type \"relayhost.delivery.dead\" is not granted"),
+        ("ungranted-type", doc! { "type": "order.placed" }, "event type \"order.placed\" is not granted"),
+        ("squatted-id", doc! { "id": "order-placed-o-" }, "its id must start with \"hostile:\""),
+        ("dollar-header", doc! { "headers": 1, "header_name": "$where" }, "header name \"$where0\" is not allowed"),
+        ("many-headers", doc! { "headers": 100 }, "100 headers; the limit is 64"),
+        ("long-header", doc! { "headers": 1, "header_bytes": 10_000 }, "is 10000 bytes long; the limit is 4096"),
+        ("big-payload", doc! { "payload_bytes": 300_000 }, "`payload` is"),
+    ];
+    let mut hostile: Vec<NewEvent> =
+        refused_publishes.iter().map(|(id, payload, _)| event(id, "publish", payload.clone())).collect();
+    hostile.push(event("fine", "publish", doc! { "count": 2, "id": "hostile:fine-" }));
+    hostile.push(event("chain-root", "chain", doc! {}));
+    hostile.push(event("rerun", "rerun", doc! { "target": "hostile_target" }));
+    hostile.push(event("find-all", "find-all", doc! { "target": "big" }));
+    hostile.push(event("http-loopback", "attack.http", doc! { "target": &loopback }));
+    publish_all(store, hostile).await;
+    // An event within a few hundred bytes of MongoDB's 16 MiB, from a driver that checks
+    // nothing: too large to mark, or to travel in a change stream.
+    let oversized = doc! {
+        "_id": "oversized", "type": "order.placed", "createdAt": bson::DateTime::now(),
+        "payload": { "blob": bson::Binary { subtype: bson::spec::BinarySubtype::Generic, bytes: vec![7; 16_776_000] } },
+    };
+    deployment.fixture.insert_raw_event(oversized).await;
+
+    // A handler publishes on a key and sleeps 3 s before its commit: a publisher of that key
+    // is not held up, and the follow-up takes the key's next sequence at the commit.
+    publish_all(store, vec![event("holds-key", "publish", doc! { "id": "hostile:keyed-", "key": "shared", "sleep_ms": 3_000 })]).await;
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    let started = Instant::now();
+    publish_all(store, vec![keyed("order-shared", "order.placed", "shared")]).await;
+    let publishing = started.elapsed();
+
+    let latencies = good_plugin_latencies(&deployment, "order-good-", 40, Duration::from_millis(250)).await;
+    let (p50, max) = (latencies[latencies.len() / 2], latencies[latencies.len() - 1]);
+    eprintln!("good plugin beside the hostile one: p50 {p50:?}, max {max:?}; a publisher of a key a handler published on: {publishing:?}");
+    assert!(max < Duration::from_secs(5), "the good plugin's deliveries stayed within 5 s (max {max:?})");
+    assert!(publishing < Duration::from_millis(1_500), "the key's publisher waited {publishing:?}");
+
+    deployment.wait_until("every hostile delivery ended", Duration::from_secs(90), async |d| d.drained().await).await;
+    for (id, _, reason) in &refused_publishes {
+        let (status, error) = last_error(&deployment, id).await;
+        assert_eq!(status, "dead", "{id}: {error}");
+        assert!(error.contains(reason) && error.len() <= 1_024, "{id}: {error}");
+    }
+    // Refused follow-ups never reach the outbox, and neither do those of a failed delivery.
+    let events = deployment.fixture.store().events_collection();
+    assert_eq!(events.count_documents(doc! { "_id": { "$regex": "^order-placed-o-" } }).await.unwrap(), 0);
+    assert_eq!(events.count_documents(doc! { "type": "relayhost.delivery.dead", "payload.eventId": "forged-type" }).await.unwrap(), 1, "only the host's own announcement");
+    // What passed: the handler's follow-ups carry its event as cause, one level deeper.
+    for n in 0..2 {
+        let follow_up = events.find_one(doc! { "_id": format!("hostile:fine-{n}") }).await.unwrap().expect("published");
+        assert_eq!(follow_up.get_str("causationId").unwrap(), "fine");
+        assert_eq!(follow_up.get_str("correlationId").unwrap(), "fine");
+        assert_eq!(follow_up.get_i64("chainDepth").unwrap(), 1);
+    }
+    // The chain stops at depth 3: 1 + 2 + 4 + 8 events, every delivery completed.
+    assert_eq!(events.count_documents(doc! { "type": "chain" }).await.unwrap(), 15);
+    assert_eq!(events.count_documents(doc! { "type": "chain", "chainDepth": 3 }).await.unwrap(), 8);
+    let (status, error) = last_error(&deployment, "rerun").await;
+    assert_eq!(status, "dead");
+    assert!(error.contains("the plugin's `reruns` limit is 3"), "{error}");
+    let (status, error) = last_error(&deployment, "find-all").await;
+    assert!(status == "dead" && error.contains("pass the 262144 bytes a call may return"), "{error}");
+    let (status, error) = last_error(&deployment, "http-loopback").await;
+    assert!(status == "dead" && error.contains("blocked"), "{error}");
+    assert!(host.log().contains("does not allow private networks"), "the denial names the reason");
+    let (status, error) = last_error(&deployment, "oversized").await;
+    assert!(status == "dead" && error.contains("the event document is") && error.contains("the limit is 15728640"), "{error}");
+    // The key's publisher came first; the handler's follow-up took the next sequence at its commit.
+    let sequence = |id: &'static str| async move { events.find_one(doc! { "_id": id }).await.unwrap().unwrap().get_i64("sequence").unwrap() };
+    assert_eq!((sequence("order-shared").await, sequence("hostile:keyed-0").await), (1, 2));
+    // Every death was announced and reached the alert plugin: 8 refused follow-ups, the
+    // re-runs, the find, the HTTP request and the oversized event.
+    deployment.wait_until("every death is announced", Duration::from_secs(30), async |d| {
+        d.documents("dead_letter_alerts").await.len() == 12
+    })
+    .await;
+    let dead = store.list_deliveries(&DeliveryFilter { status: Some(DeliveryStatus::Dead), limit: 100, ..Default::default() }).await.unwrap();
+    assert_eq!(dead.deliveries.len(), 12);
+    host.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_squatters_and_slow_plugins_are_refused_at_startup_and_nothing_is_lost() {
+    let extra = "poll_interval = \"200ms\"\n\n[plugin.squatter]\ngrants = { environment = [\"HOSTILE_SQUAT\"] }\n\n\
+                 [plugin.slowpoke]\ngrants = { environment = [\"HOSTILE_SLOW_SUBSCRIPTIONS\"] }";
+    let deployment = Deployment::new(&["audit_log"], extra).await;
+    for copy in ["squatter", "slowpoke"] {
+        std::fs::copy(plugins_dir().join("hostile.wasm"), deployment.dir.join("plugins").join(format!("{copy}.wasm"))).unwrap();
+    }
+    let started = Instant::now();
+    let host = deployment.start_with("host", &[("HOSTILE_SQUAT", "1"), ("HOSTILE_SLOW_SUBSCRIPTIONS", "1")]);
+    let startup = started.elapsed();
+    eprintln!("the host started in {startup:?} beside a plugin whose subscriptions take a minute");
+    assert!(startup < Duration::from_secs(30), "{startup:?}");
+    let log = host.log();
+    for (plugin, reason, other) in [
+        ("audit_log", "handler `audit-log` is also offered by plugin(s)", "squatter"),
+        ("squatter", "handler `audit-log` is also offered by plugin(s)", "audit_log"),
+        ("slowpoke", "its `subscriptions` took longer than 2s", ""),
+    ] {
+        let refused = format!("plugin=\"{plugin}\"");
+        assert!(
+            log.lines().any(|line| line.contains("plugin refused") && line.contains(&refused) && line.contains(reason) && line.contains(other)),
+            "{plugin}: {log}"
+        );
+    }
+    // Nobody serves the contested handler: its events wait, none is taken by the squatter.
+    let store = deployment.fixture.store();
+    publish_all(store, (0..5).map(|n| keyed(&format!("order-{n}"), "order.placed", "c")).collect()).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(deployment.documents("audit_log").await.is_empty());
+    // The squatter removed, the real plugin loads and delivers every event.
+    std::fs::remove_file(deployment.dir.join("plugins/squatter.wasm")).unwrap();
+    deployment.wait_until("the real plugin delivered everything", Duration::from_secs(30), async |d| {
+        d.documents("audit_log").await.len() == 5
+    })
+    .await;
+    let audited: Vec<Bson> = deployment.documents("audit_log").await.into_iter().filter_map(|d| d.get("attempt").cloned()).collect();
+    assert!(audited.iter().all(|a| a.as_i32() == Some(1) || a.as_i64() == Some(1)), "{audited:?}");
+    host.stop();
+}
