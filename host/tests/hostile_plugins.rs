@@ -106,13 +106,14 @@ async fn what_plugins_hand_back_is_bounded_and_the_good_plugin_keeps_flowing() {
     hostile.push(event("find-all", "find-all", doc! { "target": "big" }));
     hostile.push(event("http-loopback", "attack.http", doc! { "target": &loopback }));
     publish_all(store, hostile).await;
-    // An event within a few hundred bytes of MongoDB's 16 MiB, from a driver that checks
-    // nothing: too large to mark, or to travel in a change stream.
-    let oversized = doc! {
+    // An event 32 bytes short of MongoDB's 16 MiB, from a driver that checks nothing: too
+    // large for its mark.
+    let oversized = |blob: usize| doc! {
         "_id": "oversized", "type": "order.placed", "createdAt": bson::DateTime::now(),
-        "payload": { "blob": bson::Binary { subtype: bson::spec::BinarySubtype::Generic, bytes: vec![7; 16_776_000] } },
+        "payload": { "blob": bson::Binary { subtype: bson::spec::BinarySubtype::Generic, bytes: vec![7; blob] } },
     };
-    deployment.fixture.insert_raw_event(oversized).await;
+    let overhead = bson::to_vec(&oversized(0)).unwrap().len();
+    deployment.fixture.insert_raw_event(oversized(16 * 1024 * 1024 - 32 - overhead)).await;
 
     // A handler publishes on a key and sleeps 3 s before its commit: a publisher of that key
     // is not held up, and the follow-up takes the key's next sequence at the commit.
@@ -158,6 +159,11 @@ async fn what_plugins_hand_back_is_bounded_and_the_good_plugin_keeps_flowing() {
     assert!(host.log().contains("does not allow private networks"), "the denial names the reason");
     let (status, error) = last_error(&deployment, "oversized").await;
     assert!(status == "dead" && error.contains("the event document is") && error.contains("the limit is 15728640"), "{error}");
+    // Nothing is lost: the whole document is kept aside, and the event says where.
+    let kept = deployment.collection("relayhost_oversized_events").find_one(doc! { "_id": "oversized" }).await.unwrap().unwrap();
+    assert_eq!(bson::to_vec(&kept).unwrap().len(), 16 * 1024 * 1024 - 32);
+    let moved = events.find_one(doc! { "_id": "oversized" }).await.unwrap().unwrap();
+    assert_eq!(moved.get_str("payloadMovedTo").unwrap(), "relayhost_oversized_events");
     // The key's publisher came first; the handler's follow-up took the next sequence at its commit.
     let sequence = |id: &'static str| async move { events.find_one(doc! { "_id": id }).await.unwrap().unwrap().get_i64("sequence").unwrap() };
     assert_eq!((sequence("order-shared").await, sequence("hostile:keyed-0").await), (1, 2));

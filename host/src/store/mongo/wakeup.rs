@@ -45,9 +45,9 @@ impl EventWakeups {
             let mut resume = None;
             let mut backoff = self.fallback_poll;
             loop {
-                // Only inserts matter: the event, and the fields the driver needs to resume. An
-                // event too large to travel in a change (16 MiB with its envelope) would fail
-                // the stream at every resume: it comes without its document, and is read.
+                // Only inserts matter: the event, and the fields the driver needs to resume. A
+                // large event comes without its document (and is read by the fan-out): the
+                // heard events a host keeps are bounded in bytes, not only in number.
                 let opened = events
                     .watch()
                     .pipeline([
