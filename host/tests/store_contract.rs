@@ -231,7 +231,12 @@ async fn malformed_event_documents_are_dead_lettered_and_block_nothing<F: Fixtur
     bad_headers.insert("headers", doc! { "x": 1 });
     let mut numeric_type = good("numeric-type");
     numeric_type.insert("type", 42);
-    for document in [no_type, text_payload, keyed_without_sequence, bad_headers, numeric_type] {
+    let mut dollar_header = good("dollar-header");
+    dollar_header.insert("headers", doc! { "$where": "x" });
+    // Larger than the host can deliver (it adds its marks to the document).
+    let mut oversized = good("oversized");
+    oversized.insert("payload", doc! { "blob": bson::Binary { subtype: bson::spec::BinarySubtype::Generic, bytes: vec![0; 15_800_000] } });
+    for document in [no_type, text_payload, keyed_without_sequence, bad_headers, numeric_type, dollar_header, oversized] {
         fixture.insert_raw_event(document).await;
     }
     fixture.insert_raw_event(doc! { "_id": 7, "type": "t", "payload": {}, "createdAt": at(T0) }).await;
@@ -239,7 +244,7 @@ async fn malformed_event_documents_are_dead_lettered_and_block_nothing<F: Fixtur
 
     let subscriptions = subs(&[("h", &["t"])]);
     let report = store.fan_out(&subscriptions, 100, 0, at(T0)).await.unwrap();
-    assert_eq!(report.malformed, 6);
+    assert_eq!(report.malformed, 8);
     let claimed = store.claim(&handlers(&["h"]), 10, at(T0)).await.unwrap();
     assert_eq!(ids(&claimed), ["fine-1/h", "fine-2/h"]);
 
@@ -248,7 +253,9 @@ async fn malformed_event_documents_are_dead_lettered_and_block_nothing<F: Fixtur
         .iter()
         .map(|d| (d.event_id.clone(), (d.handler.clone(), d.last_error.clone().unwrap_or_default())))
         .collect();
-    assert_eq!(reasons.len(), 6, "{reasons:?}");
+    assert_eq!(reasons.len(), 8, "{reasons:?}");
+    assert!(reasons["dollar-header"].1.contains("header name \"$where\" is not allowed"), "{reasons:?}");
+    assert!(reasons["oversized"].1.contains("the event document is 15800"), "{reasons:?}");
     assert_eq!(reasons["no-type"].0, MALFORMED_EVENT_HANDLER);
     assert!(reasons["no-type"].1.contains("`type` is missing"));
     assert_eq!(reasons["numeric-type"].0, MALFORMED_EVENT_HANDLER);
@@ -261,7 +268,7 @@ async fn malformed_event_documents_are_dead_lettered_and_block_nothing<F: Fixtur
     // delivery, naming the event and the reason.
     let hook = subs(&[("h", &["t"]), ("dead-letters", &[relayhost::dispatch::DEAD_LETTER_EVENT_TYPE])]);
     let announced = store.fan_out(&hook, 100, 0, at(T0)).await.unwrap();
-    assert_eq!((announced.events, announced.malformed), (6, 0), "{announced:?}");
+    assert_eq!((announced.events, announced.malformed), (8, 0), "{announced:?}");
     let letters = store.claim(&handlers(&["dead-letters"]), 10, at(T0)).await.unwrap();
     let said: BTreeMap<String, (String, String)> = letters
         .iter()
