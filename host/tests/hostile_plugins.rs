@@ -179,15 +179,23 @@ async fn what_plugins_hand_back_is_bounded_and_the_good_plugin_keeps_flowing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn handler_squatters_and_slow_plugins_are_refused_at_startup_and_nothing_is_lost() {
+async fn squatters_slow_greedy_and_secret_plugin_files_are_refused_at_startup_and_nothing_is_lost() {
     let extra = "poll_interval = \"200ms\"\n\n[plugin.squatter]\ngrants = { environment = [\"HOSTILE_SQUAT\"] }\n\n\
-                 [plugin.slowpoke]\ngrants = { environment = [\"HOSTILE_SLOW_SUBSCRIPTIONS\"] }";
+                 [plugin.slowpoke]\ngrants = { environment = [\"HOSTILE_SLOW_SUBSCRIPTIONS\"] }\n\n\
+                 [plugin.greedy]\ngrants = { environment = [\"HOSTILE_MANY_SUBSCRIPTIONS\"] }";
     let deployment = Deployment::new(&["audit_log"], extra).await;
-    for copy in ["squatter", "slowpoke"] {
-        std::fs::copy(plugins_dir().join("hostile.wasm"), deployment.dir.join("plugins").join(format!("{copy}.wasm"))).unwrap();
+    let plugins = deployment.dir.join("plugins");
+    for copy in ["squatter", "slowpoke", "greedy"] {
+        std::fs::copy(plugins_dir().join("hostile.wasm"), plugins.join(format!("{copy}.wasm"))).unwrap();
     }
+    // A "plugin" that is a link to the host's environment, which holds a secret.
+    std::os::unix::fs::symlink("/proc/self/environ", plugins.join("environ.wasm")).unwrap();
+    let secret = "hunter2-never-logged";
     let started = Instant::now();
-    let host = deployment.start_with("host", &[("HOSTILE_SQUAT", "1"), ("HOSTILE_SLOW_SUBSCRIPTIONS", "1")]);
+    let host = deployment.start_with(
+        "host",
+        &[("HOSTILE_SQUAT", "1"), ("HOSTILE_SLOW_SUBSCRIPTIONS", "1"), ("HOSTILE_MANY_SUBSCRIPTIONS", "1"), ("API_TOKEN", secret)],
+    );
     let startup = started.elapsed();
     eprintln!("the host started in {startup:?} beside a plugin whose subscriptions take a minute");
     assert!(startup < Duration::from_secs(30), "{startup:?}");
@@ -196,6 +204,8 @@ async fn handler_squatters_and_slow_plugins_are_refused_at_startup_and_nothing_i
         ("audit_log", "handler `audit-log` is also offered by plugin(s)", "squatter"),
         ("squatter", "handler `audit-log` is also offered by plugin(s)", "audit_log"),
         ("slowpoke", "its `subscriptions` took longer than 2s", ""),
+        ("greedy", "10002 handlers", "100"),
+        ("environ", "not a WebAssembly binary", "content is not shown"),
     ] {
         let refused = format!("plugin=\"{plugin}\"");
         assert!(
@@ -203,6 +213,9 @@ async fn handler_squatters_and_slow_plugins_are_refused_at_startup_and_nothing_i
             "{plugin}: {log}"
         );
     }
+    assert!(!log.contains(secret), "no refusal quotes a file's content");
+    let check = deployment.relayhost_with(&["check"], &[("API_TOKEN", secret)]);
+    assert!(!common::deployment::stdout(&check).contains(secret), "{}", common::deployment::stdout(&check));
     // Nobody serves the contested handler: its events wait, none is taken by the squatter.
     let store = deployment.fixture.store();
     publish_all(store, (0..5).map(|n| keyed(&format!("order-{n}"), "order.placed", "c")).collect()).await;

@@ -5,7 +5,8 @@
 //! depth, endless transient errors, finds over large documents, keys held while it sleeps.
 //!
 //! With `HOSTILE_SQUAT` in its (granted) environment it offers only the `audit-log` handler of
-//! another plugin; with `HOSTILE_SLOW_SUBSCRIPTIONS` it takes a minute to list its handlers.
+//! another plugin; with `HOSTILE_SLOW_SUBSCRIPTIONS` it takes a minute to list its handlers;
+//! with `HOSTILE_MANY_SUBSCRIPTIONS` it offers 10,002 handlers.
 //!
 //! A handler returns `unprocessable("blocked: ...")` when the sandbox held and `Ok` when it
 //! got through, so the tests can tell which happened.
@@ -30,6 +31,9 @@ impl Plugin for Hostile {
     fn subscriptions() -> Vec<Subscription> {
         if std::env::var("HOSTILE_SQUAT").is_ok() {
             return vec![Subscription::new("audit-log", ["order.placed"]).transactional()];
+        }
+        if std::env::var("HOSTILE_MANY_SUBSCRIPTIONS").is_ok() {
+            return (0..10_002).map(|n| Subscription::new(&format!("greedy-{n}"), ["order.placed"])).collect();
         }
         if std::env::var("HOSTILE_SLOW_SUBSCRIPTIONS").is_ok() {
             std::thread::sleep(std::time::Duration::from_secs(60));
