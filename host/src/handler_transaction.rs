@@ -30,10 +30,21 @@ const SERVER_SIDE_CODE: [&str; 3] = ["$where", "$function", "$accumulator"];
 /// commits it afterwards.
 pub type SharedTx = Arc<Mutex<MongoTx>>;
 
-/// The first transient transaction error a handler's call met (a write conflict with another
-/// transaction, a step-down). The transaction cannot commit after one, whatever the handler
-/// made of the error, so the caller runs the handler again in a new transaction.
-pub type TransientError = Arc<std::sync::Mutex<Option<StoreError>>>;
+/// What went wrong with a handler's transaction during its run, for the caller to decide on.
+#[derive(Debug, Default)]
+pub struct Trouble {
+    /// The first transient error a call met (a write conflict with another transaction, a
+    /// step-down). The transaction cannot commit after one, whatever the handler made of the
+    /// error, so the caller runs the handler again in a new transaction.
+    pub transient: Option<StoreError>,
+    /// The first call that failed otherwise (MongoDB refused it). The server aborts the
+    /// transaction then, so a handler that goes on meets a transient error of its own making,
+    /// which running it again would only repeat.
+    pub failed_call: Option<String>,
+}
+
+/// The [`Trouble`] of one run, shared between the capability and the caller.
+pub type SharedTrouble = Arc<std::sync::Mutex<Trouble>>;
 
 /// The follow-up events a handler published, to be published at its commit.
 pub type FollowUps = Arc<std::sync::Mutex<Vec<NewEvent>>>;
@@ -43,11 +54,11 @@ pub struct MongoHandlerTransaction {
     tx: SharedTx,
     database: Database,
     follow_ups: FollowUps,
-    transient: TransientError,
+    transient: SharedTrouble,
 }
 
 impl MongoHandlerTransaction {
-    pub fn new(tx: SharedTx, database: Database, follow_ups: FollowUps, transient: TransientError) -> Self {
+    pub fn new(tx: SharedTx, database: Database, follow_ups: FollowUps, transient: SharedTrouble) -> Self {
         Self { tx, database, follow_ups, transient }
     }
 
@@ -58,8 +69,11 @@ impl MongoHandlerTransaction {
             StoreError::Mongo(error) => format!("MongoDB refused it: {error}"),
             other => other.to_string(),
         };
+        let mut trouble = self.transient.lock().expect("transient error slot");
         if error.is_transient() {
-            self.transient.lock().expect("transient error slot").get_or_insert(error);
+            trouble.transient.get_or_insert(error);
+        } else if matches!(error, StoreError::Mongo(_)) {
+            trouble.failed_call.get_or_insert_with(|| message.clone());
         }
         message
     }

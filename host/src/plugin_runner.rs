@@ -3,8 +3,9 @@
 //! This module joins the three layers and owns only the joining: which loaded version serves
 //! a claimed delivery, the delivery's context, and for transactional handlers the MongoDB
 //! transaction around the run (the handler runs again after a transient transaction error,
-//! up to its plugin's `reruns`, then the attempt is charged; its writes, follow-up events and
-//! the completion commit together). It must never decide retries (the dispatcher does) nor
+//! up to its plugin's `reruns` with a growing pause, then the attempt is charged; a transient
+//! error of the handler's own making, after a call of its own failed, is charged at once; its
+//! writes, follow-up events and the completion commit together). It must never decide retries (the dispatcher does) nor
 //! touch lanes (the store does).
 
 use std::future::Future;
@@ -14,7 +15,7 @@ use std::sync::Arc;
 use bson::DateTime;
 
 use crate::dispatch::{AttemptResult, HandlerSpec, RetryPolicy, RunResult, Runner};
-use crate::handler_transaction::{FollowUps, MongoHandlerTransaction, TransientError, publish_follow_ups};
+use crate::handler_transaction::{FollowUps, MongoHandlerTransaction, SharedTrouble, publish_follow_ups};
 use crate::plugin::{DeliveryInfo, LoadedPlugin, Outcome, PluginRegistry};
 use crate::store::mongo::MongoStore;
 use crate::store::{ClaimedDelivery, Retrying, Store, StoreError};
@@ -86,25 +87,13 @@ async fn run_transactional(
     info: &DeliveryInfo,
 ) -> RunResult {
     let mut retrying = Retrying::new();
-    let mut reruns = 0;
-    // A transient error means the transaction cannot commit: the handler runs again in a new
-    // one, which is no attempt (the handler did not fail, the transaction did), up to the
-    // plugin's limit; past it, the attempt is charged with the error.
-    let mut rerun = |error: String| {
-        reruns += 1;
-        let limit = plugin.policy.limits.transaction.reruns;
-        (reruns > limit).then(|| {
-            RunResult::Attempt(AttemptResult::Failed(format!(
-                "its transaction met a transient error {reruns} times in this attempt (the plugin's `reruns` limit is {limit}); the last: {error}"
-            )))
-        })
-    };
+    let mut reruns = Reruns { done: 0, limit: plugin.policy.limits.transaction.reruns };
     loop {
         let tx = match store.begin().await {
             Ok(tx) => Arc::new(tokio::sync::Mutex::new(tx)),
             Err(error) => return RunResult::Attempt(AttemptResult::Failed(format!("cannot start its transaction: {error}"))),
         };
-        let (transient, follow_ups) = (TransientError::default(), FollowUps::default());
+        let (transient, follow_ups) = (SharedTrouble::default(), FollowUps::default());
         let capability = MongoHandlerTransaction::new(tx.clone(), store.database(), follow_ups.clone(), transient.clone());
         let (ran, returned) = registry.runtime().invoke_transactional(plugin, &delivery.event, info, Box::new(capability)).await;
         drop(returned);
@@ -112,11 +101,17 @@ async fn run_transactional(
             return RunResult::Attempt(AttemptResult::Failed("the handler kept its transaction".into()));
         };
         let mut tx = tx.into_inner();
-        let met = transient.lock().expect("transient error slot").take();
-        if let Some(error) = met {
+        let trouble = std::mem::take(&mut *transient.lock().expect("transient error slot"));
+        if let Some(error) = trouble.transient {
             let reason = error.to_string();
+            if let Some(failed_call) = trouble.failed_call {
+                let _ = crate::store::StoreTransaction::abort(tx).await;
+                return RunResult::Attempt(AttemptResult::Failed(format!(
+                    "a call of the handler failed ({failed_call}), which ends its transaction, and the handler went on: {reason}"
+                )));
+            }
             match retrying.settle(tx, Err::<(), _>(error)).await {
-                None => match rerun(reason) {
+                None => match reruns.next(reason).await {
                     None => continue,
                     Some(charged) => return charged,
                 },
@@ -136,7 +131,7 @@ async fn run_transactional(
         };
         match retrying.settle(tx, completion).await {
             // A transient error (a write conflict, a step-down): run the handler again.
-            None => match rerun("its commit met a transient error".to_string()) {
+            None => match reruns.next("its commit met a transient error".to_string()).await {
                 None => continue,
                 Some(charged) => return charged,
             },
@@ -144,5 +139,30 @@ async fn run_transactional(
             Some(Err(StoreError::LeaseLost(_))) => return RunResult::LeaseLost,
             Some(Err(error)) => return RunResult::Attempt(AttemptResult::Failed(error.to_string())),
         }
+    }
+}
+
+/// Re-runs of a transactional handler within one attempt: not charged (the handler did not
+/// fail, its transaction did), each after a pause growing from 50 ms to 5 s, so that the
+/// default 20 outlast another transaction holding a lock for MongoDB's default transaction
+/// lifetime (60 s, a killed host's) while a handler that conflicts without end costs one run
+/// every 5 s; past the plugin's limit, the attempt is charged with the last error.
+struct Reruns {
+    done: u32,
+    limit: u32,
+}
+
+impl Reruns {
+    async fn next(&mut self, error: String) -> Option<RunResult> {
+        self.done += 1;
+        if self.done > self.limit {
+            return Some(RunResult::Attempt(AttemptResult::Failed(format!(
+                "its transaction met a transient error {} times in this attempt (the plugin's `reruns` limit is {}); the last: {error}",
+                self.done, self.limit
+            ))));
+        }
+        let pause = std::time::Duration::from_millis(50u64 << (self.done - 1).min(7)).min(std::time::Duration::from_secs(5));
+        tokio::time::sleep(pause).await;
+        None
     }
 }

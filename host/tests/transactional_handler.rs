@@ -136,9 +136,11 @@ async fn the_dispatcher_runs_plugins_into_an_exact_projection() {
     std::fs::remove_dir_all(plugins).unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_conflicting_transaction_makes_the_handler_run_again_not_fail() {
-    use relayhost::dispatch::{RetryPolicy, RunResult, Runner};
+/// Runs an audit-log delivery while another transaction holds its audit document's id,
+/// uncommitted, for `held`; with the plugin's `reruns` limit. The run's result, and the audit
+/// document afterwards.
+async fn run_beside_a_conflict(reruns: u32, held: Duration) -> (relayhost::dispatch::RunResult, Option<Document>) {
+    use relayhost::dispatch::{RetryPolicy, Runner};
     use relayhost::plugin::PluginRegistry;
     use relayhost::plugin_runner::PluginRunner;
 
@@ -147,9 +149,13 @@ async fn a_conflicting_transaction_makes_the_handler_run_again_not_fail() {
     let plugins = std::env::temp_dir().join(format!("relayhost-conflict-{}", fixture.database));
     std::fs::create_dir_all(&plugins).unwrap();
     std::fs::copy(plugins_dir().join("audit_log.wasm"), plugins.join("audit_log.wasm")).unwrap();
-    let registry = Arc::new(PluginRegistry::new(Arc::new(plugin_runtime()), &plugins, |_| PluginPolicy {
-        grants: Grants { transaction: TransactionGrant { collections: vec!["audit_log".into(), "audit_order".into()], ..Default::default() }, ..Default::default() },
-        ..Default::default()
+    let registry = Arc::new(PluginRegistry::new(Arc::new(plugin_runtime()), &plugins, move |_| {
+        let mut policy = PluginPolicy {
+            grants: Grants { transaction: TransactionGrant { collections: vec!["audit_log".into(), "audit_order".into()], ..Default::default() }, ..Default::default() },
+            ..Default::default()
+        };
+        policy.limits.transaction.reruns = reruns;
+        policy
     }));
     registry.scan().await.unwrap();
     publish_all(&*store, vec![keyed("order-1", "order.placed", "c-1")]).await;
@@ -164,16 +170,37 @@ async fn a_conflicting_transaction_makes_the_handler_run_again_not_fail() {
     other.start_transaction().await.unwrap();
     audit.insert_one(doc! { "_id": "order-1", "by": "someone else" }).session(&mut other).await.unwrap();
     let release = tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        tokio::time::sleep(held).await;
         other.abort_transaction().await.unwrap();
     });
 
     let runner = PluginRunner::new(registry, store.clone(), Arc::new(|_: &str| RetryPolicy::default()));
     let result = runner.run(delivery).await;
     release.await.unwrap();
-    assert_eq!(result, RunResult::CompletedInTransaction, "the write conflict re-ran the handler until it went through");
-    let record = audit.find_one(doc! { "_id": "order-1" }).await.unwrap().unwrap();
+    let record = audit.find_one(doc! { "_id": "order-1" }).await.unwrap();
+    std::fs::remove_dir_all(plugins).unwrap();
+    (result, record)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conflicting_transaction_makes_the_handler_run_again_not_fail() {
+    let (result, record) = run_beside_a_conflict(20, Duration::from_millis(500)).await;
+    assert_eq!(result, relayhost::dispatch::RunResult::CompletedInTransaction, "the write conflict re-ran the handler until it went through");
+    let record = record.unwrap();
     assert_eq!(record.get_str("type").unwrap(), "order.placed");
     assert_eq!(record.get("attempt").and_then(|a| a.as_i32().map(i64::from).or(a.as_i64())), Some(1), "no attempt was charged");
-    std::fs::remove_dir_all(plugins).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conflict_that_outlasts_the_reruns_charges_the_attempt() {
+    // Two re-runs pause 50 and 100 ms: the conflict, held for 3 s, outlasts them.
+    let (result, record) = run_beside_a_conflict(2, Duration::from_secs(3)).await;
+    match result {
+        relayhost::dispatch::RunResult::Attempt(relayhost::dispatch::AttemptResult::Failed(reason)) => {
+            assert!(reason.contains("met a transient error 3 times in this attempt (the plugin's `reruns` limit is 2)"), "{reason}");
+            assert!(reason.contains("WriteConflict"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(record.is_none(), "nothing of the charged attempt was committed");
 }

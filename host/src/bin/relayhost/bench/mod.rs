@@ -4,6 +4,10 @@
 //! A fresh single-node replica set is started for the run (so nothing else shares it), and
 //! the host's own pieces are used as `relayhost run` assembles them: the MongoDB store, the
 //! plugin registry with the no-op Rust plugin, the dispatcher, change-stream wakeups.
+//! `--matrix` runs every workload the delivery path must serve on that one `mongod` and prints
+//! them as one table ([`matrix`]).
+
+mod matrix;
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
@@ -26,7 +30,7 @@ use relayhost::plugin_runner::PluginRunner;
 use relayhost::store::mongo::{EventWakeups, MongoLocation, MongoStore};
 use relayhost::store::{ClaimedDelivery, Store, StoreOptions, StoreTransaction, run_in_transaction};
 
-#[derive(Args)]
+#[derive(Args, Clone)]
 pub struct BenchArgs {
     /// Events in the drained backlog (and documents of the raw floor).
     #[arg(long, default_value_t = 20_000)]
@@ -59,6 +63,46 @@ pub struct BenchArgs {
     /// Give up on a drain that completes nothing for this many seconds.
     #[arg(long, default_value_t = 60)]
     stall_after: u64,
+    /// Run the whole matrix instead (unkeyed, keyed, a hot key; 1, 2 and 4 hosts; latency
+    /// unkeyed and keyed on 1 and 2 hosts) and print one table with ratios and goals.
+    #[arg(long)]
+    matrix: bool,
+}
+
+/// One drain's workload.
+#[derive(Debug, Clone)]
+struct Workload {
+    events: usize,
+    /// Ordering keys the events are spread over (0: unkeyed).
+    keys: usize,
+    /// Every `hot_every`-th event goes to one hot key instead (0: none).
+    hot_every: usize,
+    hosts: u16,
+    /// The database it runs in, fresh.
+    database: String,
+}
+
+impl Workload {
+    fn of(args: &BenchArgs) -> Self {
+        Self { events: args.events, keys: args.keys, hot_every: 0, hosts: args.hosts, database: "bench_drain".into() }
+    }
+
+    fn key_of(&self, n: usize) -> Option<String> {
+        if self.hot_every > 0 && n % self.hot_every == 0 {
+            return Some(HOT_KEY.to_string());
+        }
+        (self.keys > 0).then(|| format!("key-{}", n % self.keys))
+    }
+}
+
+const HOT_KEY: &str = "hot";
+
+/// What a drain measured: its rate, `mongod`'s work, and the rate of the events off the hot
+/// key (when there is one).
+struct Drained {
+    rate: f64,
+    work: ServerWork,
+    others_rate: Option<f64>,
 }
 
 pub async fn run(args: BenchArgs) -> Result<()> {
@@ -75,7 +119,8 @@ pub async fn run(args: BenchArgs) -> Result<()> {
     let mongod = Mongod::start(options).await?;
     let client = mongodb::Client::with_uri_str(mongod.uri()).await?;
     let pid = mongod.pid().context("mongod exited")?;
-    let result = measure(&args, &Server { client, pid }, &plugins).await;
+    let server = Server { client, pid };
+    let result = if args.matrix { matrix::run(&args, &server, &plugins).await } else { measure(&args, &server, &plugins).await };
     mongod.stop();
     let _ = std::fs::remove_dir_all(&scratch);
     result
@@ -90,7 +135,7 @@ async fn measure(args: &BenchArgs, server: &Server, plugins: &std::path::Path) -
     let registry = Arc::new(PluginRegistry::new(runtime, plugins, |_| PluginPolicy::default()));
     registry.scan().await?;
 
-    let (drain, drain_work) = drain(args, server, &registry).await?;
+    let Drained { rate: drain, work: drain_work, .. } = drain(args, &Workload::of(args), server, &registry).await?;
     // The disk's speed drifts within a run; a floor measured on both sides of the drain, and
     // the faster one used, keeps a slow moment from passing the goal.
     let (floor_after, _) = raw_floor(server, args.events).await?;
@@ -111,7 +156,7 @@ async fn measure(args: &BenchArgs, server: &Server, plugins: &std::path::Path) -
     println!("mongod work  per delivery: {}", drain_work.per(args.events));
     println!("             per floor document: {}", floor_work.per(args.events));
 
-    let latency = latency(args, client, &registry).await?;
+    let latency = latency(args, 0, client, &registry).await?;
     let (p50, p99) = latency.from_sent;
     println!(
         "latency      p50 {:.1} ms (goal <= 5), p99 {:.1} ms (goal <= 25), commit sent to handler start, {} events at {}/s{on_hosts}: {}",
@@ -293,17 +338,23 @@ fn dispatcher_options(args: &BenchArgs) -> DispatcherOptions {
     }
 }
 
-/// Deliveries per second draining a published backlog, and what `mongod` did for them.
-async fn drain(args: &BenchArgs, server: &Server, registry: &Arc<PluginRegistry>) -> Result<(f64, ServerWork)> {
+/// Deliveries per second draining a published backlog of `workload`, and what `mongod` did
+/// for them.
+async fn drain(args: &BenchArgs, workload: &Workload, server: &Server, registry: &Arc<PluginRegistry>) -> Result<Drained> {
     let client = &server.client;
-    let store = store(client, "bench_drain")?;
+    client.database(&workload.database).drop().await?;
+    let store = store(client, &workload.database)?;
     store.setup().await?;
-    let events: Vec<NewEvent> = (0..args.events)
+    let events: Vec<NewEvent> = (0..workload.events)
         .map(|n| {
             let event = NewEvent::new(format!("bench-{n}"), "bench", doc! { "n": n as i64 });
-            if args.keys == 0 { event } else { event.with_key(format!("key-{}", n % args.keys)) }
+            match workload.key_of(n) {
+                Some(key) => event.with_key(key),
+                None => event,
+            }
         })
         .collect();
+    let others = events.iter().filter(|event| event.key.as_deref() != Some(HOT_KEY)).count() as u64;
     // Several publishers at once, as an application's would be: the backlog is written before
     // the clock starts, and one publisher alone spends most of the run on its round trips.
     // Transactions of 100 events stay far inside the store's 5 s transaction budget even when
@@ -325,10 +376,12 @@ async fn drain(args: &BenchArgs, server: &Server, registry: &Arc<PluginRegistry>
         .buffer_unordered(4)
         .try_collect::<Vec<_>>()
         .await?;
-    let dispatchers: Vec<_> = hosts(&store, args.hosts)
+    let off_hot_key: Arc<AtomicU64> = Arc::default();
+    let dispatchers: Vec<_> = hosts(&store, workload.hosts)
         .into_iter()
         .map(|store| {
             let runner = PluginRunner::new(registry.clone(), store.clone(), Arc::new(|_: &str| RetryPolicy::default()));
+            let runner = OffHotKey { inner: runner, completed: off_hot_key.clone() };
             Dispatcher::new(store, Arc::new(runner), dispatcher_options(args))
         })
         .collect();
@@ -336,17 +389,21 @@ async fn drain(args: &BenchArgs, server: &Server, registry: &Arc<PluginRegistry>
     let total = |counter: fn(&DispatcherCounters) -> &AtomicU64| {
         counters.iter().map(|c| DispatcherCounters::get(counter(c))).sum::<u64>()
     };
-    let target = args.events as u64;
+    let target = workload.events as u64;
     let stall = Duration::from_secs(args.stall_after);
     let work = ServerWork::now(server).await?;
     let started = Instant::now();
     // Ends when every delivery completed, or when none did for a while: a drain that stalls
     // is reported as a failure instead of waiting forever.
     let (finish, finished) = tokio::sync::watch::channel(false);
+    let mut others_done = None;
     let monitor = async {
         let mut progress = (0, Instant::now());
         loop {
             let completed = total(|c| &c.completed);
+            if others_done.is_none() && off_hot_key.load(Ordering::Relaxed) >= others {
+                others_done = Some(started.elapsed());
+            }
             if completed >= target || progress.1.elapsed() > stall {
                 break;
             }
@@ -380,7 +437,32 @@ async fn drain(args: &BenchArgs, server: &Server, registry: &Arc<PluginRegistry>
     if completed > target {
         println!("drain        {} deliveries ran twice (hosts racing: at-least-once)", completed - target);
     }
-    Ok((args.events as f64 / elapsed.as_secs_f64(), work))
+    let others_rate = (workload.hot_every > 0).then(|| others as f64 / others_done.unwrap_or(elapsed).as_secs_f64());
+    Ok(Drained { rate: workload.events as f64 / elapsed.as_secs_f64(), work, others_rate })
+}
+
+/// Counts the deliveries off the hot key that ran to their end, then passes them on.
+struct OffHotKey<R: Runner> {
+    inner: R,
+    completed: Arc<AtomicU64>,
+}
+
+impl<R: Runner> Runner for OffHotKey<R> {
+    fn handlers(&self) -> Vec<HandlerSpec> {
+        self.inner.handlers()
+    }
+
+    fn run(&self, delivery: ClaimedDelivery) -> Pin<Box<dyn Future<Output = RunResult> + Send>> {
+        let off_hot_key = delivery.event.key.as_deref() != Some(HOT_KEY);
+        let (run, completed) = (self.inner.run(delivery), self.completed.clone());
+        Box::pin(async move {
+            let result = run.await;
+            if off_hot_key {
+                completed.fetch_add(1, Ordering::Relaxed);
+            }
+            result
+        })
+    }
 }
 
 /// Notes when each event's handler run starts (its first run; later ones are counted), then
@@ -422,8 +504,11 @@ struct Latency {
     again: u64,
 }
 
-async fn latency(args: &BenchArgs, client: &mongodb::Client, registry: &Arc<PluginRegistry>) -> Result<Latency> {
-    let store = store(client, "bench_latency")?;
+/// Latency of events published one at a time at `args.rate`, over `keys` keys (0: unkeyed).
+async fn latency(args: &BenchArgs, keys: usize, client: &mongodb::Client, registry: &Arc<PluginRegistry>) -> Result<Latency> {
+    let database = format!("bench_latency_{keys}_{}", args.hosts);
+    client.database(&database).drop().await?;
+    let store = store(client, &database)?;
     store.setup().await?;
     let started: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
     let again: Arc<AtomicU64> = Arc::default();
@@ -452,7 +537,10 @@ async fn latency(args: &BenchArgs, client: &mongodb::Client, registry: &Arc<Plug
     let mut ticker = tokio::time::interval(Duration::from_secs(1) / args.rate);
     for n in 0..args.latency_events {
         ticker.tick().await;
-        let event = NewEvent::new(format!("latency-{n}"), "bench", doc! { "n": n as i64 });
+        let mut event = NewEvent::new(format!("latency-{n}"), "bench", doc! { "n": n as i64 });
+        if keys > 0 {
+            event = event.with_key(format!("key-{}", n % keys));
+        }
         let mut tx = store.begin().await?;
         store.publish(&mut tx, &event).await?;
         // Measured from the moment the commit is sent: an upper bound of the true latency.
