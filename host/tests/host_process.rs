@@ -736,6 +736,31 @@ fn bench_drains_a_keyed_backlog_when_asked() {
     assert!(drain.contains("set for unkeyed events"), "{drain}");
 }
 
+/// The matrix runs every workload on one mongod and prints one table row each, with its
+/// ratios and a verdict against its goal (what they measure is for the release build).
+#[test]
+fn bench_matrix_prints_every_workload_against_its_goal() {
+    let text = bench_output(&["--matrix", "--events", "400", "--latency-events", "10", "--rate", "100"]);
+    let rows: Vec<&str> = text.lines().filter(|line| line.starts_with("| ") && line.ends_with("met |")).collect();
+    let drains: Vec<(&str, &str)> = rows
+        .iter()
+        .filter_map(|row| {
+            let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+            (cells.len() == 13).then(|| (cells[1], cells[2]))
+        })
+        .collect();
+    assert_eq!(
+        drains,
+        [("unkeyed", "1"), ("unkeyed", "2"), ("unkeyed", "4"), ("1,000 keys", "1"), ("1,000 keys", "2"), ("1,000 keys", "4"), ("hot key + 1,000 keys", "1")],
+        "{text}"
+    );
+    for row in rows.iter().filter(|row| row.split('|').count() == 13) {
+        let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+        assert!(cells[3].parse::<f64>().unwrap() > 0.0 && cells[6].parse::<f64>().unwrap() > 0.0, "{row}");
+    }
+    assert_eq!(rows.iter().filter(|row| row.contains("p50 ≤ 1.7 commits")).count(), 4, "{text}");
+}
+
 /// A drain whose deliveries never complete fails, naming how far it got, instead of waiting
 /// forever: here the plugin the bench loads subscribes to something else entirely.
 #[test]
