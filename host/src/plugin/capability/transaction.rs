@@ -57,7 +57,9 @@ impl Grant {
 /// The transaction capability's limits, per delivery.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Limits {
-    /// Follow-up events one delivery may publish.
+    /// Follow-up events one delivery of an application's event may publish; halved at every
+    /// level of a chain (at least one), so one application event has at most
+    /// `follow_ups × follow_ups/2 × ...` descendants: 1,024 with the defaults, not 16^8.
     pub follow_ups: u32,
     /// Largest payload of a follow-up, in BSON bytes.
     pub follow_up_payload_bytes: usize,
@@ -149,8 +151,13 @@ impl TransactionState {
     /// The follow-up as it will be published, or why it may not be.
     fn follow_up(&self, event: transaction::NewEvent) -> Result<NewEvent, String> {
         let refuse = |why: String| format!("follow-up event {} refused: {why}", shown(&event.id));
-        if self.published >= self.limits.follow_ups {
-            return Err(refuse(format!("a delivery may publish {} follow-ups (the plugin's `follow_ups` limit)", self.limits.follow_ups)));
+        let lineage = self.lineage.as_ref().ok_or_else(|| refuse("no event is being handled".to_string()))?;
+        let allowed = (self.limits.follow_ups >> lineage.chain_depth.min(31)).max(1);
+        if self.published >= allowed {
+            return Err(refuse(format!(
+                "a delivery of an event {} follow-ups deep may publish {allowed} follow-ups (the plugin's `follow_ups` limit, {}, halved at every level of a chain)",
+                lineage.chain_depth, self.limits.follow_ups
+            )));
         }
         if !self.grant.allows_event_type(&event.event_type) {
             return Err(refuse(format!("event type {} is not granted to plugin `{}`", shown(&event.event_type), self.plugin)));
@@ -159,7 +166,6 @@ impl TransactionState {
         if !event.id.starts_with(&prefix) {
             return Err(refuse(format!("its id must start with {prefix:?} (the plugin's id space)")));
         }
-        let lineage = self.lineage.as_ref().ok_or_else(|| refuse("no event is being handled".to_string()))?;
         if lineage.chain_depth >= self.limits.chain_depth {
             return Err(refuse(format!(
                 "the event handled is {} follow-ups deep, the plugin's `chain_depth` limit",
@@ -271,6 +277,15 @@ mod tests {
         let mut counted = state(grant.clone(), 0);
         counted.published = 2;
         assert!(counted.follow_up(new_event("billing:1", "t")).unwrap_err().contains("may publish 2 follow-ups"));
+        // One level down, half as many (at least one).
+        let mut deeper = state(grant.clone(), 1);
+        assert!(deeper.follow_up(new_event("billing:1", "t")).is_ok());
+        deeper.published = 1;
+        assert!(deeper.follow_up(new_event("billing:2", "t")).unwrap_err().contains("1 follow-ups deep may publish 1 follow-ups"));
+        let mut deep = state(grant.clone(), 5);
+        assert!(deep.follow_up(new_event("billing:1", "t")).is_ok());
+        deep.published = 1;
+        assert!(deep.follow_up(new_event("billing:2", "t")).is_err());
         let mut headers = new_event("billing:1", "t");
         headers.headers = vec![("$set".into(), "x".into())];
         assert!(state(grant.clone(), 0).follow_up(headers).unwrap_err().contains("header name \"$set\""));
