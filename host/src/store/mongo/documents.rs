@@ -215,3 +215,9 @@ pub(super) fn claims(document: &Document) -> i64 {
 pub(super) fn generation_filter(id: ObjectId, claims: i64) -> Document {
     doc! { delivery::ID: id, delivery::CLAIMS: claims }
 }
+
+/// A cursor batch size that returns `n` small documents in the first reply, so a batch costs
+/// the same number of commands whatever its size.
+pub(super) fn one_batch(n: usize) -> u32 {
+    u32::try_from(n + 1).unwrap_or(u32::MAX)
+}

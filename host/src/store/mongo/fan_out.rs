@@ -299,7 +299,7 @@ async fn mark_plainly(
         .events
         .find(doc! { field::ID: { "$in": ids }, field::FAN_OUT: fan_out })
         .projection(doc! { field::ID: 1 })
-        .batch_size(super::outcome::one_batch(events.len()))
+        .batch_size(super::documents::one_batch(events.len()))
         .await?
         .try_collect()
         .await?;
@@ -397,7 +397,7 @@ async fn read_batch(store: &MongoStore, session: Option<&mut ClientSession>, lim
         .sort(doc! { field::CREATED_AT: 1, field::ID: 1 })
         .hint(Hint::Name(setup::UNFANNED.into()))
         .limit(limit as i64)
-        .batch_size(super::outcome::one_batch(limit));
+        .batch_size(super::documents::one_batch(limit));
     let mut session = session;
     let first: Vec<Document> = match session.as_deref_mut() {
         Some(session) => first.session(&mut *session).await?.stream(&mut *session).try_collect().await?,
@@ -415,7 +415,7 @@ async fn read_batch(store: &MongoStore, session: Option<&mut ClientSession>, lim
         .sort(doc! { field::KEY: 1, field::SEQUENCE: 1 })
         .hint(Hint::Name(setup::KEY_UNFANNED.into()))
         .limit(limit.saturating_mul(4) as i64)
-        .batch_size(super::outcome::one_batch(limit.saturating_mul(4)));
+        .batch_size(super::documents::one_batch(limit.saturating_mul(4)));
     let prefixes: Vec<Document> = match session {
         Some(session) => prefixes.session(&mut *session).await?.stream(&mut *session).try_collect().await?,
         None => prefixes.await?.try_collect().await?,

@@ -35,7 +35,7 @@ pub(super) async fn find_current(
     let options = mongodb::options::FindOptions::builder()
         .projection(projection)
         .hint(super::by_id())
-        .batch_size(super::outcome::one_batch(pairs.len()))
+        .batch_size(super::documents::one_batch(pairs.len()))
         .build();
     let find = store
         .collections

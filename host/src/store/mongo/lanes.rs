@@ -335,7 +335,7 @@ impl ClaimBackend for Backend<'_> {
                 .sort(doc! { delivery::DUE_AT: 1, delivery::ID: 1 })
                 .projection(doc! { delivery::LANE_ID: 1, delivery::DUE_AT: 1, delivery::ID: 0 })
                 .limit(rows_wanted as i64)
-                .batch_size(super::outcome::one_batch(rows_wanted))
+                .batch_size(super::documents::one_batch(rows_wanted))
                 .hint(mongodb::options::Hint::Name("claim".to_string()))
                 .await?
                 .try_collect()
@@ -501,7 +501,7 @@ impl ClaimBackend for Backend<'_> {
             .find(filter)
             .sort(doc! { delivery::DUE_AT: 1, delivery::ID: 1 })
             .limit(limit as i64)
-            .batch_size(super::outcome::one_batch(limit))
+            .batch_size(super::documents::one_batch(limit))
             .hint(mongodb::options::Hint::Name("claim".to_string()))
             .projection(doc! {
                 delivery::ID: 1, delivery::EVENT_ID: 1, delivery::HANDLER: 1, delivery::KEY: 1, delivery::LANE_ID: 1,
@@ -570,7 +570,7 @@ impl ClaimBackend for Backend<'_> {
                 .events
                 .find(doc! { "_id": { "$in": ids } })
                 .hint(super::by_id())
-                .batch_size(super::outcome::one_batch(ids.len()))
+                .batch_size(super::documents::one_batch(ids.len()))
                 .await?
                 .try_collect()
                 .await?;

@@ -15,12 +15,6 @@ use super::{MongoStore, MongoTx};
 use crate::lane::LaneId;
 use crate::store::{DeliveryStatus, DeliveryView, Lease, Settlement, StoreError};
 
-/// A cursor batch size that returns `n` small documents in the first reply, so a batch costs
-/// the same number of commands whatever its size.
-pub(super) fn one_batch(n: usize) -> u32 {
-    u32::try_from(n + 1).unwrap_or(u32::MAX)
-}
-
 fn lease_generations<'a>(leases: impl Iterator<Item = &'a Lease>) -> Vec<(ObjectId, i64)> {
     leases.map(|lease| (lease.delivery, lease.claims)).collect()
 }
@@ -150,31 +144,10 @@ async fn complete_each(store: &MongoStore, leases: &[Lease], now: DateTime) -> R
             // A takeover moved some on between the read and the delete: those are still there
             // (one that is gone was deleted here, or completed by its new holder after running
             // again: completed either way).
-            forget_stored(store, &mut completed).await?;
+            unstored::forget_stored(store, &mut completed).await?;
         }
     }
     Ok(completed)
-}
-
-/// Takes out of `completed` the deliveries that have a document: a completion that changed
-/// fewer documents than it meant to lost those to a takeover.
-pub(super) async fn forget_stored(store: &MongoStore, completed: &mut HashSet<ObjectId>) -> Result<(), StoreError> {
-    let ids: Vec<ObjectId> = completed.iter().copied().collect();
-    let left: Vec<Document> = store
-        .collections
-        .deliveries
-        .find(doc! { delivery::ID: { "$in": ids } })
-        .projection(doc! { delivery::ID: 1 })
-        .hint(super::by_id())
-        .await?
-        .try_collect()
-        .await?;
-    for document in &left {
-        if let Ok(id) = document.get_object_id(delivery::ID) {
-            completed.remove(&id);
-        }
-    }
-    Ok(())
 }
 
 /// Completes those of `entries` (deliveries without a document) whose lane still has their

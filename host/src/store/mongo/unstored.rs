@@ -203,7 +203,7 @@ async fn read_in(
     let found = collection
         .find(filter)
         .projection(projection)
-        .batch_size(super::outcome::one_batch(expected))
+        .batch_size(super::documents::one_batch(expected))
         .session(&mut *session)
         .await?
         .stream(&mut *session)
@@ -247,7 +247,7 @@ pub(super) async fn complete(
         // A takeover materialized some between the lane check and this: those have their
         // document now (one whose document is gone again was completed by its new holder
         // after running again: completed either way).
-        super::outcome::forget_stored(store, &mut completed).await?;
+        forget_stored(store, &mut completed).await?;
     }
     Ok(completed)
 }
@@ -283,7 +283,7 @@ pub(super) async fn unfinished(store: &MongoStore, entries: &[Entry]) -> Result<
         .events
         .find(doc! { field::ID: { "$in": ids }, field::HANDED_OUT: { "$exists": true } })
         .projection(doc! { field::ID: 1, field::HANDED_OUT: 1, field::FAN_OUT: 1 })
-        .batch_size(super::outcome::one_batch(entries.len()))
+        .batch_size(super::documents::one_batch(entries.len()))
         .await?
         .try_collect()
         .await?;
@@ -294,4 +294,25 @@ pub(super) async fn unfinished(store: &MongoStore, entries: &[Entry]) -> Result<
         .filter(|entry| events.get(&id_text(&entry.event)).is_some_and(|event| entry.named_by(event)))
         .map(|entry| entry.delivery)
         .collect())
+}
+
+/// Takes out of `completed` the deliveries that have a document: a completion that changed
+/// fewer documents than it meant to lost those to a takeover.
+pub(super) async fn forget_stored(store: &MongoStore, completed: &mut HashSet<ObjectId>) -> Result<(), StoreError> {
+    let ids: Vec<ObjectId> = completed.iter().copied().collect();
+    let left: Vec<Document> = store
+        .collections
+        .deliveries
+        .find(doc! { delivery::ID: { "$in": ids } })
+        .projection(doc! { delivery::ID: 1 })
+        .hint(super::by_id())
+        .await?
+        .try_collect()
+        .await?;
+    for document in &left {
+        if let Ok(id) = document.get_object_id(delivery::ID) {
+            completed.remove(&id);
+        }
+    }
+    Ok(())
 }
