@@ -197,6 +197,8 @@ pub struct PluginConfig {
     pub reason: Option<Size>,
     /// Furthest ahead a plugin may put its retry.
     pub not_before_horizon: Option<Span>,
+    /// The most handlers the plugin may subscribe.
+    pub handlers: Option<usize>,
     /// Follow-up events one delivery may publish.
     pub follow_ups: Option<u32>,
     /// Largest payload of a follow-up event.
@@ -356,6 +358,7 @@ impl Config {
                 .and_then(|p| p.not_before_horizon)
                 .or(self.defaults.not_before_horizon)
                 .map_or(defaults.not_before_horizon, |s| s.0),
+            handlers: pick(&|p| p.handlers.map(|n| n as u64), defaults.handlers as u64) as usize,
             transaction: transaction::Limits {
                 follow_ups: pick(&|p| p.follow_ups.map(u64::from), u64::from(transaction_defaults.follow_ups)) as u32,
                 follow_up_payload_bytes: pick(
@@ -433,6 +436,7 @@ fn validate_plugin(section: &str, plugin: &PluginConfig) -> Result<(), ConfigErr
         Some(value) if !(min..=max).contains(&value) => Err(invalid(format!("{section}.{field}"), format!("must be {shown}"))),
         _ => Ok(()),
     };
+    range("handlers", plugin.handlers.map(|n| n as u64), 1, crate::plugin::MAX_HANDLERS_LIMIT as u64, "between 1 and 1000")?;
     range("follow_ups", plugin.follow_ups.map(u64::from), 0, 1_000, "between 0 and 1000")?;
     range("follow_up_payload", plugin.follow_up_payload.map(|s| s.0 as u64), 64, 4 << 20, "between 64B and 4MiB")?;
     range("chain_depth", plugin.chain_depth.map(u64::from), 0, 64, "between 0 and 64")?;
@@ -575,6 +579,7 @@ mod tests {
             ("[defaults]\ngrants = { collections = [\"a\"] }", "defaults.grants"),
             ("[plugin.\"../evil\"]\nfuel = 1", "plugin.../evil"),
             ("[plugin.x]\nfollow_ups = 5000", "plugin.x.follow_ups"),
+            ("[plugin.x]\nhandlers = 0", "plugin.x.handlers"),
             ("[defaults]\nfollow_up_payload = \"16MiB\"", "defaults.follow_up_payload"),
             ("[plugin.x]\nchain_depth = 65", "plugin.x.chain_depth"),
             ("[plugin.x]\nreturned = \"10B\"", "plugin.x.returned"),

@@ -53,9 +53,12 @@ pub(super) fn cut(reason: String, max: usize) -> String {
     format!("{}{note}", &reason[..end])
 }
 
-/// The most handlers one plugin may subscribe, and event types one handler may: every claim
+/// The most handlers one plugin may subscribe (by default: the operator may set a plugin's
+/// `handlers` up to [`MAX_HANDLERS_LIMIT`]), and event types one handler may: every claim
 /// names the handlers a host serves, and every fan-out looks up each event's type.
 pub const MAX_HANDLERS_PER_PLUGIN: usize = 100;
+/// The most handlers an operator may let one plugin subscribe.
+pub const MAX_HANDLERS_LIMIT: usize = 1_000;
 pub const MAX_EVENT_TYPES_PER_HANDLER: usize = 100;
 
 /// The longest event type a handler may subscribe (the events' own limit).
@@ -67,12 +70,12 @@ fn shown(text: &str) -> String {
     if head.len() < text.len() { format!("{head:?}...") } else { format!("{head:?}") }
 }
 
-pub(super) fn validate_subscriptions(subscriptions: Vec<Subscription>) -> Result<Vec<Subscription>, String> {
+pub(super) fn validate_subscriptions(subscriptions: Vec<Subscription>, max_handlers: usize) -> Result<Vec<Subscription>, String> {
     if subscriptions.is_empty() {
         return Err("it subscribes no handler".to_string());
     }
-    if subscriptions.len() > MAX_HANDLERS_PER_PLUGIN {
-        return Err(format!("it subscribes {} handlers, over the {MAX_HANDLERS_PER_PLUGIN} a plugin may", subscriptions.len()));
+    if subscriptions.len() > max_handlers {
+        return Err(format!("it subscribes {} handlers, over the {max_handlers} it may (its `handlers` limit)", subscriptions.len()));
     }
     let printable = |text: &str, max: usize| !text.is_empty() && text.chars().count() <= max && !text.chars().any(char::is_control);
     let mut seen = BTreeSet::new();
@@ -105,6 +108,10 @@ mod tests {
     use super::{MAX_HANDLERS_PER_PLUGIN, cut, validate_subscriptions};
     use crate::plugin::Subscription;
 
+    fn validate_subscriptions_default(subscriptions: Vec<Subscription>) -> Result<Vec<Subscription>, String> {
+        validate_subscriptions(subscriptions, MAX_HANDLERS_PER_PLUGIN)
+    }
+
     fn subscription(handler: &str, types: &[&str]) -> Subscription {
         Subscription {
             handler: handler.to_string(),
@@ -115,18 +122,19 @@ mod tests {
 
     #[test]
     fn subscriptions_are_bounded_and_printable_and_errors_quote_little() {
-        assert!(validate_subscriptions(vec![subscription("h", &["order.placed"])]).is_ok());
+        assert!(validate_subscriptions_default(vec![subscription("h", &["order.placed"])]).is_ok());
         let many: Vec<_> = (0..=MAX_HANDLERS_PER_PLUGIN).map(|n| subscription(&format!("h{n}"), &["t"])).collect();
-        assert!(validate_subscriptions(many).unwrap_err().contains("101 handlers, over the 100"));
+        assert!(validate_subscriptions_default(many.clone()).unwrap_err().contains("101 handlers, over the 100"));
+        assert!(validate_subscriptions(many, 101).is_ok(), "the operator's limit");
         for bad in ["a\0b", "line\nbreak", ""] {
-            let error = validate_subscriptions(vec![subscription("h", &[bad])]).unwrap_err();
+            let error = validate_subscriptions_default(vec![subscription("h", &[bad])]).unwrap_err();
             assert!(error.contains("printable characters"), "{error}");
         }
         let types: Vec<String> = (0..101).map(|n| format!("t{n}")).collect();
         let types: Vec<&str> = types.iter().map(String::as_str).collect();
-        assert!(validate_subscriptions(vec![subscription("h", &types)]).unwrap_err().contains("1-100 event types"));
+        assert!(validate_subscriptions_default(vec![subscription("h", &types)]).unwrap_err().contains("1-100 event types"));
         let huge = "x".repeat(1_000_000);
-        let error = validate_subscriptions(vec![subscription(&huge, &["t"])]).unwrap_err();
+        let error = validate_subscriptions_default(vec![subscription(&huge, &["t"])]).unwrap_err();
         assert!(error.len() < 200, "{} bytes", error.len());
     }
 

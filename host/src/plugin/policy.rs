@@ -22,6 +22,8 @@ pub struct Limits {
     /// Furthest ahead a plugin's `not-before` may put its retry; a later one is brought back
     /// to this.
     pub not_before_horizon: Duration,
+    /// The most handlers the plugin may subscribe.
+    pub handlers: usize,
     pub log: log::Limits,
     pub transaction: transaction::Limits,
 }
@@ -34,6 +36,7 @@ impl Default for Limits {
             wall_time: Duration::from_secs(30),
             reason_bytes: 4 * 1024,
             not_before_horizon: Duration::from_secs(7 * 24 * 3600),
+            handlers: super::MAX_HANDLERS_PER_PLUGIN,
             log: log::Limits::default(),
             transaction: transaction::Limits::default(),
         }

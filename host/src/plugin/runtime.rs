@@ -289,7 +289,7 @@ impl PluginRuntime {
             event_types: s.event_types,
             transactional: s.transactional,
         });
-        validate_subscriptions(subscriptions.collect())
+        validate_subscriptions(subscriptions.collect(), plugin.policy.limits.handlers)
     }
 
     /// One instance's store: every capability prepared from the plugin's policy, for `event`
