@@ -3,7 +3,7 @@
 //!
 //! One file past 600 lines because it is the one `ClaimBackend` implementation in MongoDB:
 //! every primitive the shared claim calls, together, so that each can be checked against its
-//! contract in `store/claim.rs` and its twin in `store/memory.rs`.
+//! contract in `store/claim/` and its twin in `store/memory.rs`.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 

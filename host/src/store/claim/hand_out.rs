@@ -1,0 +1,361 @@
+//! Hand-outs: a fan-out's new deliveries listed in lanes and leased as the fan-out commits
+//! them, without a claim. It owns where they are listed (held lanes first; deliveries without
+//! a document gathered into the fullest-room held lane) and what a failed hand-out leaves
+//! behind for the next claim. It must never pick work a claim would not.
+
+use super::*;
+
+impl Claimer {
+    /// Where a hand-out lists `fresh` deliveries (moving those without a document into held
+    /// lanes, see [`gather_unstored`]): the records of the held lanes it writes, with the
+    /// entries of their lists this instance settled left out, and the free lanes it takes.
+    fn list_fresh(&self, held: &BTreeMap<LaneId, Held>, fresh: &mut [Fresh], until: DateTime) -> FreshLists {
+        // A listed entry whose lease this instance settled runs no more, and is left out of
+        // the list rewritten; so lanes that only hand-outs fill keep short lists.
+        let issued = self.issued.lock().expect("issued leases");
+        let unsettled = |entry: &&InFlight| issued.get(&entry.delivery).is_some_and(|i| i.lease.claims == entry.claims);
+        let events_lanes = fresh.iter().map(|fresh| fresh.candidate.lane).collect();
+        let gathered = gather_unstored(held, |listed| listed.in_flight.iter().filter(unsettled).count(), fresh);
+        let mut by_lane: BTreeMap<LaneId, Vec<InFlight>> = BTreeMap::new();
+        for Fresh { candidate, .. } in fresh.iter() {
+            by_lane.entry(candidate.lane).or_default().push(candidate.in_flight());
+        }
+        let mut records = Vec::new();
+        let mut to_take = Vec::new();
+        for (lane, entries) in &by_lane {
+            match held.get(lane) {
+                Some(Held { epoch, known: Some(listed) }) => records.push(LaneRecord {
+                    lane: *lane,
+                    epoch: *epoch,
+                    in_flight: listed.in_flight.iter().filter(unsettled).chain(entries).cloned().collect(),
+                    lease_until: until,
+                    takes_free_at: None,
+                }),
+                Some(Held { known: None, .. }) => {}
+                None => to_take.push((*lane, entries.clone())),
+            }
+        }
+        FreshLists { by_lane, records, to_take, events_lanes, gathered }
+    }
+
+    /// Hands out `fresh` deliveries of a fan-out while `write` writes them: lists them in
+    /// their lanes' in-flight lists (lanes this instance holds, as it knows them, and free
+    /// lanes that run nothing, which the list's write takes) beside the fan-out's first
+    /// stage, each acknowledged once applied ([`LaneWrite::Applied`]). `write` is that stage,
+    /// the one that makes the fan-out the only one of its events (in MongoDB, the mark), and
+    /// resolves to the rest: whatever else it writes, and its commit, given the deliveries
+    /// whose leases are issued (a store may leave those without a document, see
+    /// [`Candidate::unstored`]; it writes every other one). The leases are issued
+    /// once the commit is done, or, given `early`, as soon as the first stage and the lists
+    /// are, and sent there with a word of the commit to come (see [`EarlyHandOut`]). The way
+    /// from a commit to its handler is then no durable write long, not a fan-out's and then
+    /// a claim's.
+    ///
+    /// Returns what the commit returned and the deliveries handed out (not those sent early).
+    /// Fresh deliveries it does not hand out (their lane is another instance's, or its list is
+    /// unknown here, or a claim of this instance is under way and owns the lists) are left to
+    /// a claim. A list written for a commit that then failed names deliveries that may not
+    /// exist: harmless, since only issued leases count as running here, and the lanes are read
+    /// again by the next claim.
+    pub async fn hand_out<B: ClaimBackend, C, F, T>(
+        &self,
+        backend: &B,
+        fresh: Vec<Fresh>,
+        write: impl Future<Output = Result<C, StoreError>>,
+        early: Option<&EarlyHandOuts>,
+        now: DateTime,
+    ) -> Result<HandedOut<T>, StoreError>
+    where
+        C: FnOnce(&HashSet<DeliveryId>) -> F,
+        F: Future<Output = Result<T, StoreError>>,
+    {
+        let none = HashSet::new();
+        let mut held = match self.held.try_lock() {
+            Ok(held) if !fresh.is_empty() => held,
+            _ => return Ok(HandedOut { committed: write.await?(&none).await?, claimed: Vec::new(), sent_early: Vec::new() }),
+        };
+        let until = self.lease_until(now);
+        let mut fresh = fresh;
+        let FreshLists { by_lane, records, to_take, events_lanes, .. } = self.list_fresh(&held, &mut fresh, until);
+        let recording = async {
+            let record = async {
+                if records.is_empty() { Ok(Vec::new()) } else { backend.record(&self.holder, &records, LaneWrite::Applied).await }
+            };
+            let take = async {
+                if to_take.is_empty() { Ok(Vec::new()) } else { backend.take_listing(&to_take, &self.holder, now, until).await }
+            };
+            futures::try_join!(record, take)
+        };
+        let (written, recorded) = futures::join!(write, recording);
+        let (commit, (flags, taken)) = match (written, recorded) {
+            (Ok(commit), Ok(recorded)) => (commit, recorded),
+            (written, recorded) => {
+                // A first stage that succeeded goes on to its commit all the same: its
+                // deliveries are left to a claim.
+                let committed = match written {
+                    Ok(commit) => commit(&none).await,
+                    Err(error) => Err(error),
+                };
+                let taken = recorded.map(|(_, taken)| taken);
+                let tried = Tried { records: &records, to_take: &to_take, events_lanes: &events_lanes };
+                return self.after_failed_hand_out(backend, &mut held, tried, committed, taken).await;
+            }
+        };
+        // What the leases will be issued for: the fresh deliveries of the lanes listed.
+        let handed: HashSet<DeliveryId> = records
+            .iter()
+            .zip(&flags)
+            .filter(|(_, ok)| **ok)
+            .map(|(record, _)| record.lane)
+            .chain(taken.iter().map(|(lane, _)| *lane))
+            .flat_map(|lane| by_lane[&lane].iter().map(|entry| entry.delivery))
+            .collect();
+        // Issues the leases of what was listed, and knows those lanes' lists again.
+        let issue_listed = |held: &mut BTreeMap<LaneId, Held>, records: Vec<LaneRecord>| {
+            let mut listed: Vec<(LaneId, i64, Vec<InFlight>)> = Vec::new();
+            for (record, ok) in records.into_iter().zip(flags) {
+                if ok {
+                    listed.push((record.lane, record.epoch, record.in_flight));
+                } else {
+                    held.remove(&record.lane);
+                }
+            }
+            listed.extend(taken.iter().map(|(lane, epoch)| (*lane, *epoch, by_lane[lane].clone())));
+            self.issue_listed(held, listed, &by_lane, fresh, |_| true, now)
+        };
+        let Some(early) = early else {
+            // Issued once committed: each lease names a delivery that exists.
+            return match commit(&handed).await {
+                Ok(committed) => Ok(HandedOut { committed, claimed: issue_listed(&mut held, records), sent_early: Vec::new() }),
+                Err(error) => {
+                    let taken = Ok(taken.clone());
+                    let tried = Tried { records: &records, to_take: &to_take, events_lanes: &events_lanes };
+                    self.after_failed_hand_out(backend, &mut held, tried, Err(error), taken).await
+                }
+            };
+        };
+        let claimed = issue_listed(&mut held, records);
+        // The lists are written: claims need not wait for the commit.
+        drop(held);
+        let (tell, commit_word) = FanOutCommit::channel();
+        let sending: Vec<DeliveryId> = claimed.iter().map(|c| c.lease.delivery).collect();
+        let (kept, sent_early) = if claimed.is_empty() {
+            (Vec::new(), Vec::new())
+        } else {
+            // A dispatcher that stopped listening gets them with the report instead.
+            match early.send(EarlyHandOut { claimed, commit: commit_word }) {
+                Ok(()) => (Vec::new(), sending),
+                Err(unsent) => (unsent.0.claimed, Vec::new()),
+            }
+        };
+        // Should the commit fail, what was sent is handed back as not run by whoever runs
+        // it (the lists naming it are harmless: only issued leases count as running).
+        let committed = commit(&handed).await;
+        let _ = tell.send(Some(committed.is_ok()));
+        Ok(HandedOut { committed: committed?, claimed: kept, sent_early })
+    }
+
+    /// Hands out `fresh` deliveries, all of them or none, listing them *before* `mark` writes
+    /// their fan-out. For a store whose fan-out is then no transaction (in MongoDB, the plain
+    /// mark of a backlog batch, see `store/mongo/fan_out.rs`): a crash between the two leaves
+    /// lists naming deliveries of unmarked events, which nothing runs or charges, and never a
+    /// marked event that nothing lists.
+    ///
+    /// Returns `Ok(None)`, having marked nothing, when not every one of `fresh` fits in a lane
+    /// this instance holds and knows the list of ([`gather_unstored`]), when a claim of this
+    /// instance is under way (it owns the lists), or when a list could not be written (the
+    /// next claim reads those lanes). Otherwise `mark` runs, and resolves to the deliveries
+    /// whose events it marked (another fan-out may have marked some first); their leases are
+    /// issued and sent to `early`, with word that their fan-out is done. Should `mark` fail, it may have marked any of them: all are sent as not run,
+    /// and the dispatcher hands them back, which gives each whose event was marked its
+    /// document (see [`Candidate::unstored`]).
+    pub async fn hand_out_listed_first<B: ClaimBackend, F>(
+        &self,
+        backend: &B,
+        fresh: Vec<Fresh>,
+        mark: impl FnOnce() -> F,
+        early: &EarlyHandOuts,
+        now: DateTime,
+    ) -> Result<Option<Vec<DeliveryId>>, StoreError>
+    where
+        F: Future<Output = Result<HashSet<DeliveryId>, StoreError>>,
+    {
+        let Ok(mut held) = self.held.try_lock() else { return Ok(None) };
+        let until = self.lease_until(now);
+        let mut fresh = fresh;
+        let FreshLists { by_lane, records, to_take, gathered, .. } = self.list_fresh(&held, &mut fresh, until);
+        if fresh.is_empty() || gathered < fresh.len() || !to_take.is_empty() {
+            return Ok(None);
+        }
+        match backend.record(&self.holder, &records, LaneWrite::Applied).await {
+            Ok(flags) if flags.iter().all(|ok| *ok) => {}
+            outcome => {
+                if let Err(error) = outcome {
+                    tracing::debug!(%error, "listing a hand-out before its mark failed; fanning out with a transaction");
+                }
+                for record in &records {
+                    held.insert(record.lane, Held { epoch: record.epoch, known: None });
+                }
+                return Ok(None);
+            }
+        }
+        let marked = mark().await;
+        // After a failed mark every one is issued, to be handed back as not run. Entries of
+        // events another fan-out marked stay listed, unissued: they run nowhere, and the next
+        // write of their list leaves them out.
+        let issued_for = |delivery: &DeliveryId| marked.as_ref().map_or(true, |ours| ours.contains(delivery));
+        let listed = records.into_iter().map(|record| (record.lane, record.epoch, record.in_flight)).collect();
+        let claimed = self.issue_listed(&mut held, listed, &by_lane, fresh, issued_for, now);
+        let done = marked.is_ok();
+        drop(held);
+        let sent: Vec<DeliveryId> = claimed.iter().map(|c| c.lease.delivery).collect();
+        let (tell, commit) = FanOutCommit::channel();
+        let _ = tell.send(Some(done));
+        if !claimed.is_empty() && early.send(EarlyHandOut { claimed, commit }).is_err() {
+            // The dispatcher stopped: its stop hands back what this instance holds.
+            tracing::debug!(deliveries = sent.len(), "a hand-out found the dispatcher gone");
+        }
+        marked.map(|_| Some(sent))
+    }
+
+    /// Issues the leases of those of `fresh` that `issued_for` admits, in the lanes of `listed`
+    /// (each with the epoch and the whole list written), and counts those lanes as held with
+    /// these lists.
+    fn issue_listed(
+        &self,
+        held: &mut BTreeMap<LaneId, Held>,
+        listed: Vec<(LaneId, i64, Vec<InFlight>)>,
+        by_lane: &BTreeMap<LaneId, Vec<InFlight>>,
+        fresh: Vec<Fresh>,
+        issued_for: impl Fn(&DeliveryId) -> bool,
+        now: DateTime,
+    ) -> Vec<ClaimedDelivery> {
+        let until = self.lease_until(now);
+        let mut events: HashMap<DeliveryId, (Candidate, EventRecord)> =
+            fresh.into_iter().map(|Fresh { candidate, event }| (candidate.id, (candidate, event))).collect();
+        let mut claimed = Vec::new();
+        let mut issued = self.issued.lock().expect("issued leases");
+        for (lane, epoch, in_flight) in listed {
+            for entry in by_lane.get(&lane).into_iter().flatten().filter(|entry| issued_for(&entry.delivery)) {
+                if let Some((candidate, event)) = events.remove(&entry.delivery) {
+                    claimed.push(issue(&mut issued, candidate, epoch, event, now));
+                }
+            }
+            held.insert(lane, Held { epoch, known: Some(Listed { in_flight, lease_until: until }) });
+        }
+        claimed
+    }
+
+    /// After a hand-out whose fan-out or lane writes failed: learns what it cannot know
+    /// (the next claim reads every lane involved; a lane taken without this instance learning
+    /// it is asked for) and reconciles. Lists written for a commit that failed name deliveries
+    /// that were never inserted, harmless since only issued leases count as running; lists
+    /// written without this instance learning it for a commit that happened name real
+    /// deliveries, which the reconciliation moves on as for a claim.
+    ///
+    /// The held lanes among [`Tried::events_lanes`] are read again too, although the hand-out
+    /// may have listed nothing there (see [`gather_unstored`]): the fan-out whose mark beat
+    /// this one put its deliveries there, where only this instance can claim them (see
+    /// [`Claimer::lanes_to_read`]).
+    async fn after_failed_hand_out<B: ClaimBackend, T>(
+        &self,
+        backend: &B,
+        held: &mut BTreeMap<LaneId, Held>,
+        Tried { records, to_take, events_lanes }: Tried<'_>,
+        committed: Result<T, StoreError>,
+        taken: Result<Vec<(LaneId, i64)>, StoreError>,
+    ) -> Result<HandedOut<T>, StoreError> {
+        for record in records {
+            held.insert(record.lane, Held { epoch: record.epoch, known: None });
+        }
+        for lane in events_lanes {
+            if let Some(lane) = held.get_mut(lane) {
+                lane.known = None;
+            }
+        }
+        // A lane taken without this instance learning it would otherwise stay its own,
+        // unused, until its lease ran out.
+        let learned = match &taken {
+            Ok(taken) => Ok(taken.clone()),
+            Err(_) => {
+                let ids: Vec<LaneId> = to_take.iter().map(|(lane, _)| *lane).collect();
+                backend.lanes(&ids).await.map(|states| {
+                    states.iter().filter(|state| state.held_by(&self.holder)).map(|state| (state.id, state.epoch)).collect()
+                })
+            }
+        };
+        match learned {
+            Ok(learned) => {
+                for (lane, epoch) in learned {
+                    held.insert(lane, Held { epoch, known: None });
+                }
+            }
+            Err(error) => tracing::warn!(%error, "reading the lanes a failed hand-out may have taken failed"),
+        }
+        let committed = committed?;
+        if let Err(error) = self.reconcile(backend).await {
+            tracing::warn!(%error, "reconciling lanes after a failed hand-out failed");
+        }
+        taken.map(|_| HandedOut { committed, claimed: Vec::new(), sent_early: Vec::new() })
+    }
+}
+
+/// Where a hand-out lists its fresh deliveries (see [`Claimer::list_fresh`]).
+struct FreshLists {
+    /// The fresh deliveries' entries, by the lane that is to list them.
+    by_lane: BTreeMap<LaneId, Vec<InFlight>>,
+    /// The new lists of held lanes.
+    records: Vec<LaneRecord>,
+    /// Free lanes to take with these entries.
+    to_take: Vec<(LaneId, Vec<InFlight>)>,
+    /// Where the fresh deliveries' events place them, whichever lanes list them.
+    events_lanes: BTreeSet<LaneId>,
+    /// How many fresh deliveries without a document went to held lanes.
+    gathered: usize,
+}
+
+/// What a failed hand-out tried to write, for [`Claimer::after_failed_hand_out`].
+struct Tried<'a> {
+    records: &'a [LaneRecord],
+    to_take: &'a [(LaneId, Vec<InFlight>)],
+    /// Where the fresh deliveries' events place them, whichever lanes list them.
+    events_lanes: &'a BTreeSet<LaneId>,
+}
+
+/// The most entries a hand-out lets a list grow to in a held lane it gathers deliveries
+/// without a document in (see [`gather_unstored`]). A record rewrites its lane's whole list,
+/// so a list's length is paid at every write of it.
+const GATHERED_PER_LANE: usize = 64;
+
+/// Moves the `fresh` deliveries without a document ([`Candidate::unstored`]) into lanes this
+/// instance holds and knows the lists of, filling the one listing the fewest unsettled
+/// entries (`unsettled`) first, up to [`GATHERED_PER_LANE`] each; those that do not fit keep
+/// their event's lane. Returns how many it moved.
+///
+/// Such a delivery is bound to no lane: it is unkeyed, so no order binds it, and no document
+/// says where it is; its lane entry only records that it runs, for a takeover or a check
+/// (which give it its document, in its event's lane, see [`Candidate::unstored`]). Listed by
+/// the lanes its events hash to, a hand-out wrote about one lane document for every
+/// delivery, a quarter of `mongod`'s work in a drain; gathered, it writes one per
+/// [`GATHERED_PER_LANE`] deliveries, and lanes another instance holds stop it less.
+fn gather_unstored(held: &BTreeMap<LaneId, Held>, unsettled: impl Fn(&Listed) -> usize, fresh: &mut [Fresh]) -> usize {
+    let mut room: Vec<(usize, LaneId)> = held
+        .iter()
+        .filter_map(|(id, lane)| Some((unsettled(lane.known.as_ref()?), *id)))
+        .filter(|(listed, _)| *listed < GATHERED_PER_LANE)
+        .collect();
+    room.sort_unstable();
+    let mut lanes = room.into_iter();
+    let mut filling = lanes.next();
+    let mut gathered = 0;
+    for Fresh { candidate, .. } in fresh.iter_mut().filter(|fresh| fresh.candidate.unstored.is_some()) {
+        let Some((listed, lane)) = filling.as_mut() else { break };
+        candidate.lane = *lane;
+        gathered += 1;
+        *listed += 1;
+        if *listed >= GATHERED_PER_LANE {
+            filling = lanes.next();
+        }
+    }
+    gathered
+}

@@ -1,0 +1,373 @@
+//! One claim, phase by phase, over the `Claimer`'s record: finish the takeovers whose charge
+//! failed; read what runs in the lanes it holds (and unpark what may move); take over lanes
+//! whose holder died, charging what had started; scan the held lanes into a [`Plan`]; take
+//! free lanes with due work, oldest work first once a second; record the picks in their lanes,
+//! hand back idle lanes and read the picks' events at once; bury picks whose event is gone;
+//! park what waits behind a busy key and give back what a requeue overtook; issue the leases.
+//! It must never decide backoff or attempt limits.
+
+use super::*;
+
+impl Claimer {
+    pub(super) async fn claim_serialized<B: ClaimBackend>(
+        &self,
+        backend: &B,
+        held: &mut BTreeMap<LaneId, Held>,
+        handlers: &[String],
+        search: LaneSearch<'_>,
+        capacity: Capacity,
+        now: DateTime,
+    ) -> Result<Vec<ClaimedDelivery>, StoreError> {
+        let limit = capacity.total;
+        let until = self.lease_until(now);
+
+        // A takeover whose charge failed is finished first. Charging again changes nothing
+        // already charged (the charge applies at the listed generation only), and charging
+        // after the lane changed hands again is the charge its new owner would make.
+        // While it still cannot be made, its lanes sit this claim out.
+        let uncharged: Vec<(LaneId, i64, InFlight)> = self.uncharged.lock().expect("uncharged").clone();
+        let mut waiting = BTreeSet::new();
+        if !uncharged.is_empty() {
+            let entries: Vec<InFlight> = uncharged.iter().map(|(_, _, entry)| entry.clone()).collect();
+            match charge(backend, &entries, now).await {
+                Ok(()) => self.uncharged.lock().expect("uncharged").clear(),
+                Err(error) => {
+                    waiting.extend(uncharged.iter().map(|(lane, _, _)| *lane));
+                    if self.charge_warning.due(now) {
+                        tracing::warn!(
+                            %error,
+                            lanes = ?waiting,
+                            "lanes taken over still wait for their previous holder's deliveries to be charged; trying again at every claim",
+                        );
+                    }
+                }
+            }
+        }
+
+        // The lanes this instance still holds, and what of theirs still runs (as its last
+        // claim left them, or read where that is unknown), with the lanes the search names
+        // (unparking goes meanwhile: it touches only parked deliveries). A named lane that is
+        // free and runs nothing is taken by the record write itself, conditional on its epoch
+        // not having moved: its due work can be read before, since nobody can claim from it
+        // without moving the epoch.
+        let named: Vec<LaneId> = match search {
+            LaneSearch::Only(lanes) => lanes.iter().copied().filter(|lane| !held.contains_key(lane)).collect(),
+            LaneSearch::FreeWithDueWork => Vec::new(),
+        };
+        // Taken for the claim: a successful one leaves every lane it still holds known again.
+        let known: BTreeMap<LaneId, HeldLane> = held
+            .iter_mut()
+            .filter_map(|(id, lane)| {
+                let Listed { in_flight, lease_until } = lane.known.take()?;
+                Some((*id, HeldLane { epoch: lane.epoch, running: in_flight, takes_free_at: None, lease_until }))
+            })
+            .collect();
+        let unknown = held.keys().filter(|id| !known.contains_key(id)).copied();
+        let read_ids: Vec<LaneId> = unknown.chain(named.iter().copied()).collect();
+        let holder = &self.holder;
+        let running_in_held = async {
+            let mut mine = known;
+            let mut left_over = Vec::new();
+            let states = if read_ids.is_empty() { Vec::new() } else { backend.lanes(&read_ids).await? };
+            for state in states {
+                if waiting.contains(&state.id) {
+                    continue;
+                }
+                if held.get(&state.id).map(|lane| lane.epoch) == Some(state.epoch) && state.held_by(holder) {
+                    let lane = HeldLane {
+                        epoch: state.epoch,
+                        running: state.in_flight,
+                        takes_free_at: None,
+                        lease_until: state.lease_expires_at,
+                    };
+                    mine.insert(state.id, lane);
+                } else if named.contains(&state.id) && (state.owner.is_none() || state.lease_expires_at < now) {
+                    if state.in_flight.is_empty() {
+                        let lane =
+                            HeldLane { epoch: state.epoch + 1, running: Vec::new(), takes_free_at: Some(now), lease_until: now };
+                        mine.insert(state.id, lane);
+                    } else {
+                        // A takeover: what its owner left in flight is charged before anything
+                        // of it is read.
+                        left_over.push(state.id);
+                    }
+                }
+            }
+            // An entry whose lease this instance settled (or never issued) runs no more: only
+            // the unsettled ones count, and only the older ones need the database's word.
+            let trusted_since = DateTime::from_millis(now.timestamp_millis().saturating_sub(UNSETTLED_TRUSTED_FOR_MS));
+            let unsettled: HashMap<(DeliveryId, i64), bool> = self
+                .issued
+                .lock()
+                .expect("issued leases")
+                .values()
+                .map(|i| ((i.lease.delivery, i.lease.claims), i.at >= trusted_since))
+                .collect();
+            let mut current = HashSet::new();
+            let mut to_check = Vec::new();
+            for entry in mine.values().flat_map(|lane| lane.running.iter()) {
+                match unsettled.get(&(entry.delivery, entry.claims)) {
+                    Some(true) => {
+                        current.insert(entry.delivery);
+                    }
+                    Some(false) => to_check.push(entry.clone()),
+                    None => {}
+                }
+            }
+            if !to_check.is_empty() {
+                current.extend(backend.current(&to_check).await?);
+            }
+            Ok::<_, StoreError>((mine, current, left_over))
+        };
+        let scope = self.unpark_scope(now);
+        let unpark = async {
+            match &scope {
+                Some(scope) => backend.unpark(handlers, scope).await,
+                None => Ok(HashMap::new()),
+            }
+        };
+        // The heads unparking found spare the scan a lookup of each of those keys (they are
+        // the keys that just moved, whose next deliveries this claim is most likely to see).
+        let ((mut mine, current, left_over), mut heads) = match futures::try_join!(running_in_held, unpark) {
+            Ok(read) => read,
+            Err(error) => {
+                self.unpark_later(scope);
+                return Err(error);
+            }
+        };
+        held.retain(|id, _| waiting.contains(id) || mine.get(id).is_some_and(|lane| lane.takes_free_at.is_none()));
+        for lane in mine.values_mut() {
+            lane.running.retain(|entry| current.contains(&entry.delivery));
+        }
+        // Leases that ended without this instance seeing it: their keys may have moved on, so
+        // what waits parked behind them is unparked before the scan.
+        let ended: Vec<HandlerKey> = {
+            let mut issued = self.issued.lock().expect("issued leases");
+            let ended = issued.iter().filter(|(id, _)| !current.contains(id)).filter_map(|(_, i)| i.key.clone()).collect();
+            issued.retain(|id, _| current.contains(id));
+            ended
+        };
+        if !ended.is_empty() {
+            let scope = Unpark::Keys(ended);
+            match backend.unpark(handlers, &scope).await {
+                Ok(found) => heads.extend(found),
+                Err(error) => {
+                    self.unpark_later(Some(scope));
+                    return Err(error);
+                }
+            }
+        }
+        let taken = self.take(backend, held, &left_over, now, until).await?;
+        adopt(held, &mut mine, taken);
+
+        let mut plan = Plan::new(limit, mine.values().flat_map(|lane| lane.running.iter()));
+        plan.heads.extend(heads.into_iter().map(|(key, head)| (key, Some(head))));
+        // Taken for the claim (claims of an instance never overlap) and put back, with what it
+        // learned, when it succeeds; a failed claim only costs the next one some lookups.
+        plan.known_heads = std::mem::take(&mut *self.known_heads.lock().expect("known heads"));
+        let lanes: Vec<LaneId> = mine.keys().copied().collect();
+        scan(backend, &mut plan, &lanes, handlers, now).await?;
+
+        let mut tried: BTreeSet<LaneId> = mine.keys().chain(&waiting).copied().collect();
+        // Held lanes can fill a claim on their own with work younger than what waits in lanes
+        // nobody holds: a lane kept busy by a steady stream would then keep the others waiting
+        // for as long as the stream lasts. At most once a second (it costs a query), free lanes
+        // with work due before the claim's youngest pick are taken and scanned for that work,
+        // which takes the place of the youngest picks.
+        if plan.full() && matches!(search, LaneSearch::FreeWithDueWork) && self.fairness_check.due(now) {
+            if let Some(youngest) = plan.youngest_due() {
+                let before = DateTime::from_millis(youngest.timestamp_millis() - 1);
+                let half = (plan.limit / 2).max(1);
+                let older = backend.free_lanes_with_due_work(handlers, &tried, FAIRNESS_LANES, half, before).await?;
+                if !older.is_empty() {
+                    let lanes: Vec<LaneId> = older.iter().map(|(lane, _)| *lane).collect();
+                    tried.extend(lanes.iter().copied());
+                    let taken = self.take(backend, held, &lanes, now, until).await?;
+                    let new_lanes = adopt(held, &mut mine, taken);
+                    plan.make_room(older.iter().map(|(_, due)| due).sum::<usize>().min(half));
+                    scan(backend, &mut plan, &new_lanes, handlers, before).await?;
+                }
+            }
+        }
+        // More lanes, in growing rounds (4, 8, 16, ... or as many as the due work seen in them
+        // says the batch still needs, if more), while the batch is not full.
+        let mut round = 4;
+        while !plan.full() && matches!(search, LaneSearch::FreeWithDueWork) {
+            let missing = plan.limit - plan.picks.len();
+            let found = backend.free_lanes_with_due_work(handlers, &tried, MAX_LANES_PER_QUERY, missing, now).await?;
+            if found.is_empty() {
+                break;
+            }
+            let mut seen = 0;
+            let free: Vec<LaneId> = found
+                .iter()
+                .enumerate()
+                .take_while(|(taken, (_, due))| {
+                    let more = *taken < round || seen < missing;
+                    seen += due;
+                    more
+                })
+                .map(|(_, (lane, _))| *lane)
+                .collect();
+            tried.extend(free.iter().copied());
+            let taken = self.take(backend, held, &free, now, until).await?;
+            let new_lanes = adopt(held, &mut mine, taken);
+            scan(backend, &mut plan, &new_lanes, handlers, now).await?;
+            // The answer named every free lane with due work (fewer lanes than asked for, and
+            // fewer rows than any of its reads could return) and all of them were tried: a
+            // further round would only find that out again, at the cost of another query.
+            let rows_seen: usize = found.iter().map(|(_, due)| due).sum();
+            if found.len() < MAX_LANES_PER_QUERY && rows_seen < MIN_ROWS_PER_LANE_QUERY && free.len() == found.len() {
+                break;
+            }
+            round = (round * 2).min(MAX_LANES_PER_QUERY);
+        }
+
+        // Record (one conditional write per lane with new picks), hand back the lanes that run
+        // nothing and read the picks' events, all at once: a failure in any of them fails the
+        // claim, and the reconciliation undoes what was recorded.
+        let mut records = Vec::new();
+        let mut idle = Vec::new();
+        // The first picks take the free run slots; the others are listed as claimed ahead.
+        for (at, pick) in plan.picks.iter_mut().enumerate() {
+            pick.started = at < capacity.run_now;
+        }
+        // A lane that runs something and picked nothing new keeps its list and lease as
+        // written (entries settled since are harmless there: a takeover charges only those
+        // still at their listed generation), unless its lease is running out.
+        let lease_ms = i64::try_from(self.lease_duration.as_millis()).unwrap_or(i64::MAX);
+        let refresh_before = DateTime::from_millis(now.timestamp_millis().saturating_add(lease_ms / 2));
+        for (lane_id, lane) in &mine {
+            let mut in_flight = lane.running.clone();
+            let before = in_flight.len();
+            in_flight.extend(plan.picks.iter().filter(|pick| pick.lane == *lane_id).map(Candidate::in_flight));
+            let picked = in_flight.len() > before;
+            match (in_flight.is_empty(), lane.takes_free_at) {
+                // Never taken, so nothing to hand back.
+                (true, Some(_)) => {}
+                (true, None) => idle.push((*lane_id, lane.epoch)),
+                (false, None) if !picked && lane.lease_until > refresh_before => {
+                    if let Some(held) = held.get_mut(lane_id) {
+                        held.known = Some(Listed { in_flight, lease_until: lane.lease_until });
+                    }
+                }
+                (false, takes_free_at) => records.push(LaneRecord {
+                    lane: *lane_id,
+                    epoch: lane.epoch,
+                    in_flight,
+                    lease_until: until,
+                    takes_free_at,
+                }),
+            }
+        }
+        // Counted as held before the write: should its reply be lost, the next claim finds out
+        // from the lane itself whether the take happened.
+        for record in records.iter().filter(|record| record.takes_free_at.is_some()) {
+            held.insert(record.lane, Held { epoch: record.epoch, known: None });
+        }
+        let mut event_ids: Vec<String> = plan.picks.iter().map(|pick| pick.event_id.clone()).collect();
+        event_ids.sort();
+        event_ids.dedup();
+        let record = async {
+            if records.is_empty() { Ok(Vec::new()) } else { backend.record(&self.holder, &records, LaneWrite::Durable).await }
+        };
+        let hand_back = async { if idle.is_empty() { Ok(()) } else { backend.hand_back(&self.holder, &idle, now).await } };
+        let events = async { if event_ids.is_empty() { Ok(HashMap::new()) } else { backend.events(&event_ids).await } };
+        let (recorded, (), events) = futures::try_join!(record, hand_back, events)?;
+        // A pick whose event is gone or unreadable can never run: it is buried (which also
+        // moves its claim generation on, so its lane entry no longer counts as running).
+        let mut unrunnable = Vec::new();
+        let mut buried_keys = Vec::new();
+        let mut runnable = Vec::new();
+        for pick in std::mem::take(&mut plan.picks) {
+            let reason = match events.get(&pick.event_id).map(EventRecord::from_document) {
+                Some(Ok(event)) => {
+                    runnable.push((pick, event));
+                    continue;
+                }
+                Some(Err(error)) => format!("event document is malformed: {error}"),
+                None => "event document is missing".to_string(),
+            };
+            buried_keys.extend(pick.handler_key());
+            unrunnable.push((pick.id, pick.claims, reason));
+        }
+        if !unrunnable.is_empty() {
+            backend.bury_unrunnable(&unrunnable, now).await?;
+        }
+        // Their keys move on like those of any other burial.
+        self.moved_keys.lock().expect("moved keys").extend(buried_keys);
+        let mut lost_lanes = HashSet::new();
+        for (record, ok) in records.iter().zip(&recorded) {
+            if !ok {
+                lost_lanes.insert(record.lane);
+                held.remove(&record.lane);
+            } else if let Some(lane) = held.get_mut(&record.lane) {
+                lane.known = Some(Listed { in_flight: record.in_flight.clone(), lease_until: record.lease_until });
+            }
+        }
+        // Lanes named but not taken, and lanes another claimer took meanwhile, are none of
+        // this claim's business any more: what it saw blocked there was judged by what this
+        // instance ran there, which may be stale.
+        let untaken: HashSet<LaneId> = mine
+            .iter()
+            .filter(|(id, lane)| lane.takes_free_at.is_some() && !held.contains_key(id))
+            .map(|(id, _)| *id)
+            .chain(lost_lanes.iter().copied())
+            .collect();
+        plan.forget_lanes(&untaken);
+        for (lane, _) in &idle {
+            held.remove(lane);
+        }
+
+        // Park everything seen blocked behind an unfinished predecessor: left ready, it would
+        // be read again by every claim for as long as its key is busy, and a lane handed back
+        // would be taken again for nothing. Each delivery is parked once and unparked once,
+        // when it becomes its key's head. Best effort: a failure here costs the next claims
+        // some reading but never strands a key.
+        let to_park = plan.to_park();
+        let park = async {
+            if !to_park.is_empty() {
+                if let Err(error) = backend.park(&to_park).await {
+                    tracing::warn!(%error, count = to_park.len(), "parking blocked deliveries failed");
+                }
+            }
+        };
+
+        // A requeue racing this claim can have put an earlier delivery of a picked key back in
+        // front of it: such picks are given back, uncharged. Requeues are operator actions, so
+        // a window of a minute covers clock skew between hosts at the cost of rare re-checks.
+        // The check and the parking go at once: a claim that parks pays no round trip more.
+        runnable.retain(|(pick, _)| !lost_lanes.contains(&pick.lane));
+        let keyed: Vec<HandlerKey> =
+            runnable.iter().filter_map(|(pick, _)| pick.handler_key()).collect();
+        let window = DateTime::from_millis(now.timestamp_millis() - REQUEUE_RACE_WINDOW_MS);
+        let requeued = async { if keyed.is_empty() { Ok(false) } else { backend.requeued_since(window).await } };
+        let ((), requeued) = futures::join!(park, requeued);
+        if requeued? {
+            let heads = backend.key_heads(&keyed).await?;
+            let (keep, overtaken): (Vec<_>, Vec<_>) = runnable.into_iter().partition(|(pick, _)| match &pick.key {
+                Some(key) => heads.get(&(pick.handler.clone(), key.clone())) == Some(&pick.id),
+                None => true,
+            });
+            if !overtaken.is_empty() {
+                let back: Vec<(DeliveryId, i64)> = overtaken.iter().map(|(pick, _)| (pick.id, pick.claims)).collect();
+                backend.give_back(&back).await?;
+            }
+            runnable = keep;
+            for key in keyed {
+                let head = heads.get(&key).copied();
+                plan.heads.insert(key, head);
+            }
+        }
+
+        *self.known_heads.lock().expect("known heads") = plan.into_known_heads();
+
+        let mut claimed = Vec::with_capacity(runnable.len());
+        let mut issued = self.issued.lock().expect("issued leases");
+        for (pick, event) in runnable {
+            let epoch = mine[&pick.lane].epoch;
+            claimed.push(issue(&mut issued, pick, epoch, event, now));
+        }
+        Ok(claimed)
+    }
+}

@@ -1,0 +1,197 @@
+//! What one claim decided so far ([`Plan`]): its picks, the heads of the keys it met, what it
+//! parks; and the scan of lanes into it, page by page, under the per-key rules. It must never
+//! write: the claim records what the plan says.
+
+use super::*;
+
+/// What one claim decided so far.
+pub(super) struct Plan {
+    pub(super) limit: usize,
+    running_ids: HashSet<DeliveryId>,
+    /// Keys with a running delivery, or one already picked by this claim.
+    busy_keys: HashSet<HandlerKey>,
+    pub(super) heads: HashMap<HandlerKey, Option<DeliveryId>>,
+    /// Heads earlier claims looked up, not confirmed by this one yet.
+    pub(super) known_heads: HashMap<HandlerKey, DeliveryId>,
+    pub(super) picks: Vec<Candidate>,
+    /// Seen waiting behind an unfinished predecessor of their key.
+    blocked: Vec<(LaneId, DeliveryId)>,
+}
+
+impl Plan {
+    pub(super) fn new<'a>(limit: usize, running: impl Iterator<Item = &'a InFlight>) -> Self {
+        let mut running_ids = HashSet::new();
+        let mut busy_keys = HashSet::new();
+        for entry in running {
+            running_ids.insert(entry.delivery);
+            if let Some(key) = &entry.key {
+                busy_keys.insert((entry.handler.clone(), key.clone()));
+            }
+        }
+        Self {
+            limit,
+            running_ids,
+            busy_keys,
+            heads: HashMap::new(),
+            known_heads: HashMap::new(),
+            picks: Vec::new(),
+            blocked: Vec::new(),
+        }
+    }
+
+    pub(super) fn full(&self) -> bool {
+        self.picks.len() >= self.limit
+    }
+
+    pub(super) fn youngest_due(&self) -> Option<DateTime> {
+        self.picks.iter().map(|pick| pick.due_at).max()
+    }
+
+    /// Drops the `n` youngest picks, freeing their keys; the rest stay in due order.
+    pub(super) fn make_room(&mut self, n: usize) {
+        self.picks.sort_by_key(|pick| (pick.due_at, pick.id));
+        let keep = self.picks.len().saturating_sub(n);
+        for pick in self.picks.drain(keep..) {
+            if let Some(key) = pick.key {
+                self.busy_keys.remove(&(pick.handler, key));
+            }
+        }
+    }
+
+    /// Confirms the known heads that `rows` contain. A delivery that was its key's lowest
+    /// pending one when an earlier claim looked it up still is while it is pending: a fan-out
+    /// never creates a lower sequence after a higher one, and an operator's requeue, the one
+    /// way back for a lower one, is what the claim's requeue check is for. A key whose known
+    /// head is not among the rows (it ran elsewhere, or is further on) is looked up again.
+    fn recall_heads(&mut self, rows: &[Candidate]) {
+        if self.known_heads.is_empty() {
+            return;
+        }
+        for row in rows {
+            if let Some(key) = row.handler_key() {
+                if self.known_heads.get(&key) == Some(&row.id) {
+                    self.heads.entry(key).or_insert(Some(row.id));
+                }
+            }
+        }
+    }
+
+    /// The known heads after this claim: what it looked up or confirmed replaces what was
+    /// known of those keys.
+    pub(super) fn into_known_heads(mut self) -> HashMap<HandlerKey, DeliveryId> {
+        if self.known_heads.len() + self.heads.len() > KNOWN_HEADS_MAX {
+            self.known_heads.clear();
+        }
+        for (key, head) in self.heads {
+            match head {
+                Some(head) => self.known_heads.insert(key, head),
+                None => self.known_heads.remove(&key),
+            };
+        }
+        self.known_heads
+    }
+
+    /// Keyed candidates whose head is not known yet and whose key is not busy.
+    fn unknown_keys(&self, rows: &[Candidate]) -> Vec<HandlerKey> {
+        let mut keys: Vec<HandlerKey> = rows
+            .iter()
+            .filter(|row| !self.running_ids.contains(&row.id))
+            .filter_map(Candidate::handler_key)
+            .filter(|key| !self.busy_keys.contains(key) && !self.heads.contains_key(key))
+            .collect();
+        keys.sort();
+        keys.dedup();
+        keys
+    }
+
+    fn consider(&mut self, row: Candidate) {
+        if self.full() || self.running_ids.contains(&row.id) {
+            return;
+        }
+        let Some(key) = &row.key else {
+            self.picks.push(row);
+            return;
+        };
+        let handler_key = (row.handler.clone(), key.clone());
+        let is_head = self.heads.get(&handler_key).copied().flatten() == Some(row.id);
+        if is_head && !self.busy_keys.contains(&handler_key) {
+            self.busy_keys.insert(handler_key);
+            self.picks.push(row);
+        } else {
+            self.blocked.push((row.lane, row.id));
+        }
+    }
+
+    /// Drops what was seen in lanes this claim did not get, so nothing there is parked.
+    pub(super) fn forget_lanes(&mut self, lanes: &HashSet<LaneId>) {
+        if lanes.is_empty() {
+            return;
+        }
+        self.blocked.retain(|(lane, _)| !lanes.contains(lane));
+    }
+
+    pub(super) fn to_park(&self) -> Vec<DeliveryId> {
+        self.blocked.iter().map(|(_, id)| *id).collect()
+    }
+}
+
+/// Reads the due deliveries of `lanes` page by page and lets the plan pick from them; it
+/// continues past blocked keys until the batch is full or the lanes are exhausted.
+pub(super) async fn scan<B: ClaimBackend>(
+    backend: &B,
+    plan: &mut Plan,
+    lanes: &[LaneId],
+    handlers: &[String],
+    now: DateTime,
+) -> Result<(), StoreError> {
+    for chunk in lanes.chunks(MAX_LANES_PER_QUERY) {
+        let mut after = None;
+        while !plan.full() {
+            let page = ((plan.limit - plan.picks.len()) * 2).clamp(64, 1_000);
+            let rows = backend.candidates(chunk, handlers, now, after, &plan.running_ids, page).await?;
+            plan.recall_heads(&rows);
+            let unknown = plan.unknown_keys(&rows);
+            if !unknown.is_empty() {
+                let heads = backend.key_heads(&unknown).await?;
+                for key in unknown {
+                    let head = heads.get(&key).copied();
+                    plan.heads.insert(key, head);
+                }
+            }
+            let exhausted = rows.len() < page;
+            after = rows.last().map(|row| (row.due_at, row.id));
+            for row in rows {
+                plan.consider(row);
+            }
+            if exhausted {
+                break;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(name: &str) -> HandlerKey {
+        ("h".to_string(), name.to_string())
+    }
+
+    #[test]
+    fn known_heads_are_forgotten_past_their_cap_but_what_a_claim_learned_is_kept() {
+        // Under the cap: what the claim looked up replaces what was known of those keys.
+        let mut plan = Plan::new(1, std::iter::empty());
+        let (old, new) = (ObjectId::new(), ObjectId::new());
+        plan.known_heads = HashMap::from([(key("a"), old), (key("b"), old)]);
+        plan.heads = HashMap::from([(key("a"), Some(new)), (key("b"), None)]);
+        assert_eq!(plan.into_known_heads(), HashMap::from([(key("a"), new)]));
+
+        // Past it: everything known before is forgotten, and only this claim's heads stay.
+        let mut plan = Plan::new(1, std::iter::empty());
+        plan.known_heads = (0..KNOWN_HEADS_MAX).map(|n| (key(&format!("k{n}")), old)).collect();
+        plan.heads = HashMap::from([(key("fresh"), Some(new))]);
+        assert_eq!(plan.into_known_heads(), HashMap::from([(key("fresh"), new)]));
+    }
+}
