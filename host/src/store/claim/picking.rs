@@ -9,6 +9,8 @@
 use super::*;
 
 impl Claimer {
+    /// One claim of up to `capacity` deliveries of `handlers` (see the module doc for its
+    /// phases); claims of one instance never overlap (the caller holds `held`'s lock).
     pub(super) async fn claim_serialized<B: ClaimBackend>(
         &self,
         backend: &B,
@@ -21,28 +23,7 @@ impl Claimer {
         let limit = capacity.total;
         let until = self.lease_until(now);
 
-        // A takeover whose charge failed is finished first. Charging again changes nothing
-        // already charged (the charge applies at the listed generation only), and charging
-        // after the lane changed hands again is the charge its new owner would make.
-        // While it still cannot be made, its lanes sit this claim out.
-        let uncharged: Vec<(LaneId, i64, InFlight)> = self.uncharged.lock().expect("uncharged").clone();
-        let mut waiting = BTreeSet::new();
-        if !uncharged.is_empty() {
-            let entries: Vec<InFlight> = uncharged.iter().map(|(_, _, entry)| entry.clone()).collect();
-            match charge(backend, &entries, now).await {
-                Ok(()) => self.uncharged.lock().expect("uncharged").clear(),
-                Err(error) => {
-                    waiting.extend(uncharged.iter().map(|(lane, _, _)| *lane));
-                    if self.charge_warning.due(now) {
-                        tracing::warn!(
-                            %error,
-                            lanes = ?waiting,
-                            "lanes taken over still wait for their previous holder's deliveries to be charged; trying again at every claim",
-                        );
-                    }
-                }
-            }
-        }
+        let waiting = self.finish_failed_charges(backend, now).await;
 
         // The lanes this instance still holds, and what of theirs still runs (as its last
         // claim left them, or read where that is unknown), with the lanes the search names
@@ -168,60 +149,8 @@ impl Claimer {
         let lanes: Vec<LaneId> = mine.keys().copied().collect();
         scan(backend, &mut plan, &lanes, handlers, now).await?;
 
-        let mut tried: BTreeSet<LaneId> = mine.keys().chain(&waiting).copied().collect();
-        // Held lanes can fill a claim on their own with work younger than what waits in lanes
-        // nobody holds: a lane kept busy by a steady stream would then keep the others waiting
-        // for as long as the stream lasts. At most once a second (it costs a query), free lanes
-        // with work due before the claim's youngest pick are taken and scanned for that work,
-        // which takes the place of the youngest picks.
-        if plan.full() && matches!(search, LaneSearch::FreeWithDueWork) && self.fairness_check.due(now) {
-            if let Some(youngest) = plan.youngest_due() {
-                let before = DateTime::from_millis(youngest.timestamp_millis() - 1);
-                let half = (plan.limit / 2).max(1);
-                let older = backend.free_lanes_with_due_work(handlers, &tried, FAIRNESS_LANES, half, before).await?;
-                if !older.is_empty() {
-                    let lanes: Vec<LaneId> = older.iter().map(|(lane, _)| *lane).collect();
-                    tried.extend(lanes.iter().copied());
-                    let taken = self.take(backend, held, &lanes, now, until).await?;
-                    let new_lanes = adopt(held, &mut mine, taken);
-                    plan.make_room(older.iter().map(|(_, due)| due).sum::<usize>().min(half));
-                    scan(backend, &mut plan, &new_lanes, handlers, before).await?;
-                }
-            }
-        }
-        // More lanes, in growing rounds (4, 8, 16, ... or as many as the due work seen in them
-        // says the batch still needs, if more), while the batch is not full.
-        let mut round = 4;
-        while !plan.full() && matches!(search, LaneSearch::FreeWithDueWork) {
-            let missing = plan.limit - plan.picks.len();
-            let found = backend.free_lanes_with_due_work(handlers, &tried, MAX_LANES_PER_QUERY, missing, now).await?;
-            if found.is_empty() {
-                break;
-            }
-            let mut seen = 0;
-            let free: Vec<LaneId> = found
-                .iter()
-                .enumerate()
-                .take_while(|(taken, (_, due))| {
-                    let more = *taken < round || seen < missing;
-                    seen += due;
-                    more
-                })
-                .map(|(_, (lane, _))| *lane)
-                .collect();
-            tried.extend(free.iter().copied());
-            let taken = self.take(backend, held, &free, now, until).await?;
-            let new_lanes = adopt(held, &mut mine, taken);
-            scan(backend, &mut plan, &new_lanes, handlers, now).await?;
-            // The answer named every free lane with due work (fewer lanes than asked for, and
-            // fewer rows than any of its reads could return) and all of them were tried: a
-            // further round would only find that out again, at the cost of another query.
-            let rows_seen: usize = found.iter().map(|(_, due)| due).sum();
-            if found.len() < MAX_LANES_PER_QUERY && rows_seen < MIN_ROWS_PER_LANE_QUERY && free.len() == found.len() {
-                break;
-            }
-            round = (round * 2).min(MAX_LANES_PER_QUERY);
-        }
+        let tried: BTreeSet<LaneId> = mine.keys().chain(&waiting).copied().collect();
+        self.take_free_lanes(backend, held, &mut mine, &mut plan, tried, handlers, &search, now, until).await?;
 
         // Record (one conditional write per lane with new picks), hand back the lanes that run
         // nothing and read the picks' events, all at once: a failure in any of them fails the
@@ -274,28 +203,7 @@ impl Claimer {
         let hand_back = async { if idle.is_empty() { Ok(()) } else { backend.hand_back(&self.holder, &idle, now).await } };
         let events = async { if event_ids.is_empty() { Ok(HashMap::new()) } else { backend.events(&event_ids).await } };
         let (recorded, (), events) = futures::try_join!(record, hand_back, events)?;
-        // A pick whose event is gone or unreadable can never run: it is buried (which also
-        // moves its claim generation on, so its lane entry no longer counts as running).
-        let mut unrunnable = Vec::new();
-        let mut buried_keys = Vec::new();
-        let mut runnable = Vec::new();
-        for pick in std::mem::take(&mut plan.picks) {
-            let reason = match events.get(&pick.event_id).map(EventRecord::from_document) {
-                Some(Ok(event)) => {
-                    runnable.push((pick, event));
-                    continue;
-                }
-                Some(Err(error)) => format!("event document is malformed: {error}"),
-                None => "event document is missing".to_string(),
-            };
-            buried_keys.extend(pick.handler_key());
-            unrunnable.push((pick.id, pick.claims, reason));
-        }
-        if !unrunnable.is_empty() {
-            backend.bury_unrunnable(&unrunnable, now).await?;
-        }
-        // Their keys move on like those of any other burial.
-        self.moved_keys.lock().expect("moved keys").extend(buried_keys);
+        let mut runnable = self.bury_unrunnable(backend, std::mem::take(&mut plan.picks), &events, now).await?;
         let mut lost_lanes = HashSet::new();
         for (record, ok) in records.iter().zip(&recorded) {
             if !ok {
@@ -319,46 +227,8 @@ impl Claimer {
             held.remove(lane);
         }
 
-        // Park everything seen blocked behind an unfinished predecessor: left ready, it would
-        // be read again by every claim for as long as its key is busy, and a lane handed back
-        // would be taken again for nothing. Each delivery is parked once and unparked once,
-        // when it becomes its key's head. Best effort: a failure here costs the next claims
-        // some reading but never strands a key.
-        let to_park = plan.to_park();
-        let park = async {
-            if !to_park.is_empty() {
-                if let Err(error) = backend.park(&to_park).await {
-                    tracing::warn!(%error, count = to_park.len(), "parking blocked deliveries failed");
-                }
-            }
-        };
-
-        // A requeue racing this claim can have put an earlier delivery of a picked key back in
-        // front of it: such picks are given back, uncharged. Requeues are operator actions, so
-        // a window of a minute covers clock skew between hosts at the cost of rare re-checks.
-        // The check and the parking go at once: a claim that parks pays no round trip more.
         runnable.retain(|(pick, _)| !lost_lanes.contains(&pick.lane));
-        let keyed: Vec<HandlerKey> =
-            runnable.iter().filter_map(|(pick, _)| pick.handler_key()).collect();
-        let window = DateTime::from_millis(now.timestamp_millis() - REQUEUE_RACE_WINDOW_MS);
-        let requeued = async { if keyed.is_empty() { Ok(false) } else { backend.requeued_since(window).await } };
-        let ((), requeued) = futures::join!(park, requeued);
-        if requeued? {
-            let heads = backend.key_heads(&keyed).await?;
-            let (keep, overtaken): (Vec<_>, Vec<_>) = runnable.into_iter().partition(|(pick, _)| match &pick.key {
-                Some(key) => heads.get(&(pick.handler.clone(), key.clone())) == Some(&pick.id),
-                None => true,
-            });
-            if !overtaken.is_empty() {
-                let back: Vec<(DeliveryId, i64)> = overtaken.iter().map(|(pick, _)| (pick.id, pick.claims)).collect();
-                backend.give_back(&back).await?;
-            }
-            runnable = keep;
-            for key in keyed {
-                let head = heads.get(&key).copied();
-                plan.heads.insert(key, head);
-            }
-        }
+        let runnable = park_and_give_back_overtaken(backend, &mut plan, runnable, now).await?;
 
         *self.known_heads.lock().expect("known heads") = plan.into_known_heads();
 
@@ -370,4 +240,185 @@ impl Claimer {
         }
         Ok(claimed)
     }
+
+    /// A takeover whose charge failed is finished first. Charging again changes nothing
+    /// already charged (the charge applies at the listed generation only), and charging after
+    /// the lane changed hands again is the charge its new owner would make. While it still
+    /// cannot be made, its lanes sit this claim out: they are returned.
+    async fn finish_failed_charges<B: ClaimBackend>(&self, backend: &B, now: DateTime) -> BTreeSet<LaneId> {
+        let uncharged: Vec<(LaneId, i64, InFlight)> = self.uncharged.lock().expect("uncharged").clone();
+        let mut waiting = BTreeSet::new();
+        if !uncharged.is_empty() {
+            let entries: Vec<InFlight> = uncharged.iter().map(|(_, _, entry)| entry.clone()).collect();
+            match charge(backend, &entries, now).await {
+                Ok(()) => self.uncharged.lock().expect("uncharged").clear(),
+                Err(error) => {
+                    waiting.extend(uncharged.iter().map(|(lane, _, _)| *lane));
+                    if self.charge_warning.due(now) {
+                        tracing::warn!(
+                            %error,
+                            lanes = ?waiting,
+                            "lanes taken over still wait for their previous holder's deliveries to be charged; trying again at every claim",
+                        );
+                    }
+                }
+            }
+        }
+        waiting
+    }
+
+    /// Free lanes with due work, taken and scanned into `plan` while it is not full (only when
+    /// the claim searches free lanes at all); `tried` are the lanes it looked at already.
+    ///
+    /// Held lanes can fill a claim on their own with work younger than what waits in lanes
+    /// nobody holds: a lane kept busy by a steady stream would then keep the others waiting
+    /// for as long as the stream lasts. At most once a second (it costs a query), free lanes
+    /// with work due before the claim's youngest pick are taken and scanned for that work,
+    /// which takes the place of the youngest picks. Then more lanes, in growing rounds (4, 8,
+    /// 16, ... or as many as the due work seen in them says the batch still needs, if more).
+    #[allow(clippy::too_many_arguments)]
+    async fn take_free_lanes<B: ClaimBackend>(
+        &self,
+        backend: &B,
+        held: &mut BTreeMap<LaneId, Held>,
+        mine: &mut BTreeMap<LaneId, HeldLane>,
+        plan: &mut Plan,
+        mut tried: BTreeSet<LaneId>,
+        handlers: &[String],
+        search: &LaneSearch<'_>,
+        now: DateTime,
+        until: DateTime,
+    ) -> Result<(), StoreError> {
+        if plan.full() && matches!(search, LaneSearch::FreeWithDueWork) && self.fairness_check.due(now) {
+            if let Some(youngest) = plan.youngest_due() {
+                let before = DateTime::from_millis(youngest.timestamp_millis() - 1);
+                let half = (plan.limit / 2).max(1);
+                let older = backend.free_lanes_with_due_work(handlers, &tried, FAIRNESS_LANES, half, before).await?;
+                if !older.is_empty() {
+                    let lanes: Vec<LaneId> = older.iter().map(|(lane, _)| *lane).collect();
+                    tried.extend(lanes.iter().copied());
+                    let taken = self.take(backend, held, &lanes, now, until).await?;
+                    let new_lanes = adopt(held, mine, taken);
+                    plan.make_room(older.iter().map(|(_, due)| due).sum::<usize>().min(half));
+                    scan(backend, plan, &new_lanes, handlers, before).await?;
+                }
+            }
+        }
+        // More lanes, in growing rounds (4, 8, 16, ... or as many as the due work seen in them
+        // says the batch still needs, if more), while the batch is not full.
+        let mut round = 4;
+        while !plan.full() && matches!(search, LaneSearch::FreeWithDueWork) {
+            let missing = plan.limit - plan.picks.len();
+            let found = backend.free_lanes_with_due_work(handlers, &tried, MAX_LANES_PER_QUERY, missing, now).await?;
+            if found.is_empty() {
+                break;
+            }
+            let mut seen = 0;
+            let free: Vec<LaneId> = found
+                .iter()
+                .enumerate()
+                .take_while(|(taken, (_, due))| {
+                    let more = *taken < round || seen < missing;
+                    seen += due;
+                    more
+                })
+                .map(|(_, (lane, _))| *lane)
+                .collect();
+            tried.extend(free.iter().copied());
+            let taken = self.take(backend, held, &free, now, until).await?;
+            let new_lanes = adopt(held, mine, taken);
+            scan(backend, plan, &new_lanes, handlers, now).await?;
+            // The answer named every free lane with due work (fewer lanes than asked for, and
+            // fewer rows than any of its reads could return) and all of them were tried: a
+            // further round would only find that out again, at the cost of another query.
+            let rows_seen: usize = found.iter().map(|(_, due)| due).sum();
+            if found.len() < MAX_LANES_PER_QUERY && rows_seen < MIN_ROWS_PER_LANE_QUERY && free.len() == found.len() {
+                break;
+            }
+            round = (round * 2).min(MAX_LANES_PER_QUERY);
+        }
+        Ok(())
+    }
+
+    /// The picks whose event was read, with it; a pick whose event is gone or unreadable can
+    /// never run: it is buried (which also moves its claim generation on, so its lane entry no
+    /// longer counts as running), and its key moves on like that of any other burial.
+    async fn bury_unrunnable<B: ClaimBackend>(
+        &self,
+        backend: &B,
+        picks: Vec<Candidate>,
+        events: &HashMap<String, Document>,
+        now: DateTime,
+    ) -> Result<Vec<(Candidate, EventRecord)>, StoreError> {
+        let mut unrunnable = Vec::new();
+        let mut buried_keys = Vec::new();
+        let mut runnable = Vec::new();
+        for pick in picks {
+            let reason = match events.get(&pick.event_id).map(EventRecord::from_document) {
+                Some(Ok(event)) => {
+                    runnable.push((pick, event));
+                    continue;
+                }
+                Some(Err(error)) => format!("event document is malformed: {error}"),
+                None => "event document is missing".to_string(),
+            };
+            buried_keys.extend(pick.handler_key());
+            unrunnable.push((pick.id, pick.claims, reason));
+        }
+        if !unrunnable.is_empty() {
+            backend.bury_unrunnable(&unrunnable, now).await?;
+        }
+        self.moved_keys.lock().expect("moved keys").extend(buried_keys);
+        Ok(runnable)
+    }
+}
+
+/// Parks everything `plan` saw blocked behind an unfinished predecessor: left ready, it would
+/// be read again by every claim for as long as its key is busy, and a lane handed back would
+/// be taken again for nothing. Each delivery is parked once and unparked once, when it becomes
+/// its key's head. Best effort: a failure here costs the next claims some reading but never
+/// strands a key.
+///
+/// At once, the picks a requeue overtook are given back, uncharged: a requeue racing the
+/// claim can have put an earlier delivery of a picked key back in front of it. Requeues are
+/// operator actions, so a window of a minute covers clock skew between hosts at the cost of
+/// rare re-checks. Returns the picks kept.
+async fn park_and_give_back_overtaken<B: ClaimBackend>(
+    backend: &B,
+    plan: &mut Plan,
+    mut runnable: Vec<(Candidate, EventRecord)>,
+    now: DateTime,
+) -> Result<Vec<(Candidate, EventRecord)>, StoreError> {
+    let to_park = plan.to_park();
+    let park = async {
+        if !to_park.is_empty() {
+            if let Err(error) = backend.park(&to_park).await {
+                tracing::warn!(%error, count = to_park.len(), "parking blocked deliveries failed");
+            }
+        }
+    };
+
+    // The check and the parking go at once: a claim that parks pays no round trip more.
+    let keyed: Vec<HandlerKey> =
+        runnable.iter().filter_map(|(pick, _)| pick.handler_key()).collect();
+    let window = DateTime::from_millis(now.timestamp_millis() - REQUEUE_RACE_WINDOW_MS);
+    let requeued = async { if keyed.is_empty() { Ok(false) } else { backend.requeued_since(window).await } };
+    let ((), requeued) = futures::join!(park, requeued);
+    if requeued? {
+        let heads = backend.key_heads(&keyed).await?;
+        let (keep, overtaken): (Vec<_>, Vec<_>) = runnable.into_iter().partition(|(pick, _)| match &pick.key {
+            Some(key) => heads.get(&(pick.handler.clone(), key.clone())) == Some(&pick.id),
+            None => true,
+        });
+        if !overtaken.is_empty() {
+            let back: Vec<(DeliveryId, i64)> = overtaken.iter().map(|(pick, _)| (pick.id, pick.claims)).collect();
+            backend.give_back(&back).await?;
+        }
+        runnable = keep;
+        for key in keyed {
+            let head = heads.get(&key).copied();
+            plan.heads.insert(key, head);
+        }
+    }
+    Ok(runnable)
 }
