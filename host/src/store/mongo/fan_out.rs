@@ -20,7 +20,6 @@
 //! plain updates that each apply only while the event is unfanned.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bson::oid::ObjectId;
@@ -37,64 +36,6 @@ use crate::event::field;
 use crate::store::claim::{Fresh, HandOutOf};
 use crate::store::fan_out::{self, FanOutPlan, FannedEvent, id_text};
 use crate::store::{Capacity, DeliveryId, EarlyHandOuts, FanOutReport, StoreError, StoreTransaction, Subscriptions};
-
-/// Events the change stream reported inserted, kept for the next fan-out that hands out, so
-/// that it need not read them (see [`run`]). A hint only: that fan-out's transaction checks
-/// that every one is still unfanned, and reads the collection instead if not.
-#[derive(Debug)]
-pub(super) struct Heard {
-    events: Mutex<Vec<Document>>,
-    /// Times unfanned events may have been left that the stream will not report: the host
-    /// started, the stream reopened without its history, more were heard than are kept, a
-    /// fan-out failed or read a full batch.
-    misses: AtomicU64,
-    /// The most misses a fan-out that read everything unfanned had seen when it started
-    /// reading: while it trails `misses`, reading is needed.
-    read_through: AtomicU64,
-}
-
-/// At most this many heard events are kept; more means a backlog, which reading serves.
-const HEARD_MAX: usize = 256;
-
-impl Default for Heard {
-    fn default() -> Self {
-        Self { events: Mutex::new(Vec::new()), misses: AtomicU64::new(1), read_through: AtomicU64::new(0) }
-    }
-}
-
-impl Heard {
-    pub fn push(&self, event: Document) {
-        let mut events = self.events.lock().expect("heard events");
-        if events.len() < HEARD_MAX {
-            events.push(event);
-        } else {
-            events.clear();
-            self.missed_some();
-        }
-    }
-
-    /// Events may have been committed, or left unfanned, that the stream will never report.
-    pub fn missed_some(&self) {
-        self.misses.fetch_add(1, Ordering::SeqCst);
-    }
-
-    fn take(&self) -> Vec<Document> {
-        std::mem::take(&mut *self.events.lock().expect("heard events"))
-    }
-
-    fn behind(&self) -> bool {
-        self.read_through.load(Ordering::SeqCst) < self.misses.load(Ordering::SeqCst)
-    }
-
-    /// Notes that a read which started when `misses` was `since` read `events` of `limit`.
-    fn read(&self, since: u64, events: usize, limit: usize) {
-        if events < limit {
-            self.read_through.fetch_max(since, Ordering::SeqCst);
-        } else {
-            self.missed_some();
-        }
-    }
-}
 
 pub(super) async fn run(
     store: &MongoStore,
@@ -135,7 +76,7 @@ pub(super) async fn run(
         }
         hand_out = hand_out.less(report.claimed.len() + report.sent_early);
     }
-    let since = store.heard.misses.load(Ordering::SeqCst);
+    let since = store.heard.misses();
     match read(store, subscriptions, limit, hand_out, early, now).await {
         Ok(read) => {
             store.heard.read(since, read.events, limit);

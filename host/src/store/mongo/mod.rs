@@ -32,6 +32,7 @@ macro_rules! transaction {
 mod documents;
 mod fan_out;
 mod generations;
+mod heard;
 mod lanes;
 mod operations;
 mod outcome;
@@ -135,7 +136,7 @@ pub struct MongoStore {
     publisher: Publisher,
     claimer: Arc<Claimer>,
     /// Inserted events the change stream reported, for the next fan-out (see `fan_out`).
-    heard: Arc<fan_out::Heard>,
+    heard: Arc<heard::Heard>,
     /// Whether a fan-out tries its plain mark first (see `fan_out`).
     plain_marks: Arc<fan_out::PlainMarks>,
     options: StoreOptions,

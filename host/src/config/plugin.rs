@@ -1,0 +1,147 @@
+//! The `[defaults]` and `[plugin.<name>]` sections: a plugin's limits, grants and retry
+//! policy as the operator writes them, and their validation (every error names the field). It
+//! must never resolve a plugin's effective policy: [`super::Config::policy_for`] does, with the
+//! defaults.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::{ConfigError, Size, Span, invalid};
+use crate::plugin::MAX_MEMORY_BYTES;
+use crate::plugin::capability::transaction;
+
+/// How failed attempts are retried.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetryConfig {
+    pub max_attempts: u32,
+    pub initial_backoff: Span,
+    pub max_backoff: Span,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        Self { max_attempts: 5, initial_backoff: Span(Duration::from_secs(1)), max_backoff: Span(Duration::from_secs(60)) }
+    }
+}
+
+/// What the operator grants one plugin.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct GrantsConfig {
+    pub directory: Option<PathBuf>,
+    pub environment: Vec<String>,
+    pub http_hosts: Vec<String>,
+    /// Whether the HTTP hosts may resolve to private, loopback or link-local addresses.
+    pub private_networks: bool,
+    pub collections: Vec<String>,
+    /// Event types its follow-ups may have (`order.*` for a prefix).
+    pub publish_types: Vec<String>,
+    /// What its follow-ups' ids start with; `<plugin name>:` when absent.
+    pub publish_id_prefix: Option<String>,
+}
+
+/// Limits and retry policy of one plugin; absent fields come from `[defaults]`.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct PluginConfig {
+    pub fuel: Option<u64>,
+    pub memory: Option<Size>,
+    pub wall_time: Option<Span>,
+    pub output: Option<Size>,
+    /// Longest failure reason kept from the plugin.
+    pub reason: Option<Size>,
+    /// Furthest ahead a plugin may put its retry.
+    pub not_before_horizon: Option<Span>,
+    /// The most handlers the plugin may subscribe.
+    pub handlers: Option<usize>,
+    /// Follow-up events one delivery may publish.
+    pub follow_ups: Option<u32>,
+    /// Largest payload of a follow-up event.
+    pub follow_up_payload: Option<Size>,
+    /// Deepest chain of follow-ups.
+    pub chain_depth: Option<u32>,
+    /// Most bytes one `find` may hand back.
+    pub returned: Option<Size>,
+    /// Re-runs of a transactional handler in one attempt after transient errors.
+    pub reruns: Option<u32>,
+    pub retry: Option<RetryConfig>,
+    pub grants: GrantsConfig,
+}
+
+/// The longest failure reason an operator may let a plugin store: its dead letter repeats it,
+/// and both must stay far below a document's 16 MiB.
+const MAX_REASON_BYTES: usize = 64 * 1024;
+
+/// How far ahead a plugin may be allowed to put its retry, at most.
+const MAX_NOT_BEFORE_HORIZON: Duration = Duration::from_secs(365 * 24 * 3600);
+
+pub(super) fn validate_plugin(section: &str, plugin: &PluginConfig) -> Result<(), ConfigError> {
+    if plugin.fuel == Some(0) {
+        return Err(invalid(format!("{section}.fuel"), "must be more than 0"));
+    }
+    if let Some(memory) = plugin.memory {
+        if memory.0 < 1 << 20 || memory.0 > MAX_MEMORY_BYTES {
+            return Err(invalid(format!("{section}.memory"), "must be between 1MiB and 1GiB"));
+        }
+    }
+    if plugin.wall_time.is_some_and(|w| w.0.is_zero()) {
+        return Err(invalid(format!("{section}.wall_time"), "must be more than 0s"));
+    }
+    if plugin.reason.is_some_and(|r| !(64..=MAX_REASON_BYTES).contains(&r.0)) {
+        return Err(invalid(format!("{section}.reason"), "must be between 64B and 64KiB"));
+    }
+    if plugin.not_before_horizon.is_some_and(|h| h.0.is_zero() || h.0 > MAX_NOT_BEFORE_HORIZON) {
+        return Err(invalid(format!("{section}.not_before_horizon"), "must be more than 0s and at most 365 days"));
+    }
+    let range = |field: &str, value: Option<u64>, min: u64, max: u64, shown: &str| match value {
+        Some(value) if !(min..=max).contains(&value) => Err(invalid(format!("{section}.{field}"), format!("must be {shown}"))),
+        _ => Ok(()),
+    };
+    range("handlers", plugin.handlers.map(|n| n as u64), 1, crate::plugin::MAX_HANDLERS_LIMIT as u64, "between 1 and 1000")?;
+    range("follow_ups", plugin.follow_ups.map(u64::from), 0, 1_000, "between 0 and 1000")?;
+    range("follow_up_payload", plugin.follow_up_payload.map(|s| s.0 as u64), 64, 4 << 20, "between 64B and 4MiB")?;
+    range("chain_depth", plugin.chain_depth.map(u64::from), 0, 64, "between 0 and 64")?;
+    range("returned", plugin.returned.map(|s| s.0 as u64), 1024, MAX_MEMORY_BYTES as u64, "between 1KiB and 1GiB")?;
+    range("reruns", plugin.reruns.map(u64::from), 0, 100, "between 0 and 100")?;
+    if let Some(retry) = &plugin.retry {
+        if retry.max_attempts == 0 {
+            return Err(invalid(format!("{section}.retry.max_attempts"), "must be at least 1"));
+        }
+        if retry.initial_backoff.0 > retry.max_backoff.0 {
+            return Err(invalid(format!("{section}.retry.initial_backoff"), "must not exceed retry.max_backoff"));
+        }
+    }
+    for host in &plugin.grants.http_hosts {
+        if host.is_empty() || host.contains(['/', '*', ' ']) {
+            return Err(invalid(format!("{section}.grants.http_hosts"), format!("{host:?} is not a host or host:port")));
+        }
+    }
+    for event_type in &plugin.grants.publish_types {
+        let name = event_type.strip_suffix('*').unwrap_or(event_type);
+        if event_type.is_empty() || name.contains('*') || event_type.len() > 256 || event_type.chars().any(char::is_control) {
+            return Err(invalid(format!("{section}.grants.publish_types"), format!("{event_type:?} is not an event type or a prefix ending in *")));
+        }
+        if name.starts_with(transaction::HOST_EVENT_TYPE_PREFIX) {
+            return Err(invalid(format!("{section}.grants.publish_types"), format!("{event_type:?}: relayhost.* event types are the host's alone")));
+        }
+    }
+    if let Some(prefix) = &plugin.grants.publish_id_prefix {
+        if prefix.chars().count() > 128 || prefix.chars().any(char::is_control) {
+            return Err(invalid(format!("{section}.grants.publish_id_prefix"), "must be at most 128 printable characters"));
+        }
+    }
+    for collection in &plugin.grants.collections {
+        if collection.is_empty() || collection.starts_with("system.") || collection.contains('$') {
+            return Err(invalid(format!("{section}.grants.collections"), format!("{collection:?} is not a collection name")));
+        }
+    }
+    if let Some(directory) = &plugin.grants.directory {
+        if !directory.is_absolute() {
+            return Err(invalid(format!("{section}.grants.directory"), "must be an absolute path"));
+        }
+    }
+    Ok(())
+}
