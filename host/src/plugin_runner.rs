@@ -15,7 +15,7 @@ use std::sync::Arc;
 use bson::DateTime;
 
 use crate::dispatch::{AttemptResult, HandlerSpec, RetryPolicy, RunResult, Runner};
-use crate::handler_transaction::{FollowUps, MongoHandlerTransaction, SharedTrouble, publish_follow_ups};
+use crate::handler_transaction::{FollowUps, MongoHandlerTransaction, SharedTrouble, Trouble, publish_follow_ups};
 use crate::plugin::{DeliveryInfo, LoadedPlugin, Outcome, PluginRegistry};
 use crate::store::mongo::MongoStore;
 use crate::store::{ClaimedDelivery, Retrying, Store, StoreError};
@@ -101,14 +101,19 @@ async fn run_transactional(
             return RunResult::Attempt(AttemptResult::Failed("the handler kept its transaction".into()));
         };
         let mut tx = tx.into_inner();
-        let trouble = std::mem::take(&mut *transient.lock().expect("transient error slot"));
-        if let Some(error) = trouble.transient {
+        let Trouble { transient: met, failed_call } = std::mem::take(&mut *transient.lock().expect("transient error slot"));
+        // A call of its own failed and ended the transaction: running it again would repeat it.
+        let self_inflicted = |reason: &str| {
+            let call = failed_call.as_deref().unwrap_or_default();
+            RunResult::Attempt(AttemptResult::Failed(format!(
+                "a call of the handler failed ({call}), which ends its transaction, and the handler went on: {reason}"
+            )))
+        };
+        if let Some(error) = met {
             let reason = error.to_string();
-            if let Some(failed_call) = trouble.failed_call {
+            if failed_call.is_some() {
                 let _ = crate::store::StoreTransaction::abort(tx).await;
-                return RunResult::Attempt(AttemptResult::Failed(format!(
-                    "a call of the handler failed ({failed_call}), which ends its transaction, and the handler went on: {reason}"
-                )));
+                return self_inflicted(&reason);
             }
             match retrying.settle(tx, Err::<(), _>(error)).await {
                 None => match reruns.next(reason).await {
@@ -131,6 +136,7 @@ async fn run_transactional(
         };
         match retrying.settle(tx, completion).await {
             // A transient error (a write conflict, a step-down): run the handler again.
+            None if failed_call.is_some() => return self_inflicted("its commit met a transient error"),
             None => match reruns.next("its commit met a transient error".to_string()).await {
                 None => continue,
                 Some(charged) => return charged,

@@ -103,6 +103,7 @@ async fn what_plugins_hand_back_is_bounded_and_the_good_plugin_keeps_flowing() {
     hostile.push(event("fine", "publish", doc! { "count": 2, "id": "hostile:fine-" }));
     hostile.push(event("chain-root", "chain", doc! {}));
     hostile.push(event("rerun", "rerun", doc! { "target": "hostile_target" }));
+    hostile.push(event("rerun-complete", "rerun", doc! { "target": "hostile_target", "complete": true }));
     hostile.push(event("find-all", "find-all", doc! { "target": "big" }));
     hostile.push(event("http-loopback", "attack.http", doc! { "target": &loopback }));
     publish_all(store, hostile).await;
@@ -154,6 +155,9 @@ async fn what_plugins_hand_back_is_bounded_and_the_good_plugin_keeps_flowing() {
     let (status, error) = last_error(&deployment, "rerun").await;
     assert_eq!(status, "dead");
     assert!(error.contains("a call of the handler failed") && error.contains("the handler went on"), "{error}");
+    let (status, error) = last_error(&deployment, "rerun-complete").await;
+    assert_eq!(status, "dead");
+    assert!(error.contains("a call of the handler failed") && error.contains("its commit met a transient error"), "{error}");
     let (status, error) = last_error(&deployment, "find-all").await;
     assert!(status == "dead" && error.contains("pass the 262144 bytes a call may return"), "{error}");
     let (status, error) = last_error(&deployment, "http-loopback").await;
@@ -169,14 +173,14 @@ async fn what_plugins_hand_back_is_bounded_and_the_good_plugin_keeps_flowing() {
     // The key's publisher came first; the handler's follow-up took the next sequence at its commit.
     let sequence = |id: &'static str| async move { events.find_one(doc! { "_id": id }).await.unwrap().unwrap().get_i64("sequence").unwrap() };
     assert_eq!((sequence("order-shared").await, sequence("hostile:keyed-0").await), (1, 2));
-    // Every death was announced and reached the alert plugin: 8 refused follow-ups, the
-    // re-runs, the find, the HTTP request and the oversized event.
+    // Every death was announced and reached the alert plugin: 8 refused follow-ups, the two
+    // self-inflicted re-runs, the find, the HTTP request and the oversized event.
     deployment.wait_until("every death is announced", Duration::from_secs(30), async |d| {
-        d.documents("dead_letter_alerts").await.len() == 12
+        d.documents("dead_letter_alerts").await.len() == 13
     })
     .await;
     let dead = store.list_deliveries(&DeliveryFilter { status: Some(DeliveryStatus::Dead), limit: 100, ..Default::default() }).await.unwrap();
-    assert_eq!(dead.deliveries.len(), 12);
+    assert_eq!(dead.deliveries.len(), 13);
     host.stop();
 }
 
