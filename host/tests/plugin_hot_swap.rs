@@ -156,10 +156,12 @@ async fn a_handler_id_belongs_to_one_plugin_and_broken_files_do_not_stop_the_oth
     write_atomically(&dir, "broken.wasm", b"garbage");
     std::fs::copy(plugins_dir().join("audit_log.wasm"), dir.join("audit.wasm")).unwrap();
     std::fs::write(dir.join("README.txt"), "not a plugin").unwrap();
+    // Over the size limit (sparse): refused without being read.
+    std::fs::File::create(dir.join("huge.wasm")).unwrap().set_len(relayhost::plugin::MAX_PLUGIN_FILE_BYTES + 1).unwrap();
     let registry = PluginRegistry::new(runtime(), &dir, |_| PluginPolicy::default());
     let changes = registry.scan().await.unwrap();
     let refused: Vec<&Change> = changes.iter().filter(|c| matches!(c, Change::Refused { .. })).collect();
-    assert_eq!(refused.len(), 3, "{changes:?}");
+    assert_eq!(refused.len(), 4, "{changes:?}");
     // Two files offering one handler at startup: both refused, whatever their names' order.
     for (plugin_name, other) in [("a-noop", "b-noop-copy"), ("b-noop-copy", "a-noop")] {
         assert!(changes.iter().any(|c| matches!(c, Change::Refused { plugin, reason }
@@ -171,10 +173,11 @@ async fn a_handler_id_belongs_to_one_plugin_and_broken_files_do_not_stop_the_oth
     assert_eq!(registry.versions().keys().cloned().collect::<Vec<_>>(), ["audit"]);
     assert!(registry.plugin_for("noop").is_none());
     assert_eq!(&*registry.plugin_for("audit-log").unwrap().name, "audit");
-    // An unchanged broken file is not loaded again on the next scan; the contested ones are,
-    // until only one offers the handler.
+    // An unchanged broken or unreadable file is not loaded again on the next scan; the
+    // contested ones are, until only one offers the handler.
     let again = registry.scan().await.unwrap();
-    assert!(again.iter().all(|c| matches!(c, Change::Refused { plugin, .. } if plugin != "broken")), "{again:?}");
+    assert_eq!(again.len(), 2, "{again:?}");
+    assert!(again.iter().all(|c| matches!(c, Change::Refused { plugin, .. } if plugin.contains("noop"))), "{again:?}");
     std::fs::remove_file(dir.join("b-noop-copy.wasm")).unwrap();
     let changes = registry.scan().await.unwrap();
     assert!(matches!(&changes[..], [Change::Loaded { plugin, .. }] if plugin == "a-noop"), "{changes:?}");

@@ -220,14 +220,12 @@ impl PluginRegistry {
 
     /// Reads one file and, unless its content is known, loads it; with the content's hash.
     async fn read(&self, name: &str, path: &Path) -> (String, Read) {
-        let bytes = match read_plugin_file(path) {
-            Ok(bytes) => bytes,
-            Err(reason) => {
-                let refused = PluginError::Refused { file: path.display().to_string(), reason: reason.clone() };
-                return (format!("unreadable: {reason}"), Read::Refused(refused.to_string()));
-            }
+        let read = read_plugin_file(path);
+        // An unreadable file is remembered by its reason, like a broken one by its content.
+        let hash = match &read {
+            Ok(bytes) => hex::encode(Sha256::digest(bytes)),
+            Err(reason) => format!("unreadable: {reason}"),
         };
-        let hash = hex::encode(Sha256::digest(&bytes));
         let known = {
             let catalog = self.catalog.read().expect("catalog");
             catalog.plugins.get(name).map(|p| &p.content_hash) == Some(&hash) || catalog.refused.get(name) == Some(&hash)
@@ -235,6 +233,13 @@ impl PluginRegistry {
         if known {
             return (hash, Read::Known);
         }
+        let bytes = match read {
+            Ok(bytes) => bytes,
+            Err(reason) => {
+                let refused = PluginError::Refused { file: path.display().to_string(), reason };
+                return (hash, Read::Refused(refused.to_string()));
+            }
+        };
         match self.runtime.load_bytes(path, bytes, (self.policy_for)(name)).await {
             Ok(plugin) => (hash, Read::Loaded(plugin)),
             Err(error) => (hash, Read::Refused(error.to_string())),
