@@ -173,8 +173,11 @@ async fn a_handler_id_belongs_to_one_plugin_and_broken_files_do_not_stop_the_oth
     assert_eq!(registry.versions().keys().cloned().collect::<Vec<_>>(), ["audit"]);
     assert!(registry.plugin_for("noop").is_none());
     assert_eq!(&*registry.plugin_for("audit-log").unwrap().name, "audit");
-    // An unchanged broken or unreadable file is not loaded again on the next scan; the
-    // contested ones are, until only one offers the handler.
+    // An unchanged broken or unreadable file is not loaded again on the next scan (even when
+    // touched, which makes the registry look at it again); the contested ones are, until only
+    // one offers the handler.
+    let touched = std::fs::File::options().write(true).open(dir.join("huge.wasm")).unwrap();
+    touched.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(5)).unwrap();
     let again = registry.scan().await.unwrap();
     assert_eq!(again.len(), 2, "{again:?}");
     assert!(again.iter().all(|c| matches!(c, Change::Refused { plugin, .. } if plugin.contains("noop"))), "{again:?}");
