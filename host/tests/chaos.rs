@@ -347,14 +347,7 @@ async fn hosts_and_the_primary_killed_over_and_over_lose_nothing_duplicate_nothi
         }
     }
     assert!(by_key.len() > 5);
-    let handled: BTreeMap<String, Vec<String>> = all(&db.collection("audit_order"), doc! {})
-        .await
-        .iter()
-        .map(|d| {
-            let events = d.get_array("events").unwrap().iter().map(|e| e.as_str().unwrap().to_string()).collect();
-            (d.get_str("_id").unwrap().to_string(), events)
-        })
-        .collect();
+    let handled = common::deployment::handling_order(&all(&db.collection("audit_order"), doc! {}).await);
     for (key, mut sequence) in by_key {
         sequence.sort();
         let expected: Vec<String> = sequence.into_iter().map(|(_, id)| id).collect();

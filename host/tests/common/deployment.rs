@@ -130,17 +130,20 @@ impl Deployment {
     pub async fn audit(&self) -> (Vec<String>, BTreeMap<String, Vec<String>>) {
         let mut ids: Vec<String> = self.documents("audit_log").await.iter().map(|d| d.get_str("_id").unwrap().to_string()).collect();
         ids.sort();
-        let order = self
-            .documents("audit_order")
-            .await
-            .iter()
-            .map(|d| {
-                let events = d.get_array("events").unwrap().iter().map(|e| e.as_str().unwrap().to_string()).collect();
-                (d.get_str("_id").unwrap().to_string(), events)
-            })
-            .collect();
-        (ids, order)
+        (ids, handling_order(&self.documents("audit_order").await))
     }
+}
+
+/// Each key's events in the order the audit-log plugin handled them, from its `audit_order`
+/// documents.
+pub fn handling_order(audit_order: &[Document]) -> BTreeMap<String, Vec<String>> {
+    audit_order
+        .iter()
+        .map(|d| {
+            let events = d.get_array("events").unwrap().iter().map(|e| e.as_str().unwrap().to_string()).collect();
+            (d.get_str("_id").unwrap().to_string(), events)
+        })
+        .collect()
 }
 
 impl Deployment {
