@@ -440,6 +440,9 @@ impl Store for FaultyStore {
     async fn relinquish(&self) -> Result<(), StoreError> {
         self.inner.relinquish().await
     }
+    async fn announce(&self, now: DateTime) -> Result<usize, StoreError> {
+        self.inner.announce(now).await
+    }
     async fn requeue(&self, delivery_id: &str, now: DateTime) -> Result<(), StoreError> {
         self.inner.requeue(delivery_id, now).await
     }

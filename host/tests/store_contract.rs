@@ -52,6 +52,7 @@ contract!(
     keyed_deliveries_run_one_at_a_time_in_sequence_order,
     concurrent_workers_never_claim_twice_and_keep_key_order,
     lanes_are_exclusive_under_a_live_lease,
+    live_hosts_split_the_lanes_and_leave_each_other_their_events_until_stale,
     a_claim_in_given_lanes_takes_only_those_and_keeps_the_rules,
     a_fan_out_hands_out_unkeyed_deliveries_in_free_or_own_lanes_only,
     a_fan_out_that_may_hand_out_early_hands_out_each_once_with_word_of_its_commit,
@@ -419,6 +420,87 @@ async fn concurrent_workers_never_claim_twice_and_keep_key_order<F: Fixture>() {
             assert_eq!(*sequence, previous + 1, "key {key} out of order");
         }
     }
+}
+
+async fn live_hosts_split_the_lanes_and_leave_each_other_their_events_until_stale<F: Fixture>() {
+    let fixture = F::new().await;
+    let (a, b) = (fixture.worker("a"), fixture.worker("b"));
+    let subscriptions = subs(&[("h", &["t"])]);
+    let h = handlers(&["h"]);
+    // Events created at `at`: the split leaves an event to its lane's host until it is stale.
+    let events = |prefix: &str, at: i64| -> Vec<NewEvent> {
+        let mut events: Vec<NewEvent> =
+            (0..60).map(|n| event(&format!("{prefix}-{n}"), "t").with_created_at(common::at(at))).collect();
+        events.extend((0..20).flat_map(|k| {
+            (0..2).map(move |n| keyed(&format!("{prefix}-k{k}-{n}"), "t", &format!("{prefix}-key-{k}")).with_created_at(common::at(at)))
+        }));
+        events
+    };
+    assert_eq!(a.announce(at(T0)).await.unwrap(), 1);
+    assert_eq!(b.announce(at(T0)).await.unwrap(), 2);
+    assert_eq!(a.announce(at(T0)).await.unwrap(), 2);
+    publish_all(fixture.store(), events("first", T0)).await;
+
+    // Each fans out the events of its own lanes only: together every event, none twice, and
+    // never into the same lane.
+    let by_a = a.fan_out(&subscriptions, 1_000, 0, at(T0 + 1)).await.unwrap();
+    let by_b = b.fan_out(&subscriptions, 1_000, 0, at(T0 + 1)).await.unwrap();
+    assert!(by_a.events >= 20 && by_b.events >= 20, "a split in two: {} and {}", by_a.events, by_b.events);
+    assert_eq!(by_a.events + by_b.events, 100);
+    assert_eq!(by_a.deliveries + by_b.deliveries, 100);
+    assert!(by_a.lanes.is_disjoint(&by_b.lanes), "{:?} {:?}", by_a.lanes, by_b.lanes);
+
+    // A claim takes no free lane of the other live host, however much due work it has.
+    let claimed_a = a.claim(&h, 1_000, at(T0 + 2)).await.unwrap();
+    assert!(!claimed_a.is_empty());
+    assert!(claimed_a.iter().all(|c| by_a.lanes.contains(&c.lease.lane)), "a claimed only in its lanes");
+    // Until that work waited past stale (twice the lease): then whoever claims takes it.
+    assert_eq!(a.announce(at(T0 + 70_000)).await.unwrap(), 1, "both lapsed meanwhile");
+    announce_both(&a, &b, T0 + 70_000).await;
+    // (A claim takes a bounded number of such lanes: claim until none is left.)
+    let mut stale_of_b = Vec::new();
+    loop {
+        let claimed = a.claim(&h, 1_000, at(T0 + 70_000)).await.unwrap();
+        if claimed.is_empty() {
+            break;
+        }
+        stale_of_b.extend(claimed);
+    }
+    assert!(!stale_of_b.is_empty() && stale_of_b.iter().all(|c| by_b.lanes.contains(&c.lease.lane)));
+    // 60 unkeyed and the heads of the 20 keys, each once.
+    let mut every: Vec<String> = ids(&claimed_a).into_iter().chain(ids(&stale_of_b)).collect();
+    every.sort();
+    every.dedup();
+    assert_eq!(every.len(), 80);
+
+    // An event of the other host's lane is fanned out by whoever reads it once stale.
+    let t1 = T0 + 90_000;
+    announce_both(&a, &b, t1).await;
+    publish_all(fixture.store(), events("second", t1)).await;
+    let fresh = a.fan_out(&subscriptions, 1_000, 0, at(t1 + 1)).await.unwrap();
+    assert!(fresh.events < 100);
+    let t2 = t1 + 60_001;
+    for now in [t1 + 20_000, t1 + 40_000, t2] {
+        announce_both(&a, &b, now).await;
+    }
+    assert_eq!(a.fan_out(&subscriptions, 1_000, 0, at(t2)).await.unwrap().events, 100 - fresh.events);
+
+    // A host whose announcement lapsed (a third of the lease) leaves its share to the others at once; so
+    // does one that withdrew (a graceful stop).
+    let t3 = t2 + 30_001;
+    assert_eq!(a.announce(at(t3)).await.unwrap(), 1, "b's announcement lapsed");
+    assert_eq!(b.announce(at(t3)).await.unwrap(), 2);
+    b.relinquish().await.unwrap();
+    assert_eq!(a.announce(at(t3)).await.unwrap(), 1, "b withdrew");
+    publish_all(fixture.store(), events("third", t3)).await;
+    assert_eq!(a.fan_out(&subscriptions, 1_000, 0, at(t3 + 1)).await.unwrap().events, 100);
+}
+
+/// Announces `a`, then `b`, then `a` again at `now`, each seeing both live.
+async fn announce_both<S: Store>(a: &S, b: &S, now: i64) {
+    a.announce(at(now)).await.unwrap();
+    assert_eq!(b.announce(at(now)).await.unwrap(), 2);
+    assert_eq!(a.announce(at(now)).await.unwrap(), 2);
 }
 
 async fn lanes_are_exclusive_under_a_live_lease<F: Fixture>() {

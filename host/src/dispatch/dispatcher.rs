@@ -54,7 +54,7 @@ use super::sequence_watch::SequenceWatch;
 use super::starts::StartRecorder;
 use super::{AttemptResult, RetryPolicy, Settle, bury_with_dead_letter, decide};
 use crate::lane::LaneId;
-use crate::store::{
+use crate::store::{ANNOUNCE_EVERY, 
     Capacity, ClaimedDelivery, DeliveryId, EarlyHandOut, EarlyHandOuts, FanOutCommit, Lease, Store, StoreError, Subscription,
     Subscriptions,
 };
@@ -292,6 +292,14 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         let mut flight = Flight::new(completions, StartRecorder::spawn(self.store.clone()));
         let mut renewal = tokio::time::interval(self.options.lease_duration / 3);
         renewal.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Announced before the first fan-out, so that it leaves the hosts already live their
+        // lanes' events; then again and again beside the loop.
+        let hosts = self.store.announce(DateTime::now()).await.unwrap_or_else(|error| {
+            tracing::warn!(%error, "announcing this host failed; trying again");
+            0
+        });
+        let hosts_changed = Arc::new(Notify::new());
+        let announcing = self.spawn_announcements(hosts, hosts_changed.clone());
         loop {
             let next_retry = flight.retry_timers.peek().map(|Reverse(at)| *at);
             // New events appear only with a wakeup or by the poll; a finished delivery brings
@@ -341,6 +349,8 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                     flight.claim |= written.keyed;
                 }),
                 _ = renewal.tick() => self.renew(&flight.running).await,
+                // A new split of the lanes may leave this host events it did not fan out so far.
+                () = hosts_changed.notified() => { flight.fan_out = true; flight.claim = true; Ok(()) }
             };
             let step = match step {
                 Ok(()) => self.dispatch(&permits, &finished_tx, &fanned, &early_tx, &mut flight).await,
@@ -353,7 +363,33 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 flight.claim = true;
             }
         }
+        announcing.abort();
         self.stop(&permits, &finished_tx, &mut flight, &mut finished, &mut early).await
+    }
+
+    /// Announces this host to the others (see [`Store::announce`]) every [`ANNOUNCE_EVERY`]
+    /// (or tenth of a lease, if shorter), beside the claim loop so that its ticks never hold
+    /// back the loop's poll; wakes the loop when the number of live hosts changed.
+    fn spawn_announcements(&self, hosts: usize, hosts_changed: Arc<Notify>) -> JoinHandle<()> {
+        let store = self.store.clone();
+        let every = ANNOUNCE_EVERY.min(self.options.lease_duration / 10);
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(every);
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            ticks.tick().await;
+            let mut hosts = hosts;
+            loop {
+                ticks.tick().await;
+                match store.announce(DateTime::now()).await {
+                    Ok(live) if live != hosts => {
+                        hosts = live;
+                        hosts_changed.notify_one();
+                    }
+                    Ok(_) => {}
+                    Err(error) => tracing::warn!(%error, "announcing this host failed; trying again"),
+                }
+            }
+        })
     }
 
     /// Starts a fan-out when one is wanted and none runs, claims up to the free capacity and
@@ -581,7 +617,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                     handed_out,
                     "fan-out batch"
                 );
-                let full = report.events >= batch;
+                let full = report.events >= batch || report.more;
                 // It handed out all it made: the next batch is to wait for room to do the same.
                 // Otherwise (lanes another host holds, keyed events) the rest of the backlog is
                 // fanned out at once for claims, as a fan-out that hands out nothing does.

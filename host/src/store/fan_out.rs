@@ -76,6 +76,8 @@ impl FanOutPlan {
                 .collect(),
             claimed,
             sent_early: sent_early.len(),
+            more: false,
+            read_to_the_end: false,
         }
     }
 }

@@ -85,6 +85,8 @@ struct State {
     deliveries: BTreeMap<DeliveryId, Delivery>,
     lanes: Vec<LaneState>,
     history: BTreeMap<DeliveryId, HistoryRecord>,
+    /// The hosts that announced themselves, each until its announcement lapses.
+    hosts: BTreeMap<String, DateTime>,
 }
 
 impl State {
@@ -136,6 +138,7 @@ impl State {
             deliveries: BTreeMap::new(),
             lanes,
             history: BTreeMap::new(),
+            hosts: BTreeMap::new(),
         }
     }
 
@@ -406,8 +409,12 @@ impl Store for MemoryStore {
         now: DateTime,
     ) -> Result<FanOutReport, StoreError> {
         let mut state = self.state.lock().await;
-        let mut unfanned: Vec<&Document> =
-            state.events.values().filter(|doc| !doc.contains_key(field::FANNED_OUT_AT)).collect();
+        let (assignment, stale_before) = (self.claimer.assignment(), self.claimer.stale_before(now));
+        let mut unfanned: Vec<&Document> = state
+            .events
+            .values()
+            .filter(|doc| !doc.contains_key(field::FANNED_OUT_AT) && assignment.fans_out(doc, stale_before))
+            .collect();
         unfanned.sort_by_key(|doc| (created_at_of(doc), id_text(doc.get(field::ID).unwrap_or(&Bson::Null))));
         let first: Vec<Document> = unfanned.iter().take(limit).map(|doc| (*doc).clone()).collect();
         let keys = fan_out::keys_of(&first);
@@ -537,6 +544,7 @@ impl Store for MemoryStore {
     async fn relinquish(&self) -> Result<(), StoreError> {
         let held = self.claimer.take_held().await;
         let mut state = self.state.lock().await;
+        state.hosts.remove(&self.claimer.host_id());
         for (lane, epoch, unsettled) in held {
             let lane = &mut state.lanes[usize::from(lane)];
             if lane.epoch == epoch && lane.held_by(&self.claimer.holder) {
@@ -548,6 +556,15 @@ impl Store for MemoryStore {
             }
         }
         Ok(())
+    }
+
+    async fn announce(&self, now: DateTime) -> Result<usize, StoreError> {
+        let mut state = self.state.lock().await;
+        state.hosts.insert(self.claimer.host_id(), self.claimer.announced_until(now));
+        state.hosts.retain(|_, until| *until > now);
+        let live: Vec<String> = state.hosts.keys().cloned().collect();
+        self.claimer.assign(&live);
+        Ok(live.len())
     }
 
     async fn requeue(&self, delivery_id: &str, now: DateTime) -> Result<(), StoreError> {

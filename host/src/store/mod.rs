@@ -7,6 +7,7 @@
 //! WebAssembly, plugins or the dispatcher's policies (backoff, attempt limits): callers pass
 //! decisions in, the store applies them atomically and fenced.
 
+mod assignment;
 mod claim;
 #[cfg(test)]
 mod claim_faults;
@@ -33,6 +34,10 @@ pub use transaction::{Retrying, TRANSACTION_RETRY_LIMIT, run_in_transaction};
 
 use crate::event::{EventRecord, NewEvent};
 use crate::lane::LaneId;
+
+/// How often at most a host announces itself (see [`Store::announce`]); a host that joins
+/// is seen by the others within that.
+pub const ANNOUNCE_EVERY: Duration = Duration::from_secs(1);
 
 /// A delivery's id: the `_id` of its document.
 pub type DeliveryId = ObjectId;
@@ -220,6 +225,11 @@ pub struct FanOutReport {
     pub claimed: Vec<ClaimedDelivery>,
     /// New deliveries handed out before the commit instead (see [`Store::fan_out_early`]).
     pub sent_early: usize,
+    /// Unfanned events of this host's lanes may remain beyond the batch although it was not
+    /// full (it read past other hosts' events): fan out again at once.
+    pub more: bool,
+    /// The batch read every unfanned event there was (of any host's lanes).
+    pub read_to_the_end: bool,
 }
 
 impl FanOutReport {
@@ -232,6 +242,8 @@ impl FanOutReport {
         self.lanes.extend(other.lanes);
         self.claimed.extend(other.claimed);
         self.sent_early += other.sent_early;
+        self.more |= other.more;
+        self.read_to_the_end |= other.read_to_the_end;
         self
     }
 }
@@ -505,8 +517,18 @@ pub trait Store: Send + Sync + 'static {
     fn extend_lease(&self, leases: &[Lease], now: DateTime)
     -> impl Future<Output = Result<Vec<bool>, StoreError>> + Send;
 
-    /// Hands every lane this instance holds back at once (graceful stop).
+    /// Hands every lane this instance holds back at once, and withdraws its announcement
+    /// (graceful stop): the other hosts take its share of the lanes at their next one.
     fn relinquish(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Announces this instance as a live host for a third of its lease from `now` (so one
+    /// that dies leaves its share to the others that soon), reads which hosts
+    /// are live and takes its share of the lanes among them: from then on its fan-outs leave
+    /// the events of the other hosts' lanes to them (until stale), so that hosts do not race
+    /// for the same events. Returns how many hosts are live. An instance that never announces
+    /// itself fans out every event (see the `assignment` module). A host's dispatcher
+    /// announces every [`ANNOUNCE_EVERY`] (or tenth of its lease, if shorter).
+    fn announce(&self, now: DateTime) -> impl Future<Output = Result<usize, StoreError>> + Send;
 
     /// Operator action: makes a dead delivery pending and due now, with its attempts reset.
     fn requeue(&self, delivery_id: &str, now: DateTime) -> impl Future<Output = Result<(), StoreError>> + Send;

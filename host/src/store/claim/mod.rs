@@ -24,6 +24,7 @@ use std::time::Duration;
 use bson::oid::ObjectId;
 use bson::{Bson, DateTime, Document};
 
+use super::assignment::Assignment;
 use super::{Capacity, ClaimedDelivery, DeliveryId, EarlyHandOut, EarlyHandOuts, FanOutCommit, Lease, StoreError};
 
 mod backend;
@@ -87,6 +88,9 @@ pub(crate) struct Claimer {
     /// each lane and the epoch of the take: a reconciliation keeps it listed, and the next
     /// claim charges it before anything else (see [`Claimer::take`]).
     uncharged: Mutex<Vec<(LaneId, i64, InFlight)>>,
+    /// The lanes whose events this instance fans out, as its last announcement found the
+    /// live hosts (every lane until it announced itself).
+    assignment: Mutex<Assignment>,
 }
 
 /// How many known heads a claimer keeps at most; beyond that it forgets them all and looks
@@ -174,7 +178,45 @@ impl Claimer {
             unpark_sweep: Periodic::new(UNPARK_SWEEP_INTERVAL_MS),
             known_heads: Mutex::new(HashMap::new()),
             uncharged: Mutex::new(Vec::new()),
+            assignment: Mutex::new(Assignment::everything()),
         }
+    }
+
+    /// This instance's id among the live hosts (see [`Assignment`]).
+    pub fn host_id(&self) -> String {
+        format!("{}/{}", self.holder.owner, self.holder.instance)
+    }
+
+    /// Until when an announcement at `now` counts this instance as live: a third of its
+    /// lease, so that the others take the share of a host that died well before its held
+    /// lanes' leases run out.
+    pub fn announced_until(&self, now: DateTime) -> DateTime {
+        DateTime::from_millis(now.timestamp_millis().saturating_add(self.lease_duration.as_millis() as i64 / 3))
+    }
+
+    /// The lanes whose events this instance fans out.
+    pub fn assignment(&self) -> Assignment {
+        self.assignment.lock().expect("assignment").clone()
+    }
+
+    /// Takes the live hosts an announcement found as the new split of the lanes; returns
+    /// whether this instance gained lanes (whose unfanned events it left to others so far).
+    pub fn assign(&self, hosts: &[String]) -> bool {
+        let new = Assignment::among(&self.host_id(), hosts);
+        let mut assignment = self.assignment.lock().expect("assignment");
+        let gained = new.gains_on(&assignment);
+        if new.hosts() != assignment.hosts() {
+            tracing::info!(hosts = new.hosts(), lanes = new.lanes(), "live hosts changed; this host now fans out its share of the lanes");
+        }
+        *assignment = new;
+        gained
+    }
+
+    /// Events created before this are fanned out by whoever reads them, whoever's lane
+    /// they are in (see [`Assignment::stale_after`]).
+    pub fn stale_before(&self, now: DateTime) -> DateTime {
+        let stale_after = Assignment::stale_after(self.lease_duration.as_millis() as i64);
+        DateTime::from_millis(now.timestamp_millis().saturating_sub(stale_after))
     }
 
     pub fn lease_until(&self, now: DateTime) -> DateTime {

@@ -289,6 +289,13 @@ impl Claimer {
         now: DateTime,
         until: DateTime,
     ) -> Result<(), StoreError> {
+        // Free lanes of other live hosts are theirs to take (see `crate::store::assignment`):
+        // taking them would only race them for their own fan-outs' deliveries. Their work
+        // is taken here only once it waited past stale, below.
+        let assignment = self.assignment();
+        let others: BTreeSet<LaneId> = (0..=LaneId::MAX).filter(|lane| !assignment.is_mine(*lane)).collect();
+        let stale_exclude: BTreeSet<LaneId> = (0..=LaneId::MAX).filter(|lane| !others.contains(lane) || tried.contains(lane)).collect();
+        tried.extend(others.iter().copied());
         if plan.full() && matches!(search, LaneSearch::FreeWithDueWork) && self.fairness_check.due(now) {
             if let Some(youngest) = plan.youngest_due() {
                 let before = DateTime::from_millis(youngest.timestamp_millis() - 1);
@@ -336,6 +343,18 @@ impl Claimer {
                 break;
             }
             round = (round * 2).min(MAX_LANES_PER_QUERY);
+        }
+        if !plan.full() && !others.is_empty() && matches!(search, LaneSearch::FreeWithDueWork) {
+            let stale_before = self.stale_before(now);
+            let missing = plan.limit - plan.picks.len();
+            let found = backend.free_lanes_with_due_work(handlers, &stale_exclude, FAIRNESS_LANES, missing, stale_before).await?;
+            if !found.is_empty() {
+                let lanes: Vec<LaneId> = found.iter().map(|(lane, _)| *lane).collect();
+                tracing::debug!(?lanes, "taking other hosts' free lanes whose work waited past stale");
+                let taken = self.take(backend, held, &lanes, now, until).await?;
+                let new_lanes = adopt(held, mine, taken);
+                scan(backend, plan, &new_lanes, handlers, now).await?;
+            }
         }
         Ok(())
     }

@@ -59,8 +59,13 @@ pub(super) async fn run(
         if heard.len() > limit {
             store.heard.missed_some();
         }
-        let (unkeyed, keyed): (Vec<Document>, Vec<Document>) =
-            heard.into_iter().take(limit).partition(|event| fan_out::string_key(event).is_none());
+        // Other hosts' events are theirs (see `crate::store::assignment`).
+        let (assignment, stale_before) = (store.claimer.assignment(), store.claimer.stale_before(now));
+        let (unkeyed, keyed): (Vec<Document>, Vec<Document>) = heard
+            .into_iter()
+            .take(limit)
+            .filter(|event| assignment.fans_out(event, stale_before))
+            .partition(|event| fan_out::string_key(event).is_none());
         if !unkeyed.is_empty() {
             match handing_out(store, subscriptions, Batch::Heard(unkeyed), hand_out, early, now).await {
                 Ok(heard) if keyed.is_empty() && !store.heard.behind() => return Ok(heard),
@@ -79,7 +84,7 @@ pub(super) async fn run(
     let since = store.heard.misses();
     match read(store, subscriptions, limit, hand_out, early, now).await {
         Ok(read) => {
-            store.heard.read(since, read.events, limit);
+            store.heard.read(since, read.read_to_the_end);
             Ok(report.and(read))
         }
         Err(error) => {
@@ -124,10 +129,10 @@ async fn read(
         }
     }
     let mut report = transaction!(store, Commit::Applied, |tx| {
-        let batch = read_batch(store, Some(tx.session()), limit).await?;
+        let Read { batch, more, to_the_end } = read_batch(store, Some(tx.session()), limit, now).await?;
         let plan = fan_out::plan(&batch, subscriptions);
         write(store, tx.session(), &plan, now).await?;
-        Ok(plan.report(Vec::new(), &[]))
+        Ok(FanOutReport { more, read_to_the_end: to_the_end, ..plan.report(Vec::new(), &[]) })
     })?;
     report.lanes.extend(lanes_to_read);
     Ok(report)
@@ -179,11 +184,11 @@ async fn plain(
     early: &EarlyHandOuts,
     now: DateTime,
 ) -> Result<Option<FanOutReport>, StoreError> {
-    let batch = read_batch(store, None, limit).await?;
+    let Read { batch, more, to_the_end } = read_batch(store, None, limit, now).await?;
     let plan = fan_out::plan(&batch, subscriptions);
     let mut fresh = fan_out::fresh(&plan, &batch, hand_out, now);
     if plan.events.is_empty() {
-        return Ok(Some(plan.report(Vec::new(), &[])));
+        return Ok(Some(FanOutReport { more, read_to_the_end: to_the_end, ..plan.report(Vec::new(), &[]) }));
     }
     if fresh.len() < plan.deliveries.len() {
         store.plain_marks.skip(PLAIN_SKIPS);
@@ -198,7 +203,7 @@ async fn plain(
     // `None`: the lanes held have no room for it (the transaction's hand-out takes some), or
     // a claim owns them now.
     let sent = store.claimer.hand_out_listed_first(&lanes::Backend { store }, fresh, mark, early, now).await?;
-    Ok(sent.map(|sent| plan.report(Vec::new(), &sent)))
+    Ok(sent.map(|sent| FanOutReport { more, read_to_the_end: to_the_end, ..plan.report(Vec::new(), &sent) }))
 }
 
 /// Marks `events` fanned out by `fan_out` with plain updates, two commands at once (one per
@@ -281,10 +286,10 @@ async fn handing_out(
     now: DateTime,
 ) -> Result<FanOutReport, StoreError> {
     let mut tx = store.begin_with(Commit::Applied).await?;
-    let (batch, limit) = match batch {
-        Batch::Heard(events) => (events, None),
-        Batch::Read(limit) => match read_batch(store, Some(tx.session()), limit).await {
-            Ok(batch) => (batch, Some(limit)),
+    let (batch, limit, more, to_the_end) = match batch {
+        Batch::Heard(events) => (events, None, false, false),
+        Batch::Read(limit) => match read_batch(store, Some(tx.session()), limit, now).await {
+            Ok(Read { batch, more, to_the_end }) => (batch, Some(limit), more, to_the_end),
             Err(error) => {
                 let _ = tx.abort().await;
                 return Err(error);
@@ -326,30 +331,83 @@ async fn handing_out(
         }
     };
     let handed = store.claimer.hand_out(&lanes::Backend { store }, fresh, write, early, now).await?;
-    Ok(plan.report(handed.claimed, &handed.sent_early))
+    Ok(FanOutReport { more, read_to_the_end: to_the_end, ..plan.report(handed.claimed, &handed.sent_early) })
 }
 
-/// A batch of unfanned events: the oldest, completed by the lowest unfanned events of every
-/// key among them (see [`crate::store::fan_out`]).
-async fn read_batch(store: &MongoStore, session: Option<&mut ClientSession>, limit: usize) -> Result<Vec<Document>, StoreError> {
+/// Pages of unfanned events a batch reads at most while most of what it finds is other
+/// hosts' (see [`crate::store::assignment`]).
+const PAGES: usize = 4;
+
+/// A batch read; whether unfanned events of this host's may remain beyond it (`more`: read
+/// again at once), and whether it reached the end of the unfanned events (`to_the_end`: the
+/// change stream can be trusted again, see [`super::heard`]).
+struct Read {
+    batch: Vec<Document>,
+    more: bool,
+    to_the_end: bool,
+}
+
+/// A batch of unfanned events of this host's lanes (or stale ones of any): the oldest,
+/// completed by the lowest unfanned events of every key among them (see
+/// [`crate::store::fan_out`]). Where other hosts' events fill the oldest page, it reads on
+/// from where that page ended (an index position, `min`), up to [`PAGES`] pages.
+async fn read_batch(
+    store: &MongoStore,
+    session: Option<&mut ClientSession>,
+    limit: usize,
+    now: DateTime,
+) -> Result<Read, StoreError> {
     let events = &store.collections.events;
-    let first = events
-        .find(doc! { field::FANNED_OUT_AT: Bson::Null })
-        .sort(doc! { field::CREATED_AT: 1, field::ID: 1 })
-        .hint(Hint::Name(setup::UNFANNED.into()))
-        .limit(limit as i64)
-        .batch_size(super::documents::one_batch(limit));
+    let (assignment, stale_before) = (store.claimer.assignment(), store.claimer.stale_before(now));
     let mut session = session;
-    let first: Vec<Document> = match session.as_deref_mut() {
-        Some(session) => first.session(&mut *session).await?.stream(&mut *session).try_collect().await?,
-        None => first.await?.try_collect().await?,
-    };
+    let mut first: Vec<Document> = Vec::new();
+    let mut seen: HashSet<String> = HashSet::new();
+    let mut from: Option<Document> = None;
+    let mut more = false;
+    for _ in 0..PAGES {
+        let mut page = events
+            .find(doc! { field::FANNED_OUT_AT: Bson::Null })
+            .sort(doc! { field::CREATED_AT: 1, field::ID: 1 })
+            .hint(Hint::Name(setup::UNFANNED.into()))
+            .limit(limit as i64)
+            .batch_size(super::documents::one_batch(limit));
+        if let Some(from) = from.take() {
+            page = page.min(from);
+        }
+        let page: Vec<Document> = match session.as_deref_mut() {
+            Some(session) => page.session(&mut *session).await?.stream(&mut *session).try_collect().await?,
+            None => page.await?.try_collect().await?,
+        };
+        more = page.len() >= limit;
+        // Where the next page starts: the index position of this one's last event (`min`
+        // is inclusive; `seen` skips it).
+        from = page.last().and_then(|last| {
+            Some(doc! { field::CREATED_AT: last.get(field::CREATED_AT)?.clone(), field::ID: last.get(field::ID)?.clone() })
+        });
+        let mut new = 0;
+        for doc in page {
+            if seen.insert(id_text(doc.get(field::ID).unwrap_or(&Bson::Null))) {
+                new += 1;
+                if assignment.fans_out(&doc, stale_before) {
+                    first.push(doc);
+                }
+            }
+        }
+        if !more || new == 0 || first.len() * 2 >= limit || from.is_none() {
+            break;
+        }
+    }
+    first.truncate(limit);
+    let to_the_end = !more;
+    // Read on again at once only while there was something of this host's to read: a
+    // backlog of other hosts' events is theirs to drain.
+    let more = more && !first.is_empty();
     if first.is_empty() {
-        return Ok(first);
+        return Ok(Read { batch: first, more, to_the_end });
     }
     let keys = fan_out::keys_of(&first);
     if keys.is_empty() {
-        return Ok(fan_out::assemble(first, Vec::new()));
+        return Ok(Read { batch: fan_out::assemble(first, Vec::new()), more, to_the_end });
     }
     let prefixes = events
         .find(doc! { field::KEY: { "$in": &keys }, field::FANNED_OUT_AT: Bson::Null })
@@ -361,7 +419,7 @@ async fn read_batch(store: &MongoStore, session: Option<&mut ClientSession>, lim
         Some(session) => prefixes.session(&mut *session).await?.stream(&mut *session).try_collect().await?,
         None => prefixes.await?.try_collect().await?,
     };
-    Ok(fan_out::assemble(first, prefixes))
+    Ok(Read { batch: fan_out::assemble(first, prefixes), more, to_the_end })
 }
 
 /// Marks the plan's events fanned out and inserts their deliveries; returns how many it

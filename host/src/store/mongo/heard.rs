@@ -61,9 +61,10 @@ impl Heard {
         self.read_through.load(Ordering::SeqCst) < self.misses.load(Ordering::SeqCst)
     }
 
-    /// Notes that a read which started when `misses` was `since` read `events` of `limit`.
-    pub(super) fn read(&self, since: u64, events: usize, limit: usize) {
-        if events < limit {
+    /// Notes that a read which started when `misses` was `since` did or did not read to the
+    /// end of the unfanned events.
+    pub(super) fn read(&self, since: u64, to_the_end: bool) {
+        if to_the_end {
             self.read_through.fetch_max(since, Ordering::SeqCst);
         } else {
             self.missed_some();

@@ -33,6 +33,7 @@ mod documents;
 mod fan_out;
 mod generations;
 mod heard;
+mod hosts;
 mod lanes;
 mod operations;
 mod outcome;
@@ -107,6 +108,8 @@ pub(crate) struct Collections {
     pub history: Collection<Document>,
     /// Event documents too large to deliver, kept whole (see `fan_out::quarantine`).
     pub oversized_events: Collection<Document>,
+    /// The live hosts' announcements (see `hosts`).
+    pub hosts: Collection<Document>,
 }
 
 impl Collections {
@@ -124,6 +127,7 @@ impl Collections {
             lanes: collection("lanes"),
             history: collection("completed_deliveries"),
             oversized_events: collection("oversized_events"),
+            hosts: collection("hosts"),
         }
     }
 }
@@ -395,7 +399,12 @@ impl Store for MongoStore {
     }
 
     async fn relinquish(&self) -> Result<(), StoreError> {
-        outcome::relinquish(self).await
+        outcome::relinquish(self).await?;
+        hosts::withdraw(self).await
+    }
+
+    async fn announce(&self, now: DateTime) -> Result<usize, StoreError> {
+        hosts::announce(self, now).await
     }
 
     async fn requeue(&self, delivery_id: &str, now: DateTime) -> Result<(), StoreError> {

@@ -47,6 +47,7 @@ pub(super) async fn run(client: &Client, collections: &Collections, location: &M
         &collections.lanes,
         &collections.history,
         &collections.oversized_events,
+        &collections.hosts,
     ] {
         match database.create_collection(collection.name()).await {
             Ok(()) => {}
@@ -59,6 +60,7 @@ pub(super) async fn run(client: &Client, collections: &Collections, location: &M
     create_indexes(&collections.deliveries, delivery_indexes()).await?;
     create_indexes(&collections.events, event_indexes()).await?;
     create_indexes(&collections.history, history_indexes()).await?;
+    create_indexes(&collections.hosts, vec![super::hosts::lapsed_index()]).await?;
     seed_lanes(&collections.lanes).await
 }
 
