@@ -588,6 +588,22 @@ async fn a_claim_looks_up_the_heads_of_many_keys_with_one_command_per_handler() 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_takes_the_follower_created_behind_a_completed_delivery_without_looking_its_key_up() {
+    let Recorded { log, store, .. } = recorded_store().await;
+    let h = handlers(&["h"]);
+    publish_all(&store, (1..=3).map(|n| keyed(&format!("k-{n}"), "t", "key")).collect()).await;
+    fan_out_all(&store, &subs(&[("h", &["t"])]), at(T0)).await;
+    let lookups = |since: usize| log.lock().unwrap()[since..].iter().filter(|(name, _)| name == "aggregate").count();
+    let first = store.claim(&h, 10, at(T0 + 1)).await.unwrap();
+    assert_eq!(ids(&first), ["k-1/h"]);
+    store.complete_many(&[first[0].lease], at(T0 + 2)).await.unwrap();
+    let before = log.lock().unwrap().len();
+    let second = store.claim(&h, 10, at(T0 + 3)).await.unwrap();
+    assert_eq!(ids(&second), ["k-2/h"]);
+    assert_eq!(lookups(before), 0, "k-2 was created behind k-1, which is gone: it leads its key");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_does_not_look_up_again_a_head_an_earlier_claim_found() {
     let Recorded { log, store, .. } = recorded_store().await;
     let h = handlers(&["h"]);
@@ -675,7 +691,9 @@ async fn setup_replaces_superseded_indexes_and_pending_deliveries_stay_out_of_th
     assert_eq!((keys.get_i32("unfanned").unwrap(), keys.get_i32("key_unfanned").unwrap()), (0, 0), "{keys}");
     assert_eq!(keys.get_i32("created").unwrap(), 23, "{keys}");
     let keys = keys_per_index(&client, &database, "relayhost_deliveries").await;
-    assert_eq!(keys.get_i32("claim").unwrap(), 23, "{keys}");
+    // The key's two followers are created parked, behind their predecessors.
+    assert_eq!(keys.get_i32("claim").unwrap(), 21, "{keys}");
+    assert_eq!((keys.get_i32("parked").unwrap(), keys.get_i32("parked_behind").unwrap()), (2, 2), "{keys}");
     for index in dead_letter_indexes {
         assert_eq!(keys.get_i32(index).unwrap(), 0, "pending deliveries are not dead letters: {keys}");
     }

@@ -50,6 +50,7 @@ contract!(
     skewed_clocks_and_split_batches_keep_sequence_order,
     per_key_rules_hold_within_one_claim,
     keyed_deliveries_run_one_at_a_time_in_sequence_order,
+    a_fan_out_creates_the_followers_of_a_key_parked,
     concurrent_workers_never_claim_twice_and_keep_key_order,
     lanes_are_exclusive_under_a_live_lease,
     live_hosts_split_the_lanes_and_leave_each_other_their_events_until_stale,
@@ -355,6 +356,46 @@ async fn keyed_deliveries_run_one_at_a_time_in_sequence_order<F: Fixture>() {
     completed_order.dedup();
     assert_eq!(completed_order, (1..=completed_order.len() as i64).collect::<Vec<_>>());
     assert!(completed_order.len() >= 7, "{seen:?}");
+}
+
+async fn a_fan_out_creates_the_followers_of_a_key_parked<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    let mut events: Vec<NewEvent> = (0..4).map(|n| keyed(&format!("e-{n}"), "t", "k")).collect();
+    events.push(keyed("other", "t", "other-key"));
+    events.push(event("u", "t"));
+    publish_all(store, events).await;
+    let subscriptions = subs(&[("h", &["t"]), ("g", &["t"])]);
+    assert_eq!(store.fan_out(&subscriptions, 100, 0, at(T0)).await.unwrap().deliveries, 12);
+    // Per handler: the key's three followers wait parked from the start, no claim read them.
+    let statistics = store.statistics(at(T0)).await.unwrap();
+    for handler in ["h", "g"] {
+        let of = statistics.iter().find(|s| s.handler == handler).unwrap();
+        assert_eq!((of.parked, of.pending), (3, 6), "{handler}: {of:?}");
+    }
+    // A head that is retried keeps its followers waiting: it is still pending.
+    let first = store.claim(&handlers(&["h"]), 10, at(T0)).await.unwrap();
+    let head = first.iter().find(|c| c.event.key.as_deref() == Some("k")).unwrap();
+    assert_eq!(head.event.sequence, Some(1));
+    store.reschedule(&head.lease, at(T0 + 1), "again", at(T0)).await.unwrap();
+    let others: Vec<_> = first.iter().filter(|c| c.lease != head.lease).map(|c| c.lease).collect();
+    store.complete_many(&others, at(T0)).await.unwrap();
+    let meanwhile = store.claim(&handlers(&["h"]), 10, at(T0)).await.unwrap();
+    assert!(meanwhile.iter().all(|c| c.event.key.as_deref() != Some("k")), "{:?}", ids(&meanwhile));
+    let leases: Vec<_> = meanwhile.iter().map(|c| c.lease).collect();
+    store.complete_many(&leases, at(T0)).await.unwrap();
+    // They run in order all the same: each claim after a completion finds the next.
+    let mut order: Vec<(String, i64)> = Vec::new();
+    for step in 0..6 {
+        let claimed = store.claim(&handlers(&["h", "g"]), 10, at(T0 + 1 + step)).await.unwrap();
+        order.extend(claimed.iter().filter(|c| c.event.key.as_deref() == Some("k")).map(|c| (c.handler.clone(), c.event.sequence.unwrap())));
+        let leases: Vec<_> = claimed.iter().map(|c| c.lease).collect();
+        store.complete_many(&leases, at(T0 + 1 + step)).await.unwrap();
+    }
+    for handler in ["h", "g"] {
+        let seen: Vec<i64> = order.iter().filter(|(h, _)| h == handler).map(|(_, n)| *n).collect();
+        assert_eq!(seen, [1, 2, 3, 4], "{handler}");
+    }
 }
 
 async fn concurrent_workers_never_claim_twice_and_keep_key_order<F: Fixture>() {
@@ -742,7 +783,11 @@ async fn a_head_another_instance_settled_does_not_hold_back_its_key<F: Fixture>(
     let (ka, kb) = keys_in_two_lanes();
     publish(fixture.store(), keyed("ka-1", "t", &ka)).await.unwrap();
     fan_out_all(fixture.store(), &subs(&[("h", &["t"])]), at(T0)).await;
-    publish_all(fixture.store(), vec![keyed("kb-1", "t", &kb), keyed("kb-2", "t", &kb)]).await;
+    // (Fanned out apart: a fan-out creates the followers of a key in its batch parked, and
+    // this is about a ready one.)
+    publish(fixture.store(), keyed("kb-1", "t", &kb)).await.unwrap();
+    fan_out_all(fixture.store(), &subs(&[("h", &["t"])]), at(T0 + 1)).await;
+    publish(fixture.store(), keyed("kb-2", "t", &kb)).await.unwrap();
     fan_out_all(fixture.store(), &subs(&[("h", &["t"])]), at(T0 + 1)).await;
     // a looks up the heads of both keys but has room for one delivery only: kb-1 stays, and
     // kb's lane, where a runs nothing, goes back.

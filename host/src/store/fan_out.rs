@@ -30,6 +30,11 @@ pub(crate) struct NewDelivery {
     pub lane: LaneId,
     /// Set for a malformed event: the delivery is dead at once with this reason.
     pub dead_reason: Option<String>,
+    /// Created parked behind this delivery: the next lower sequence of its handler and key,
+    /// created in the same fan-out. It waits from the start instead of being read and parked
+    /// by a claim, and the claim after that predecessor is settled takes it as its key's head
+    /// without looking the key up (see `Unpark::Keys`).
+    pub behind: Option<DeliveryId>,
 }
 
 /// An event to mark fanned out, with the handlers its list gains.
@@ -122,6 +127,9 @@ pub(crate) fn assemble(first: Vec<Document>, prefixes: Vec<Document>) -> Vec<Doc
 /// are skipped, so a handler that completed an event never gets it again.
 pub(crate) fn plan(batch: &[Document], subscriptions: &Subscriptions) -> FanOutPlan {
     let mut plan = FanOutPlan::default();
+    // The last live keyed delivery created so far of each (handler, key): the batch holds
+    // each key's events in sequence order, so the next one of a pair is its follower.
+    let mut keys_created: HashMap<(String, String), DeliveryId> = HashMap::new();
     for doc in batch {
         let raw_id = doc.get(field::ID).cloned().unwrap_or(Bson::Null);
         let listed_in_order: Vec<&str> = match doc.get(field::HANDLERS) {
@@ -168,6 +176,13 @@ pub(crate) fn plan(batch: &[Document], subscriptions: &Subscriptions) -> FanOutP
                 sequence: record.as_ref().and_then(|r| r.sequence),
                 lane: lane_for_event(&event_id, key.as_deref()),
                 dead_reason: dead_reason.clone(),
+                behind: None,
+            };
+            let delivery = match (&delivery.key, &delivery.dead_reason) {
+                (Some(key), None) => {
+                    NewDelivery { behind: keys_created.insert((handler.clone(), key.clone()), delivery.id), ..delivery }
+                }
+                _ => delivery,
             };
             if let Some(reason) = &delivery.dead_reason {
                 let death = Death {

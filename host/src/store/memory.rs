@@ -68,6 +68,8 @@ struct Delivery {
     last_error: Option<String>,
     /// See `Candidate::suspect`.
     suspect: bool,
+    /// See `NewDelivery::behind`; cleared when it is unparked.
+    behind: Option<DeliveryId>,
 }
 
 #[derive(Debug, Clone)]
@@ -92,9 +94,32 @@ struct State {
 impl State {
     /// What [`ClaimBackend::unpark`] does, on this data.
     fn unpark(&mut self, handlers: &[String], scope: &Unpark) -> HashMap<HandlerKey, DeliveryId> {
+        let mut heads = HashMap::new();
+        // Followers created behind a delivery that is no longer pending lead their keys.
+        if let Unpark::Keys { behind, .. } = scope {
+            let gone = |id: &DeliveryId| self.deliveries.get(id).is_none_or(|d| d.status != DeliveryStatus::Pending);
+            let named: Vec<DeliveryId> = self
+                .deliveries
+                .iter()
+                .filter(|(_, d)| d.lane == LaneKind::Parked && handlers.contains(&d.handler))
+                .filter(|(_, d)| d.behind.is_some_and(|before| behind.contains(&before) && gone(&before)))
+                .map(|(id, _)| *id)
+                .collect();
+            for id in named {
+                let d = self.deliveries.get_mut(&id).expect("found above");
+                d.lane = LaneKind::Ready;
+                d.behind = None;
+                heads.insert((d.handler.clone(), d.key.clone().expect("keyed")), id);
+            }
+        }
         let keys: Option<HashSet<(&str, &str)>> = match scope {
             Unpark::Everything => None,
-            Unpark::Keys(keys) => Some(keys.iter().map(|(handler, key)| (handler.as_str(), key.as_str())).collect()),
+            Unpark::Keys { keys, .. } => Some(
+                keys.iter()
+                    .filter(|key| !heads.contains_key(*key))
+                    .map(|(handler, key)| (handler.as_str(), key.as_str()))
+                    .collect(),
+            ),
         };
         let in_scope = |handler: &str, key: &str| keys.as_ref().is_none_or(|keys| keys.contains(&(handler, key)));
         let mut lowest: HashMap<HandlerKey, (i64, DeliveryId, LaneKind)> = HashMap::new();
@@ -111,10 +136,11 @@ impl State {
                 *slot = (sequence, *id, d.lane);
             }
         }
-        let mut heads = HashMap::with_capacity(lowest.len());
         for (key, (_, id, lane)) in lowest {
             if lane == LaneKind::Parked {
-                self.deliveries.get_mut(&id).expect("exists").lane = LaneKind::Ready;
+                let d = self.deliveries.get_mut(&id).expect("exists");
+                d.lane = LaneKind::Ready;
+                d.behind = None;
             }
             heads.insert(key, id);
         }
@@ -157,7 +183,7 @@ impl State {
             // Built by the store itself, so it is valid; one published already stays.
             let _ = self.publish(dead_letter, usize::MAX);
         }
-        for NewDelivery { id, event_id, event_type, handler, key, sequence, lane, dead_reason } in &plan.deliveries {
+        for NewDelivery { id, event_id, event_type, handler, key, sequence, lane, dead_reason, behind } in &plan.deliveries {
             let dead = dead_reason.is_some();
             self.deliveries.insert(
                 *id,
@@ -168,7 +194,13 @@ impl State {
                     key: key.clone(),
                     sequence: *sequence,
                     lane_id: *lane,
-                    lane: if dead { LaneKind::Dead } else { LaneKind::Ready },
+                    lane: if dead {
+                        LaneKind::Dead
+                    } else if behind.is_some() {
+                        LaneKind::Parked
+                    } else {
+                        LaneKind::Ready
+                    },
                     status: if dead { DeliveryStatus::Dead } else { DeliveryStatus::Pending },
                     attempts: 0,
                     claims: 0,
@@ -178,6 +210,7 @@ impl State {
                     requeued_at: None,
                     last_error: dead_reason.clone(),
                     suspect: false,
+                    behind: *behind,
                 },
             );
         }
@@ -582,6 +615,14 @@ impl Store for MemoryStore {
         delivery.due_at = now;
         delivery.updated_at = Some(now);
         delivery.requeued_at = Some(now);
+        // Back before its key's followers: none of them leads its key any more by having
+        // been created behind a delivery that is gone (see `NewDelivery::behind`).
+        if let Some(key) = delivery.key.clone() {
+            let handler = delivery.handler.clone();
+            for d in state.deliveries.values_mut().filter(|d| d.handler == handler && d.key.as_ref() == Some(&key)) {
+                d.behind = None;
+            }
+        }
         Ok(())
     }
 
@@ -612,7 +653,8 @@ impl Store for MemoryStore {
         delivery.updated_at = Some(now);
         if let Some(key) = &before.key {
             // Its key's next delivery may wait parked behind it: it leads the key now.
-            state.unpark(std::slice::from_ref(&before.handler), &Unpark::Keys(vec![(before.handler.clone(), key.clone())]));
+            let scope = Unpark::Keys { keys: vec![(before.handler.clone(), key.clone())], behind: vec![id] };
+            state.unpark(std::slice::from_ref(&before.handler), &scope);
         }
         Ok(before)
     }

@@ -166,8 +166,9 @@ pub(crate) enum LaneSearch<'a> {
 pub(crate) enum Unpark {
     /// Every key of the claim's handlers with parked deliveries.
     Everything,
-    /// Only these keys.
-    Keys(Vec<HandlerKey>),
+    /// Only these keys; a parked follower created behind one of `behind` (settled since)
+    /// that is no longer pending is taken as its key's head without a lookup.
+    Keys { keys: Vec<HandlerKey>, behind: Vec<DeliveryId> },
 }
 
 /// The fewest due rows [`ClaimBackend::free_lanes_with_due_work`] reads per query before it

@@ -78,8 +78,9 @@ pub(crate) struct Claimer {
     fairness_check: Periodic,
     /// The warning that lanes still wait for a takeover's charge, at most this often.
     charge_warning: Periodic,
-    /// Keys whose deliveries this instance settled since the last claim's unparking.
-    moved_keys: Mutex<HashSet<HandlerKey>>,
+    /// Keys whose deliveries this instance settled since the last claim's unparking, and
+    /// those deliveries (followers created parked behind one of them are found by it).
+    moved_keys: Mutex<(HashSet<HandlerKey>, Vec<DeliveryId>)>,
     /// The unparking of every key with parked deliveries.
     unpark_sweep: Periodic,
     /// Heads of keys this instance's claims looked up (see [`Plan::recall_heads`]).
@@ -174,7 +175,7 @@ impl Claimer {
             issued: Mutex::new(HashMap::new()),
             fairness_check: Periodic::new(FAIRNESS_CHECK_INTERVAL_MS),
             charge_warning: Periodic::new(CHARGE_WARNING_INTERVAL_MS),
-            moved_keys: Mutex::new(HashSet::new()),
+            moved_keys: Mutex::new((HashSet::new(), Vec::new())),
             unpark_sweep: Periodic::new(UNPARK_SWEEP_INTERVAL_MS),
             known_heads: Mutex::new(HashMap::new()),
             uncharged: Mutex::new(Vec::new()),
@@ -249,12 +250,18 @@ impl Claimer {
         let mut moved = Vec::new();
         for lease in leases {
             if issued.get(&lease.delivery).map(|issued| &issued.lease) == Some(lease) {
-                moved.extend(issued.remove(&lease.delivery).and_then(|issued| issued.key));
+                if let Some(key) = issued.remove(&lease.delivery).and_then(|issued| issued.key) {
+                    moved.push((key, lease.delivery));
+                }
             }
         }
         drop(issued);
         if !moved.is_empty() {
-            self.moved_keys.lock().expect("moved keys").extend(moved);
+            let (keys, behind) = &mut *self.moved_keys.lock().expect("moved keys");
+            for (key, delivery) in moved {
+                keys.insert(key);
+                behind.push(delivery);
+            }
         }
     }
 
@@ -295,18 +302,22 @@ impl Claimer {
     /// What a claim at `now` unparks: every key at most every [`UNPARK_SWEEP_INTERVAL_MS`],
     /// otherwise the keys that moved since the last claim; `None` when there are none.
     fn unpark_scope(&self, now: DateTime) -> Option<Unpark> {
-        let keys = std::mem::take(&mut *self.moved_keys.lock().expect("moved keys"));
+        let (keys, behind) = std::mem::take(&mut *self.moved_keys.lock().expect("moved keys"));
         if self.unpark_sweep.due(now) {
             return Some(Unpark::Everything);
         }
-        (!keys.is_empty()).then(|| Unpark::Keys(keys.into_iter().collect()))
+        (!keys.is_empty()).then(|| Unpark::Keys { keys: keys.into_iter().collect(), behind })
     }
 
     /// Keeps what `scope` was to unpark for the next claim, after it failed.
     fn unpark_later(&self, scope: Option<Unpark>) {
         match scope {
             Some(Unpark::Everything) => self.unpark_sweep.again(),
-            Some(Unpark::Keys(keys)) => self.moved_keys.lock().expect("moved keys").extend(keys),
+            Some(Unpark::Keys { keys, behind }) => {
+                let (moved, settled) = &mut *self.moved_keys.lock().expect("moved keys");
+                moved.extend(keys);
+                settled.extend(behind);
+            }
             None => {}
         }
     }

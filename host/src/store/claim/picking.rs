@@ -129,7 +129,7 @@ impl Claimer {
             ended
         };
         if !ended.is_empty() {
-            let scope = Unpark::Keys(ended);
+            let scope = Unpark::Keys { keys: ended, behind: Vec::new() };
             match backend.unpark(handlers, &scope).await {
                 Ok(found) => heads.extend(found),
                 Err(error) => {
@@ -387,7 +387,7 @@ impl Claimer {
         if !unrunnable.is_empty() {
             backend.bury_unrunnable(&unrunnable, now).await?;
         }
-        self.moved_keys.lock().expect("moved keys").extend(buried_keys);
+        self.moved_keys.lock().expect("moved keys").0.extend(buried_keys);
         Ok(runnable)
     }
 }

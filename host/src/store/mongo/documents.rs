@@ -32,6 +32,9 @@ pub(super) mod delivery {
     pub const SUSPECT: &str = "suspect";
     /// When an operator last requeued it.
     pub const REQUEUED_AT: &str = "requeuedAt";
+    /// A follower created parked: the delivery it was created behind (see
+    /// `NewDelivery::behind`); removed when it is unparked.
+    pub const BEHIND: &str = "behind";
 
     pub const READY: &str = "ready";
     pub const PARKED: &str = "parked";
@@ -92,7 +95,13 @@ pub(super) fn new_delivery_document(new: &NewDelivery, now: DateTime) -> Documen
         delivery::EVENT_TYPE: &new.event_type,
         delivery::HANDLER: &new.handler,
         delivery::LANE_ID: i32::from(new.lane),
-        delivery::LANE: if dead { delivery::DEAD } else { delivery::READY },
+        delivery::LANE: if dead {
+            delivery::DEAD
+        } else if new.behind.is_some() {
+            delivery::PARKED
+        } else {
+            delivery::READY
+        },
         delivery::STATUS: if dead { delivery::DEAD } else { delivery::PENDING },
         delivery::ATTEMPTS: 0_i32,
         delivery::CLAIMS: 0_i64,
@@ -104,6 +113,9 @@ pub(super) fn new_delivery_document(new: &NewDelivery, now: DateTime) -> Documen
     }
     if let Some(sequence) = new.sequence {
         document.insert(delivery::SEQUENCE, sequence);
+    }
+    if let Some(behind) = new.behind {
+        document.insert(delivery::BEHIND, behind);
     }
     if let Some(reason) = &new.dead_reason {
         document.insert(delivery::LAST_ERROR, reason);

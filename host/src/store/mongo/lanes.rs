@@ -11,10 +11,11 @@ use bson::{Bson, DateTime, Document, doc};
 use futures::TryStreamExt;
 use futures::future::try_join_all;
 use mongodb::ClientSession;
+use mongodb::options::Hint;
 
 use super::{Commit, MongoStore};
 use super::documents::{self, delivery, entry, in_flight_document, lane, lane_state};
-use super::{generations, unstored};
+use super::{generations, setup, unstored};
 use crate::death::Death;
 use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
 use crate::store::claim::MIN_ROWS_PER_LANE_QUERY;
@@ -145,6 +146,62 @@ impl Backend<'_> {
         Ok(per_handler.into_iter().flatten().collect())
     }
 
+    /// Unparks the followers created behind one of `settled` that is no longer pending, and
+    /// returns them as their keys' heads: two reads by index and one update, whatever the
+    /// number of keys, where looking each key's head up costs `mongod` a sub-pipeline per key.
+    async fn followers_of_settled(
+        &self,
+        handlers: &[String],
+        settled: &[DeliveryId],
+    ) -> Result<HashMap<HandlerKey, DeliveryId>, StoreError> {
+        let deliveries = &self.store.collections.deliveries;
+        let still_pending: HashSet<DeliveryId> = deliveries
+            .find(doc! { delivery::ID: { "$in": settled }, delivery::STATUS: delivery::PENDING })
+            .projection(doc! { delivery::ID: 1 })
+            .hint(super::by_id())
+            .await?
+            .try_collect::<Vec<Document>>()
+            .await?
+            .iter()
+            .filter_map(|d| d.get_object_id(delivery::ID).ok())
+            .collect();
+        let gone: Vec<DeliveryId> = settled.iter().filter(|id| !still_pending.contains(id)).copied().collect();
+        if gone.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let followers: Vec<Document> = deliveries
+            .find(doc! {
+                delivery::BEHIND: { "$in": gone },
+                delivery::LANE: delivery::PARKED,
+                delivery::HANDLER: { "$in": handlers },
+            })
+            .projection(doc! { delivery::ID: 1, delivery::HANDLER: 1, delivery::KEY: 1 })
+            .hint(Hint::Name(setup::PARKED_BEHIND.into()))
+            .await?
+            .try_collect()
+            .await?;
+        let mut heads = HashMap::with_capacity(followers.len());
+        for follower in &followers {
+            let (Ok(id), Ok(handler), Ok(key)) =
+                (follower.get_object_id(delivery::ID), follower.get_str(delivery::HANDLER), follower.get_str(delivery::KEY))
+            else {
+                continue;
+            };
+            heads.insert((handler.to_string(), key.to_string()), id);
+        }
+        if !heads.is_empty() {
+            let ids: Vec<DeliveryId> = heads.values().copied().collect();
+            deliveries
+                .update_many(
+                    doc! { delivery::ID: { "$in": ids }, delivery::LANE: delivery::PARKED },
+                    doc! { "$set": { delivery::LANE: delivery::READY }, "$unset": { delivery::BEHIND: "" } },
+                )
+                .hint(super::by_id())
+                .await?;
+        }
+        Ok(heads)
+    }
+
     /// The head of each of `keys` that has one, with its claim lane: one command per handler
     /// (per thousand keys), whatever the number of keys.
     async fn heads(&self, keys: &[HandlerKey]) -> Result<Vec<(HandlerKey, DeliveryId, String)>, StoreError> {
@@ -228,14 +285,19 @@ async fn heads_of(
 impl ClaimBackend for Backend<'_> {
     async fn unpark(&self, handlers: &[String], scope: &Unpark) -> Result<HashMap<HandlerKey, DeliveryId>, StoreError> {
         let deliveries = &self.store.collections.deliveries;
+        let mut heads = match scope {
+            Unpark::Keys { behind, .. } if !behind.is_empty() => self.followers_of_settled(handlers, behind).await?,
+            _ => HashMap::new(),
+        };
         let parked_keys: Vec<HandlerKey> = match scope {
             Unpark::Everything => self.parked_keys(handlers).await?,
-            Unpark::Keys(keys) => keys.iter().filter(|(handler, _)| handlers.contains(handler)).cloned().collect(),
+            Unpark::Keys { keys, .. } => {
+                keys.iter().filter(|key| handlers.contains(&key.0) && !heads.contains_key(*key)).cloned().collect()
+            }
         };
         if parked_keys.is_empty() {
-            return Ok(HashMap::new());
+            return Ok(heads);
         }
-        let mut heads = HashMap::with_capacity(parked_keys.len());
         let mut movable = Vec::new();
         for (key, id, lane) in self.heads(&parked_keys).await? {
             if lane == delivery::PARKED {

@@ -443,10 +443,10 @@ pub(super) async fn relinquish(store: &MongoStore) -> Result<(), StoreError> {
 pub(super) async fn requeue(store: &MongoStore, delivery_id: &str, now: DateTime) -> Result<(), StoreError> {
     // Only a well-formed ObjectId reaches a query, so an admin input cannot become an operator.
     let id = ObjectId::parse_str(delivery_id).map_err(|_| StoreError::DeliveryNotFound(delivery_id.to_string()))?;
-    let result = store
+    let requeued = store
         .collections
         .deliveries
-        .update_one(
+        .find_one_and_update(
             doc! { delivery::ID: id, delivery::STATUS: delivery::DEAD },
             doc! {
                 "$set": {
@@ -460,8 +460,21 @@ pub(super) async fn requeue(store: &MongoStore, delivery_id: &str, now: DateTime
                 "$inc": { delivery::CLAIMS: 1_i64 },
             },
         )
+        .projection(doc! { delivery::HANDLER: 1, delivery::KEY: 1 })
         .await?;
-    if result.matched_count == 1 {
+    if let Some(requeued) = requeued {
+        // Back before its key's followers: none of them leads its key any more by having
+        // been created behind a delivery that is gone (see `NewDelivery::behind`).
+        if let (Ok(handler), Ok(key)) = (requeued.get_str(delivery::HANDLER), requeued.get_str(delivery::KEY)) {
+            store
+                .collections
+                .deliveries
+                .update_many(
+                    doc! { delivery::LANE: delivery::PARKED, delivery::HANDLER: handler, delivery::KEY: key },
+                    doc! { "$unset": { delivery::BEHIND: "" } },
+                )
+                .await?;
+        }
         return Ok(());
     }
     let exists = store.collections.deliveries.find_one(doc! { delivery::ID: id }).projection(doc! { delivery::ID: 1 }).await?;

@@ -24,6 +24,7 @@ const SUPERSEDED_DELIVERY_INDEXES: &[&str] = &["due", "status_updated", "by_stat
 /// The events' indexes the fan-out reads by (by name: a hint, so that the planner never walks
 /// `created`, which has the same keys, through every event ever fanned out).
 pub(super) const UNFANNED: &str = "unfanned";
+pub(super) const PARKED_BEHIND: &str = "parked_behind";
 pub(super) const KEY_UNFANNED: &str = "key_unfanned";
 /// Every event in creation order: the purge's walk (by name, for the same reason).
 pub(super) const CREATED: &str = "created";
@@ -119,6 +120,13 @@ fn delivery_indexes() -> Vec<IndexModel> {
             doc! { delivery::LANE: 1, delivery::HANDLER: 1, delivery::KEY: 1, delivery::SEQUENCE: 1 },
             "parked",
             Some(doc! { delivery::LANE: delivery::PARKED }),
+            false,
+        ),
+        // Followers created parked behind a delivery, found by it once it is settled.
+        index(
+            doc! { delivery::BEHIND: 1 },
+            PARKED_BEHIND,
+            Some(doc! { delivery::LANE: delivery::PARKED, delivery::BEHIND: { "$exists": true } }),
             false,
         ),
         // Dead letters only: the operator's listings and the purge of old dead letters. The

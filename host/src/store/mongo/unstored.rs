@@ -161,6 +161,7 @@ pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], charge: C
                 sequence: None,
                 lane: entry.lane(),
                 dead_reason: None,
+                behind: None,
             };
             let mut document = new_delivery_document(&new, now);
             if charge == Charge::Takeover {
