@@ -363,6 +363,22 @@ impl EventRecord {
     }
 }
 
+/// The readable string key of a raw event document, if any.
+pub(crate) fn string_key(doc: &Document) -> Option<&str> {
+    match doc.get(field::KEY) {
+        Some(Bson::String(key)) => Some(key),
+        _ => None,
+    }
+}
+
+/// A printable id for any `_id` (string ids stay as they are).
+pub(crate) fn id_text(id: &Bson) -> String {
+    match id {
+        Bson::String(text) => text.clone(),
+        other => other.clone().into_relaxed_extjson().to_string(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

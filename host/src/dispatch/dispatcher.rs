@@ -54,8 +54,8 @@ use super::sequence_watch::SequenceWatch;
 use super::starts::StartRecorder;
 use super::{AttemptResult, RetryPolicy, Settle, bury_with_dead_letter, decide};
 use crate::lane::LaneId;
-use crate::store::{ANNOUNCE_EVERY, 
-    Capacity, ClaimedDelivery, DeliveryId, EarlyHandOut, EarlyHandOuts, FanOutCommit, Lease, Store, StoreError, Subscription,
+use crate::store::{
+    ANNOUNCE_EVERY, Capacity, ClaimedDelivery, DeliveryId, EarlyHandOut, EarlyHandOuts, FanOutCommit, Lease, Store, StoreError, Subscription,
     Subscriptions,
 };
 

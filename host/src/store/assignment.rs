@@ -19,8 +19,7 @@
 
 use bson::{Bson, DateTime, Document};
 
-use super::fan_out::{id_text, string_key};
-use crate::event::field;
+use crate::event::{field, id_text, string_key};
 use crate::lane::{LANE_COUNT, LaneId, lane_for_event};
 
 /// The lanes one host fans out: its share among the live hosts.

@@ -15,6 +15,7 @@ use bson::{Bson, DateTime, Document};
 use super::claim::{Candidate, Fresh};
 use super::{Capacity, ClaimedDelivery, DeliveryId, MALFORMED_EVENT_HANDLER, Subscriptions};
 use crate::death::Death;
+pub(crate) use crate::event::{id_text, string_key};
 use crate::event::{EventRecord, NewEvent, field};
 use crate::lane::{LaneId, lane_for_event};
 
@@ -84,22 +85,6 @@ impl FanOutPlan {
             more: false,
             read_to_the_end: false,
         }
-    }
-}
-
-/// The readable string key of a raw event document, if any.
-pub(crate) fn string_key(doc: &Document) -> Option<&str> {
-    match doc.get(field::KEY) {
-        Some(Bson::String(key)) => Some(key),
-        _ => None,
-    }
-}
-
-/// A printable id for any `_id` (string ids stay as they are).
-pub(crate) fn id_text(id: &Bson) -> String {
-    match id {
-        Bson::String(text) => text.clone(),
-        other => other.clone().into_relaxed_extjson().to_string(),
     }
 }
 

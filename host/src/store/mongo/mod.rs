@@ -38,6 +38,7 @@ mod lanes;
 mod operations;
 mod outcome;
 mod setup;
+mod unfanned;
 mod unstored;
 mod wakeup;
 

@@ -1,0 +1,104 @@
+//! Reading unfanned events in MongoDB: a fan-out's batch, the oldest events of this host's
+//! lanes (reading on past other hosts' events, see [`crate::store::assignment`]), completed by
+//! the lowest unfanned events of every key among them (see [`crate::store::fan_out`]). It only
+//! reads; it must never mark or write anything.
+
+use std::collections::HashSet;
+
+use bson::{Bson, DateTime, Document, doc};
+use futures::TryStreamExt;
+use mongodb::ClientSession;
+use mongodb::options::Hint;
+
+use super::{MongoStore, setup};
+use crate::event::field;
+use crate::store::StoreError;
+use crate::store::fan_out::{self, id_text};
+
+/// Pages of unfanned events a batch reads at most while most of what it finds is other
+/// hosts' (see [`crate::store::assignment`]).
+const PAGES: usize = 4;
+
+/// A batch read; whether unfanned events of this host's may remain beyond it (`more`: read
+/// again at once), and whether it reached the end of the unfanned events (`to_the_end`: the
+/// change stream can be trusted again, see [`super::heard`]).
+pub(super) struct Read {
+    pub batch: Vec<Document>,
+    pub more: bool,
+    pub to_the_end: bool,
+}
+
+/// A batch of unfanned events of this host's lanes (or stale ones of any): the oldest,
+/// completed by the lowest unfanned events of every key among them (see
+/// [`crate::store::fan_out`]). Where other hosts' events fill the oldest page, it reads on
+/// from where that page ended (an index position, `min`), up to [`PAGES`] pages.
+pub(super) async fn read_batch(
+    store: &MongoStore,
+    session: Option<&mut ClientSession>,
+    limit: usize,
+    now: DateTime,
+) -> Result<Read, StoreError> {
+    let events = &store.collections.events;
+    let (assignment, stale_before) = (store.claimer.assignment(), store.claimer.stale_before(now));
+    let mut session = session;
+    let mut first: Vec<Document> = Vec::new();
+    let mut seen: HashSet<String> = HashSet::new();
+    let mut from: Option<Document> = None;
+    let mut more = false;
+    for _ in 0..PAGES {
+        let mut page = events
+            .find(doc! { field::FANNED_OUT_AT: Bson::Null })
+            .sort(doc! { field::CREATED_AT: 1, field::ID: 1 })
+            .hint(Hint::Name(setup::UNFANNED.into()))
+            .limit(limit as i64)
+            .batch_size(super::documents::one_batch(limit));
+        if let Some(from) = from.take() {
+            page = page.min(from);
+        }
+        let page: Vec<Document> = match session.as_deref_mut() {
+            Some(session) => page.session(&mut *session).await?.stream(&mut *session).try_collect().await?,
+            None => page.await?.try_collect().await?,
+        };
+        more = page.len() >= limit;
+        // Where the next page starts: the index position of this one's last event (`min`
+        // is inclusive; `seen` skips it).
+        from = page.last().and_then(|last| {
+            Some(doc! { field::CREATED_AT: last.get(field::CREATED_AT)?.clone(), field::ID: last.get(field::ID)?.clone() })
+        });
+        let mut new = 0;
+        for doc in page {
+            if seen.insert(id_text(doc.get(field::ID).unwrap_or(&Bson::Null))) {
+                new += 1;
+                if assignment.fans_out(&doc, stale_before) {
+                    first.push(doc);
+                }
+            }
+        }
+        if !more || new == 0 || first.len() * 2 >= limit || from.is_none() {
+            break;
+        }
+    }
+    first.truncate(limit);
+    let to_the_end = !more;
+    // Read on again at once only while there was something of this host's to read: a
+    // backlog of other hosts' events is theirs to drain.
+    let more = more && !first.is_empty();
+    if first.is_empty() {
+        return Ok(Read { batch: first, more, to_the_end });
+    }
+    let keys = fan_out::keys_of(&first);
+    if keys.is_empty() {
+        return Ok(Read { batch: fan_out::assemble(first, Vec::new()), more, to_the_end });
+    }
+    let prefixes = events
+        .find(doc! { field::KEY: { "$in": &keys }, field::FANNED_OUT_AT: Bson::Null })
+        .sort(doc! { field::KEY: 1, field::SEQUENCE: 1 })
+        .hint(Hint::Name(setup::KEY_UNFANNED.into()))
+        .limit(limit.saturating_mul(4) as i64)
+        .batch_size(super::documents::one_batch(limit.saturating_mul(4)));
+    let prefixes: Vec<Document> = match session {
+        Some(session) => prefixes.session(&mut *session).await?.stream(&mut *session).try_collect().await?,
+        None => prefixes.await?.try_collect().await?,
+    };
+    Ok(Read { batch: fan_out::assemble(first, prefixes), more, to_the_end })
+}
