@@ -1,29 +1,24 @@
 //! The claim primitives in MongoDB: each is one query or one write (or a bounded parallel
-//! set of them), on the claim, ordering and parked indexes.
-//!
-//! One file past 600 lines because it is the one `ClaimBackend` implementation in MongoDB:
-//! every primitive the shared claim calls, together, so that each can be checked against its
-//! contract in `store/claim/` and its twin in `store/memory.rs`.
+//! set of them), on the claim, ordering and parked indexes. The `ClaimBackend` implementation
+//! in MongoDB: every primitive the shared claim calls, together, so that each can be checked
+//! against its contract in `store/claim/` and its twin in `store/memory.rs`; finding the heads
+//! of keys, which unparking and the scan share, is in `heads.rs`.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use bson::{Bson, DateTime, Document, doc};
 use futures::TryStreamExt;
 use futures::future::try_join_all;
-use mongodb::ClientSession;
-use mongodb::options::Hint;
 
 use super::{Commit, MongoStore};
 use super::documents::{self, delivery, entry, in_flight_document, lane, lane_state};
-use super::{generations, setup, unstored};
+use super::{generations, unstored};
 use crate::death::Death;
 use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
 use crate::store::claim::MIN_ROWS_PER_LANE_QUERY;
 use crate::store::claim::{Candidate, ClaimBackend, HandlerKey, Holder, InFlight, LaneRecord, LaneState, LaneWrite, Unpark};
 use crate::store::{DeliveryId, LOST_WHILE_RUNNING, Lease, StoreError};
 
-/// Keys whose heads one command looks up.
-const HEADS_PER_COMMAND: usize = 1_000;
 
 /// Up to this many lanes are taken with one `findAndModify` each, in parallel, instead of
 /// one update of all and a read of them.
@@ -126,160 +121,6 @@ impl Backend<'_> {
             .await?;
         documents.iter().map(lane_state).collect()
     }
-
-    /// Every key of `handlers` with parked deliveries. One skip scan over the `parked` index
-    /// names the handlers that have any (usually none), so a host serving many handlers pays
-    /// one command, not one per handler; then one skip scan per such handler names its keys.
-    async fn parked_keys(&self, handlers: &[String]) -> Result<Vec<HandlerKey>, StoreError> {
-        let deliveries = &self.store.collections.deliveries;
-        let parked_handlers = deliveries
-            .distinct(delivery::HANDLER, doc! { delivery::LANE: delivery::PARKED, delivery::HANDLER: { "$in": handlers } })
-            .await?;
-        let parked_handlers: Vec<String> = parked_handlers.iter().filter_map(|h| h.as_str().map(str::to_string)).collect();
-        let per_handler: Vec<Vec<HandlerKey>> = try_join_all(parked_handlers.iter().map(|handler| async move {
-            let keys = deliveries
-                .distinct(delivery::KEY, doc! { delivery::LANE: delivery::PARKED, delivery::HANDLER: handler })
-                .await?;
-            Ok::<_, StoreError>(keys.into_iter().filter_map(|k| k.as_str().map(|k| (handler.clone(), k.to_string()))).collect())
-        }))
-        .await?;
-        Ok(per_handler.into_iter().flatten().collect())
-    }
-
-    /// Unparks the followers created behind one of `settled` that is no longer pending, and
-    /// returns them as their keys' heads: two reads by index and one update, whatever the
-    /// number of keys, where looking each key's head up costs `mongod` a sub-pipeline per key.
-    async fn followers_of_settled(
-        &self,
-        handlers: &[String],
-        settled: &[DeliveryId],
-    ) -> Result<HashMap<HandlerKey, DeliveryId>, StoreError> {
-        let deliveries = &self.store.collections.deliveries;
-        let still_pending: HashSet<DeliveryId> = deliveries
-            .find(doc! { delivery::ID: { "$in": settled }, delivery::STATUS: delivery::PENDING })
-            .projection(doc! { delivery::ID: 1 })
-            .hint(super::by_id())
-            .await?
-            .try_collect::<Vec<Document>>()
-            .await?
-            .iter()
-            .filter_map(|d| d.get_object_id(delivery::ID).ok())
-            .collect();
-        let gone: Vec<DeliveryId> = settled.iter().filter(|id| !still_pending.contains(id)).copied().collect();
-        if gone.is_empty() {
-            return Ok(HashMap::new());
-        }
-        let followers: Vec<Document> = deliveries
-            .find(doc! {
-                delivery::BEHIND: { "$in": gone },
-                delivery::LANE: delivery::PARKED,
-                delivery::HANDLER: { "$in": handlers },
-            })
-            .projection(doc! { delivery::ID: 1, delivery::HANDLER: 1, delivery::KEY: 1 })
-            .hint(Hint::Name(setup::PARKED_BEHIND.into()))
-            .await?
-            .try_collect()
-            .await?;
-        let mut heads = HashMap::with_capacity(followers.len());
-        for follower in &followers {
-            let (Ok(id), Ok(handler), Ok(key)) =
-                (follower.get_object_id(delivery::ID), follower.get_str(delivery::HANDLER), follower.get_str(delivery::KEY))
-            else {
-                continue;
-            };
-            heads.insert((handler.to_string(), key.to_string()), id);
-        }
-        if !heads.is_empty() {
-            let ids: Vec<DeliveryId> = heads.values().copied().collect();
-            deliveries
-                .update_many(
-                    doc! { delivery::ID: { "$in": ids }, delivery::LANE: delivery::PARKED },
-                    doc! { "$set": { delivery::LANE: delivery::READY }, "$unset": { delivery::BEHIND: "" } },
-                )
-                .hint(super::by_id())
-                .await?;
-        }
-        Ok(heads)
-    }
-
-    /// The head of each of `keys` that has one, with its claim lane: one command per handler
-    /// (per thousand keys), whatever the number of keys.
-    async fn heads(&self, keys: &[HandlerKey]) -> Result<Vec<(HandlerKey, DeliveryId, String)>, StoreError> {
-        let mut by_handler: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-        for (handler, key) in keys {
-            by_handler.entry(handler).or_default().push(key);
-        }
-        let lookups = by_handler.iter().flat_map(|(handler, keys)| {
-            keys.chunks(HEADS_PER_COMMAND).map(move |chunk| async move {
-                let found = heads_of(self.store, handler, chunk, None).await?;
-                Ok::<_, StoreError>(found.into_iter().map(|(key, id, lane)| ((handler.to_string(), key), id, lane)))
-            })
-        });
-        Ok(try_join_all(lookups).await?.into_iter().flatten().collect())
-    }
-}
-
-/// The lowest pending delivery of a key, `(id, claim lane)`, read in `session` if given.
-pub(super) async fn key_head(
-    store: &MongoStore,
-    handler: &str,
-    key: &str,
-    session: Option<&mut ClientSession>,
-) -> Result<Option<(DeliveryId, String)>, StoreError> {
-    Ok(heads_of(store, handler, &[key], session).await?.pop().map(|(_, id, lane)| (id, lane)))
-}
-
-/// The heads of `keys` of one handler, `(key, id, claim lane)`, read in `session` if given.
-/// The keys go in as literal documents, and each one is joined with its lowest pending
-/// delivery: one `ordering` index probe per key, all in one round trip.
-async fn heads_of(
-    store: &MongoStore,
-    handler: &str,
-    keys: &[&str],
-    session: Option<&mut ClientSession>,
-) -> Result<Vec<(String, DeliveryId, String)>, StoreError> {
-    // `$literal`: `$documents` evaluates expressions, and a key is data, whatever it says.
-    let keys: Vec<Document> = keys.iter().map(|key| doc! { "k": { "$literal": *key } }).collect();
-    let pipeline = vec![
-        doc! { "$documents": keys },
-        doc! { "$lookup": {
-            "from": store.collections.deliveries.name(),
-            "localField": "k",
-            "foreignField": delivery::KEY,
-            "pipeline": [
-                { "$match": { delivery::HANDLER: handler, delivery::STATUS: delivery::PENDING } },
-                { "$sort": { delivery::SEQUENCE: 1 } },
-                { "$limit": 1 },
-                { "$project": { delivery::ID: 1, delivery::LANE: 1 } },
-            ],
-            "as": "head",
-        } },
-        doc! { "$unwind": "$head" },
-    ];
-    let database = store.database();
-    let aggregate = database.aggregate(pipeline);
-    let found: Vec<Document> = match session {
-        // A transaction reads from its primary already.
-        Some(session) => aggregate.session(&mut *session).await?.stream(&mut *session).try_collect().await?,
-        None => aggregate
-            .selection_criteria(mongodb::options::SelectionCriteria::ReadPreference(
-                mongodb::options::ReadPreference::Primary,
-            ))
-            .await?
-            .try_collect()
-            .await?,
-    };
-    // A head whose id is not an ObjectId was not written by a host: its key counts as having
-    // none.
-    Ok(found
-        .iter()
-        .filter_map(|row| {
-            let head = row.get_document("head").ok()?;
-            let id = head.get_object_id(delivery::ID).ok()?;
-            let lane = head.get_str(delivery::LANE).unwrap_or_default().to_string();
-            Some((row.get_str("k").ok()?.to_string(), id, lane))
-        })
-        .collect())
 }
 
 impl ClaimBackend for Backend<'_> {

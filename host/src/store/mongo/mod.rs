@@ -32,6 +32,7 @@ macro_rules! transaction {
 mod documents;
 mod fan_out;
 mod generations;
+mod heads;
 mod heard;
 mod hosts;
 mod lanes;

@@ -539,7 +539,7 @@ pub(super) async fn bury_pending_in(
     if let Some(key) = &before.key {
         // Its key's next delivery may wait parked behind it: it leads the key now. Hosts
         // unpark only the keys they settled themselves between their sweeps.
-        let next = super::lanes::key_head(store, &before.handler, key, Some(&mut *session)).await?;
+        let next = super::heads::key_head(store, &before.handler, key, Some(&mut *session)).await?;
         if let Some((next, _)) = next.filter(|(_, lane)| lane == delivery::PARKED) {
             store
                 .collections
