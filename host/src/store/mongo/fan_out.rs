@@ -31,7 +31,7 @@ use mongodb::ClientSession;
 use super::generations::WriteIn;
 use super::{Commit, MongoStore, generations, lanes};
 use super::documents::new_delivery_document;
-use super::unfanned::{Read, read_batch};
+use super::unfanned::{Reach, Read, read_batch};
 use crate::event::field;
 use crate::store::claim::{Fresh, HandOutOf};
 use crate::store::fan_out::{self, FanOutPlan, FannedEvent, id_text};
@@ -129,10 +129,10 @@ async fn read(
         }
     }
     let mut report = transaction!(store, Commit::Applied, |tx| {
-        let Read { batch, more, to_the_end } = read_batch(store, Some(tx.session()), limit, now).await?;
+        let Read { batch, reach } = read_batch(store, Some(tx.session()), limit, now).await?;
         let plan = fan_out::plan(&batch, subscriptions);
         write(store, tx.session(), &plan, now).await?;
-        Ok(FanOutReport { more, read_to_the_end: to_the_end, ..plan.report(Vec::new(), &[]) })
+        Ok(reach.on(plan.report(Vec::new(), &[])))
     })?;
     report.lanes.extend(lanes_to_read);
     Ok(report)
@@ -184,11 +184,11 @@ async fn plain(
     early: &EarlyHandOuts,
     now: DateTime,
 ) -> Result<Option<FanOutReport>, StoreError> {
-    let Read { batch, more, to_the_end } = read_batch(store, None, limit, now).await?;
+    let Read { batch, reach } = read_batch(store, None, limit, now).await?;
     let plan = fan_out::plan(&batch, subscriptions);
     let mut fresh = fan_out::fresh(&plan, &batch, hand_out, now);
     if plan.events.is_empty() {
-        return Ok(Some(FanOutReport { more, read_to_the_end: to_the_end, ..plan.report(Vec::new(), &[]) }));
+        return Ok(Some(reach.on(plan.report(Vec::new(), &[]))));
     }
     if fresh.len() < plan.deliveries.len() {
         store.plain_marks.skip(PLAIN_SKIPS);
@@ -203,7 +203,7 @@ async fn plain(
     // `None`: the lanes held have no room for it (the transaction's hand-out takes some), or
     // a claim owns them now.
     let sent = store.claimer.hand_out_listed_first(&lanes::Backend { store }, fresh, mark, early, now).await?;
-    Ok(sent.map(|sent| FanOutReport { more, read_to_the_end: to_the_end, ..plan.report(Vec::new(), &sent) }))
+    Ok(sent.map(|sent| reach.on(plan.report(Vec::new(), &sent))))
 }
 
 /// Marks `events` fanned out by `fan_out` with plain updates, two commands at once (one per
@@ -286,10 +286,10 @@ async fn handing_out(
     now: DateTime,
 ) -> Result<FanOutReport, StoreError> {
     let mut tx = store.begin_with(Commit::Applied).await?;
-    let (batch, limit, more, to_the_end) = match batch {
-        Batch::Heard(events) => (events, None, false, false),
+    let (batch, limit, reach) = match batch {
+        Batch::Heard(events) => (events, None, Reach::default()),
         Batch::Read(limit) => match read_batch(store, Some(tx.session()), limit, now).await {
-            Ok(Read { batch, more, to_the_end }) => (batch, Some(limit), more, to_the_end),
+            Ok(Read { batch, reach }) => (batch, Some(limit), reach),
             Err(error) => {
                 let _ = tx.abort().await;
                 return Err(error);
@@ -331,7 +331,7 @@ async fn handing_out(
         }
     };
     let handed = store.claimer.hand_out(&lanes::Backend { store }, fresh, write, early, now).await?;
-    Ok(FanOutReport { more, read_to_the_end: to_the_end, ..plan.report(handed.claimed, &handed.sent_early) })
+    Ok(reach.on(plan.report(handed.claimed, &handed.sent_early)))
 }
 
 /// Marks the plan's events fanned out and inserts their deliveries; returns how many it

@@ -12,20 +12,33 @@ use mongodb::options::Hint;
 
 use super::{MongoStore, setup};
 use crate::event::field;
-use crate::store::StoreError;
+use crate::store::{FanOutReport, StoreError};
 use crate::store::fan_out::{self, id_text};
 
 /// Pages of unfanned events a batch reads at most while most of what it finds is other
 /// hosts' (see [`crate::store::assignment`]).
 const PAGES: usize = 4;
 
-/// A batch read; whether unfanned events of this host's may remain beyond it (`more`: read
-/// again at once), and whether it reached the end of the unfanned events (`to_the_end`: the
-/// change stream can be trusted again, see [`super::heard`]).
+/// A batch read, and how far the read went ([`Reach`]).
 pub(super) struct Read {
     pub batch: Vec<Document>,
-    pub more: bool,
-    pub to_the_end: bool,
+    pub reach: Reach,
+}
+
+/// Whether unfanned events of this host's may remain beyond a batch (`more`: read again at
+/// once), and whether its read reached the end of the unfanned events (`to_the_end`: the
+/// change stream can be trusted again, see [`super::heard`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Reach {
+    more: bool,
+    to_the_end: bool,
+}
+
+impl Reach {
+    /// `report` (of a fan-out of the batch), saying how far its read went.
+    pub fn on(self, report: FanOutReport) -> FanOutReport {
+        FanOutReport { more: self.more, read_to_the_end: self.to_the_end, ..report }
+    }
 }
 
 /// A batch of unfanned events of this host's lanes (or stale ones of any): the oldest,
@@ -84,11 +97,11 @@ pub(super) async fn read_batch(
     // backlog of other hosts' events is theirs to drain.
     let more = more && !first.is_empty();
     if first.is_empty() {
-        return Ok(Read { batch: first, more, to_the_end });
+        return Ok(Read { batch: first, reach: Reach { more, to_the_end } });
     }
     let keys = fan_out::keys_of(&first);
     if keys.is_empty() {
-        return Ok(Read { batch: fan_out::assemble(first, Vec::new()), more, to_the_end });
+        return Ok(Read { batch: fan_out::assemble(first, Vec::new()), reach: Reach { more, to_the_end } });
     }
     let prefixes = events
         .find(doc! { field::KEY: { "$in": &keys }, field::FANNED_OUT_AT: Bson::Null })
@@ -100,5 +113,5 @@ pub(super) async fn read_batch(
         Some(session) => prefixes.session(&mut *session).await?.stream(&mut *session).try_collect().await?,
         None => prefixes.await?.try_collect().await?,
     };
-    Ok(Read { batch: fan_out::assemble(first, prefixes), more, to_the_end })
+    Ok(Read { batch: fan_out::assemble(first, prefixes), reach: Reach { more, to_the_end } })
 }
