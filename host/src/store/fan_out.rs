@@ -12,7 +12,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use bson::oid::ObjectId;
 use bson::{Bson, DateTime, Document};
 
-use super::claim::{Candidate, Fresh};
+use super::claim::{Candidate, Fresh, HandOutOf};
 use super::{Capacity, ClaimedDelivery, DeliveryId, MALFORMED_EVENT_HANDLER, Subscriptions};
 use crate::death::Death;
 pub(crate) use crate::event::{id_text, string_key};
@@ -236,6 +236,32 @@ pub(crate) fn fresh(plan: &FanOutPlan, batch: &[Document], budget: Capacity, now
             fresh
         })
         .collect()
+}
+
+/// The fresh deliveries of a hand-out that are to have no document (see [`Candidate::unstored`]).
+#[derive(Debug, Default)]
+pub(crate) struct WithoutDocuments {
+    /// The fan-out's id, stamped on the events it marks and named by the lane entries.
+    pub fan_out: ObjectId,
+    /// By event (as [`id_text`] prints it): the handlers its `handedOut` list gets.
+    pub handlers: HashMap<String, Vec<String>>,
+    /// Each one's event and handler.
+    pub deliveries: HashMap<DeliveryId, (Bson, String)>,
+}
+
+impl WithoutDocuments {
+    /// Every one of `fresh`, each marked as such.
+    pub fn of(plan: &FanOutPlan, fresh: &mut [Fresh]) -> Self {
+        let events: HashMap<DeliveryId, &Bson> = plan.deliveries.iter().map(|d| (d.id, &d.event_id)).collect();
+        let mut unstored = Self { fan_out: ObjectId::new(), ..Self::default() };
+        for Fresh { candidate, .. } in fresh {
+            let Some(event) = events.get(&candidate.id) else { continue };
+            candidate.unstored = Some(HandOutOf { event: (*event).clone(), fan_out: Some(unstored.fan_out) });
+            unstored.handlers.entry(id_text(event)).or_default().push(candidate.handler.clone());
+            unstored.deliveries.insert(candidate.id, ((*event).clone(), candidate.handler.clone()));
+        }
+        unstored
+    }
 }
 
 #[cfg(test)]

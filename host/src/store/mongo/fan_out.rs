@@ -33,8 +33,7 @@ use super::{Commit, MongoStore, generations, lanes};
 use super::documents::new_delivery_document;
 use super::unfanned::{Reach, Read, read_batch};
 use crate::event::field;
-use crate::store::claim::{Fresh, HandOutOf};
-use crate::store::fan_out::{self, FanOutPlan, FannedEvent, id_text};
+use crate::store::fan_out::{self, FanOutPlan, FannedEvent, WithoutDocuments, id_text};
 use crate::store::{Capacity, DeliveryId, EarlyHandOuts, FanOutReport, StoreError, StoreTransaction, Subscriptions};
 
 pub(super) async fn run(
@@ -342,31 +341,8 @@ async fn write(store: &MongoStore, session: &mut ClientSession, plan: &FanOutPla
     Ok(marked)
 }
 
-/// The fresh deliveries of a hand-out that are to have no document (see [`super::unstored`]).
-#[derive(Debug, Default)]
-struct WithoutDocuments {
-    /// The fan-out's id, stamped on the events it marks and named by the lane entries.
-    fan_out: ObjectId,
-    /// By event (as [`id_text`] prints it): the handlers its `handedOut` list gets.
-    handlers: HashMap<String, Vec<String>>,
-    /// Each one's event and handler.
-    deliveries: HashMap<DeliveryId, (Bson, String)>,
-}
-
+/// In MongoDB, the commit stage of a hand-out takes back what it did not hand out.
 impl WithoutDocuments {
-    /// Every one of `fresh`, each marked as such.
-    fn of(plan: &FanOutPlan, fresh: &mut [Fresh]) -> Self {
-        let events: HashMap<DeliveryId, &Bson> = plan.deliveries.iter().map(|d| (d.id, &d.event_id)).collect();
-        let mut unstored = Self { fan_out: ObjectId::new(), ..Self::default() };
-        for Fresh { candidate, .. } in fresh {
-            let Some(event) = events.get(&candidate.id) else { continue };
-            candidate.unstored = Some(HandOutOf { event: (*event).clone(), fan_out: Some(unstored.fan_out) });
-            unstored.handlers.entry(id_text(event)).or_default().push(candidate.handler.clone());
-            unstored.deliveries.insert(candidate.id, ((*event).clone(), candidate.handler.clone()));
-        }
-        unstored
-    }
-
     /// Takes the handlers of those that were not handed out after all (their lane was not
     /// listed) out of their events' lists: [`insert`] wrote their documents.
     async fn not_handed_out(

@@ -20,8 +20,9 @@ use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use super::claim::{
     Candidate, ClaimBackend, Claimer, HandlerKey, Holder, InFlight, LaneRecord, LaneSearch, LaneState, LaneWrite, Unpark,
+    Unstored,
 };
-use super::fan_out::{self, FanOutPlan, NewDelivery, id_text, string_key};
+use super::fan_out::{self, FanOutPlan, NewDelivery, WithoutDocuments, id_text, string_key};
 use super::retention::event_expired;
 use super::{
     Capacity, ClaimedDelivery, LOST_WHILE_RUNNING, DeliveryFilter, DeliveryId, DeliveryPage, DeliveryStatus, DeliveryView, FanOutReport,
@@ -31,6 +32,10 @@ use super::{
 use crate::death::Death;
 use crate::event::{NewEvent, field};
 use crate::lane::{LANE_COUNT, LaneId};
+
+mod unstored;
+
+use unstored::{Charge, Entry};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum LaneKind {
@@ -169,21 +174,45 @@ impl State {
     }
 
     /// The lease is current: its lane still has that epoch and the delivery that generation.
+    /// (Not necessarily in that lane: one handed out without a record may be listed in any lane
+    /// its holder holds, and its record, once it has one, is in its event's lane.)
     fn current(&self, lease: &Lease) -> bool {
         self.lanes[usize::from(lease.lane)].epoch == lease.epoch
-            && self.deliveries.get(&lease.delivery).is_some_and(|d| {
-                d.claims == lease.claims && d.status == DeliveryStatus::Pending && d.lane_id == lease.lane
-            })
+            && self.deliveries.get(&lease.delivery).is_some_and(|d| d.claims == lease.claims && d.status == DeliveryStatus::Pending)
     }
 
-    /// Inserts a fan-out's deliveries, announces those it creates dead and marks its events
-    /// fanned out.
-    fn write_fan_out(&mut self, plan: &FanOutPlan, now: DateTime) {
+    /// Whether the lane of `lease` still has its epoch.
+    fn lane_current(&self, lease: &Lease) -> bool {
+        self.lanes[usize::from(lease.lane)].epoch == lease.epoch
+    }
+
+    /// Inserts a fan-out's deliveries but those handed out `without` a record (which its
+    /// events list instead), announces those it creates dead and marks its events fanned out.
+    fn write_fan_out(&mut self, plan: &FanOutPlan, without: &WithoutDocuments, now: DateTime) {
         for dead_letter in &plan.dead_letters {
             // Built by the store itself, so it is valid; one published already stays.
             let _ = self.publish(dead_letter, usize::MAX);
         }
-        for NewDelivery { id, event_id, event_type, handler, key, sequence, lane, dead_reason, behind } in &plan.deliveries {
+        self.insert_deliveries(plan, |id| !without.deliveries.contains_key(id), now);
+        for fanned in &plan.events {
+            if let Some(event) = self.events.get_mut(&id_text(&fanned.id)) {
+                event.insert(field::FANNED_OUT_AT, now);
+                let mut handlers: Vec<Bson> = match event.get(field::HANDLERS) {
+                    Some(Bson::Array(list)) => list.clone(),
+                    _ => Vec::new(),
+                };
+                handlers.extend(fanned.new_handlers.iter().cloned().map(Bson::String));
+                event.insert(field::HANDLERS, handlers);
+            }
+        }
+        self.list_handed_out(without);
+    }
+
+    /// Inserts the records of the plan's deliveries that `wanted`.
+    fn insert_deliveries(&mut self, plan: &FanOutPlan, wanted: impl Fn(&DeliveryId) -> bool, now: DateTime) {
+        for NewDelivery { id, event_id, event_type, handler, key, sequence, lane, dead_reason, behind } in
+            plan.deliveries.iter().filter(|d| wanted(&d.id))
+        {
             let dead = dead_reason.is_some();
             self.deliveries.insert(
                 *id,
@@ -214,17 +243,6 @@ impl State {
                 },
             );
         }
-        for fanned in &plan.events {
-            if let Some(event) = self.events.get_mut(&id_text(&fanned.id)) {
-                event.insert(field::FANNED_OUT_AT, now);
-                let mut handlers: Vec<Bson> = match event.get(field::HANDLERS) {
-                    Some(Bson::Array(list)) => list.clone(),
-                    _ => Vec::new(),
-                };
-                handlers.extend(fanned.new_handlers.iter().cloned().map(Bson::String));
-                event.insert(field::HANDLERS, handlers);
-            }
-        }
     }
 
     fn complete(&mut self, lease: &Lease, now: DateTime, history: bool) -> Settlement {
@@ -232,7 +250,19 @@ impl State {
             return Settlement::LeaseLost;
         }
         let delivery = self.deliveries.remove(&lease.delivery).expect("checked above");
-        if let Some(event) = self.events.get_mut(&id_text(&delivery.event_id)) {
+        self.stamp_completed(&delivery.event_id, now);
+        if history {
+            self.history.insert(
+                lease.delivery,
+                HistoryRecord { event_id: delivery.event_id, handler: delivery.handler, completed_at: now },
+            );
+        }
+        Settlement::Completed
+    }
+
+    /// Stamps the event's latest completion.
+    fn stamp_completed(&mut self, event_id: &Bson, now: DateTime) {
+        if let Some(event) = self.events.get_mut(&id_text(event_id)) {
             let later = match event.get(field::COMPLETED_AT) {
                 Some(Bson::DateTime(at)) => *at < now,
                 _ => true,
@@ -241,13 +271,31 @@ impl State {
                 event.insert(field::COMPLETED_AT, now);
             }
         }
-        if history {
-            self.history.insert(
-                lease.delivery,
-                HistoryRecord { event_id: delivery.event_id, handler: delivery.handler, completed_at: now },
-            );
+    }
+
+    /// Completes what `lease` runs, with or without a record (the latter as `unstored` names it).
+    fn complete_lease(&mut self, lease: &Lease, unstored: Option<Unstored>, now: DateTime, history: bool) -> Settlement {
+        match unstored {
+            Some(unstored) if !history => {
+                if self.lane_current(lease) && self.complete_unstored(&Entry::of_lease(lease, unstored), now) {
+                    Settlement::Completed
+                } else {
+                    Settlement::LeaseLost
+                }
+            }
+            unstored => {
+                self.materialize_lease(lease, unstored, now);
+                self.complete(lease, now, history)
+            }
         }
-        Settlement::Completed
+    }
+
+    /// Gives the delivery of `lease` its record if it runs without one (as `unstored` names
+    /// it), so that an outcome other than a completion applies.
+    fn materialize_lease(&mut self, lease: &Lease, unstored: Option<Unstored>, now: DateTime) {
+        if let Some(unstored) = unstored {
+            self.materialize(&[Entry::of_lease(lease, unstored)], Charge::Nothing, now);
+        }
     }
 
     fn bury(&mut self, lease: &Lease, reason: &str, charge_attempt: bool, now: DateTime) -> Settlement {
@@ -278,14 +326,24 @@ impl State {
         Ok(Published::New { sequence })
     }
 
-    fn running(&self, now: DateTime) -> HashSet<DeliveryId> {
+    /// The entries of live lanes that run: at their record's generation, or without a record
+    /// while their event names them.
+    fn running(&self, now: DateTime) -> Vec<&InFlight> {
         self.lanes
             .iter()
             .filter(|lane| lane.owner.is_some() && lane.lease_expires_at >= now)
             .flat_map(|lane| lane.in_flight.iter())
-            .filter(|entry| self.deliveries.get(&entry.delivery).is_some_and(|d| d.claims == entry.claims))
-            .map(|entry| entry.delivery)
+            .filter(|entry| self.runs(entry))
             .collect()
+    }
+
+    /// Whether a lane's entry still runs: its record is at the entry's generation and pending,
+    /// or, without a record, its event names it.
+    fn runs(&self, entry: &InFlight) -> bool {
+        match Entry::listed(std::slice::from_ref(entry)).first() {
+            Some(unstored) => self.names(unstored),
+            None => self.deliveries.get(&entry.delivery).is_some_and(|d| d.claims == entry.claims && d.status == DeliveryStatus::Pending),
+        }
     }
 }
 
@@ -457,13 +515,36 @@ impl Store for MemoryStore {
         let prefixes: Vec<Document> = prefixes.into_iter().take(limit.saturating_mul(4)).cloned().collect();
         let batch = fan_out::assemble(first, prefixes);
         let plan = fan_out::plan(&batch, subscriptions);
-        let fresh = fan_out::fresh(&plan, &batch, hand_out.into(), now);
-        // Written while the claimer waits to list what it hands out (it locks the state after
-        // this), as a MongoDB fan-out commits while the lists are written.
-        // Its commit costs nothing: what it hands out is handed out after it.
+        let mut fresh = fan_out::fresh(&plan, &batch, hand_out.into(), now);
+        // What is handed out gets no record (see `unstored`), unless every completion is to be
+        // recorded, as in MongoDB.
+        let without =
+            if self.options.completion_history { WithoutDocuments::default() } else { WithoutDocuments::of(&plan, &mut fresh) };
+        // The first stage is written while the claimer waits to list what it hands out (it
+        // locks the state after this), as a MongoDB fan-out marks its events while the lists
+        // are written; the commit stage, told what was handed out, gives the rest their records.
+        let shared = self.state.clone();
         let write = async move {
-            state.write_fan_out(&plan, now);
-            Ok(|_: &HashSet<DeliveryId>| std::future::ready(Ok(plan)))
+            state.write_fan_out(&plan, &without, now);
+            drop(state);
+            Ok(move |handed: &HashSet<DeliveryId>| {
+                let not_handed: Vec<Entry> = without
+                    .deliveries
+                    .iter()
+                    .filter(|(id, _)| !handed.contains(*id))
+                    .map(|(id, (event, handler))| Entry {
+                        delivery: *id,
+                        event: event.clone(),
+                        fan_out: Some(without.fan_out),
+                        handler: handler.clone(),
+                        started: false,
+                    })
+                    .collect();
+                async move {
+                    shared.lock().await.materialize(&not_handed, Charge::Nothing, now);
+                    Ok(plan)
+                }
+            })
         };
         let handed = self.claimer.hand_out(&Backend(&self.state), fresh, write, None, now).await?;
         Ok(handed.committed.report(handed.claimed, &handed.sent_early))
@@ -493,7 +574,7 @@ impl Store for MemoryStore {
             .iter()
             .map(|lease| {
                 if self.claimer.issued(lease) {
-                    state.complete(lease, now, self.options.completion_history)
+                    state.complete_lease(lease, self.claimer.unstored(lease), now, self.options.completion_history)
                 } else {
                     Settlement::LeaseLost
                 }
@@ -504,7 +585,10 @@ impl Store for MemoryStore {
     }
 
     async fn complete_in(&self, tx: &mut MemoryTx, lease: &Lease, now: DateTime) -> Result<(), StoreError> {
-        if !self.claimer.issued(lease) || tx.state.complete(lease, now, self.options.completion_history) != Settlement::Completed {
+        let unstored = self.claimer.unstored(lease);
+        if !self.claimer.issued(lease)
+            || tx.state.complete_lease(lease, unstored, now, self.options.completion_history) != Settlement::Completed
+        {
             return Err(StoreError::LeaseLost(lease.to_string()));
         }
         tx.settles.push(*lease);
@@ -513,7 +597,12 @@ impl Store for MemoryStore {
 
     async fn reschedule(&self, lease: &Lease, due_at: DateTime, error: &str, now: DateTime) -> Result<Settlement, StoreError> {
         let mut state = self.state.lock().await;
-        if !self.claimer.issued(lease) || !state.current(lease) {
+        if !self.claimer.issued(lease) {
+            return Ok(Settlement::LeaseLost);
+        }
+        state.materialize_lease(lease, self.claimer.unstored(lease), now);
+        if !state.current(lease) {
+            self.claimer.settled([lease]);
             return Ok(Settlement::LeaseLost);
         }
         let delivery = state.deliveries.get_mut(&lease.delivery).expect("current");
@@ -529,8 +618,9 @@ impl Store for MemoryStore {
     async fn release(&self, leases: &[Lease], now: DateTime) -> Result<usize, StoreError> {
         let mut state = self.state.lock().await;
         let mut released = 0;
-        for lease in leases {
-            if self.claimer.issued(lease) && state.current(lease) {
+        for lease in leases.iter().filter(|lease| self.claimer.issued(lease)) {
+            state.materialize_lease(lease, self.claimer.unstored(lease), now);
+            if state.current(lease) {
                 let delivery = state.deliveries.get_mut(&lease.delivery).expect("current");
                 delivery.claims += 1;
                 delivery.updated_at = Some(now);
@@ -546,13 +636,18 @@ impl Store for MemoryStore {
         if !self.claimer.issued(lease) {
             return Ok(Settlement::LeaseLost);
         }
+        state.materialize_lease(lease, self.claimer.unstored(lease), now);
         let settlement = state.bury(lease, reason, charge_attempt, now);
         self.claimer.settled([lease]);
         Ok(settlement)
     }
 
     async fn bury_in(&self, tx: &mut MemoryTx, lease: &Lease, reason: &str, charge_attempt: bool, now: DateTime) -> Result<(), StoreError> {
-        if !self.claimer.issued(lease) || tx.state.bury(lease, reason, charge_attempt, now) != Settlement::Completed {
+        if !self.claimer.issued(lease) {
+            return Err(StoreError::LeaseLost(lease.to_string()));
+        }
+        tx.state.materialize_lease(lease, self.claimer.unstored(lease), now);
+        if tx.state.bury(lease, reason, charge_attempt, now) != Settlement::Completed {
             return Err(StoreError::LeaseLost(lease.to_string()));
         }
         tx.settles.push(*lease);
@@ -564,7 +659,9 @@ impl Store for MemoryStore {
         let until = self.claimer.lease_until(now);
         let mut results = Vec::with_capacity(leases.len());
         for lease in leases {
-            let ok = self.claimer.issued(lease) && state.current(lease);
+            // A delivery without a record runs while its lease is issued: its lane is checked.
+            let unstored = self.claimer.unstored(lease).is_some();
+            let ok = self.claimer.issued(lease) && if unstored { state.lane_current(lease) } else { state.current(lease) };
             if ok {
                 let lane = &mut state.lanes[usize::from(lease.lane)];
                 lane.lease_expires_at = lane.lease_expires_at.max(until);
@@ -681,7 +778,9 @@ impl Store for MemoryStore {
             .chain(state.history.values().map(|r| id_text(&r.event_id)))
             .collect();
         let before = state.events.len();
-        state.events.retain(|id, event| referenced.contains(id) || !event_expired(event, options));
+        // An event still listing a handler in `handedOut` has a delivery running without a record.
+        let handed_out = |event: &Document| matches!(event.get(field::HANDED_OUT), Some(Bson::Array(list)) if !list.is_empty());
+        state.events.retain(|id, event| referenced.contains(id) || handed_out(event) || !event_expired(event, options));
         report.events = (before - state.events.len()) as u64;
         Ok(report)
     }
@@ -693,8 +792,13 @@ impl Store for MemoryStore {
 
     async fn statistics(&self, now: DateTime) -> Result<Vec<HandlerStatistics>, StoreError> {
         let state = self.state.lock().await;
-        let running = state.running(now);
+        let running_entries = state.running(now);
+        let running: HashSet<DeliveryId> = running_entries.iter().map(|entry| entry.delivery).collect();
         let mut by_handler: BTreeMap<String, HandlerStatistics> = BTreeMap::new();
+        // Those without a record run, and have no record to be counted by below.
+        for entry in running_entries.iter().filter(|entry| entry.unstored.is_some()) {
+            stats_for(&mut by_handler, &entry.handler).running += 1;
+        }
         for (id, d) in &state.deliveries {
             let stats = stats_for(&mut by_handler, &d.handler);
             match d.status {
@@ -778,12 +882,19 @@ impl ClaimBackend for Backend<'_> {
         now: DateTime,
     ) -> Result<Vec<(LaneId, usize)>, StoreError> {
         let state = self.0.lock().await;
-        let free: HashSet<LaneId> = state
-            .lanes
-            .iter()
-            .filter(|lane| (lane.owner.is_none() || lane.lease_expires_at < now) && !exclude.contains(&lane.id))
-            .map(|lane| lane.id)
-            .collect();
+        let free_lanes = state.lanes.iter().filter(|lane| (lane.owner.is_none() || lane.lease_expires_at < now) && !exclude.contains(&lane.id));
+        // Lanes whose last holder left deliveries without a record in flight come first: no
+        // record shows that work, and it is the oldest there is (it was running).
+        let mut stranded: Vec<(LaneId, usize)> = Vec::new();
+        let mut free: HashSet<LaneId> = HashSet::new();
+        for lane in free_lanes {
+            let left = lane.in_flight.iter().filter(|entry| entry.unstored.is_some() && handlers.contains(&entry.handler)).count();
+            if left > 0 && stranded.len() < count {
+                stranded.push((lane.id, left));
+            } else {
+                free.insert(lane.id);
+            }
+        }
         let mut oldest: BTreeMap<LaneId, (DateTime, usize)> = BTreeMap::new();
         for d in state.deliveries.values() {
             if d.lane == LaneKind::Ready && d.due_at <= now && free.contains(&d.lane_id) && handlers.contains(&d.handler) {
@@ -794,7 +905,9 @@ impl ClaimBackend for Backend<'_> {
         }
         let mut lanes: Vec<(DateTime, LaneId, usize)> = oldest.into_iter().map(|(lane, (at, due))| (at, lane, due)).collect();
         lanes.sort();
-        Ok(lanes.into_iter().take(count).map(|(_, lane, due)| (lane, due)).collect())
+        let rest = count - stranded.len();
+        stranded.extend(lanes.into_iter().take(rest).map(|(_, lane, due)| (lane, due)));
+        Ok(stranded)
     }
 
     async fn take_lanes(&self, lanes: &[LaneId], holder: &Holder, now: DateTime, until: DateTime) -> Result<Vec<LaneState>, StoreError> {
@@ -830,7 +943,9 @@ impl ClaimBackend for Backend<'_> {
 
     async fn charge_lost(&self, entries: &[InFlight], now: DateTime) -> Result<(), StoreError> {
         let mut state = self.0.lock().await;
-        for entry in entries {
+        // A delivery its fan-out handed out without a record gets one, charged as the others are.
+        state.materialize(&Entry::listed(entries), Charge::Takeover, now);
+        for entry in entries.iter().filter(|entry| entry.unstored.is_none()) {
             if let Some(d) = state.deliveries.get_mut(&entry.delivery) {
                 if d.claims == entry.claims && d.status == DeliveryStatus::Pending {
                     d.claims += 1;
@@ -867,13 +982,7 @@ impl ClaimBackend for Backend<'_> {
 
     async fn current(&self, entries: &[InFlight]) -> Result<HashSet<DeliveryId>, StoreError> {
         let state = self.0.lock().await;
-        Ok(entries
-            .iter()
-            .filter(|e| {
-                state.deliveries.get(&e.delivery).is_some_and(|d| d.claims == e.claims && d.status == DeliveryStatus::Pending)
-            })
-            .map(|e| e.delivery)
-            .collect())
+        Ok(entries.iter().filter(|entry| state.runs(entry)).map(|entry| entry.delivery).collect())
     }
 
     async fn candidates(
