@@ -878,8 +878,8 @@ async fn reschedule_release_and_bury<F: Fixture>() {
 }
 
 async fn handed_out_deliveries_settle_and_are_taken_over_like_claimed_ones<F: Fixture>() {
-    // The MongoDB store writes no document for what a fan-out hands out, until an outcome
-    // other than a completion, or a takeover, needs one: none of that may show here.
+    // Neither store writes a delivery record for what a fan-out hands out, until an outcome
+    // other than a completion, or a takeover, needs one (then it gets the id its lease names).
     let fixture = F::new().await;
     let (a, b) = (fixture.worker("a"), fixture.worker("b"));
     let names = ["done", "retry", "back", "dead", "lost"];
@@ -891,6 +891,7 @@ async fn handed_out_deliveries_settle_and_are_taken_over_like_claimed_ones<F: Fi
         let id = &events[names.iter().position(|n| *n == name).unwrap()];
         report.claimed.iter().find(|c| &c.event.id == id).unwrap().lease
     };
+    assert!(a.list_deliveries(&DeliveryFilter::default()).await.unwrap().deliveries.is_empty(), "handed out without records");
     // While they run they are counted as running, and a purge keeps their events.
     let stats = a.statistics(at(T0)).await.unwrap();
     let h = stats.iter().find(|s| s.handler == "h").unwrap();
