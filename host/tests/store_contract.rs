@@ -645,6 +645,16 @@ async fn a_fan_out_hands_out_unkeyed_deliveries_in_free_or_own_lanes_only<F: Fix
     let plain = a.fan_out(&subscriptions, 100, 0, at(T0 + 5)).await.unwrap();
     assert!(plain.claimed.is_empty());
     assert_eq!(plain.lanes.len(), 1);
+
+    // A host holding no lane may hand out everything, but b holds this one's lane: what is
+    // not handed out after all gets its record with the fan-out's commit, for b's claim.
+    let c = fixture.worker("c");
+    let also_in_b_lane = id_in_lane("also-in-b-lane", 9);
+    publish_all(&c, vec![event(&also_in_b_lane, "t")]).await;
+    let report = c.fan_out(&subscriptions, 100, 10, at(T0 + 6)).await.unwrap();
+    assert!(report.claimed.is_empty());
+    assert_eq!(report.lanes, [9].into_iter().collect());
+    assert_eq!(ids(&b.claim_in(&handlers(&["h"]), &[9], 10, at(T0 + 7)).await.unwrap()), [format!("{also_in_b_lane}/h")]);
 }
 
 async fn a_fan_out_that_may_hand_out_early_hands_out_each_once_with_word_of_its_commit<F: Fixture>() {
