@@ -16,7 +16,7 @@ use super::claim::{
 };
 use super::memory::MemoryStore;
 use super::mongo::{MongoLocation, MongoStore};
-use super::{DeliveryId, Lease, Store, StoreError, StoreOptions, Subscription, Subscriptions, run_in_transaction};
+use super::{DeliveryId, Lease, Settlement, Store, StoreError, StoreOptions, Subscription, Subscriptions, run_in_transaction};
 use crate::event::NewEvent;
 use crate::lane::LaneId;
 
@@ -337,26 +337,30 @@ async fn failure_after_take<S: Store + Parts>(a: &S, b: &S, c: &S) {
 
 /// a runs e-1, handed out by its fan-out (in MongoDB without a document), and dies; b takes
 /// a's lane over after its lease expired, and the charge of a's run fails, so the lane sits
-/// that claim out. Returns the time of that claim plus `ms`.
-async fn lost_run_whose_charge_failed<S: Store + Parts>(a: &S, b: &S) -> impl Fn(i64) -> DateTime {
+/// that claim out. Returns the time of that claim plus `ms`, and a's lease.
+async fn lost_run_whose_charge_failed<S: Store + Parts>(a: &S, b: &S) -> (impl Fn(i64) -> DateTime, Lease) {
     run_in_transaction(a, async |tx| a.publish(tx, &NewEvent::new("e-1", "t", doc! {})).await.map(|_| ()))
         .await
         .unwrap();
     let subscriptions = Subscriptions::new([Subscription::new("h", ["t"])]).unwrap();
-    assert_eq!(a.fan_out(&subscriptions, 10, 10, DateTime::from_millis(T0)).await.unwrap().claimed.len(), 1);
+    let handed = a.fan_out(&subscriptions, 10, 10, DateTime::from_millis(T0)).await.unwrap().claimed;
+    assert_eq!(handed.len(), 1);
     let (backend, claimer) = b.parts();
     let faulty = Faulty::new(backend, Fault::FailCharge, b);
     let later = |ms| DateTime::from_millis(T0 + 31_000 + ms);
     let handlers = vec!["h".to_string()];
     assert!(claimer.claim(&faulty, &handlers, LaneSearch::FreeWithDueWork, 1, later(0)).await.unwrap().is_empty());
-    later
+    (later, handed[0].lease)
 }
 
 async fn failure_of_charge<S: Store + Parts>(a: &S, b: &S, c: &S) {
     let handlers = vec!["h".to_string()];
-    let later = lost_run_whose_charge_failed(a, b).await;
+    let (later, lost) = lost_run_whose_charge_failed(a, b).await;
     // The lane waits, and says so (the `/metrics` gauge).
     assert_eq!(b.parts().1.lanes_waiting_for_charge(), 1);
+    // Its lane is b's: a's late completion counts for nothing, though the charge that gives
+    // the delivery its record (both stores hand it out without one) is not made yet.
+    assert_eq!(a.complete_many(&[lost], later(1)).await.unwrap(), [Settlement::LeaseLost]);
     // The lane is b's, and so is the charge: its next claims make it, then run e-1 again;
     // nobody else sees it meanwhile.
     assert!(c.claim(&handlers, 1, later(1)).await.unwrap().is_empty());
@@ -370,7 +374,7 @@ async fn failure_of_charge<S: Store + Parts>(a: &S, b: &S, c: &S) {
 }
 
 async fn stop_after_failed_charge<S: Store + Parts>(a: &S, b: &S, c: &S) {
-    let later = lost_run_whose_charge_failed(a, b).await;
+    let (later, _) = lost_run_whose_charge_failed(a, b).await;
     // b stops before charging: the lane it gives back still lists a's run, for the next taker.
     b.relinquish().await.unwrap();
     let claimed = c.claim(&["h".to_string()], 1, later(1)).await.unwrap();
@@ -379,7 +383,7 @@ async fn stop_after_failed_charge<S: Store + Parts>(a: &S, b: &S, c: &S) {
 }
 
 async fn death_before_failed_charge_was_made<S: Store + Parts>(a: &S, b: &S, c: &S) {
-    let later = lost_run_whose_charge_failed(a, b).await;
+    let (later, _) = lost_run_whose_charge_failed(a, b).await;
     // b dies before charging: once its lease ran out, c takes the lane over, with a's run
     // still listed, and charges it once.
     let claimed = c.claim(&["h".to_string()], 1, later(31_000)).await.unwrap();
@@ -420,7 +424,7 @@ async fn early_hand_outs<S: Store + Parts>(a: &S, _b: &S, c: &S) {
     // Its lease is as good as a claim's: nobody else gets it, and it completes it.
     assert!(c.claim(&["h".to_string()], 1, DateTime::from_millis(T0 + 3)).await.unwrap().is_empty());
     let settled = a.complete_many(&[handed.claimed[0].lease], DateTime::from_millis(T0 + 4)).await.unwrap();
-    assert_eq!(settled, [super::Settlement::Completed]);
+    assert_eq!(settled, [Settlement::Completed]);
 }
 
 async fn failure_after_record<S: Store + Parts>(a: &S, _b: &S, c: &S) {
