@@ -20,18 +20,54 @@ impl Claimer {
         capacity: Capacity,
         now: DateTime,
     ) -> Result<Vec<ClaimedDelivery>, StoreError> {
-        let limit = capacity.total;
         let until = self.lease_until(now);
-
+        // What runs where: the lanes held, what of theirs still runs, the lanes taken over.
         let waiting = self.finish_failed_charges(backend, now).await;
+        let Running { mut mine, left_over, heads } = self.read_what_runs(backend, held, handlers, &search, &waiting, now).await?;
+        let taken = self.take(backend, held, &left_over, now, until).await?;
+        adopt(held, &mut mine, taken);
 
-        // The lanes this instance still holds, and what of theirs still runs (as its last
-        // claim left them, or read where that is unknown), with the lanes the search names
-        // (unparking goes meanwhile: it touches only parked deliveries). A named lane that is
-        // free and runs nothing is taken by the record write itself, conditional on its epoch
-        // not having moved: its due work can be read before, since nobody can claim from it
-        // without moving the epoch.
-        let named: Vec<LaneId> = match search {
+        // Pick: due work of the held lanes under the per-key rules, then of free lanes.
+        let mut plan = Plan::new(capacity.total, mine.values().flat_map(|lane| lane.running.iter()));
+        plan.heads.extend(heads.into_iter().map(|(key, head)| (key, Some(head))));
+        // Taken for the claim (claims of an instance never overlap) and put back, with what it
+        // learned, when it succeeds; a failed claim only costs the next one some lookups.
+        plan.known_heads = std::mem::take(&mut *self.known_heads.lock().expect("known heads"));
+        let lanes: Vec<LaneId> = mine.keys().copied().collect();
+        scan(backend, &mut plan, &lanes, handlers, now).await?;
+        let tried: BTreeSet<LaneId> = mine.keys().chain(&waiting).copied().collect();
+        self.take_free_lanes(backend, held, &mut mine, &mut plan, tried, handlers, &search, now, until).await?;
+
+        // Record the picks, sort out what cannot run or must wait, issue the leases.
+        let written = self.record(backend, held, &mine, &mut plan, capacity, now, until).await?;
+        let runnable = self.sort_out(backend, held, &mine, &mut plan, written, now).await?;
+        *self.known_heads.lock().expect("known heads") = plan.into_known_heads();
+        let mut issued = self.issued.lock().expect("issued leases");
+        Ok(runnable
+            .into_iter()
+            .map(|(pick, event)| {
+                let epoch = mine[&pick.lane].epoch;
+                issue(&mut issued, pick, epoch, event, now)
+            })
+            .collect())
+    }
+
+    /// The lanes this instance still holds, and what of theirs still runs (as its last claim
+    /// left them, or read where that is unknown), with the lanes the search names; unparking
+    /// goes meanwhile (it touches only parked deliveries), and the keys of leases that ended
+    /// unseen are unparked after it. A named lane that is free and runs nothing is taken by
+    /// the record write itself, conditional on its epoch not having moved: its due work can be
+    /// read before, since nobody can claim from it without moving the epoch.
+    async fn read_what_runs<B: ClaimBackend>(
+        &self,
+        backend: &B,
+        held: &mut BTreeMap<LaneId, Held>,
+        handlers: &[String],
+        search: &LaneSearch<'_>,
+        waiting: &BTreeSet<LaneId>,
+        now: DateTime,
+    ) -> Result<Running, StoreError> {
+        let named: Vec<LaneId> = match *search {
             LaneSearch::Only(lanes) => lanes.iter().copied().filter(|lane| !held.contains_key(lane)).collect(),
             LaneSearch::FreeWithDueWork => Vec::new(),
         };
@@ -138,23 +174,24 @@ impl Claimer {
                 }
             }
         }
-        let taken = self.take(backend, held, &left_over, now, until).await?;
-        adopt(held, &mut mine, taken);
+        Ok(Running { mine, left_over, heads })
+    }
 
-        let mut plan = Plan::new(limit, mine.values().flat_map(|lane| lane.running.iter()));
-        plan.heads.extend(heads.into_iter().map(|(key, head)| (key, Some(head))));
-        // Taken for the claim (claims of an instance never overlap) and put back, with what it
-        // learned, when it succeeds; a failed claim only costs the next one some lookups.
-        plan.known_heads = std::mem::take(&mut *self.known_heads.lock().expect("known heads"));
-        let lanes: Vec<LaneId> = mine.keys().copied().collect();
-        scan(backend, &mut plan, &lanes, handlers, now).await?;
-
-        let tried: BTreeSet<LaneId> = mine.keys().chain(&waiting).copied().collect();
-        self.take_free_lanes(backend, held, &mut mine, &mut plan, tried, handlers, &search, now, until).await?;
-
-        // Record (one conditional write per lane with new picks), hand back the lanes that run
-        // nothing and read the picks' events, all at once: a failure in any of them fails the
-        // claim, and the reconciliation undoes what was recorded.
+    /// Records the picks in their lanes (one conditional write per lane with new picks, or
+    /// whose lease is past half), hands back the lanes that run nothing and reads the picks'
+    /// events, all at once: a failure in any of them fails the claim, and the reconciliation
+    /// undoes what was recorded.
+    #[allow(clippy::too_many_arguments)]
+    async fn record<B: ClaimBackend>(
+        &self,
+        backend: &B,
+        held: &mut BTreeMap<LaneId, Held>,
+        mine: &BTreeMap<LaneId, HeldLane>,
+        plan: &mut Plan,
+        capacity: Capacity,
+        now: DateTime,
+        until: DateTime,
+    ) -> Result<Written, StoreError> {
         let mut records = Vec::new();
         let mut idle = Vec::new();
         // The first picks take the free run slots; the others are listed as claimed ahead.
@@ -166,7 +203,7 @@ impl Claimer {
         // still at their listed generation), unless its lease is running out.
         let lease_ms = i64::try_from(self.lease_duration.as_millis()).unwrap_or(i64::MAX);
         let refresh_before = DateTime::from_millis(now.timestamp_millis().saturating_add(lease_ms / 2));
-        for (lane_id, lane) in &mine {
+        for (lane_id, lane) in mine {
             let mut in_flight = lane.running.clone();
             let before = in_flight.len();
             in_flight.extend(plan.picks.iter().filter(|pick| pick.lane == *lane_id).map(Candidate::in_flight));
@@ -203,6 +240,22 @@ impl Claimer {
         let hand_back = async { if idle.is_empty() { Ok(()) } else { backend.hand_back(&self.holder, &idle, now).await } };
         let events = async { if event_ids.is_empty() { Ok(HashMap::new()) } else { backend.events(&event_ids).await } };
         let (recorded, (), events) = futures::try_join!(record, hand_back, events)?;
+        Ok(Written { records, recorded, idle, events })
+    }
+
+    /// What of the recorded picks runs: those whose event is gone or unreadable are buried,
+    /// those of lanes lost or never taken are forgotten, what waits behind a busy key is
+    /// parked and what a racing requeue overtook is given back.
+    async fn sort_out<B: ClaimBackend>(
+        &self,
+        backend: &B,
+        held: &mut BTreeMap<LaneId, Held>,
+        mine: &BTreeMap<LaneId, HeldLane>,
+        plan: &mut Plan,
+        written: Written,
+        now: DateTime,
+    ) -> Result<Vec<(Candidate, EventRecord)>, StoreError> {
+        let Written { records, recorded, idle, events } = written;
         let mut runnable = self.bury_unrunnable(backend, std::mem::take(&mut plan.picks), &events, now).await?;
         let mut lost_lanes = HashSet::new();
         for (record, ok) in records.iter().zip(&recorded) {
@@ -228,17 +281,7 @@ impl Claimer {
         }
 
         runnable.retain(|(pick, _)| !lost_lanes.contains(&pick.lane));
-        let runnable = park_and_give_back_overtaken(backend, &mut plan, runnable, now).await?;
-
-        *self.known_heads.lock().expect("known heads") = plan.into_known_heads();
-
-        let mut claimed = Vec::with_capacity(runnable.len());
-        let mut issued = self.issued.lock().expect("issued leases");
-        for (pick, event) in runnable {
-            let epoch = mine[&pick.lane].epoch;
-            claimed.push(issue(&mut issued, pick, epoch, event, now));
-        }
-        Ok(claimed)
+        park_and_give_back_overtaken(backend, plan, runnable, now).await
     }
 
     /// A takeover whose charge failed is finished first. Charging again changes nothing
@@ -440,4 +483,22 @@ async fn park_and_give_back_overtaken<B: ClaimBackend>(
         }
     }
     Ok(runnable)
+}
+
+/// What runs in the lanes a claim holds, as [`Claimer::read_what_runs`] found it.
+struct Running {
+    mine: BTreeMap<LaneId, HeldLane>,
+    /// Free lanes named by the search whose last holder left work in flight: a takeover.
+    left_over: Vec<LaneId>,
+    /// Keys' heads that unparking found.
+    heads: HashMap<HandlerKey, DeliveryId>,
+}
+
+/// What [`Claimer::record`] wrote and read.
+struct Written {
+    records: Vec<LaneRecord>,
+    /// Per record: whether it applied.
+    recorded: Vec<bool>,
+    idle: Vec<(LaneId, i64)>,
+    events: HashMap<String, Document>,
 }
