@@ -57,6 +57,7 @@ contract!(
     a_claim_in_given_lanes_takes_only_those_and_keeps_the_rules,
     a_fan_out_hands_out_unkeyed_deliveries_in_free_or_own_lanes_only,
     a_fan_out_that_may_hand_out_early_hands_out_each_once_with_word_of_its_commit,
+    racing_plain_marks_of_one_backlog_run_every_event_once,
     lanes_are_held_per_store_instance,
     older_work_in_a_free_lane_goes_before_younger_work_of_a_held_lane,
     relinquish_hands_lanes_back_at_once,
@@ -655,6 +656,73 @@ async fn a_fan_out_hands_out_unkeyed_deliveries_in_free_or_own_lanes_only<F: Fix
     assert!(report.claimed.is_empty());
     assert_eq!(report.lanes, [9].into_iter().collect());
     assert_eq!(ids(&b.claim_in(&handlers(&["h"]), &[9], 10, at(T0 + 7)).await.unwrap()), [format!("{also_in_b_lane}/h")]);
+}
+
+/// Has `store` hold `lanes` (with known lists, nothing running): one event in each, handed out
+/// by a fan-out and completed.
+async fn hold_lanes<S: Store>(store: &S, subscriptions: &relayhost::store::Subscriptions, prefix: &str, lanes: &[u8]) {
+    let ids: Vec<String> = lanes.iter().map(|lane| id_in_lane(prefix, *lane)).collect();
+    publish_all(store, ids.iter().map(|id| event(id, "t")).collect()).await;
+    let report = store.fan_out(subscriptions, 100, 10, at(T0)).await.unwrap();
+    assert_eq!(report.claimed.len(), lanes.len());
+    let leases: Vec<_> = report.claimed.iter().map(|c| c.lease).collect();
+    assert!(store.complete_many(&leases, at(T0)).await.unwrap().iter().all(|s| *s == Settlement::Completed));
+}
+
+/// Two hosts fan the same backlog out at once, each handing out whole batches listed in the
+/// lanes it holds before it marks them (MongoDB: without a transaction): of two marks of an
+/// event exactly one applies, each host runs only what it marked, and every event runs once.
+async fn racing_plain_marks_of_one_backlog_run_every_event_once<F: Fixture>() {
+    let fixture = F::new().await;
+    let (a, b) = (fixture.worker("a"), fixture.worker("b"));
+    let subscriptions = subs(&[("h", &["t"])]);
+    hold_lanes(&a, &subscriptions, "a", &[3, 7, 11, 13]).await;
+    hold_lanes(&b, &subscriptions, "b", &[20, 30, 40, 50]).await;
+    let backlog: Vec<String> = (0..600).map(|n| format!("backlog-{n:03}")).collect();
+    publish_all(&a, backlog.iter().map(|id| event(id, "t")).collect()).await;
+
+    let drain = async |store: &F::S| {
+        let (early, mut sent) = tokio::sync::mpsc::unbounded_channel();
+        let (mut ran, mut listed_first) = (Vec::new(), 0);
+        loop {
+            let report = store.fan_out_early(&subscriptions, 100, 100, &early, at(T0 + 1_000)).await.unwrap();
+            let mut leases: Vec<_> = report.claimed.iter().map(|c| c.lease).collect();
+            ran.extend(report.claimed.iter().map(|c| c.event.id.clone()));
+            // A whole batch listed first and marked after is all sent early, with word that its
+            // fan-out is done.
+            listed_first += usize::from(report.sent_early > 0 && report.claimed.is_empty() && report.lanes.is_empty());
+            while let Ok(handed) = sent.try_recv() {
+                assert!(handed.commit.committed().await);
+                ran.extend(handed.claimed.iter().map(|c| c.event.id.clone()));
+                leases.extend(handed.claimed.iter().map(|c| c.lease));
+            }
+            assert!(store.complete_many(&leases, at(T0 + 1_000)).await.unwrap().iter().all(|s| *s == Settlement::Completed));
+            if report.events == 0 {
+                return (ran, listed_first);
+            }
+            tokio::task::yield_now().await;
+        }
+    };
+    let ((by_a, whole_a), (by_b, whole_b)) = tokio::join!(drain(&a), drain(&b));
+    assert!(whole_a > 0 && whole_b > 0, "each host handed out whole batches ({whole_a}, {whole_b})");
+    // What a host lost to the other's mark it left alone; what neither handed out has a
+    // record, for a claim.
+    let mut claimed = Vec::new();
+    for store in [&a, &b] {
+        loop {
+            let more = store.claim(&handlers(&["h"]), 200, at(T0 + 2_000)).await.unwrap();
+            if more.is_empty() {
+                break;
+            }
+            claimed.extend(more.iter().map(|c| c.event.id.clone()));
+            let leases: Vec<_> = more.iter().map(|c| c.lease).collect();
+            store.complete_many(&leases, at(T0 + 2_000)).await.unwrap();
+        }
+    }
+    let mut ran: Vec<String> = by_a.iter().chain(&by_b).chain(&claimed).cloned().collect();
+    ran.sort();
+    assert_eq!(ran, backlog, "every event ran once ({} by a, {} by b, {} claimed)", by_a.len(), by_b.len(), claimed.len());
+    assert!(!by_a.is_empty() && !by_b.is_empty());
 }
 
 async fn a_fan_out_that_may_hand_out_early_hands_out_each_once_with_word_of_its_commit<F: Fixture>() {

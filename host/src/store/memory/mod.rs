@@ -22,10 +22,10 @@ use super::claim::{
     Candidate, ClaimBackend, Claimer, HandlerKey, Holder, InFlight, LaneRecord, LaneSearch, LaneState, LaneWrite, Unpark,
     Unstored,
 };
-use super::fan_out::{self, FanOutPlan, NewDelivery, WithoutDocuments, id_text, string_key};
+use super::fan_out::{FanOutPlan, NewDelivery, WithoutDocuments, id_text};
 use super::retention::event_expired;
 use super::{
-    Capacity, ClaimedDelivery, LOST_WHILE_RUNNING, DeliveryFilter, DeliveryId, DeliveryPage, DeliveryStatus, DeliveryView, FanOutReport,
+    Capacity, ClaimedDelivery, LOST_WHILE_RUNNING, DeliveryFilter, DeliveryId, DeliveryPage, DeliveryStatus, DeliveryView, EarlyHandOuts, FanOutReport,
     HandlerStatistics, Lease, PurgeOptions, PurgeReport, Published, Settlement, Store, StoreError, StoreOptions,
     StoreTransaction, Subscriptions,
 };
@@ -33,6 +33,7 @@ use crate::death::Death;
 use crate::event::{NewEvent, field};
 use crate::lane::{LANE_COUNT, LaneId};
 
+mod fan_out;
 mod unstored;
 
 use unstored::{Charge, Entry};
@@ -464,10 +465,6 @@ fn stats_for<'m>(map: &'m mut BTreeMap<String, HandlerStatistics>, handler: &str
         .or_insert_with(|| HandlerStatistics { handler: handler.to_string(), ..Default::default() })
 }
 
-fn created_at_of(doc: &Document) -> Option<DateTime> {
-    doc.get_datetime(field::CREATED_AT).ok().copied()
-}
-
 impl Store for MemoryStore {
     type Tx = MemoryTx;
 
@@ -499,55 +496,24 @@ impl Store for MemoryStore {
         hand_out: impl Into<Capacity> + Send,
         now: DateTime,
     ) -> Result<FanOutReport, StoreError> {
-        let mut state = self.state.lock().await;
-        let (assignment, stale_before) = (self.claimer.assignment(), self.claimer.stale_before(now));
-        let mut unfanned: Vec<&Document> = state
-            .events
-            .values()
-            .filter(|doc| !doc.contains_key(field::FANNED_OUT_AT) && assignment.fans_out(doc, stale_before))
-            .collect();
-        unfanned.sort_by_key(|doc| (created_at_of(doc), id_text(doc.get(field::ID).unwrap_or(&Bson::Null))));
-        let first: Vec<Document> = unfanned.iter().take(limit).map(|doc| (*doc).clone()).collect();
-        let keys = fan_out::keys_of(&first);
-        let mut prefixes: Vec<&Document> =
-            unfanned.iter().copied().filter(|doc| string_key(doc).is_some_and(|k| keys.iter().any(|x| x == k))).collect();
-        prefixes.sort_by_key(|doc| (string_key(doc).map(str::to_string), doc.get_i64(field::SEQUENCE).ok()));
-        let prefixes: Vec<Document> = prefixes.into_iter().take(limit.saturating_mul(4)).cloned().collect();
-        let batch = fan_out::assemble(first, prefixes);
-        let plan = fan_out::plan(&batch, subscriptions);
-        let mut fresh = fan_out::fresh(&plan, &batch, hand_out.into(), now);
-        // What is handed out gets no record (see `unstored`), unless every completion is to be
-        // recorded, as in MongoDB.
-        let without =
-            if self.options.completion_history { WithoutDocuments::default() } else { WithoutDocuments::of(&plan, &mut fresh) };
-        // The first stage is written while the claimer waits to list what it hands out (it
-        // locks the state after this), as a MongoDB fan-out marks its events while the lists
-        // are written; the commit stage, told what was handed out, gives the rest their records.
-        let shared = self.state.clone();
-        let write = async move {
-            state.write_fan_out(&plan, &without, now);
-            drop(state);
-            Ok(move |handed: &HashSet<DeliveryId>| {
-                let not_handed: Vec<Entry> = without
-                    .deliveries
-                    .iter()
-                    .filter(|(id, _)| !handed.contains(*id))
-                    .map(|(id, (event, handler))| Entry {
-                        delivery: *id,
-                        event: event.clone(),
-                        fan_out: Some(without.fan_out),
-                        handler: handler.clone(),
-                        started: false,
-                    })
-                    .collect();
-                async move {
-                    shared.lock().await.materialize(&not_handed, Charge::Nothing, now);
-                    Ok(plan)
-                }
-            })
-        };
-        let handed = self.claimer.hand_out(&Backend(&self.state), fresh, write, None, now).await?;
-        Ok(handed.committed.report(handed.claimed, &handed.sent_early))
+        self.fan_out_handing_out(subscriptions, limit, hand_out.into(), now).await
+    }
+
+    async fn fan_out_early(
+        &self,
+        subscriptions: &Subscriptions,
+        limit: usize,
+        hand_out: impl Into<Capacity> + Send,
+        early: &EarlyHandOuts,
+        now: DateTime,
+    ) -> Result<FanOutReport, StoreError> {
+        let hand_out = hand_out.into();
+        if hand_out.total > 0 && !self.options.completion_history {
+            if let Some(report) = self.fan_out_plainly(subscriptions, limit, hand_out, early, now).await? {
+                return Ok(report);
+            }
+        }
+        self.fan_out_handing_out(subscriptions, limit, hand_out, now).await
     }
 
     async fn claim(&self, handlers: &[String], limit: impl Into<Capacity> + Send, now: DateTime) -> Result<Vec<ClaimedDelivery>, StoreError> {

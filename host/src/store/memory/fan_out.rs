@@ -1,0 +1,150 @@
+//! Fan-outs in memory, the two ways the MongoDB store makes them (`store/mongo/fan_out.rs`),
+//! so that the contract suite runs both on both stores: a batch written at once while the
+//! claimer lists what it hands out (the transaction's way), and a backlog batch handed out
+//! whole, listed in held lanes first and then marked (the plain mark's way, given a sender for
+//! early hand-outs). It must never write a delivery record for what it hands out (see
+//! `unstored`), nor mark an event another fan-out marked.
+
+use std::collections::HashSet;
+
+use bson::{Bson, DateTime, Document};
+
+use super::unstored::{Charge, Entry};
+use super::{Backend, MemoryStore, State};
+use crate::event::field;
+use crate::store::fan_out::{self, FanOutPlan, WithoutDocuments, id_text, string_key};
+use crate::store::{Capacity, DeliveryId, EarlyHandOuts, FanOutReport, StoreError, Subscriptions};
+
+impl MemoryStore {
+    /// The next batch of this host's share of the unfanned events, in `(createdAt, _id)`
+    /// order, completed with the lowest unfanned events of every key in it.
+    fn read_batch(&self, state: &State, limit: usize, now: DateTime) -> Vec<Document> {
+        let (assignment, stale_before) = (self.claimer.assignment(), self.claimer.stale_before(now));
+        let mut unfanned: Vec<&Document> = state
+            .events
+            .values()
+            .filter(|doc| !doc.contains_key(field::FANNED_OUT_AT) && assignment.fans_out(doc, stale_before))
+            .collect();
+        unfanned.sort_by_key(|doc| (created_at_of(doc), id_text(doc.get(field::ID).unwrap_or(&Bson::Null))));
+        let first: Vec<Document> = unfanned.iter().take(limit).map(|doc| (*doc).clone()).collect();
+        let keys = fan_out::keys_of(&first);
+        let mut prefixes: Vec<&Document> =
+            unfanned.iter().copied().filter(|doc| string_key(doc).is_some_and(|k| keys.iter().any(|x| x == k))).collect();
+        prefixes.sort_by_key(|doc| (string_key(doc).map(str::to_string), doc.get_i64(field::SEQUENCE).ok()));
+        let prefixes: Vec<Document> = prefixes.into_iter().take(limit.saturating_mul(4)).cloned().collect();
+        fan_out::assemble(first, prefixes)
+    }
+
+    /// A batch written at once, handing out up to `hand_out` of its unkeyed deliveries.
+    pub(super) async fn fan_out_handing_out(
+        &self,
+        subscriptions: &Subscriptions,
+        limit: usize,
+        hand_out: Capacity,
+        now: DateTime,
+    ) -> Result<FanOutReport, StoreError> {
+        let mut state = self.state.lock().await;
+        let batch = self.read_batch(&state, limit, now);
+        let plan = fan_out::plan(&batch, subscriptions);
+        let mut fresh = fan_out::fresh(&plan, &batch, hand_out, now);
+        // What is handed out gets no record (see `unstored`), unless every completion is to be
+        // recorded, as in MongoDB.
+        let without =
+            if self.options.completion_history { WithoutDocuments::default() } else { WithoutDocuments::of(&plan, &mut fresh) };
+        // The first stage is written while the claimer waits to list what it hands out (it
+        // locks the state after this), as a MongoDB fan-out marks its events while the lists
+        // are written; the commit stage, told what was handed out, gives the rest their records.
+        let shared = self.state.clone();
+        let write = async move {
+            state.write_fan_out(&plan, &without, now);
+            drop(state);
+            Ok(move |handed: &HashSet<DeliveryId>| {
+                let not_handed: Vec<Entry> = without
+                    .deliveries
+                    .iter()
+                    .filter(|(id, _)| !handed.contains(*id))
+                    .map(|(id, (event, handler))| Entry {
+                        delivery: *id,
+                        event: event.clone(),
+                        fan_out: Some(without.fan_out),
+                        handler: handler.clone(),
+                        started: false,
+                    })
+                    .collect();
+                async move {
+                    shared.lock().await.materialize(&not_handed, Charge::Nothing, now);
+                    Ok(plan)
+                }
+            })
+        };
+        let handed = self.claimer.hand_out(&Backend(&self.state), fresh, write, None, now).await?;
+        Ok(handed.committed.report(handed.claimed, &handed.sent_early))
+    }
+
+    /// A backlog batch handed out whole: listed in lanes this instance holds, then marked
+    /// (only the events still unfanned, or marked by this very fan-out), its leases sent to
+    /// `early`. `None`, having written nothing, when the batch cannot be handed out whole (see
+    /// `Claimer::hand_out_listed_first`). The state is not held from the read to the mark, so
+    /// another fan-out may mark some of its events first, as in MongoDB.
+    pub(super) async fn fan_out_plainly(
+        &self,
+        subscriptions: &Subscriptions,
+        limit: usize,
+        hand_out: Capacity,
+        early: &EarlyHandOuts,
+        now: DateTime,
+    ) -> Result<Option<FanOutReport>, StoreError> {
+        let (plan, mut fresh) = {
+            let state = self.state.lock().await;
+            let batch = self.read_batch(&state, limit, now);
+            let plan = fan_out::plan(&batch, subscriptions);
+            let fresh = fan_out::fresh(&plan, &batch, hand_out, now);
+            (plan, fresh)
+        };
+        if plan.events.is_empty() {
+            return Ok(Some(plan.report(Vec::new(), &[])));
+        }
+        if fresh.len() < plan.deliveries.len() {
+            return Ok(None);
+        }
+        let without = WithoutDocuments::of(&plan, &mut fresh);
+        let (written, without) = (&plan, &without);
+        let mark = || async move {
+            let ours = self.state.lock().await.mark_plainly(written, without, now);
+            Ok(written.deliveries.iter().filter(|d| ours.contains(&id_text(&d.event_id))).map(|d| d.id).collect())
+        };
+        let sent = self.claimer.hand_out_listed_first(&Backend(&self.state), fresh, mark, early, now).await?;
+        Ok(sent.map(|sent| plan.report(Vec::new(), &sent)))
+    }
+}
+
+impl State {
+    /// Marks the plan's events fanned out by the fan-out `without` names, listing its handed
+    /// out deliveries' handlers; an event another fan-out marked is left as it is. Returns the
+    /// events (as [`id_text`] prints them) marked by this fan-out.
+    fn mark_plainly(&mut self, plan: &FanOutPlan, without: &WithoutDocuments, now: DateTime) -> HashSet<String> {
+        let mut ours = HashSet::new();
+        for fanned in &plan.events {
+            let id = id_text(&fanned.id);
+            let Some(event) = self.events.get_mut(&id) else { continue };
+            let unfanned = !event.contains_key(field::FANNED_OUT_AT);
+            let marked_by_us = event.get_object_id(field::FAN_OUT).ok() == Some(without.fan_out);
+            if !(unfanned || marked_by_us) {
+                continue;
+            }
+            event.insert(field::FANNED_OUT_AT, now);
+            event.insert(field::HANDLERS, fanned.handlers.clone());
+            event.insert(field::FAN_OUT, without.fan_out);
+            match without.handlers.get(&id) {
+                Some(handlers) => event.insert(field::HANDED_OUT, handlers.clone()),
+                None => event.remove(field::HANDED_OUT),
+            };
+            ours.insert(id);
+        }
+        ours
+    }
+}
+
+fn created_at_of(doc: &Document) -> Option<DateTime> {
+    doc.get_datetime(field::CREATED_AT).ok().copied()
+}
