@@ -148,3 +148,31 @@ impl State {
 fn created_at_of(doc: &Document) -> Option<DateTime> {
     doc.get_datetime(field::CREATED_AT).ok().copied()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::NewEvent;
+    use crate::store::{Store, StoreOptions, Subscription, run_in_transaction};
+
+    #[tokio::test]
+    async fn a_plain_mark_leaves_an_event_another_fan_out_marked() {
+        let store = MemoryStore::new(StoreOptions::default());
+        run_in_transaction(&store, async |tx| store.publish(tx, &NewEvent::new("e-1", "t", bson::doc! {})).await.map(|_| ()))
+            .await
+            .unwrap();
+        let subscriptions = Subscriptions::new([Subscription::new("h", ["t"])]).unwrap();
+        let now = DateTime::from_millis(1_000);
+        let mut state = store.state.lock().await;
+        let batch = store.read_batch(&state, 10, now);
+        let plan = fan_out::plan(&batch, &subscriptions);
+        let mut fresh = fan_out::fresh(&plan, &batch, Capacity::from(10), now);
+        let (first, second) = (WithoutDocuments::of(&plan, &mut fresh), WithoutDocuments::of(&plan, &mut fresh));
+        assert_eq!(state.mark_plainly(&plan, &first, now), HashSet::from(["e-1".to_string()]));
+        // Another fan-out of the same batch marks nothing; the first may mark again (a mark
+        // sent again after an error), changing nothing.
+        assert!(state.mark_plainly(&plan, &second, now).is_empty());
+        assert_eq!(state.mark_plainly(&plan, &first, now).len(), 1);
+        assert_eq!(state.events["e-1"].get_object_id(field::FAN_OUT).unwrap(), first.fan_out);
+    }
+}
