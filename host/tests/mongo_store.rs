@@ -917,56 +917,6 @@ async fn a_backlog_batch_handed_out_whole_is_listed_first_and_marked_without_a_t
     assert!(list_all(&store, DeliveryFilter::default()).await.is_empty());
 }
 
-/// Two hosts fan the same backlog out at once, each the plain way: of two marks of an event
-/// exactly one applies, each host runs only what it marked, and every event runs once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn racing_plain_marks_of_one_backlog_run_every_event_once() {
-    let Recorded { store: a, .. } = recorded_store().await;
-    let b = a.instance("b");
-    let subscriptions = subs(&[("h", &["t"])]);
-    hold_lanes(&a, &subscriptions, "a", &[3, 7, 11, 13]).await;
-    hold_lanes(&b, &subscriptions, "b", &[20, 30, 40, 50]).await;
-    let backlog: Vec<String> = (0..600).map(|n| format!("backlog-{n:03}")).collect();
-    publish_all(&a, backlog.iter().map(|id| event(id, "t")).collect()).await;
-
-    let drain = async |store: &MongoStore| {
-        let (early, mut sent) = tokio::sync::mpsc::unbounded_channel();
-        let mut ran = Vec::new();
-        loop {
-            let report = store.fan_out_early(&subscriptions, 100, 100, &early, at(T0 + 1_000)).await.unwrap();
-            let mut leases = Vec::new();
-            while let Ok(handed) = sent.try_recv() {
-                assert!(handed.commit.committed().await);
-                ran.extend(handed.claimed.iter().map(|c| c.event.id.clone()));
-                leases.extend(handed.claimed.iter().map(|c| c.lease));
-            }
-            assert!(store.complete_many(&leases, at(T0 + 1_000)).await.unwrap().iter().all(|s| *s == Settlement::Completed));
-            if report.events == 0 {
-                return ran;
-            }
-        }
-    };
-    let (by_a, by_b) = tokio::join!(drain(&a), drain(&b));
-    // What a host lost to the other's mark it left alone; what neither handed out has a
-    // document, for a claim.
-    let mut claimed = Vec::new();
-    for store in [&a, &b] {
-        loop {
-            let more = store.claim(&handlers(&["h"]), 200, at(T0 + 2_000)).await.unwrap();
-            if more.is_empty() {
-                break;
-            }
-            claimed.extend(more.iter().map(|c| c.event.id.clone()));
-            let leases: Vec<_> = more.iter().map(|c| c.lease).collect();
-            store.complete_many(&leases, at(T0 + 2_000)).await.unwrap();
-        }
-    }
-    let mut ran: Vec<String> = by_a.iter().chain(&by_b).chain(&claimed).cloned().collect();
-    ran.sort();
-    assert_eq!(ran, backlog, "every event ran once ({} by a, {} by b, {} claimed)", by_a.len(), by_b.len(), claimed.len());
-    assert!(!by_a.is_empty() && !by_b.is_empty());
-}
-
 /// A plain mark that fails may have marked any of its events: the hand-out sends all it
 /// listed as not run, and handing them back gives each marked one its document, while the
 /// others stay unfanned for the next fan-out. Nothing is lost or run twice.
