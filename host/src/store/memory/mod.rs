@@ -8,7 +8,8 @@
 //!
 //! One file past 600 lines because it implements the whole `Store` and `ClaimBackend` over
 //! one in-process state, each method a few lines against it, so that its semantics can be
-//! read side by side with the MongoDB store's.
+//! read side by side with the MongoDB store's; its two fan-outs (`fan_out.rs`) and its
+//! deliveries without a record (`unstored.rs`) are beside it, as in the MongoDB store.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
