@@ -56,6 +56,7 @@ contract!(
     live_hosts_split_the_lanes_and_leave_each_other_their_events_until_stale,
     a_claim_in_given_lanes_takes_only_those_and_keeps_the_rules,
     a_fan_out_hands_out_unkeyed_deliveries_in_free_or_own_lanes_only,
+    a_fan_out_hands_out_a_keys_head_only_while_nothing_of_its_key_is_pending,
     a_fan_out_that_may_hand_out_early_hands_out_each_once_with_word_of_its_commit,
     racing_plain_marks_of_one_backlog_run_every_event_once,
     lanes_are_held_per_store_instance,
@@ -607,8 +608,8 @@ async fn a_fan_out_hands_out_unkeyed_deliveries_in_free_or_own_lanes_only<F: Fix
     let mut events: Vec<_> = free.iter().map(|id| event(id, "t")).collect();
     events.extend([event(&in_b_lane, "t"), keyed("k-0", "t", "key")]);
     publish_all(&a, events).await;
-    // Three of the four unkeyed ones in free lanes (the budget); never the keyed one (only a
-    // claim looks for what may be ahead of it), nor the one in b's lane.
+    // Three of the four unkeyed ones in free lanes (the budget, which the events published
+    // first take), nor the one in b's lane.
     let report = a.fan_out(&subscriptions, 100, 3, at(T0 + 1)).await.unwrap();
     assert_eq!((report.events, report.deliveries), (6, 6));
     let handed_out = ids(&report.claimed);
@@ -656,6 +657,41 @@ async fn a_fan_out_hands_out_unkeyed_deliveries_in_free_or_own_lanes_only<F: Fix
     assert!(report.claimed.is_empty());
     assert_eq!(report.lanes, [9].into_iter().collect());
     assert_eq!(ids(&b.claim_in(&handlers(&["h"]), &[9], 10, at(T0 + 7)).await.unwrap()), [format!("{also_in_b_lane}/h")]);
+}
+
+async fn a_fan_out_hands_out_a_keys_head_only_while_nothing_of_its_key_is_pending<F: Fixture>() {
+    let fixture = F::new().await;
+    let a = fixture.worker("a");
+    let subscriptions = subs(&[("h", &["t"])]);
+    // "busy" has a delivery pending already (fanned out without a hand-out).
+    publish_all(&a, vec![keyed("busy-1", "t", "busy")]).await;
+    a.fan_out(&subscriptions, 100, 0, at(T0)).await.unwrap();
+    publish_all(&a, vec![keyed("idle-1", "t", "idle"), keyed("idle-2", "t", "idle"), keyed("busy-2", "t", "busy")]).await;
+    // Only the head of the idle key: never its follower, nor anything of the busy key.
+    let report = a.fan_out(&subscriptions, 100, 10, at(T0 + 1)).await.unwrap();
+    assert_eq!(ids(&report.claimed), ["idle-1/h"]);
+    assert_eq!(report.claimed[0].lease.lane, relayhost::lane::lane_of("idle"));
+    // A claim meanwhile takes the busy key's head, and nothing of the idle key, which runs.
+    let busy = a.claim(&handlers(&["h"]), 10, at(T0 + 2)).await.unwrap();
+    assert_eq!(ids(&busy), ["busy-1/h"]);
+    let settled: Vec<_> = report.claimed.iter().chain(&busy).map(|c| c.lease).collect();
+    assert_eq!(a.complete_many(&settled, at(T0 + 3)).await.unwrap(), [Settlement::Completed; 2]);
+    let mut next = ids(&a.claim(&handlers(&["h"]), 10, at(T0 + 4)).await.unwrap());
+    next.sort();
+    assert_eq!(next, ["busy-2/h", "idle-2/h"]);
+
+    // After an operator's requeue, which a fan-out's snapshot may have missed, a key's head
+    // waits for a claim (the claim checks what a racing requeue overtook) for a while.
+    publish_all(&a, vec![keyed("doomed-1", "t", "doomed")]).await;
+    a.fan_out(&subscriptions, 100, 0, at(T0 + 5)).await.unwrap();
+    let doomed = a.claim(&handlers(&["h"]), 10, at(T0 + 5)).await.unwrap();
+    let doomed = doomed.iter().find(|c| c.event.id == "doomed-1").unwrap();
+    assert_eq!(a.bury(&doomed.lease, "unprocessable", true, at(T0 + 6)).await.unwrap(), Settlement::Completed);
+    a.requeue(&doomed.lease.delivery.to_hex(), at(T0 + 7)).await.unwrap();
+    publish_all(&a, vec![keyed("fresh-1", "t", "fresh")]).await;
+    assert!(a.fan_out(&subscriptions, 100, 10, at(T0 + 8)).await.unwrap().claimed.is_empty());
+    publish_all(&a, vec![keyed("later-1", "t", "later")]).await;
+    assert_eq!(ids(&a.fan_out(&subscriptions, 100, 10, at(T0 + 61_000)).await.unwrap().claimed), ["later-1/h"]);
 }
 
 /// Has `store` hold `lanes` (with known lists, nothing running): one event in each, handed out

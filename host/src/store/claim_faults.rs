@@ -87,8 +87,9 @@ impl<B: ClaimBackend + Send, S: Store> ClaimBackend for Faulty<'_, B, S> {
         holder: &Holder,
         now: DateTime,
         until: DateTime,
+        write: LaneWrite,
     ) -> Result<Vec<(LaneId, i64)>, StoreError> {
-        let taken = self.inner.take_listing(lanes, holder, now, until).await?;
+        let taken = self.inner.take_listing(lanes, holder, now, until, write).await?;
         match self.fault {
             Fault::FailAfterRecord => Err(injected()),
             _ => Ok(taken),

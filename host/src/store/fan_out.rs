@@ -12,7 +12,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use bson::oid::ObjectId;
 use bson::{Bson, DateTime, Document};
 
-use super::claim::{Candidate, Fresh, HandOutOf};
+use super::claim::{Candidate, Fresh, HandOutOf, HandlerKey};
 use super::{Capacity, ClaimedDelivery, DeliveryId, MALFORMED_EVENT_HANDLER, Subscriptions};
 use crate::death::Death;
 pub(crate) use crate::event::{id_text, string_key};
@@ -197,20 +197,40 @@ pub(crate) fn plan(batch: &[Document], subscriptions: &Subscriptions) -> FanOutP
     plan
 }
 
-/// Up to `budget` deliveries of `plan` that may be handed out as the fan-out commits them:
-/// live, unkeyed ones (a keyed one may have an unfinished predecessor, which only a claim
-/// looks for), with the events of `batch` they are for; the first `budget.run_now` of them
-/// start at once, the others are claimed ahead.
-pub(crate) fn fresh(plan: &FanOutPlan, batch: &[Document], budget: Capacity, now: DateTime) -> Vec<Fresh> {
+/// The keys (with their handlers) whose first delivery in `plan` is ready: each may be
+/// handed out with its fan-out if nothing of its key is pending in the store already (see
+/// [`fresh`]), which the store checks in the fan-out's own snapshot.
+pub(crate) fn keyed_heads(plan: &FanOutPlan) -> Vec<HandlerKey> {
+    let mut heads: Vec<HandlerKey> = plan
+        .deliveries
+        .iter()
+        .filter(|d| d.dead_reason.is_none() && d.behind.is_none())
+        .filter_map(|d| Some((d.handler.clone(), d.key.clone()?)))
+        .collect();
+    heads.sort();
+    heads.dedup();
+    heads
+}
+
+/// Up to `budget` deliveries of `plan` that may be handed out as the fan-out commits them,
+/// with the events of `batch` they are for: live unkeyed ones, and the heads of the keys in
+/// `idle` (keys of [`keyed_heads`] of which nothing is pending in the store: nothing runs
+/// there and nothing precedes them; their followers in the batch are created parked behind
+/// them). The first `budget.run_now` of them start at once, the others are claimed ahead.
+pub(crate) fn fresh(plan: &FanOutPlan, batch: &[Document], budget: Capacity, idle: &HashSet<HandlerKey>, now: DateTime) -> Vec<Fresh> {
     if budget.total == 0 {
         return Vec::new();
     }
     // Only the events of what is handed out are parsed (again: `plan` parsed them all).
     let events: HashMap<String, &Document> =
         batch.iter().filter_map(|doc| Some((id_text(doc.get(field::ID)?), doc))).collect();
+    let may_run = |d: &NewDelivery| match &d.key {
+        None => true,
+        Some(key) => d.behind.is_none() && idle.contains(&(d.handler.clone(), key.clone())),
+    };
     plan.deliveries
         .iter()
-        .filter(|d| d.dead_reason.is_none() && d.key.is_none())
+        .filter(|d| d.dead_reason.is_none() && may_run(d))
         .filter_map(|d| {
             let event_id = id_text(&d.event_id);
             let event = EventRecord::from_document(events.get(&event_id)?).ok()?;
@@ -218,7 +238,7 @@ pub(crate) fn fresh(plan: &FanOutPlan, batch: &[Document], budget: Capacity, now
                 id: d.id,
                 event_id,
                 handler: d.handler.clone(),
-                key: None,
+                key: d.key.clone(),
                 lane: d.lane,
                 due_at: now,
                 claims: 0,
@@ -250,11 +270,12 @@ pub(crate) struct WithoutDocuments {
 }
 
 impl WithoutDocuments {
-    /// Every one of `fresh`, each marked as such.
+    /// Every unkeyed one of `fresh`, each marked as such. (A keyed one keeps its document:
+    /// whether a key has something pending is read from the deliveries.)
     pub fn of(plan: &FanOutPlan, fresh: &mut [Fresh]) -> Self {
         let events: HashMap<DeliveryId, &Bson> = plan.deliveries.iter().map(|d| (d.id, &d.event_id)).collect();
         let mut unstored = Self { fan_out: ObjectId::new(), ..Self::default() };
-        for Fresh { candidate, .. } in fresh {
+        for Fresh { candidate, .. } in fresh.iter_mut().filter(|fresh| fresh.candidate.key.is_none()) {
             let Some(event) = events.get(&candidate.id) else { continue };
             candidate.unstored = Some(HandOutOf { event: (*event).clone(), fan_out: Some(unstored.fan_out) });
             unstored.handlers.entry(id_text(event)).or_default().push(candidate.handler.clone());

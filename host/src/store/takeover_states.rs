@@ -85,7 +85,7 @@ async fn listed_twice<S: Store + Parts>(a: &S, b: &S, _c: &S) {
     };
     assert_eq!(backend.record(&claimer.holder, &[twice], LaneWrite::Durable).await.unwrap(), [true]);
     let (other, _) = beside(lease.lane);
-    let taken = backend.take_listing(&[(other, vec![entry])], &claimer.holder, at(T0), at(T0 + 30_000)).await.unwrap();
+    let taken = backend.take_listing(&[(other, vec![entry])], &claimer.holder, at(T0), at(T0 + 30_000), LaneWrite::Applied).await.unwrap();
     assert_eq!(taken.len(), 1);
 
     // a dies; b takes both lanes over at once.
@@ -112,7 +112,7 @@ async fn racing_fan_outs_then_two_deaths<S: Store + Parts>(a: &S, b: &S, c: &S) 
     let (below, above) = beside(winner.lane);
     let (backend_b, claimer_b) = b.parts();
     let lists = [(below, vec![losing()]), (above, vec![losing()])];
-    assert_eq!(backend_b.take_listing(&lists, &claimer_b.holder, at(T0), at(T0 + 30_000)).await.unwrap().len(), 2);
+    assert_eq!(backend_b.take_listing(&lists, &claimer_b.holder, at(T0), at(T0 + 30_000), LaneWrite::Applied).await.unwrap().len(), 2);
 
     // Both die together; c takes all three lanes over in one claim.
     let claimed = c.claim_in(&handlers(), &[below, winner.lane, above], 10, at(LATER)).await.unwrap();

@@ -212,14 +212,15 @@ pub(crate) trait ClaimBackend: Sync {
     ) -> impl Future<Output = Result<Vec<LaneState>, StoreError>> + Send;
     /// Takes those of `lanes` that are free and run nothing, each in one write that also lists
     /// its given entries in flight; returns the lanes taken, each with the epoch it is now held
-    /// at. Lanes that are not free, or list something, are skipped. A hand-out's write: it
-    /// counts once applied ([`LaneWrite::Applied`]).
+    /// at. Lanes that are not free, or list something, are skipped. A hand-out's write,
+    /// acknowledged as `write` says (once applied, unless it lists a key's head).
     fn take_listing(
         &self,
         lanes: &[(LaneId, Vec<InFlight>)],
         holder: &Holder,
         now: DateTime,
         until: DateTime,
+        write: LaneWrite,
     ) -> impl Future<Output = Result<Vec<(LaneId, i64)>, StoreError>> + Send;
     /// Moves every entry still at its listed claim generation on to the next, and charges an
     /// attempt to those listed as started ([`InFlight::started`]). Conditional on the

@@ -77,17 +77,27 @@ impl Claimer {
         let until = self.lease_until(now);
         let mut fresh = fresh;
         let FreshLists { by_lane, records, to_take, events_lanes, .. } = self.list_fresh(&held, &mut fresh, until);
+        // A key's head runs while its lane lists it: that list must survive a failover, or
+        // another holder could run the key beside it (an unkeyed delivery run twice is what
+        // at-least-once allows). And an operator's requeue of a lower sequence of its key that
+        // the fan-out's snapshot missed makes it wait for a claim, as it would a claim's pick.
+        let keyed: HashSet<DeliveryId> = fresh.iter().filter(|f| f.candidate.key.is_some()).map(|f| f.candidate.id).collect();
+        let lane_write = if keyed.is_empty() { LaneWrite::Applied } else { LaneWrite::Durable };
         let recording = async {
             let record = async {
-                if records.is_empty() { Ok(Vec::new()) } else { backend.record(&self.holder, &records, LaneWrite::Applied).await }
+                if records.is_empty() { Ok(Vec::new()) } else { backend.record(&self.holder, &records, lane_write).await }
             };
             let take = async {
-                if to_take.is_empty() { Ok(Vec::new()) } else { backend.take_listing(&to_take, &self.holder, now, until).await }
+                if to_take.is_empty() { Ok(Vec::new()) } else { backend.take_listing(&to_take, &self.holder, now, until, lane_write).await }
             };
-            futures::try_join!(record, take)
+            let requeued = async {
+                let window = DateTime::from_millis(now.timestamp_millis().saturating_sub(REQUEUE_RACE_WINDOW_MS));
+                if keyed.is_empty() { Ok(false) } else { backend.requeued_since(window).await }
+            };
+            futures::try_join!(record, take, requeued)
         };
         let (written, recorded) = futures::join!(write, recording);
-        let (commit, (flags, taken)) = match (written, recorded) {
+        let (commit, (flags, taken, requeued)) = match (written, recorded) {
             (Ok(commit), Ok(recorded)) => (commit, recorded),
             (written, recorded) => {
                 // A first stage that succeeded goes on to its commit all the same: its
@@ -96,7 +106,7 @@ impl Claimer {
                     Ok(commit) => commit(&none).await,
                     Err(error) => Err(error),
                 };
-                let taken = recorded.map(|(_, taken)| taken);
+                let taken = recorded.map(|(_, taken, _)| taken);
                 let tried = Tried { records: &records, to_take: &to_take, events_lanes: &events_lanes };
                 return self.after_failed_hand_out(backend, &mut held, tried, committed, taken).await;
             }
@@ -121,7 +131,8 @@ impl Claimer {
                 }
             }
             listed.extend(taken.iter().map(|(lane, epoch)| (*lane, *epoch, by_lane[lane].clone())));
-            self.issue_listed(held, listed, &by_lane, fresh, |_| true, now)
+            // Not issued, a listed delivery counts as running nowhere: a claim takes it.
+            self.issue_listed(held, listed, &by_lane, fresh, |id| !(requeued && keyed.contains(id)), now)
         };
         let Some(early) = early else {
             // Issued once committed: each lease names a delivery that exists.

@@ -13,7 +13,8 @@ use super::unstored::{Charge, Entry};
 use super::{Backend, MemoryStore, State};
 use crate::event::field;
 use crate::store::fan_out::{self, FanOutPlan, WithoutDocuments, id_text, string_key};
-use crate::store::{Capacity, DeliveryId, EarlyHandOuts, FanOutReport, StoreError, Subscriptions};
+use crate::store::claim::HandlerKey;
+use crate::store::{Capacity, DeliveryId, DeliveryStatus, EarlyHandOuts, FanOutReport, StoreError, Subscriptions};
 
 impl MemoryStore {
     /// The next batch of this host's share of the unfanned events, in `(createdAt, _id)`
@@ -46,7 +47,8 @@ impl MemoryStore {
         let mut state = self.state.lock().await;
         let batch = self.read_batch(&state, limit, now);
         let plan = fan_out::plan(&batch, subscriptions);
-        let mut fresh = fan_out::fresh(&plan, &batch, hand_out, now);
+        let idle = if hand_out.total == 0 { HashSet::new() } else { state.idle_keys(fan_out::keyed_heads(&plan)) };
+        let mut fresh = fan_out::fresh(&plan, &batch, hand_out, &idle, now);
         // What is handed out gets no record (see `unstored`), unless every completion is to be
         // recorded, as in MongoDB.
         let without =
@@ -98,7 +100,8 @@ impl MemoryStore {
             let state = self.state.lock().await;
             let batch = self.read_batch(&state, limit, now);
             let plan = fan_out::plan(&batch, subscriptions);
-            let fresh = fan_out::fresh(&plan, &batch, hand_out, now);
+            // Every delivery of such a batch is unkeyed.
+            let fresh = fan_out::fresh(&plan, &batch, hand_out, &HashSet::new(), now);
             (plan, fresh)
         };
         if plan.events.is_empty() {
@@ -119,6 +122,17 @@ impl MemoryStore {
 }
 
 impl State {
+    /// Those of `heads` of which nothing is pending.
+    fn idle_keys(&self, heads: Vec<HandlerKey>) -> HashSet<HandlerKey> {
+        let mut idle: HashSet<HandlerKey> = heads.into_iter().collect();
+        for d in self.deliveries.values().filter(|d| d.status == DeliveryStatus::Pending) {
+            if let Some(key) = &d.key {
+                idle.remove(&(d.handler.clone(), key.clone()));
+            }
+        }
+        idle
+    }
+
     /// Marks the plan's events fanned out by the fan-out `without` names, listing its handed
     /// out deliveries' handlers; an event another fan-out marked is left as it is. Returns the
     /// events (as [`id_text`] prints them) marked by this fan-out.
@@ -166,7 +180,7 @@ mod tests {
         let mut state = store.state.lock().await;
         let batch = store.read_batch(&state, 10, now);
         let plan = fan_out::plan(&batch, &subscriptions);
-        let mut fresh = fan_out::fresh(&plan, &batch, Capacity::from(10), now);
+        let mut fresh = fan_out::fresh(&plan, &batch, Capacity::from(10), &HashSet::new(), now);
         let (first, second) = (WithoutDocuments::of(&plan, &mut fresh), WithoutDocuments::of(&plan, &mut fresh));
         assert_eq!(state.mark_plainly(&plan, &first, now), HashSet::from(["e-1".to_string()]));
         // Another fan-out of the same batch marks nothing; the first may mark again (a mark

@@ -895,6 +895,7 @@ impl ClaimBackend for Backend<'_> {
         holder: &Holder,
         now: DateTime,
         until: DateTime,
+        _write: LaneWrite,
     ) -> Result<Vec<(LaneId, i64)>, StoreError> {
         let mut state = self.0.lock().await;
         let mut taken = Vec::new();

@@ -29,7 +29,7 @@ use futures::TryStreamExt;
 use mongodb::ClientSession;
 
 use super::generations::WriteIn;
-use super::{Commit, MongoStore, generations, lanes};
+use super::{Commit, MongoStore, generations, heads, lanes};
 use super::documents::new_delivery_document;
 use super::unfanned::{Reach, Read, read_batch};
 use crate::event::field;
@@ -185,7 +185,8 @@ async fn plain(
 ) -> Result<Option<FanOutReport>, StoreError> {
     let Read { batch, reach } = read_batch(store, None, limit, now).await?;
     let plan = fan_out::plan(&batch, subscriptions);
-    let mut fresh = fan_out::fresh(&plan, &batch, hand_out, now);
+    // Every delivery of such a batch is unkeyed.
+    let mut fresh = fan_out::fresh(&plan, &batch, hand_out, &HashSet::new(), now);
     if plan.events.is_empty() {
         return Ok(Some(reach.on(plan.report(Vec::new(), &[]))));
     }
@@ -296,7 +297,18 @@ async fn handing_out(
         },
     };
     let plan = fan_out::plan(&batch, subscriptions);
-    let mut fresh = fan_out::fresh(&plan, &batch, hand_out, now);
+    let heads = if hand_out.total == 0 { Vec::new() } else { fan_out::keyed_heads(&plan) };
+    let idle = match heads.is_empty() {
+        true => HashSet::new(),
+        false => match heads::idle_keys(store, tx.session(), heads).await {
+            Ok(idle) => idle,
+            Err(error) => {
+                let _ = tx.abort().await;
+                return Err(error);
+            }
+        },
+    };
+    let mut fresh = fan_out::fresh(&plan, &batch, hand_out, &idle, now);
     // What is handed out gets no document (see `super::unstored`), unless every completion is to be
     // recorded: the history copies the delivery's document.
     let unstored = if store.options.completion_history { WithoutDocuments::default() } else { WithoutDocuments::of(&plan, &mut fresh) };

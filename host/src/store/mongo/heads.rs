@@ -1,7 +1,8 @@
 //! Finding the heads of keys in MongoDB (a key's head: its lowest pending delivery, the only
 //! one of it a claim may run): by lookup, one `ordering` index probe per key in one command per
-//! handler, and by name, the followers created parked behind a delivery that is gone. It reads
-//! and unparks; it must never decide what runs (the shared claim does).
+//! handler, and by name, the followers created parked behind a delivery that is gone; and which
+//! keys have nothing pending at all (a fan-out may hand out their heads). It reads and unparks;
+//! it must never decide what runs (the shared claim does).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -174,4 +175,31 @@ pub(super) async fn heads_of(
             Some((row.get_str("k").ok()?.to_string(), id, lane))
         })
         .collect())
+}
+
+/// Those of `heads` of which nothing is pending, read in `session` (a fan-out's transaction,
+/// so that its snapshot decides): one `distinct` of the pending keys per handler over the
+/// `ordering` index, which names each key once however many deliveries it has pending.
+pub(super) async fn idle_keys(
+    store: &MongoStore,
+    session: &mut ClientSession,
+    heads: Vec<HandlerKey>,
+) -> Result<HashSet<HandlerKey>, StoreError> {
+    let mut by_handler: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (handler, key) in &heads {
+        by_handler.entry(handler.clone()).or_default().push(key.clone());
+    }
+    let mut idle: HashSet<HandlerKey> = heads.into_iter().collect();
+    for (handler, keys) in by_handler {
+        let filter = doc! {
+            delivery::HANDLER: &handler,
+            delivery::KEY: { "$in": keys },
+            delivery::STATUS: delivery::PENDING,
+        };
+        let pending = store.collections.deliveries.distinct(delivery::KEY, filter).session(&mut *session).await?;
+        for key in pending.iter().filter_map(|key| key.as_str()) {
+            idle.remove(&(handler.clone(), key.to_string()));
+        }
+    }
+    Ok(idle)
 }

@@ -295,6 +295,7 @@ impl ClaimBackend for Backend<'_> {
         holder: &Holder,
         now: DateTime,
         until: DateTime,
+        write: LaneWrite,
     ) -> Result<Vec<(LaneId, i64)>, StoreError> {
         // One round trip per lane, all at once: a hand-out names the lanes of a few events.
         let taken = try_join_all(lanes.iter().map(|(id, entries)| {
@@ -305,7 +306,7 @@ impl ClaimBackend for Backend<'_> {
                 .lanes
                 .find_one_and_update(filter, take_lane(holder, until, Some(entries)))
                 .return_document(mongodb::options::ReturnDocument::After)
-                .write_concern(Commit::from(LaneWrite::Applied).write_concern())
+                .write_concern(Commit::from(write).write_concern())
                 .into_future()
         }))
         .await?;
