@@ -445,7 +445,8 @@ pub trait Store: Send + Sync + 'static {
     -> impl Future<Output = Result<Published, StoreError>> + Send;
 
     /// Turns up to `limit` committed events into one delivery per subscribed handler, and
-    /// hands out up to `hand_out` of the new ones that nothing can be ahead of (unkeyed) to
+    /// hands out up to `hand_out` of the new ones that nothing can be ahead of (unkeyed, or the
+    /// head of a key with nothing pending) to
     /// this instance as it commits them, where their lanes are free or its own (see
     /// [`FanOutReport::claimed`]): the short way from a commit to its handler.
     fn fan_out(&self, subscriptions: &Subscriptions, limit: usize, hand_out: impl Into<Capacity> + Send, now: DateTime)

@@ -106,7 +106,8 @@ impl Candidate {
 }
 
 /// A new delivery a fan-out may hand out as it commits it (see [`Claimer::hand_out`]): one
-/// that nothing can be ahead of (unkeyed), with its event.
+/// that nothing can be ahead of (unkeyed, or its key's head while nothing of its key is
+/// pending), with its event.
 #[derive(Debug, Clone)]
 pub(crate) struct Fresh {
     pub candidate: Candidate,
@@ -139,10 +140,10 @@ pub(crate) struct HandedOut<T> {
 /// When a lane write counts as done.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum LaneWrite {
-    /// Once durable (in MongoDB: a majority has it). A claim's: it may list keyed deliveries,
-    /// and the list is what keeps a takeover from running a key twice at once.
+    /// Once durable (in MongoDB: a majority has it). A claim's, and a hand-out's that lists a
+    /// key's head: the list is what keeps a takeover from running a key twice at once.
     Durable,
-    /// Once applied. A hand-out's: it lists unkeyed deliveries only, in a lane this instance
+    /// Once applied. A hand-out's of unkeyed deliveries only, in a lane this instance
     /// holds (or takes, only if it lists nothing). Should a failover lose the write, those
     /// deliveries run again uncharged, which at-least-once allows; anything this instance
     /// does later that needs the lane is a durable write after it, which makes it durable
