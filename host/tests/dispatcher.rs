@@ -504,6 +504,38 @@ async fn a_completion_that_failed_is_written_later_without_running_the_handler_a
     assert_eq!(events_run(&runs), ["e-0", "e-1", "e-2"], "each ran once");
 }
 
+/// The poll is the loop's net: an outcome that could not be written is written again there
+/// when no other run finishes (which would try it too). Wakeups that keep the loop turning
+/// faster than the poll interval must not starve it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_loop_still_polls() {
+    let store = Arc::new(FaultyStore::new(memory_store("worker"), 0, 1));
+    publish_orders(&*store, 1).await;
+    let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
+    let fail_first = Arc::new(|delivery: &ClaimedDelivery| match delivery.attempts {
+        0 => AttemptResult::Retry { reason: "upstream 503".into(), not_before: None },
+        _ => AttemptResult::Completed,
+    });
+    let runner = mailer(fail_first, Duration::ZERO, &runs);
+    let options = DispatcherOptions { poll_interval: Duration::from_millis(300), lease_duration: Duration::from_secs(300), ..options(4) };
+    let dispatcher = Dispatcher::new(store.clone(), runner, options);
+    let waker = dispatcher.waker();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let handle = tokio::spawn(async move { dispatcher.run(async { let _ = stopped.await; }).await.unwrap() });
+    // A wakeup every 20 ms, as a busy change stream would send.
+    let busy = tokio::spawn(async move {
+        loop {
+            waker.notify_one();
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+    until("the failed rescheduling written again and the retry run", || drained(&*store, &runs, 2)).await;
+    busy.abort();
+    stop.send(()).unwrap();
+    handle.await.unwrap();
+    assert_eq!(store.reschedules_failing.load(SeqCst), 0, "the injected failure happened");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retries_whose_rescheduling_failed_are_written_later_without_running_the_handler_again() {
     let store = Arc::new(FaultyStore::new(memory_store("worker"), 0, 2));

@@ -292,6 +292,11 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         let mut flight = Flight::new(completions, StartRecorder::spawn(self.store.clone()));
         let mut renewal = tokio::time::interval(self.options.lease_duration / 3);
         renewal.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // An interval, not a sleep made again at every turn: a loop kept turning faster than
+        // the poll interval (wakeups, finished runs) must still poll.
+        let mut poll = tokio::time::interval(self.options.poll_interval);
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        poll.tick().await;
         // Announced before the first fan-out, so that it leaves the hosts already live their
         // lanes' events; then again and again beside the loop.
         let hosts = self.store.announce(DateTime::now()).await.unwrap_or_else(|error| {
@@ -308,7 +313,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 () = &mut stop => break,
                 // New events become claimable once fanned out, which then asks for a claim.
                 () = self.wakeup.notified() => { flight.fan_out = true; Ok(()) }
-                () = tokio::time::sleep(self.options.poll_interval) => {
+                _ = poll.tick() => {
                     flight.fan_out = true;
                     flight.claim = true;
                     flight.completions.resume();
