@@ -253,12 +253,16 @@ async fn a_fan_out_hands_out_heard_events_without_reading_them_and_never_one_fan
     assert!(list_all(&store, DeliveryFilter::default()).await.is_empty(), "nothing was created again");
     assert_eq!(reads_of_events(before), 1, "it read the collection instead");
 
-    // A heard keyed event is fanned out by reading, in the same call, and left to a claim.
+    // A heard keyed event is fanned out by reading (its key's lower unfanned events come with
+    // it), in the same call; nothing of its key is pending, so it is handed out as its head.
     publish_all(&store, vec![keyed("k-0", "t", "key")]).await;
     hearing.woken().await;
+    let before = log.lock().unwrap().len();
     let report = store.fan_out(&subscriptions, 100, 5, at(T0)).await.unwrap();
-    assert_eq!((report.events, report.claimed.len()), (1, 0));
-    assert_eq!(report.lanes, [relayhost::lane::lane_of("key")].into_iter().collect());
+    assert_eq!(reads_of_events(before), 2, "it read the collection: the batch, and its key's lower unfanned events");
+    assert_eq!(ids(&report.claimed), ["k-0/h"]);
+    assert_eq!(report.claimed[0].lease.lane, relayhost::lane::lane_of("key"));
+    assert!(report.lanes.is_empty());
 }
 
 /// A heard event another fan-out has marked, in a transaction still open, is not handed out:
