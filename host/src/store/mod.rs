@@ -20,6 +20,7 @@ mod retention;
 #[cfg(test)]
 mod takeover_states;
 mod transaction;
+mod unstored;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;

@@ -11,43 +11,14 @@
 //! record at claim generation 0 in its event's lane, so that the ordinary fenced outcomes apply.
 //! It must never make a record for a handler its event no longer lists.
 
-use bson::oid::ObjectId;
 use bson::{Bson, DateTime};
 
 use super::{Delivery, LaneKind, State};
 use crate::event::field;
-use crate::lane::lane_for_event;
-use crate::store::claim::{HandOutOf, InFlight, Unstored};
 use crate::store::fan_out::{WithoutDocuments, id_text};
-use crate::store::{DeliveryId, DeliveryStatus, LOST_WHILE_RUNNING, Lease};
+use crate::store::{DeliveryStatus, LOST_WHILE_RUNNING};
 
-/// A delivery without a record, as its lease or its lane entry names it.
-#[derive(Debug, Clone)]
-pub(super) struct Entry {
-    pub delivery: DeliveryId,
-    pub event: Bson,
-    pub fan_out: Option<ObjectId>,
-    pub handler: String,
-    pub started: bool,
-}
-
-impl Entry {
-    pub fn of_lease(lease: &Lease, unstored: Unstored) -> Self {
-        let HandOutOf { event, fan_out } = unstored.event;
-        Self { delivery: lease.delivery, event, fan_out, handler: unstored.handler, started: false }
-    }
-
-    /// The entries without a record among lanes' in-flight entries.
-    pub fn listed(entries: &[InFlight]) -> Vec<Self> {
-        entries
-            .iter()
-            .filter_map(|entry| {
-                let HandOutOf { event, fan_out } = entry.unstored.clone()?;
-                Some(Self { delivery: entry.delivery, event, fan_out, handler: entry.handler.clone(), started: entry.started })
-            })
-            .collect()
-    }
-}
+pub(super) use crate::store::unstored::Entry;
 
 /// How a materialization counts the run of the deliveries it gives a record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,12 +44,7 @@ impl State {
     /// Whether the delivery's event still names it as running without a record: it lists the
     /// handler, and its mark is the entry's fan-out's.
     pub(super) fn names(&self, entry: &Entry) -> bool {
-        let Some(event) = self.events.get(&id_text(&entry.event)) else { return false };
-        let listed = match event.get(field::HANDED_OUT) {
-            Some(Bson::Array(handlers)) => handlers.iter().any(|handler| handler.as_str() == Some(&entry.handler)),
-            _ => false,
-        };
-        listed && entry.fan_out.is_none_or(|fan_out| event.get_object_id(field::FAN_OUT).ok() == Some(fan_out))
+        self.events.get(&id_text(&entry.event)).is_some_and(|event| entry.named_by(event))
     }
 
     /// Takes the handler out of its event's list (`named` checked by the caller).
@@ -123,7 +89,7 @@ impl State {
                     handler: entry.handler.clone(),
                     key: None,
                     sequence: None,
-                    lane_id: lane_for_event(&id_text(&entry.event), None),
+                    lane_id: entry.lane(),
                     lane: LaneKind::Ready,
                     status: DeliveryStatus::Pending,
                     attempts: u32::from(charged),

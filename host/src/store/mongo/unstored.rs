@@ -27,47 +27,13 @@ use super::documents::{delivery, new_delivery_document};
 use super::generations::{self, WriteIn};
 use super::{Commit, MongoStore};
 use crate::event::field;
-use crate::lane::{LaneId, lane_for_event};
-use crate::store::claim::{HandOutOf, InFlight, Unstored};
 use crate::store::fan_out::{NewDelivery, id_text};
-use crate::store::{DeliveryId, LOST_WHILE_RUNNING, Lease, StoreError};
+use crate::store::{DeliveryId, LOST_WHILE_RUNNING, StoreError};
 
-/// A delivery without a document, as its lane lists it or its lease says.
-#[derive(Debug, Clone)]
-pub(super) struct Entry {
-    pub delivery: DeliveryId,
-    pub event: Bson,
-    /// The fan-out that handed it out (`None`: an entry of an earlier version, which named
-    /// none).
-    pub fan_out: Option<ObjectId>,
-    pub handler: String,
-    /// Listed as started: a takeover's materialization charges it (see [`materialize`]).
-    pub started: bool,
-}
+pub(super) use crate::store::unstored::Entry;
 
+/// In MongoDB: the filter of its event.
 impl Entry {
-    pub fn of_lease(lease: &Lease, unstored: Unstored) -> Self {
-        let HandOutOf { event, fan_out } = unstored.event;
-        Self { delivery: lease.delivery, event, fan_out, handler: unstored.handler, started: false }
-    }
-
-    /// The unstored ones among lanes' in-flight entries.
-    pub fn listed(entries: &[InFlight]) -> Vec<Self> {
-        entries
-            .iter()
-            .filter_map(|entry| {
-                let HandOutOf { event, fan_out } = entry.unstored.clone()?;
-                Some(Self { delivery: entry.delivery, event, fan_out, handler: entry.handler.clone(), started: entry.started })
-            })
-            .collect()
-    }
-
-    /// The lane its document goes to. It is unkeyed, so its event's id places it, whichever
-    /// lane listed it while it ran (see [`Candidate::unstored`](crate::store::claim::Candidate::unstored)).
-    fn lane(&self) -> LaneId {
-        lane_for_event(&id_text(&self.event), None)
-    }
-
     /// The filter of its event while the delivery has no document and is not completed.
     fn event_filter(&self) -> Document {
         let mut filter = doc! { field::ID: self.event.clone(), field::HANDED_OUT: &self.handler };
@@ -75,17 +41,6 @@ impl Entry {
             filter.insert(field::FAN_OUT, fan_out);
         }
         filter
-    }
-
-    /// Whether `event` (its document) still names this delivery as handed out without a
-    /// document: it lists the handler, and its mark is this entry's fan-out's. An entry of a
-    /// fan-out whose mark lost names a delivery that never existed.
-    fn named_by(&self, event: &Document) -> bool {
-        let listed = match event.get(field::HANDED_OUT) {
-            Some(Bson::Array(handlers)) => handlers.iter().any(|handler| handler.as_str() == Some(&self.handler)),
-            _ => false,
-        };
-        listed && self.fan_out.is_none_or(|fan_out| event.get_object_id(field::FAN_OUT).ok() == Some(fan_out))
     }
 }
 
