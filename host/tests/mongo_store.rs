@@ -869,17 +869,6 @@ async fn a_hand_out_gathers_deliveries_without_a_document_in_held_lanes_and_a_ta
     assert!(claimed.iter().all(|c| c.attempts == 1));
 }
 
-/// Takes lanes for `store` (a hand-out of one event in each of `lanes`) and completes that
-/// work, so that its next hand-outs find room in lanes it holds.
-async fn hold_lanes(store: &MongoStore, subscriptions: &relayhost::store::Subscriptions, prefix: &str, lanes: &[u8]) {
-    let ids: Vec<String> = lanes.iter().map(|lane| id_in_lane(prefix, *lane)).collect();
-    publish_all(store, ids.iter().map(|id| event(id, "t")).collect()).await;
-    let report = store.fan_out(subscriptions, 100, 10, at(T0)).await.unwrap();
-    assert_eq!(report.claimed.len(), lanes.len());
-    let leases: Vec<_> = report.claimed.iter().map(|c| c.lease).collect();
-    assert!(store.complete_many(&leases, at(T0)).await.unwrap().iter().all(|s| *s == Settlement::Completed));
-}
-
 /// A backlog batch whose deliveries all fit in lanes the host holds is listed there first and
 /// then marked fanned out without a transaction, in two commands sent at once; its runs get
 /// word that their fan-out is done, and complete like any other.

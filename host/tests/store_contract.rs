@@ -694,17 +694,6 @@ async fn a_fan_out_hands_out_a_keys_head_only_while_nothing_of_its_key_is_pendin
     assert_eq!(ids(&a.fan_out(&subscriptions, 100, 10, at(T0 + 61_000)).await.unwrap().claimed), ["later-1/h"]);
 }
 
-/// Has `store` hold `lanes` (with known lists, nothing running): one event in each, handed out
-/// by a fan-out and completed.
-async fn hold_lanes<S: Store>(store: &S, subscriptions: &relayhost::store::Subscriptions, prefix: &str, lanes: &[u8]) {
-    let ids: Vec<String> = lanes.iter().map(|lane| id_in_lane(prefix, *lane)).collect();
-    publish_all(store, ids.iter().map(|id| event(id, "t")).collect()).await;
-    let report = store.fan_out(subscriptions, 100, 10, at(T0)).await.unwrap();
-    assert_eq!(report.claimed.len(), lanes.len());
-    let leases: Vec<_> = report.claimed.iter().map(|c| c.lease).collect();
-    assert!(store.complete_many(&leases, at(T0)).await.unwrap().iter().all(|s| *s == Settlement::Completed));
-}
-
 /// Two hosts fan the same backlog out at once, each handing out whole batches listed in the
 /// lanes it holds before it marks them (MongoDB: without a transaction): of two marks of an
 /// event exactly one applies, each host runs only what it marked, and every event runs once.

@@ -217,3 +217,14 @@ pub fn keys_in_two_lanes() -> (String, String) {
 pub fn id_in_lane(prefix: &str, lane: u8) -> String {
     (0..).map(|n| format!("{prefix}-{n}")).find(|id| relayhost::lane::lane_of(id) == lane).unwrap()
 }
+
+/// Has `store` hold `lanes` (with known lists, nothing running): one event in each, handed out
+/// by a fan-out and completed.
+pub async fn hold_lanes<S: Store>(store: &S, subscriptions: &relayhost::store::Subscriptions, prefix: &str, lanes: &[u8]) {
+    let ids: Vec<String> = lanes.iter().map(|lane| id_in_lane(prefix, *lane)).collect();
+    publish_all(store, ids.iter().map(|id| event(id, "t")).collect()).await;
+    let report = store.fan_out(subscriptions, 100, 10, at(T0)).await.unwrap();
+    assert_eq!(report.claimed.len(), lanes.len());
+    let leases: Vec<_> = report.claimed.iter().map(|c| c.lease).collect();
+    assert!(store.complete_many(&leases, at(T0)).await.unwrap().iter().all(|s| *s == relayhost::store::Settlement::Completed));
+}
