@@ -57,7 +57,7 @@ pub struct BenchArgs {
     keys: usize,
     /// Hosts sharing the drain and the latency events: each its own store instance (lane
     /// owner), dispatcher and change stream, all in this process, as separate `relayhost run`
-    /// processes would on this machine. Their fan-outs race for every event.
+    /// processes would on this machine. They split the lanes, as separate hosts do.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16))]
     hosts: u16,
     /// Give up on a drain that completes nothing for this many seconds.
