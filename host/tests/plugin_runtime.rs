@@ -456,9 +456,10 @@ impl HttpServer {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn python_and_javascript_plugins_handle_real_events() {
+async fn python_javascript_and_c_plugins_handle_real_events() {
     let runtime = runtime();
-    for (file, handler) in [("py_order_check", "py-order-check"), ("js_order_check", "js-order-check")] {
+    let plugins = [("py_order_check", "py-order-check"), ("js_order_check", "js-order-check"), ("c_order_check", "c-order-check")];
+    for (file, handler) in plugins {
         let limits = Limits { fuel: u64::MAX / 2, memory_bytes: 256 * 1024 * 1024, wall_time: Duration::from_secs(20), ..quick_limits() };
         let plugin = runtime
             .load(&plugin_file(file), PluginPolicy { limits, ..Default::default() })
