@@ -49,6 +49,56 @@ async fn the_host_delivers_events_the_node_driver_committed() {
     host_delivers_what_a_publisher_committed("node", &script, ("NODE_NO_WARNINGS", "1".into())).await;
 }
 
+/// Handlers in every language this repository builds plugins in (Rust, Python, JavaScript
+/// and C) run in one host process, on orders committed by pymongo and by the Node.js driver:
+/// the transactional Rust handler's projection (written through the transaction capability)
+/// holds exactly the committed orders, each key in order, and each of the others completed
+/// every committed order once and logged it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handlers_in_every_language_run_in_one_host_process() {
+    let plugins = ["audit_log", "py_order_check", "js_order_check", "c_order_check"];
+    let deployment = Deployment::new(&plugins, "poll_interval = \"200ms\"\n\n[defaults]\nwall_time = \"10s\"").await;
+    let host = deployment.start("host");
+    let uri = relayhost::mongod::process_server().unwrap();
+    let python_path = Command::new(repo_root().join("scripts/ensure-python-deps.sh")).output().unwrap();
+    assert!(python_path.status.success(), "{}", stdout(&python_path));
+    let python_path = String::from_utf8(python_path.stdout).unwrap().trim().to_string();
+    let node_script = Command::new(repo_root().join("scripts/ensure-node-deps.sh")).output().unwrap();
+    assert!(node_script.status.success(), "{}", stdout(&node_script));
+    let node_script = PathBuf::from(String::from_utf8(node_script.stdout).unwrap().trim());
+    let python_script = repo_root().join("examples/publishers/python/publish.py");
+    let publishers: [(&str, &Path, (&str, String), &str); 2] = [
+        ("python3", &python_script, ("PYTHONPATH", python_path), "py-"),
+        ("node", &node_script, ("NODE_NO_WARNINGS", "1".into()), "node-"),
+    ];
+    let mut committed = Vec::new();
+    for (program, script, env, prefix) in publishers {
+        let args = [uri.to_string(), deployment.fixture.database.clone(), "8".into(), "--abort-odd".into(), format!("--id-prefix={prefix}")];
+        let run = Command::new(program).arg(script).args(args).env(env.0, env.1).output().unwrap();
+        assert!(run.status.success(), "{program}: {}", stdout(&run));
+        committed.extend([(0, 0), (2, 2), (4, 1), (6, 0)].map(|(n, customer)| (format!("order-placed-{prefix}o-{n}"), format!("customer-{customer}"))));
+    }
+    deployment.assert_audited_exactly(&committed, Duration::from_secs(120), "every language").await;
+    let mut expected: Vec<String> = committed.iter().map(|(id, _)| id.clone()).collect();
+    expected.sort();
+    let history = deployment.documents("relayhost_completed_deliveries").await;
+    for handler in ["py-order-check", "js-order-check", "c-order-check"] {
+        let mut done: Vec<String> =
+            history.iter().filter(|d| d.get_str("handler") == Ok(handler)).map(|d| d.get_str("eventId").unwrap().to_string()).collect();
+        done.sort();
+        assert_eq!(done, expected, "{handler} completed every committed order once");
+    }
+    let log = host.log();
+    for prefix in ["py-", "node-"] {
+        for n in [0, 2, 4, 6] {
+            let line = format!("order {prefix}o-{n} checked on attempt 1");
+            assert_eq!(log.matches(&line).count(), 3, "each order-check plugin logged {line:?}:\n{log}");
+        }
+    }
+    let counters = host.stop();
+    assert_eq!(counters["completed"], 4 * committed.len() as u64);
+}
+
 // ---- several hosts, crashes ----
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

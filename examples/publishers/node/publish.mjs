@@ -44,11 +44,12 @@ async function placeOrder(client, db, orderId, customer, total, abort) {
 
 if (import.meta.url === `file://${process.argv[1]}`) {
   const [uri, database, count] = process.argv.slice(2);
+  const prefix = (process.argv.find((arg) => arg.startsWith('--id-prefix=')) ?? '=').split('=')[1];
   const client = await new MongoClient(uri).connect();
   const db = client.db(database);
   for (let n = 0; n < Number(count); n++) {
     const abort = process.argv.includes('--abort-odd') && n % 2 === 1;
-    await placeOrder(client, db, `o-${n}`, `customer-${n % 3}`, 10 * n, abort);
+    await placeOrder(client, db, `${prefix}o-${n}`, `customer-${n % 3}`, 10 * n, abort);
   }
   await client.close();
 }

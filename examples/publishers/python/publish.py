@@ -48,11 +48,12 @@ def place_order(client, db, order_id, customer, total, abort=False):
 
 if __name__ == "__main__":
     uri, database, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    prefix = next((arg.split("=", 1)[1] for arg in sys.argv if arg.startswith("--id-prefix=")), "")
     client = MongoClient(uri)
     db = client[database]
     for n in range(count):
         abort = "--abort-odd" in sys.argv and n % 2 == 1
         try:
-            place_order(client, db, "o-%d" % n, "customer-%d" % (n % 3), 10 * n, abort=abort)
+            place_order(client, db, "%so-%d" % (prefix, n), "customer-%d" % (n % 3), 10 * n, abort=abort)
         except RuntimeError:
             pass
