@@ -72,7 +72,8 @@ for dir in "$root"/plugins/c/*/; do
   if stale "$out/$name.wasm" "$dir" "$root/wit"; then
     if ! c_tools_ready; then
       if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q $c_debian_packages >&2
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q $c_debian_packages >&2 \
+          || { apt-get update -q >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $c_debian_packages >&2; }
       else
         echo "building the C plugins needs Debian's $c_debian_packages (as root: apt-get install $c_debian_packages)" >&2
         exit 1
