@@ -6,10 +6,11 @@
 //! Transactions are serializable: a transaction holds the whole state until it commits or
 //! aborts, so never claim from inside one. Nothing here survives the process.
 //!
-//! One file past 600 lines because it implements the whole `Store` and `ClaimBackend` over
+//! One file past 600 lines because it implements the whole `Store` over
 //! one in-process state, each method a few lines against it, so that its semantics can be
-//! read side by side with the MongoDB store's; its two fan-outs (`fan_out.rs`) and its
-//! deliveries without a record (`unstored.rs`) are beside it, as in the MongoDB store.
+//! read side by side with the MongoDB store's; its two fan-outs (`fan_out.rs`), its claim
+//! primitives (`lanes.rs`) and its deliveries without a record (`unstored.rs`) are beside it,
+//! as in the MongoDB store.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -19,23 +20,22 @@ use bson::oid::ObjectId;
 use bson::{Bson, DateTime, Document};
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
-use super::claim::{
-    Candidate, ClaimBackend, Claimer, HandlerKey, Holder, InFlight, LaneRecord, LaneSearch, LaneState, LaneWrite, Unpark,
-    Unstored,
-};
+use super::claim::{Claimer, HandlerKey, InFlight, LaneSearch, LaneState, Unpark, Unstored};
 use super::fan_out::{FanOutPlan, NewDelivery, WithoutDocuments, id_text};
 use super::retention::event_expired;
 use super::{
-    Capacity, ClaimedDelivery, LOST_WHILE_RUNNING, DeliveryFilter, DeliveryId, DeliveryPage, DeliveryStatus, DeliveryView, EarlyHandOuts, FanOutReport,
+    Capacity, ClaimedDelivery, DeliveryFilter, DeliveryId, DeliveryPage, DeliveryStatus, DeliveryView, EarlyHandOuts, FanOutReport,
     HandlerStatistics, Lease, PurgeOptions, PurgeReport, Published, Settlement, Store, StoreError, StoreOptions,
     StoreTransaction, Subscriptions,
 };
-use crate::death::Death;
 use crate::event::{NewEvent, field};
 use crate::lane::{LANE_COUNT, LaneId};
 
 mod fan_out;
+mod lanes;
 mod unstored;
+
+use lanes::Backend;
 
 use unstored::{Charge, Entry};
 
@@ -381,7 +381,7 @@ impl MemoryStore {
 
     /// The claim primitives and the claimer, for fault-injection tests of the claim.
     #[cfg(test)]
-    pub(crate) fn claim_parts(&self) -> (impl ClaimBackend + '_, &Claimer) {
+    pub(crate) fn claim_parts(&self) -> (impl super::claim::ClaimBackend + '_, &Claimer) {
         (Backend(&self.state), &self.claimer)
     }
 
@@ -811,333 +811,6 @@ impl Store for MemoryStore {
         };
         let deliveries = range.filter(|(_, d)| matches(d)).take(limit + 1).map(|(id, d)| to_view(id, d)).collect();
         Ok(DeliveryPage::from_overfetch(deliveries, limit))
-    }
-}
-
-/// Makes `holder` the owner of `lane` until `until`, at its next epoch, if it is free at `now`
-/// (no owner, or an expired lease).
-fn take_if_free(lane: &mut LaneState, holder: &Holder, now: DateTime, until: DateTime) -> bool {
-    if lane.owner.is_some() && lane.lease_expires_at >= now {
-        return false;
-    }
-    lane.owner = Some(holder.owner.clone());
-    lane.instance = Some(holder.instance.clone());
-    lane.lease_expires_at = until;
-    lane.epoch += 1;
-    true
-}
-
-/// The claim primitives over the in-memory state.
-struct Backend<'a>(&'a Arc<Mutex<State>>);
-
-impl ClaimBackend for Backend<'_> {
-    async fn unpark(&self, handlers: &[String], scope: &Unpark) -> Result<HashMap<HandlerKey, DeliveryId>, StoreError> {
-        Ok(self.0.lock().await.unpark(handlers, scope))
-    }
-
-    async fn lanes(&self, ids: &[LaneId]) -> Result<Vec<LaneState>, StoreError> {
-        let state = self.0.lock().await;
-        Ok(ids.iter().map(|id| state.lanes[usize::from(*id)].clone()).collect())
-    }
-
-    async fn free_lanes_with_due_work(
-        &self,
-        handlers: &[String],
-        exclude: &std::collections::BTreeSet<LaneId>,
-        count: usize,
-        _wanted: usize,
-        now: DateTime,
-    ) -> Result<Vec<(LaneId, usize)>, StoreError> {
-        let state = self.0.lock().await;
-        let free_lanes = state.lanes.iter().filter(|lane| (lane.owner.is_none() || lane.lease_expires_at < now) && !exclude.contains(&lane.id));
-        // Lanes whose last holder left deliveries without a record in flight come first: no
-        // record shows that work, and it is the oldest there is (it was running).
-        let mut stranded: Vec<(LaneId, usize)> = Vec::new();
-        let mut free: HashSet<LaneId> = HashSet::new();
-        for lane in free_lanes {
-            let left = lane.in_flight.iter().filter(|entry| entry.unstored.is_some() && handlers.contains(&entry.handler)).count();
-            if left > 0 && stranded.len() < count {
-                stranded.push((lane.id, left));
-            } else {
-                free.insert(lane.id);
-            }
-        }
-        let mut oldest: BTreeMap<LaneId, (DateTime, usize)> = BTreeMap::new();
-        for d in state.deliveries.values() {
-            if d.lane == LaneKind::Ready && d.due_at <= now && free.contains(&d.lane_id) && handlers.contains(&d.handler) {
-                let (at, due) = oldest.entry(d.lane_id).or_insert((d.due_at, 0));
-                *at = (*at).min(d.due_at);
-                *due += 1;
-            }
-        }
-        let mut lanes: Vec<(DateTime, LaneId, usize)> = oldest.into_iter().map(|(lane, (at, due))| (at, lane, due)).collect();
-        lanes.sort();
-        let rest = count - stranded.len();
-        stranded.extend(lanes.into_iter().take(rest).map(|(_, lane, due)| (lane, due)));
-        Ok(stranded)
-    }
-
-    async fn take_lanes(&self, lanes: &[LaneId], holder: &Holder, now: DateTime, until: DateTime) -> Result<Vec<LaneState>, StoreError> {
-        let mut state = self.0.lock().await;
-        let mut taken = Vec::new();
-        for id in lanes {
-            let lane = &mut state.lanes[usize::from(*id)];
-            if take_if_free(lane, holder, now, until) {
-                taken.push(lane.clone());
-            }
-        }
-        Ok(taken)
-    }
-
-    async fn take_listing(
-        &self,
-        lanes: &[(LaneId, Vec<InFlight>)],
-        holder: &Holder,
-        now: DateTime,
-        until: DateTime,
-        _write: LaneWrite,
-    ) -> Result<Vec<(LaneId, i64)>, StoreError> {
-        let mut state = self.0.lock().await;
-        let mut taken = Vec::new();
-        for (id, entries) in lanes {
-            let lane = &mut state.lanes[usize::from(*id)];
-            if lane.in_flight.is_empty() && take_if_free(lane, holder, now, until) {
-                lane.in_flight = entries.clone();
-                taken.push((*id, lane.epoch));
-            }
-        }
-        Ok(taken)
-    }
-
-    async fn charge_lost(&self, entries: &[InFlight], now: DateTime) -> Result<(), StoreError> {
-        let mut state = self.0.lock().await;
-        // A delivery its fan-out handed out without a record gets one, charged as the others are.
-        state.materialize(&Entry::listed(entries), Charge::Takeover, now);
-        for entry in entries.iter().filter(|entry| entry.unstored.is_none()) {
-            if let Some(d) = state.deliveries.get_mut(&entry.delivery) {
-                if d.claims == entry.claims && d.status == DeliveryStatus::Pending {
-                    d.claims += 1;
-                    if entry.started {
-                        d.attempts += 1;
-                        d.last_error = Some(LOST_WHILE_RUNNING.to_string());
-                        d.updated_at = Some(now);
-                    } else {
-                        d.suspect = true;
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
-
-    async fn record_starts(&self, holder: &Holder, lanes: &[(LaneId, i64, Vec<DeliveryId>)]) -> Result<Vec<bool>, StoreError> {
-        let mut state = self.0.lock().await;
-        Ok(lanes
-            .iter()
-            .map(|(id, epoch, deliveries)| {
-                let lane = &mut state.lanes[usize::from(*id)];
-                let listed = |d: &DeliveryId| lane.in_flight.iter().any(|entry| entry.delivery == *d);
-                let ok = lane.held_by(holder) && lane.epoch == *epoch && deliveries.iter().all(listed);
-                if ok {
-                    for entry in lane.in_flight.iter_mut().filter(|entry| deliveries.contains(&entry.delivery)) {
-                        entry.started = true;
-                    }
-                }
-                ok
-            })
-            .collect())
-    }
-
-    async fn current(&self, entries: &[InFlight]) -> Result<HashSet<DeliveryId>, StoreError> {
-        let state = self.0.lock().await;
-        Ok(entries.iter().filter(|entry| state.runs(entry)).map(|entry| entry.delivery).collect())
-    }
-
-    async fn candidates(
-        &self,
-        lanes: &[LaneId],
-        handlers: &[String],
-        now: DateTime,
-        after: Option<(DateTime, DeliveryId)>,
-        running: &HashSet<DeliveryId>,
-        limit: usize,
-    ) -> Result<Vec<Candidate>, StoreError> {
-        let state = self.0.lock().await;
-        let mut rows: Vec<Candidate> = state
-            .deliveries
-            .iter()
-            .filter(|(id, d)| {
-                !running.contains(*id)
-                    && d.lane == LaneKind::Ready
-                    && d.due_at <= now
-                    && lanes.contains(&d.lane_id)
-                    && handlers.contains(&d.handler)
-                    && after.is_none_or(|cursor| (d.due_at, **id) > cursor)
-            })
-            .map(|(id, d)| Candidate {
-                id: *id,
-                event_id: id_text(&d.event_id),
-                handler: d.handler.clone(),
-                key: d.key.clone(),
-                lane: d.lane_id,
-                due_at: d.due_at,
-                claims: d.claims,
-                attempts: d.attempts,
-                unstored: None,
-                started: false,
-                suspect: d.suspect,
-            })
-            .collect();
-        rows.sort_by_key(|row| (row.due_at, row.id));
-        rows.truncate(limit);
-        Ok(rows)
-    }
-
-    async fn key_heads(&self, keys: &[HandlerKey]) -> Result<HashMap<HandlerKey, DeliveryId>, StoreError> {
-        let state = self.0.lock().await;
-        let wanted: HashSet<&HandlerKey> = keys.iter().collect();
-        let mut heads: HashMap<HandlerKey, (i64, DeliveryId)> = HashMap::new();
-        for (id, d) in &state.deliveries {
-            let (Some(key), Some(sequence)) = (&d.key, d.sequence) else { continue };
-            if d.status != DeliveryStatus::Pending {
-                continue;
-            }
-            let handler_key = (d.handler.clone(), key.clone());
-            if wanted.contains(&handler_key) {
-                let head = heads.entry(handler_key).or_insert((sequence, *id));
-                if sequence < head.0 {
-                    *head = (sequence, *id);
-                }
-            }
-        }
-        Ok(heads.into_iter().map(|(key, (_, id))| (key, id)).collect())
-    }
-
-    async fn park(&self, ids: &[DeliveryId]) -> Result<(), StoreError> {
-        let mut state = self.0.lock().await;
-        for id in ids {
-            if let Some(d) = state.deliveries.get_mut(id) {
-                if d.lane == LaneKind::Ready {
-                    d.lane = LaneKind::Parked;
-                }
-            }
-        }
-        Ok(())
-    }
-
-    async fn record(&self, holder: &Holder, records: &[LaneRecord], _write: LaneWrite) -> Result<Vec<bool>, StoreError> {
-        let mut state = self.0.lock().await;
-        Ok(records
-            .iter()
-            .map(|record| {
-                let lane = &mut state.lanes[usize::from(record.lane)];
-                if let Some(now) = record.takes_free_at {
-                    let free = lane.owner.is_none() || lane.lease_expires_at < now;
-                    if lane.epoch != record.epoch - 1 || !free || !lane.in_flight.is_empty() {
-                        return false;
-                    }
-                    lane.owner = Some(holder.owner.clone());
-                    lane.instance = Some(holder.instance.clone());
-                    lane.epoch = record.epoch;
-                    lane.lease_expires_at = record.lease_until;
-                    lane.in_flight = record.in_flight.clone();
-                    return true;
-                }
-                let ok = lane.epoch == record.epoch && lane.held_by(holder);
-                if ok {
-                    lane.in_flight = record.in_flight.clone();
-                    lane.lease_expires_at = lane.lease_expires_at.max(record.lease_until);
-                }
-                ok
-            })
-            .collect())
-    }
-
-    async fn hand_back(&self, holder: &Holder, lanes: &[(LaneId, i64)], _now: DateTime) -> Result<(), StoreError> {
-        let mut state = self.0.lock().await;
-        for (lane, epoch) in lanes {
-            let lane = &mut state.lanes[usize::from(*lane)];
-            if lane.epoch == *epoch && lane.held_by(holder) {
-                lane.owner = None;
-                lane.instance = None;
-                lane.in_flight.clear();
-            }
-        }
-        Ok(())
-    }
-
-    async fn events(&self, ids: &[String]) -> Result<HashMap<String, Document>, StoreError> {
-        let state = self.0.lock().await;
-        Ok(ids.iter().filter_map(|id| state.events.get(id).map(|doc| (id.clone(), doc.clone()))).collect())
-    }
-
-    async fn requeued_since(&self, since: DateTime) -> Result<bool, StoreError> {
-        let state = self.0.lock().await;
-        Ok(state.deliveries.values().any(|d| d.requeued_at.is_some_and(|at| at >= since)))
-    }
-
-    async fn give_back(&self, picks: &[(DeliveryId, i64)]) -> Result<(), StoreError> {
-        let mut state = self.0.lock().await;
-        for (id, claims) in picks {
-            if let Some(d) = state.deliveries.get_mut(id) {
-                if d.claims == *claims {
-                    d.claims += 1;
-                }
-            }
-        }
-        Ok(())
-    }
-
-    async fn bury_unrunnable(&self, doomed: &[(DeliveryId, i64, String)], now: DateTime) -> Result<(), StoreError> {
-        let mut state = self.0.lock().await;
-        for (id, claims, reason) in doomed {
-            let Some(d) = state.deliveries.get_mut(id).filter(|d| d.claims == *claims && d.status == DeliveryStatus::Pending)
-            else {
-                continue;
-            };
-            d.status = DeliveryStatus::Dead;
-            d.lane = LaneKind::Dead;
-            d.claims += 1;
-            d.last_error = Some(reason.clone());
-            d.updated_at = Some(now);
-            let (event_id, event_type, handler, key, attempts) =
-                (id_text(&d.event_id), d.event_type.clone(), d.handler.clone(), d.key.clone(), d.attempts);
-            let death = Death {
-                id: format!("dead:{}:{}", id.to_hex(), claims),
-                delivery_id: id.to_hex(),
-                event_id: &event_id,
-                event_type: &event_type,
-                handler: &handler,
-                key: key.as_deref(),
-                attempts,
-                reason,
-            };
-            if death.announced() {
-                // Built by the store itself, so it is valid; one published already stays.
-                let _ = state.publish(&death.event(), usize::MAX);
-            }
-        }
-        Ok(())
-    }
-
-    async fn reconcile(&self, holder: &Holder, issued: &HashSet<Lease>) -> Result<(), StoreError> {
-        let mut state = self.0.lock().await;
-        let State { lanes, deliveries, .. } = &mut *state;
-        for lane in lanes.iter_mut().filter(|lane| lane.held_by(holder)) {
-            let (lane_id, epoch) = (lane.id, lane.epoch);
-            lane.in_flight.retain(|entry| {
-                let keep = issued.contains(&Lease { delivery: entry.delivery, lane: lane_id, epoch, claims: entry.claims });
-                if !keep {
-                    if let Some(d) = deliveries.get_mut(&entry.delivery) {
-                        if d.claims == entry.claims {
-                            d.claims += 1;
-                        }
-                    }
-                }
-                keep
-            });
-        }
-        Ok(())
     }
 }
 
