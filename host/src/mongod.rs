@@ -62,6 +62,8 @@ pub struct MongodOptions {
     pub data_dir: PathBuf,
     /// 0 picks a free loopback port.
     pub port: u16,
+    /// Where it listens besides (always) loopback.
+    pub bind_ip: std::net::IpAddr,
     pub replica_set: String,
     /// Kill the server when the thread that started it exits (test harnesses start it from a
     /// thread that lives as long as the process).
@@ -79,6 +81,7 @@ impl MongodOptions {
             binary,
             data_dir,
             port: 0,
+            bind_ip: std::net::Ipv4Addr::LOCALHOST.into(),
             replica_set: "rs0".to_string(),
             die_with_parent: false,
             start_timeout: Duration::from_secs(60),
@@ -93,6 +96,15 @@ pub struct Mongod {
     port: u16,
     replica_set: String,
     log: PathBuf,
+}
+
+/// mongod's `--bind_ip`: always loopback (where relayhost itself connects), and `ip` too.
+fn bind_ip(ip: std::net::IpAddr) -> String {
+    if ip.is_unspecified() || ip == std::net::IpAddr::from(std::net::Ipv4Addr::LOCALHOST) {
+        ip.to_string()
+    } else {
+        format!("127.0.0.1,{ip}")
+    }
 }
 
 /// A free TCP port on 127.0.0.1 (free when asked; taken by whoever binds it first).
@@ -119,7 +131,7 @@ impl Mongod {
             .arg("--port")
             .arg(port.to_string())
             .arg("--bind_ip")
-            .arg("127.0.0.1")
+            .arg(bind_ip(options.bind_ip))
             .arg("--dbpath")
             .arg(&options.data_dir)
             .arg("--logpath")

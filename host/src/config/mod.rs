@@ -95,8 +95,11 @@ pub struct MongoConfig {
     /// Where the embedded server keeps its data across restarts (default: a `data`
     /// directory in relayhost's cache).
     pub embedded_data_dir: Option<PathBuf>,
-    /// Loopback port of the embedded server; 0 picks a free one.
+    /// Port of the embedded server; 0 picks a free one.
     pub embedded_port: u16,
+    /// Address the embedded server listens on: loopback by default; `0.0.0.0` in a container
+    /// whose publishers reach it through a published port.
+    pub embedded_bind_ip: std::net::IpAddr,
 }
 
 impl Default for MongoConfig {
@@ -107,6 +110,7 @@ impl Default for MongoConfig {
             collection_prefix: crate::publish::DEFAULT_PREFIX.into(),
             embedded_data_dir: None,
             embedded_port: 0,
+            embedded_bind_ip: std::net::Ipv4Addr::LOCALHOST.into(),
         }
     }
 }
@@ -219,6 +223,10 @@ impl Config {
                 "mongodb_embedded_port" => {
                     self.mongodb.embedded_port = value.parse().map_err(|e| parse_error(format!("{value:?} is not a port: {e}")))?
                 }
+                "mongodb_embedded_bind_ip" => {
+                    self.mongodb.embedded_bind_ip =
+                        value.parse().map_err(|e| parse_error(format!("{value:?} is not an IP address like 0.0.0.0: {e}")))?
+                }
                 "host_concurrency" => {
                     self.host.concurrency = value.parse().map_err(|e| parse_error(format!("{value:?} is not a count: {e}")))?
                 }
@@ -254,6 +262,9 @@ impl Config {
         })?;
         if self.mongodb.uri != "embedded" && !self.mongodb.uri.starts_with("mongodb://") && !self.mongodb.uri.starts_with("mongodb+srv://") {
             return Err(invalid("mongodb.uri", "must be \"embedded\" or a mongodb:// or mongodb+srv:// URI"));
+        }
+        if !self.mongodb.embedded_bind_ip.is_ipv4() {
+            return Err(invalid("mongodb.embedded_bind_ip", "must be an IPv4 address (the embedded server also listens on 127.0.0.1)"));
         }
         if !(1..=10_000).contains(&self.host.concurrency) {
             return Err(invalid("host.concurrency", "must be between 1 and 10000"));
@@ -427,6 +438,10 @@ mod tests {
         assert!(error.contains("RELAYHOST_HOST_CONCURENCY"), "{error}");
         let error = load(EXAMPLE, &[("RELAYHOST_HOST_LEASE", "soon")]).unwrap_err().to_string();
         assert!(error.contains("RELAYHOST_HOST_LEASE") && error.contains("\"soon\""), "{error}");
+        let container = load(EXAMPLE, &[("RELAYHOST_MONGODB_EMBEDDED_BIND_IP", "0.0.0.0"), ("RELAYHOST_MONGODB_EMBEDDED_PORT", "27017")]).unwrap();
+        assert_eq!((container.mongodb.embedded_bind_ip.to_string(), container.mongodb.embedded_port), ("0.0.0.0".into(), 27017));
+        let error = load(EXAMPLE, &[("RELAYHOST_MONGODB_EMBEDDED_BIND_IP", "everywhere")]).unwrap_err().to_string();
+        assert!(error.contains("RELAYHOST_MONGODB_EMBEDDED_BIND_IP") && error.contains("\"everywhere\""), "{error}");
     }
 
     #[test]
@@ -435,6 +450,7 @@ mod tests {
             ("[host]\nconcurency = 3", "concurency"),
             ("[mongodb]\nuri = \"postgres://x\"", "mongodb.uri"),
             ("[mongodb]\ndatabase = \"a.b\"", "mongodb.database"),
+            ("[mongodb]\nembedded_bind_ip = \"::\"", "mongodb.embedded_bind_ip"),
             ("[host]\nlease = \"10 parsecs\"", "lease"),
             ("[host]\nlog_format = \"xml\"", "host.log_format"),
             ("[host]\nclaim_ahead = 20000", "host.claim_ahead"),

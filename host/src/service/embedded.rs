@@ -55,6 +55,7 @@ impl MongoConnection {
         tracing::info!(data_dir = %data_dir.display(), "starting the embedded MongoDB");
         let options = MongodOptions {
             port: config.embedded_port,
+            bind_ip: config.embedded_bind_ip,
             die_with_parent: true,
             transaction_lifetime: Some(transaction_lifetime),
             ..MongodOptions::new(find_binary()?, data_dir.clone())
