@@ -3,15 +3,14 @@
 
 mod common;
 
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use bson::{Document, doc};
-use common::deployment::{Deployment, RELAYHOST, integer, keyed_orders, publish_orders, repo_root, stdout};
+use common::deployment::{Deployment, RELAYHOST, http_get, integer, keyed_orders, publish_orders, repo_root, stdout};
+use common::receiver::Receiver;
 use common::{Fixture, plugins_dir, publish_all};
 use futures::TryStreamExt;
 use relayhost::event::NewEvent;
@@ -466,86 +465,6 @@ async fn an_event_that_kills_its_host_every_time_goes_dead_after_max_attempts_de
 
 // ---- graceful stop ----
 
-/// A webhook receiver on 127.0.0.1 that holds every request open while `hold` is set and
-/// answers 200 otherwise (after `delay_ms`); it records each request body.
-struct Receiver {
-    address: std::net::SocketAddr,
-    hold: Arc<AtomicBool>,
-    delay_ms: Arc<std::sync::atomic::AtomicU64>,
-    bodies: Arc<Mutex<Vec<serde_json::Value>>>,
-}
-
-impl Receiver {
-    fn start() -> Self {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let address = listener.local_addr().unwrap();
-        let (hold, bodies) = (Arc::new(AtomicBool::new(true)), Arc::<Mutex<Vec<serde_json::Value>>>::default());
-        let delay_ms = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let (holding, delay, log) = (hold.clone(), delay_ms.clone(), bodies.clone());
-        std::thread::spawn(move || {
-            let mut held = Vec::new();
-            for stream in listener.incoming() {
-                let Ok(mut stream) = stream else { continue };
-                let body = read_request_body(&mut stream);
-                log.lock().unwrap().push(serde_json::from_slice(&body).unwrap_or_default());
-                if holding.load(Ordering::SeqCst) {
-                    held.push(stream);
-                } else {
-                    let delay = Duration::from_millis(delay.load(Ordering::SeqCst));
-                    std::thread::spawn(move || {
-                        std::thread::sleep(delay);
-                        let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
-                    });
-                }
-            }
-        });
-        Self { address, hold, delay_ms, bodies }
-    }
-
-    fn bodies(&self) -> Vec<serde_json::Value> {
-        self.bodies.lock().unwrap().clone()
-    }
-}
-
-/// The body of one HTTP/1.1 request, sized by `content-length` or chunked.
-fn read_request_body(stream: &mut std::net::TcpStream) -> Vec<u8> {
-    let mut request = Vec::new();
-    let mut buf = [0u8; 4096];
-    loop {
-        let n = stream.read(&mut buf).unwrap_or(0);
-        if n == 0 {
-            return Vec::new();
-        }
-        request.extend_from_slice(&buf[..n]);
-        let Some(head_end) = request.windows(4).position(|w| w == b"\r\n\r\n") else { continue };
-        let head = String::from_utf8_lossy(&request[..head_end]).to_ascii_lowercase();
-        let body = &request[head_end + 4..];
-        if head.contains("transfer-encoding: chunked") {
-            if body.ends_with(b"0\r\n\r\n") {
-                return dechunk(body);
-            }
-            continue;
-        }
-        let length = head.lines().find_map(|l| l.strip_prefix("content-length:").and_then(|v| v.trim().parse().ok())).unwrap_or(0);
-        if body.len() >= length {
-            return body[..length].to_vec();
-        }
-    }
-}
-
-fn dechunk(mut body: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    while let Some(line_end) = body.windows(2).position(|w| w == b"\r\n") {
-        let size = usize::from_str_radix(String::from_utf8_lossy(&body[..line_end]).trim(), 16).unwrap_or(0);
-        if size == 0 {
-            break;
-        }
-        out.extend_from_slice(&body[line_end + 2..line_end + 2 + size]);
-        body = &body[line_end + 4 + size..];
-    }
-    out
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_graceful_stop_releases_claimed_work_without_charging_attempts_and_an_operator_can_bury() {
     let receiver = Receiver::start();
@@ -633,17 +552,6 @@ async fn a_delivery_running_longer_than_its_lease_keeps_it_by_renewal() {
 }
 
 // ---- embedded MongoDB, admin commands, health endpoints ----
-
-/// One HTTP/1.0 GET on 127.0.0.1: the status code and the body.
-fn http_get(address: std::net::SocketAddr, path: &str) -> (u16, String) {
-    let mut stream = std::net::TcpStream::connect(address).unwrap();
-    stream.write_all(format!("GET {path} HTTP/1.0\r\nhost: relayhost\r\n\r\n").as_bytes()).unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    let status = response.split_whitespace().nth(1).and_then(|code| code.parse().ok()).unwrap_or(0);
-    let body = response.split_once("\r\n\r\n").map(|(_, body)| body.to_string()).unwrap_or_default();
-    (status, body)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_embedded_server_keeps_its_data_and_admin_commands_join_a_running_host() {

@@ -3,6 +3,8 @@
 //! processes with their logs, signals and stop counters.
 
 use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -279,3 +281,19 @@ pub async fn publish_orders(deployment: &Deployment, orders: &[(String, String)]
     }
 }
 
+/// One HTTP/1.0 GET: the status code and the body.
+pub fn http_get(address: std::net::SocketAddr, path: &str) -> (u16, String) {
+    try_http_get(address, path).unwrap()
+}
+
+/// One HTTP/1.0 GET, or why it could not be asked (nothing listening yet, a reset).
+pub fn try_http_get(address: std::net::SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    let mut stream = TcpStream::connect_timeout(&address, Duration::from_secs(5))?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    stream.write_all(format!("GET {path} HTTP/1.0\r\nhost: relayhost\r\n\r\n").as_bytes())?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let status = response.split_whitespace().nth(1).and_then(|code| code.parse().ok()).unwrap_or(0);
+    let body = response.split_once("\r\n\r\n").map(|(_, body)| body.to_string()).unwrap_or_default();
+    Ok((status, body))
+}

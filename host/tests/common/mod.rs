@@ -4,6 +4,7 @@
 #![allow(dead_code, async_fn_in_trait)]
 
 pub mod deployment;
+pub mod receiver;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;

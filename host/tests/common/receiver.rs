@@ -1,0 +1,92 @@
+//! A webhook receiver on a real local socket, for the HTTP capability's end-to-end tests.
+
+use std::io::{Read, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// A webhook receiver that holds every request open while `hold` is set and answers 200
+/// otherwise (after `delay_ms`); it records each request body.
+pub struct Receiver {
+    pub address: std::net::SocketAddr,
+    pub hold: Arc<AtomicBool>,
+    pub delay_ms: Arc<std::sync::atomic::AtomicU64>,
+    bodies: Arc<Mutex<Vec<serde_json::Value>>>,
+}
+
+impl Receiver {
+    /// On 127.0.0.1.
+    pub fn start() -> Self {
+        Self::start_on(std::net::Ipv4Addr::LOCALHOST)
+    }
+
+    /// On `ip` (all interfaces for callers in a container).
+    pub fn start_on(ip: std::net::Ipv4Addr) -> Self {
+        let listener = std::net::TcpListener::bind((ip, 0)).unwrap();
+        let address = listener.local_addr().unwrap();
+        let (hold, bodies) = (Arc::new(AtomicBool::new(true)), Arc::<Mutex<Vec<serde_json::Value>>>::default());
+        let delay_ms = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let (holding, delay, log) = (hold.clone(), delay_ms.clone(), bodies.clone());
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                let body = read_request_body(&mut stream);
+                log.lock().unwrap().push(serde_json::from_slice(&body).unwrap_or_default());
+                if holding.load(Ordering::SeqCst) {
+                    held.push(stream);
+                } else {
+                    let delay = Duration::from_millis(delay.load(Ordering::SeqCst));
+                    std::thread::spawn(move || {
+                        std::thread::sleep(delay);
+                        let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
+                    });
+                }
+            }
+        });
+        Self { address, hold, delay_ms, bodies }
+    }
+
+    pub fn bodies(&self) -> Vec<serde_json::Value> {
+        self.bodies.lock().unwrap().clone()
+    }
+}
+
+/// The body of one HTTP/1.1 request, sized by `content-length` or chunked.
+fn read_request_body(stream: &mut std::net::TcpStream) -> Vec<u8> {
+    let mut request = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = stream.read(&mut buf).unwrap_or(0);
+        if n == 0 {
+            return Vec::new();
+        }
+        request.extend_from_slice(&buf[..n]);
+        let Some(head_end) = request.windows(4).position(|w| w == b"\r\n\r\n") else { continue };
+        let head = String::from_utf8_lossy(&request[..head_end]).to_ascii_lowercase();
+        let body = &request[head_end + 4..];
+        if head.contains("transfer-encoding: chunked") {
+            if body.ends_with(b"0\r\n\r\n") {
+                return dechunk(body);
+            }
+            continue;
+        }
+        let length = head.lines().find_map(|l| l.strip_prefix("content-length:").and_then(|v| v.trim().parse().ok())).unwrap_or(0);
+        if body.len() >= length {
+            return body[..length].to_vec();
+        }
+    }
+}
+
+fn dechunk(mut body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Some(line_end) = body.windows(2).position(|w| w == b"\r\n") {
+        let size = usize::from_str_radix(String::from_utf8_lossy(&body[..line_end]).trim(), 16).unwrap_or(0);
+        if size == 0 {
+            break;
+        }
+        out.extend_from_slice(&body[line_end + 2..line_end + 2 + size]);
+        body = &body[line_end + 4 + size..];
+    }
+    out
+}
