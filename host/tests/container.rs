@@ -22,20 +22,12 @@ use futures::TryStreamExt;
 
 /// `podman` with this machine's limits (`scripts/podman`).
 fn podman(args: &[&str]) -> Output {
-    Command::new(repo_root().join("scripts/podman"))
-        .args(args)
-        .output()
-        .unwrap()
+    Command::new(repo_root().join("scripts/podman")).args(args).output().unwrap()
 }
 
 fn podman_ok(args: &[&str]) -> String {
     let output = podman(args);
-    assert!(
-        output.status.success(),
-        "podman {args:?} failed: {}{}",
-        stdout(&output),
-        String::from_utf8_lossy(&output.stderr)
-    );
+    assert!(output.status.success(), "podman {args:?} failed: {}{}", stdout(&output), String::from_utf8_lossy(&output.stderr));
     stdout(&output).trim().to_string()
 }
 
@@ -70,10 +62,7 @@ impl Run<'_> {
         let volume = format!("{}:/data", self.volume);
         let plugins = format!("{}:/plugins:ro", self.plugins.display());
         let config = format!("{}:/etc/relayhost/relayhost.toml:ro", self.config.display());
-        let (health, mongodb) = (
-            format!("127.0.0.1:{}:8080", self.health),
-            format!("127.0.0.1:{}:27017", self.mongodb),
-        );
+        let (health, mongodb) = (format!("127.0.0.1:{}:8080", self.health), format!("127.0.0.1:{}:27017", self.mongodb));
         let webhook = format!("WEBHOOK_URL={}", self.webhook_url);
         podman_ok(&[
             "run",
@@ -101,11 +90,7 @@ impl Run<'_> {
         let deadline = Instant::now() + Duration::from_secs(180);
         let address = ([127, 0, 0, 1], self.health).into();
         while !matches!(try_http_get(address, "/readyz"), Ok((200, _))) {
-            assert!(
-                Instant::now() < deadline,
-                "{name} never turned ready:\n{}",
-                logs(name)
-            );
+            assert!(Instant::now() < deadline, "{name} never turned ready:\n{}", logs(name));
             std::thread::sleep(Duration::from_millis(250));
         }
     }
@@ -113,23 +98,13 @@ impl Run<'_> {
 
 fn logs(name: &str) -> String {
     let output = podman(&["logs", name]);
-    format!(
-        "{}{}",
-        stdout(&output),
-        String::from_utf8_lossy(&output.stderr)
-    )
+    format!("{}{}", stdout(&output), String::from_utf8_lossy(&output.stderr))
 }
 
 /// The image's name, built (incrementally) by the repository's script.
 fn image() -> String {
-    let output = Command::new(repo_root().join("scripts/container-image"))
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "the image did not build:\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let output = Command::new(repo_root().join("scripts/container-image")).output().unwrap();
+    assert!(output.status.success(), "the image did not build:\n{}", String::from_utf8_lossy(&output.stderr));
     String::from_utf8_lossy(&output.stdout).trim().to_string()
 }
 
@@ -158,60 +133,25 @@ fn copy_plugin(dir: &Path, plugin: &str) {
 /// Commits `count` orders with the pymongo publisher (the odd ones abort) and returns the ids
 /// of the committed ones' events.
 fn publish(uri: &str, count: usize, prefix: &str) -> Vec<String> {
-    let python_path = Command::new(repo_root().join("scripts/ensure-python-deps.sh"))
-        .output()
-        .unwrap();
+    let python_path = Command::new(repo_root().join("scripts/ensure-python-deps.sh")).output().unwrap();
     assert!(python_path.status.success(), "{}", stdout(&python_path));
     let run = Command::new("python3")
         .arg(repo_root().join("examples/publishers/python/publish.py"))
-        .args([
-            uri,
-            "relayhost",
-            &count.to_string(),
-            "--abort-odd",
-            &format!("--id-prefix={prefix}"),
-        ])
+        .args([uri, "relayhost", &count.to_string(), "--abort-odd", &format!("--id-prefix={prefix}")])
         .env("PYTHONPATH", stdout(&python_path).trim())
         .output()
         .unwrap();
-    assert!(
-        run.status.success(),
-        "{}{}",
-        stdout(&run),
-        String::from_utf8_lossy(&run.stderr)
-    );
-    (0..count)
-        .step_by(2)
-        .map(|n| format!("order-placed-{prefix}o-{n}"))
-        .collect()
+    assert!(run.status.success(), "{}{}", stdout(&run), String::from_utf8_lossy(&run.stderr));
+    (0..count).step_by(2).map(|n| format!("order-placed-{prefix}o-{n}")).collect()
 }
 
-async fn documents(
-    database: &mongodb::Database,
-    collection: &str,
-    filter: Document,
-) -> Vec<Document> {
-    database
-        .collection::<Document>(collection)
-        .find(filter)
-        .await
-        .unwrap()
-        .try_collect()
-        .await
-        .unwrap()
+async fn documents(database: &mongodb::Database, collection: &str, filter: Document) -> Vec<Document> {
+    database.collection::<Document>(collection).find(filter).await.unwrap().try_collect().await.unwrap()
 }
 
-async fn ids(
-    database: &mongodb::Database,
-    collection: &str,
-    field: &str,
-    filter: Document,
-) -> Vec<String> {
-    let mut ids: Vec<String> = documents(database, collection, filter)
-        .await
-        .iter()
-        .map(|d| d.get_str(field).unwrap().to_string())
-        .collect();
+async fn ids(database: &mongodb::Database, collection: &str, field: &str, filter: Document) -> Vec<String> {
+    let mut ids: Vec<String> =
+        documents(database, collection, filter).await.iter().map(|d| d.get_str(field).unwrap().to_string()).collect();
     ids.sort();
     ids
 }
@@ -219,11 +159,7 @@ async fn ids(
 async fn wait_for(what: &str, name: &str, mut done: impl AsyncFnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(60);
     while !done().await {
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting until {what}:\n{}",
-            logs(name)
-        );
+        assert!(Instant::now() < deadline, "timed out waiting until {what}:\n{}", logs(name));
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
@@ -231,17 +167,10 @@ async fn wait_for(what: &str, name: &str, mut done: impl AsyncFnMut() -> bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_image_runs_as_users_run_it() {
     let image = image();
-    let unique = format!(
-        "relayhost-test-{}-{}",
-        std::process::id(),
-        bson::oid::ObjectId::new()
-    );
+    let unique = format!("relayhost-test-{}-{}", std::process::id(), bson::oid::ObjectId::new());
     let (first, second) = (format!("{unique}-first"), format!("{unique}-second"));
     let volume = format!("{unique}-data");
-    let _cleanup = Cleanup {
-        containers: vec![first.clone(), second.clone()],
-        volume: volume.clone(),
-    };
+    let _cleanup = Cleanup { containers: vec![first.clone(), second.clone()], volume: volume.clone() };
     podman_ok(&["volume", "create", &volume]);
 
     // The image's own configuration, and the webhook plugin's grant to reach this machine.
@@ -250,76 +179,37 @@ async fn the_image_runs_as_users_run_it() {
     let root = std::env::temp_dir().join(&unique);
     let plugins = plugins_directory(&root, &["audit_log"]);
     let config = root.join("relayhost.toml");
-    let image_config =
-        std::fs::read_to_string(repo_root().join("examples/docker/relayhost.toml")).unwrap();
+    let image_config = std::fs::read_to_string(repo_root().join("examples/docker/relayhost.toml")).unwrap();
     let webhook_grant = format!(
         "\n[plugin.webhook]\nwall_time = \"60s\"\ngrants = {{ environment = [\"WEBHOOK_URL\"], http_hosts = [\"{webhook_host}\"], private_networks = true }}\n"
     );
     std::fs::write(&config, image_config + &webhook_grant).unwrap();
-    let (health, mongodb) = (
-        relayhost::mongod::free_port().unwrap(),
-        relayhost::mongod::free_port().unwrap(),
-    );
+    let (health, mongodb) = (relayhost::mongod::free_port().unwrap(), relayhost::mongod::free_port().unwrap());
     let webhook_url = format!("http://{webhook_host}/hooks");
-    let run = Run {
-        image: &image,
-        volume: &volume,
-        plugins: &plugins,
-        config: &config,
-        webhook_url: &webhook_url,
-        health,
-        mongodb,
-    };
+    let run = Run { image: &image, volume: &volume, plugins: &plugins, config: &config, webhook_url: &webhook_url, health, mongodb };
 
     // Non-root, ready, and a publisher on this machine reaches the embedded MongoDB.
     run.start(&first);
     let status = podman_ok(&["exec", &first, "cat", "/proc/1/status"]);
-    let uid = status
-        .lines()
-        .find_map(|line| line.strip_prefix("Uid:"))
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_string();
+    let uid = status.lines().find_map(|line| line.strip_prefix("Uid:")).unwrap().split_whitespace().next().unwrap().to_string();
     assert_eq!(uid, "10001", "relayhost runs as the image's user");
     let uri = format!("mongodb://127.0.0.1:{mongodb}/?directConnection=true");
-    let database = mongodb::Client::with_uri_str(&uri)
-        .await
-        .unwrap()
-        .database("relayhost");
+    let database = mongodb::Client::with_uri_str(&uri).await.unwrap().database("relayhost");
     let before = publish(&uri, 8, "before-");
-    wait_for("the audit log has the first orders", &first, async || {
-        ids(&database, "audit_log", "_id", doc! {}).await == before
-    })
-    .await;
+    wait_for("the audit log has the first orders", &first, async || ids(&database, "audit_log", "_id", doc! {}).await == before).await;
 
     // A new plugin file in the mounted directory is loaded without a restart.
     copy_plugin(&plugins, "webhook");
-    wait_for("the webhook plugin is loaded", &first, async || {
-        logs(&first).contains("\"plugin\":\"webhook\"")
-    })
-    .await;
+    wait_for("the webhook plugin is loaded", &first, async || logs(&first).contains("\"plugin\":\"webhook\"")).await;
     let during = publish(&uri, 8, "during-");
     // Three calls are held open (the fourth order's key waits behind the first's).
-    wait_for("the webhook is called three times", &first, async || {
-        receiver.bodies().len() == 3
-    })
-    .await;
+    wait_for("the webhook is called three times", &first, async || receiver.bodies().len() == 3).await;
 
     // A graceful stop within the grace period, exit 0.
     let stopping = Instant::now();
     podman_ok(&["stop", "--time", "30", &first]);
-    assert!(
-        stopping.elapsed() < Duration::from_secs(30),
-        "stopped by the signal, not the grace period's kill"
-    );
-    assert_eq!(
-        podman_ok(&["inspect", &first, "--format", "{{.State.ExitCode}}"]),
-        "0",
-        "{}",
-        logs(&first)
-    );
+    assert!(stopping.elapsed() < Duration::from_secs(30), "stopped by the signal, not the grace period's kill");
+    assert_eq!(podman_ok(&["inspect", &first, "--format", "{{.State.ExitCode}}"]), "0", "{}", logs(&first));
     let log = logs(&first);
     let stopped = log
         .lines()
@@ -327,11 +217,7 @@ async fn the_image_runs_as_users_run_it() {
         .find(|line| line["message"] == "relayhost stopped")
         .unwrap_or_else(|| panic!("no \"relayhost stopped\" line:\n{log}"));
     let counts = (&stopped["released"], &stopped["retried"], &stopped["dead"]);
-    assert_eq!(
-        counts,
-        (&3.into(), &0.into(), &0.into()),
-        "the three cut-off calls were handed back: {stopped}"
-    );
+    assert_eq!(counts, (&3.into(), &0.into(), &0.into()), "the three cut-off calls were handed back: {stopped}");
 
     // A new container on the same volume has every event and delivery, and runs the cut-off
     // calls as their first charged attempt.
@@ -339,64 +225,24 @@ async fn the_image_runs_as_users_run_it() {
     run.start(&second);
     let mut everything: Vec<String> = before.iter().chain(&during).cloned().collect();
     everything.sort();
-    assert_eq!(
-        ids(
-            &database,
-            "relayhost_events",
-            "_id",
-            doc! { "type": "order.placed" }
-        )
-        .await,
-        everything
-    );
+    assert_eq!(ids(&database, "relayhost_events", "_id", doc! { "type": "order.placed" }).await, everything);
     wait_for("every delivery completed", &second, async || {
-        documents(&database, "relayhost_completed_deliveries", doc! {})
-            .await
-            .len()
-            == everything.len() + during.len()
+        documents(&database, "relayhost_completed_deliveries", doc! {}).await.len() == everything.len() + during.len()
     })
     .await;
-    assert_eq!(
-        ids(&database, "audit_log", "_id", doc! {}).await,
-        everything
-    );
-    assert_eq!(
-        ids(
-            &database,
-            "relayhost_completed_deliveries",
-            "eventId",
-            doc! { "handler": "webhook" }
-        )
-        .await,
-        during
-    );
+    assert_eq!(ids(&database, "audit_log", "_id", doc! {}).await, everything);
+    assert_eq!(ids(&database, "relayhost_completed_deliveries", "eventId", doc! { "handler": "webhook" }).await, during);
     for record in documents(&database, "relayhost_completed_deliveries", doc! {}).await {
-        assert_eq!(
-            record.get("attempts").and_then(common::deployment::integer),
-            Some(1),
-            "nothing was charged twice: {record}"
-        );
+        assert_eq!(record.get("attempts").and_then(common::deployment::integer), Some(1), "nothing was charged twice: {record}");
     }
     let bodies = receiver.bodies();
-    assert_eq!(
-        bodies.len(),
-        7,
-        "three cut off, then four delivered: {bodies:?}"
-    );
+    assert_eq!(bodies.len(), 7, "three cut off, then four delivered: {bodies:?}");
     assert!(bodies.iter().all(|body| body["attempt"] == 1), "{bodies:?}");
 
     // The image's health check.
     podman_ok(&["healthcheck", "run", &second]);
-    assert_eq!(
-        podman_ok(&["inspect", &second, "--format", "{{.State.Health.Status}}"]),
-        "healthy"
-    );
+    assert_eq!(podman_ok(&["inspect", &second, "--format", "{{.State.Health.Status}}"]), "healthy");
     podman_ok(&["stop", "--time", "30", &second]);
-    assert_eq!(
-        podman_ok(&["inspect", &second, "--format", "{{.State.ExitCode}}"]),
-        "0",
-        "{}",
-        logs(&second)
-    );
+    assert_eq!(podman_ok(&["inspect", &second, "--format", "{{.State.ExitCode}}"]), "0", "{}", logs(&second));
     let _ = std::fs::remove_dir_all(&root);
 }
