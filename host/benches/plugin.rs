@@ -155,10 +155,24 @@ fn main() {
         tokio::time::sleep(Duration::from_millis(200)).await;
         let rss_mixed = rss_mb();
         let parts_mixed = rss_parts();
+        // As after a restart: the same plugins loaded from their compiled artifacts.
+        drop(loaded);
+        let restarted = PluginRuntime::with_options(RuntimeOptions { cache_dir: Some(cache.clone()), meter_fuel: true }).unwrap();
+        let mut loaded = Vec::new();
+        for n in 0..8 {
+            loaded.push(restarted.load(&dir.join(format!("{}.wasm", rust[n % rust.len()])), policy.clone()).await.unwrap());
+        }
+        for file in ["py_order_check", "js_order_check"] {
+            loaded.push(restarted.load(&dir.join(format!("{file}.wasm")), policy.clone()).await.unwrap());
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let rss_restarted = rss_mb();
+        let parts_restarted = rss_parts();
         println!("resident memory:");
         println!("  process before loading                     {rss_before:>7.1} MB");
         println!("  idle with 10 Rust plugins loaded           {rss_rust:>7.1} MB (goal <= 150; {parts_rust})");
         println!("  idle with 8 Rust + Python + JS plugins     {rss_mixed:>7.1} MB (goal <= 200; {parts_mixed})");
+        println!("  the same, loaded again from their artifacts {rss_restarted:>6.1} MB (goal <= 200; {parts_restarted})");
         drop(loaded);
     });
     let _ = std::fs::remove_dir_all(cache);

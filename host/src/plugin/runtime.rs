@@ -8,7 +8,7 @@
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
@@ -417,12 +417,8 @@ impl PluginRuntime {
 fn compile(engine: &Engine, cache_dir: Option<&Path>, bytes: &[u8], content_hash: &str) -> Result<Component, String> {
     let cached = cache_dir.map(|dir| dir.join(engine_fingerprint(engine)).join(format!("{content_hash}.cwasm")));
     if let Some(path) = &cached {
-        // Read, not mapped: a file changed in place under a mapping would crash the host.
-        if let Ok(artifact) = std::fs::read(path) {
-            // SAFETY: the artifact was written by `Component::serialize` of an engine with
-            // the same compatibility hash, into a directory only this host writes; wasmtime
-            // checks its header and refuses foreign or truncated artifacts.
-            match unsafe { Component::deserialize(engine, &artifact) } {
+        if path.exists() {
+            match map_private_copy(engine, path) {
                 Ok(component) => return Ok(component),
                 Err(error) => tracing::warn!(%error, path = %path.display(), "ignoring an unusable compiled artifact"),
             }
@@ -432,9 +428,29 @@ fn compile(engine: &Engine, cache_dir: Option<&Path>, bytes: &[u8], content_hash
     if let Some(path) = cached {
         if let Err(error) = write_artifact(&path, &component) {
             tracing::warn!(%error, path = %path.display(), "cannot cache the compiled plugin");
+        } else if let Ok(mapped) = map_private_copy(engine, &path) {
+            // The compiled copy's memory goes with it.
+            return Ok(mapped);
         }
     }
     Ok(component)
+}
+
+/// Loads an artifact mapped from a private copy of its file, unlinked once mapped. Mapped, the
+/// compiled code is resident only where it runs (an interpreter's is mostly never touched:
+/// docs/performance.md), and the kernel may drop its clean pages under pressure; the copy has
+/// no name left, so nothing can change or truncate a file under the mapping (which would kill
+/// the host with SIGBUS), whatever happens to the cache.
+fn map_private_copy(engine: &Engine, artifact: &Path) -> wasmtime::Result<Component> {
+    static COPIES: AtomicU64 = AtomicU64::new(0);
+    let copy = artifact.with_extension(format!("mapped.{}.{}", std::process::id(), COPIES.fetch_add(1, Ordering::Relaxed)));
+    std::fs::copy(artifact, &copy)?;
+    // SAFETY: the artifact was written by `Component::serialize` of an engine with the same
+    // compatibility hash, into a directory only relayhost writes; wasmtime checks its header
+    // and refuses foreign or truncated artifacts. The file mapped is this call's own copy.
+    let component = unsafe { Component::deserialize_file(engine, &copy) };
+    let _ = std::fs::remove_file(&copy);
+    component
 }
 
 /// Gives the heap pages freed since back to the system. Compiling (or deserializing) a large
