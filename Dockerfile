@@ -2,7 +2,7 @@
 # without a MongoDB of your own) the pinned development mongod for `mongodb.uri = "embedded"`.
 #
 #   docker build -t relayhost .
-#   docker run --rm -p 8080:8080 -p 27017:27017 -v relayhost-data:/data relayhost   # embedded MongoDB
+#   docker run --rm -p 8080:8080 -p 127.0.0.1:27017:27017 -v relayhost-data:/data relayhost  # embedded
 #   docker run --rm -e RELAYHOST_MONGODB_URI='mongodb://db-1,db-2/?replicaSet=rs0' \
 #       -v "$PWD/plugins:/plugins:ro" relayhost                                      # your replica set
 #
