@@ -64,6 +64,8 @@ fn rss_parts() -> String {
 }
 
 fn main() {
+    // As the host does, before any thread starts.
+    relayhost::plugin::limit_allocator_arenas();
     let dir = plugins_dir();
     let cache = std::env::temp_dir().join(format!("relayhost-bench-artifacts-{}", std::process::id()));
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();

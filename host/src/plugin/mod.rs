@@ -17,7 +17,9 @@ pub use capability::transaction::{CapabilityFuture, TransactionCapability};
 pub use policy::{Grants, Limits, PluginPolicy};
 pub use registry::{Change, DEBOUNCE, PluginRegistry, WatchGuard};
 pub use bounds::{MAX_EVENT_TYPES_PER_HANDLER, MAX_HANDLERS_LIMIT, MAX_HANDLERS_PER_PLUGIN, MAX_PLUGIN_FILE_BYTES, read_plugin_file};
-pub use runtime::{DeliveryInfo, LoadedPlugin, LogLevel, MAX_MEMORY_BYTES, Outcome, PluginRuntime, Ran, RuntimeOptions};
+pub use runtime::{
+    DeliveryInfo, LoadedPlugin, LogLevel, MAX_MEMORY_BYTES, Outcome, PluginRuntime, Ran, RuntimeOptions, limit_allocator_arenas,
+};
 
 /// A handler a plugin offers.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -58,6 +58,7 @@ fn main() -> ExitCode {
         // the environment while it changes.
         unsafe { std::env::set_var("RUST_LIB_BACKTRACE", "0") };
     }
+    relayhost::plugin::limit_allocator_arenas();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("the tokio runtime starts");
     // The main thread drives every command: an embedded mongod started here dies with it.
     match runtime.block_on(execute(cli)) {
