@@ -458,8 +458,8 @@ fn map_private_copy(engine: &Engine, artifact: &Path) -> wasmtime::Result<Compon
 /// and keep what the load left there: an idle host with eight Rust plugins, a Python and a
 /// JavaScript one held 194-214 MB resident with the default and 163-189 MB (six runs) with
 /// four arenas on two cores, the no-op plugin's overhead within its spread (two arenas: 145 MB,
-/// but 10 us more per delivery from threads contending for them). `cargo bench --bench plugin` measures it.
-/// A process-wide setting: the binary calls it first thing, before its threads start.
+/// but 10 us more per delivery from threads contending for them); `cargo bench --bench plugin`
+/// measures it. A process-wide setting: the binary calls it first, before its threads start.
 pub fn limit_allocator_arenas() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
