@@ -485,6 +485,14 @@ fn events_run(runs: &Mutex<Vec<Run>>) -> Vec<String> {
 /// At least `count` runs, and nothing left to run or running: no delivery record, and none
 /// running without one (a delivery a fan-out handed out has no record until an outcome other
 /// than its completion needs one).
+/// A handler whose first attempt asks for a retry and whose later ones complete.
+fn fails_its_first_attempt() -> Arc<Behaviour> {
+    Arc::new(|delivery: &ClaimedDelivery| match delivery.attempts {
+        0 => AttemptResult::Retry { reason: "upstream 503".into(), not_before: None },
+        _ => AttemptResult::Completed,
+    })
+}
+
 fn drained(store: &impl Store, runs: &Mutex<Vec<Run>>, count: usize) -> bool {
     let now = DateTime::now();
     runs.lock().unwrap().len() >= count
@@ -512,10 +520,7 @@ async fn a_busy_loop_still_polls() {
     let store = Arc::new(FaultyStore::new(memory_store("worker"), 0, 1));
     publish_orders(&*store, 1).await;
     let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
-    let fail_first = Arc::new(|delivery: &ClaimedDelivery| match delivery.attempts {
-        0 => AttemptResult::Retry { reason: "upstream 503".into(), not_before: None },
-        _ => AttemptResult::Completed,
-    });
+    let fail_first = fails_its_first_attempt();
     let runner = mailer(fail_first, Duration::ZERO, &runs);
     let options = DispatcherOptions { poll_interval: Duration::from_millis(300), lease_duration: Duration::from_secs(300), ..options(4) };
     let dispatcher = Dispatcher::new(store.clone(), runner, options);
@@ -541,10 +546,7 @@ async fn retries_whose_rescheduling_failed_are_written_later_without_running_the
     let store = Arc::new(FaultyStore::new(memory_store("worker"), 0, 2));
     publish_orders(&*store, 3).await;
     let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
-    let fail_first = Arc::new(|delivery: &ClaimedDelivery| match delivery.attempts {
-        0 => AttemptResult::Retry { reason: "upstream 503".into(), not_before: None },
-        _ => AttemptResult::Completed,
-    });
+    let fail_first = fails_its_first_attempt();
     // All three finish together and are settled as one batch, which the first failure must
     // not cut short.
     let runner = mailer(fail_first, Duration::from_millis(50), &runs);
