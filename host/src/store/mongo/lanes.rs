@@ -219,33 +219,43 @@ impl ClaimBackend for Backend<'_> {
                 free.push(i32::from(id));
             }
         }
-        // The oldest due entries of the free lanes, read as a merge of one claim-index scan
-        // per lane: the cost grows with the number of lanes and rows read, never with the
-        // backlog. A lane with a deep old backlog can fill the rows alone; then this round
-        // yields fewer lanes, and that lane has enough work for the claim anyway.
-        let rows_wanted = (wanted * 2).clamp(MIN_ROWS_PER_LANE_QUERY, 1_000);
-        let chunks = try_join_all(free.chunks(MAX_LANES_PER_QUERY).map(|chunk| async move {
-            let rows: Vec<Document> = self
-                .store
-                .collections
-                .deliveries
-                .find(doc! {
-                    delivery::LANE: delivery::READY,
-                    delivery::LANE_ID: { "$in": chunk },
-                    delivery::DUE_AT: { "$lte": now },
-                    delivery::HANDLER: { "$in": handlers },
-                })
-                .sort(doc! { delivery::DUE_AT: 1, delivery::ID: 1 })
+        // Most searches find little or nothing due: a host with spare run slots, a hot key's
+        // lane the only busy one. One claim-index scan over all the free lanes answers those
+        // (fewer rows than it may return: it saw every due row), where the merge below costs
+        // `mongod` milliseconds per call whatever it finds.
+        let due_in = |lanes: &[i32]| {
+            doc! {
+                delivery::LANE: delivery::READY,
+                delivery::LANE_ID: { "$in": lanes },
+                delivery::DUE_AT: { "$lte": now },
+                delivery::HANDLER: { "$in": handlers },
+            }
+        };
+        let deliveries = &self.store.collections.deliveries;
+        let read = |filter: Document, sorted: bool, limit: usize| async move {
+            let rows: Vec<Document> = deliveries
+                .find(filter)
+                .sort(if sorted { doc! { delivery::DUE_AT: 1, delivery::ID: 1 } } else { doc! {} })
                 .projection(doc! { delivery::LANE_ID: 1, delivery::DUE_AT: 1, delivery::ID: 0 })
-                .limit(rows_wanted as i64)
-                .batch_size(super::documents::one_batch(rows_wanted))
+                .limit(limit as i64)
+                .batch_size(super::documents::one_batch(limit))
                 .hint(mongodb::options::Hint::Name("claim".to_string()))
                 .await?
                 .try_collect()
                 .await?;
             Ok::<_, StoreError>(rows)
-        }))
-        .await?;
+        };
+        let few = if free.is_empty() { Vec::new() } else { read(due_in(&free), false, MIN_ROWS_PER_LANE_QUERY).await? };
+        // Otherwise the oldest due entries of the free lanes, read as a merge of one
+        // claim-index scan per lane: the cost grows with the number of lanes and rows read,
+        // never with the backlog. A lane with a deep old backlog can fill the rows alone; then
+        // this round yields fewer lanes, and that lane has enough work for the claim anyway.
+        let rows_wanted = (wanted * 2).clamp(MIN_ROWS_PER_LANE_QUERY, 1_000);
+        let chunks = if few.len() < MIN_ROWS_PER_LANE_QUERY {
+            vec![few]
+        } else {
+            try_join_all(free.chunks(MAX_LANES_PER_QUERY).map(|chunk| read(due_in(chunk), true, rows_wanted))).await?
+        };
         let mut oldest: Vec<(DateTime, LaneId)> = Vec::new();
         for row in chunks.iter().flatten() {
             let due = *row.get_datetime(delivery::DUE_AT).map_err(|_| StoreError::Corrupt(format!("delivery {row}")))?;

@@ -55,6 +55,10 @@ pub struct BenchArgs {
     /// is what the drain goal is set for). Keyed events run one at a time per key.
     #[arg(long, default_value_t = 0)]
     keys: usize,
+    /// Put every `hot_every`-th drained event on one hot key instead (0, the default: none; the
+    /// matrix's hot-key row is `--keys 1000 --hot-every 10`).
+    #[arg(long, default_value_t = 0)]
+    hot_every: usize,
     /// Hosts sharing the drain and the latency events: each its own store instance (lane
     /// owner), dispatcher and change stream, all in this process, as separate `relayhost run`
     /// processes would on this machine. They split the lanes, as separate hosts do.
@@ -84,7 +88,7 @@ struct Workload {
 
 impl Workload {
     fn of(args: &BenchArgs) -> Self {
-        Self { events: args.events, keys: args.keys, hot_every: 0, hosts: args.hosts, database: "bench_drain".into() }
+        Self { events: args.events, keys: args.keys, hot_every: args.hot_every, hosts: args.hosts, database: "bench_drain".into() }
     }
 
     fn key_of(&self, n: usize) -> Option<String> {
@@ -135,7 +139,7 @@ async fn measure(args: &BenchArgs, server: &Server, plugins: &std::path::Path) -
     let registry = Arc::new(PluginRegistry::new(runtime, plugins, |_| PluginPolicy::default()));
     registry.scan().await?;
 
-    let Drained { rate: drain, work: drain_work, .. } = drain(args, &Workload::of(args), server, &registry).await?;
+    let Drained { rate: drain, work: drain_work, others_rate } = drain(args, &Workload::of(args), server, &registry).await?;
     // The disk's speed drifts within a run; a floor measured on both sides of the drain, and
     // the faster one used, keeps a slow moment from passing the goal.
     let (floor_after, _) = raw_floor(server, args.events).await?;
@@ -143,9 +147,10 @@ async fn measure(args: &BenchArgs, server: &Server, plugins: &std::path::Path) -
     println!("raw floor    {floor_after:>8.0} documents/s  (again, after the drain; the ratio uses the faster: {floor:.0})");
     let ratio = drain / floor;
     let on_hosts = if args.hosts > 1 { format!(" on {} hosts", args.hosts) } else { String::new() };
+    let hot = if args.hot_every > 0 { format!(", every {}th on one hot key", args.hot_every) } else { String::new() };
     let events = match args.keys {
-        0 => format!("{} unkeyed events{on_hosts}", args.events),
-        keys => format!("{} events over {keys} keys{on_hosts}", args.events),
+        0 => format!("{} unkeyed events{hot}{on_hosts}", args.events),
+        keys => format!("{} events over {keys} keys{hot}{on_hosts}", args.events),
     };
     println!(
         "drain        {drain:>8.0} deliveries/s  ({events} through the no-op plugin) = {:.0} % of the floor (goal >= 30 %{}): {}",
@@ -153,6 +158,9 @@ async fn measure(args: &BenchArgs, server: &Server, plugins: &std::path::Path) -
         if args.keys == 0 { "" } else { ", set for unkeyed events" },
         verdict(ratio >= 0.30)
     );
+    if let Some(others) = others_rate {
+        println!("             the events off the hot key: {others:.0} deliveries/s until the last of them ran");
+    }
     println!("mongod work  per delivery: {}", drain_work.per(args.events));
     println!("             per floor document: {}", floor_work.per(args.events));
 
