@@ -179,27 +179,47 @@ impl ClaimBackend for Backend<'_> {
         wanted: usize,
         now: DateTime,
     ) -> Result<Vec<(LaneId, usize)>, StoreError> {
-        let lane_documents: Vec<Document> = self
+        // Only the lanes that are not plainly free and idle come back: those held under a live
+        // lease, and those listing anything in flight. Every lane has a document (setup seeds
+        // them all), so the others are free with nothing listed: a search reads a few lane
+        // documents, not all 256.
+        let listed: HashMap<LaneId, Document> = self
             .store
             .collections
             .lanes
-            .find(doc! { "$or": [{ lane::OWNER: Bson::Null }, { lane::LEASE_EXPIRES_AT: { "$lt": now } }] })
+            .find(doc! { "$or": [
+                { lane::OWNER: { "$ne": Bson::Null }, lane::LEASE_EXPIRES_AT: { "$not": { "$lt": now } } },
+                { format!("{}.0", lane::IN_FLIGHT): { "$exists": true } },
+            ] })
             .projection(doc! {
                 lane::ID: 1,
+                lane::OWNER: 1,
+                lane::LEASE_EXPIRES_AT: 1,
                 format!("{}.{}", lane::IN_FLIGHT, entry::EVENT): 1,
                 format!("{}.{}", lane::IN_FLIGHT, entry::HANDLER): 1,
             })
             .batch_size(u32::from(crate::lane::LANE_COUNT) + 1)
             .await?
-            .try_collect()
-            .await?;
+            .try_collect::<Vec<Document>>()
+            .await?
+            .into_iter()
+            .map(|document| Ok((documents::lane_id(&document, lane::ID)?, document)))
+            .collect::<Result<_, StoreError>>()?;
         let mut free = Vec::new();
         // Lanes whose last holder left deliveries without a document in flight: nothing in
         // the claim index shows that work, and it is the oldest there is (it was running).
         let mut lanes: Vec<(LaneId, usize)> = Vec::with_capacity(count);
-        for document in &lane_documents {
-            let id = documents::lane_id(document, lane::ID)?;
+        for id in 0..=LaneId::MAX {
             if exclude.contains(&id) {
+                continue;
+            }
+            let Some(document) = listed.get(&id) else {
+                free.push(i32::from(id));
+                continue;
+            };
+            let owned = !matches!(document.get(lane::OWNER), None | Some(Bson::Null));
+            let lapsed = document.get_datetime(lane::LEASE_EXPIRES_AT).is_ok_and(|until| *until < now);
+            if owned && !lapsed {
                 continue;
             }
             let stranded = match document.get(lane::IN_FLIGHT) {
