@@ -1,8 +1,9 @@
 //! The claim primitives in MongoDB: each is one query or one write (or a bounded parallel
 //! set of them), on the claim, ordering and parked indexes. The `ClaimBackend` implementation
 //! in MongoDB: every primitive the shared claim calls, together, so that each can be checked
-//! against its contract in `store/claim/` and its twin in `store/memory.rs`; finding the heads
-//! of keys, which unparking and the scan share, is in `heads.rs`.
+//! against its contract in `store/claim/` and its twin in `store/memory/lanes.rs`; finding the
+//! heads of keys, which unparking and the scan share, is in `heads.rs`. That is why it is one
+//! file past 600 lines: one trait implementation, read beside the trait, primitive by primitive.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 
