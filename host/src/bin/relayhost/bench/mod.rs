@@ -51,8 +51,8 @@ pub struct BenchArgs {
     /// per run slot, as in the host).
     #[arg(long)]
     claim_ahead: Option<usize>,
-    /// Spread the drained events over this many ordering keys (0, the default: unkeyed, which
-    /// is what the drain goal is set for). Keyed events run one at a time per key.
+    /// Spread the drained events, and the latency events, over this many ordering keys (0, the
+    /// default: unkeyed). Keyed events run one at a time per key.
     #[arg(long, default_value_t = 0)]
     keys: usize,
     /// Put every `hot_every`-th drained event on one hot key instead (0, the default: none; the
@@ -152,11 +152,13 @@ async fn measure(args: &BenchArgs, server: &Server, plugins: &std::path::Path) -
         0 => format!("{} unkeyed events{hot}{on_hosts}", args.events),
         keys => format!("{} events over {keys} keys{hot}{on_hosts}", args.events),
     };
+    // The goals (#24): half the floor unkeyed, a third keyed.
+    let goal = if args.keys == 0 { 0.50 } else { 0.35 };
     println!(
-        "drain        {drain:>8.0} deliveries/s  ({events} through the no-op plugin) = {:.0} % of the floor (goal >= 30 %{}): {}",
+        "drain        {drain:>8.0} deliveries/s  ({events} through the no-op plugin) = {:.0} % of the floor (goal >= {:.0} %): {}",
         ratio * 100.0,
-        if args.keys == 0 { "" } else { ", set for unkeyed events" },
-        verdict(ratio >= 0.30)
+        goal * 100.0,
+        verdict(ratio >= goal)
     );
     if let Some(others) = others_rate {
         println!("             the events off the hot key: {others:.0} deliveries/s until the last of them ran");
@@ -164,15 +166,16 @@ async fn measure(args: &BenchArgs, server: &Server, plugins: &std::path::Path) -
     println!("mongod work  per delivery: {}", drain_work.per(args.events));
     println!("             per floor document: {}", floor_work.per(args.events));
 
-    let latency = latency(args, 0, client, &registry).await?;
+    // Over the drain's keys, so that `--keys 1000` measures the matrix's keyed latency row.
+    let latency = latency(args, args.keys, client, &registry).await?;
     let (p50, p99) = latency.from_sent;
+    let commits = p50 / latency.commit.0;
+    let spread = if args.keys == 0 { String::new() } else { format!(" over {} keys", args.keys) };
     println!(
-        "latency      p50 {:.1} ms (goal <= 5), p99 {:.1} ms (goal <= 25), commit sent to handler start, {} events at {}/s{on_hosts}: {}",
-        p50,
-        p99,
+        "latency      p50 {p50:.1} ms = {commits:.2} publisher commits (goal <= 1.7), p99 {p99:.1} ms (goal <= 5), commit sent to handler start, {} events{spread} at {}/s{on_hosts}: {}",
         args.latency_events,
         args.rate,
-        verdict(p50 <= 5.0 && p99 <= 25.0)
+        verdict(commits <= 1.7 && p99 <= 5.0)
     );
     if latency.again > 0 {
         println!("             {} handler runs were of events run before (hosts racing: at-least-once)", latency.again);
@@ -181,8 +184,7 @@ async fn measure(args: &BenchArgs, server: &Server, plugins: &std::path::Path) -
     println!("             p50 {p50:.1} ms, p99 {p99:.1} ms from the commit's acknowledgement (the commit happened in between)");
     let (commit_p50, commit_p99) = latency.commit;
     println!(
-        "commit       p50 {commit_p50:.1} ms, p99 {commit_p99:.1} ms (the publisher's own durable commit, same run): the p50 latency is {:.1} of them",
-        latency.from_sent.0 / commit_p50
+        "commit       p50 {commit_p50:.1} ms, p99 {commit_p99:.1} ms (the publisher's own durable commit, same run): the unit of the latency goal"
     );
     let (ping_p50, ping_p99) = round_trip(client).await?;
     println!(
