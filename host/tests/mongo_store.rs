@@ -253,16 +253,72 @@ async fn a_fan_out_hands_out_heard_events_without_reading_them_and_never_one_fan
     assert!(list_all(&store, DeliveryFilter::default()).await.is_empty(), "nothing was created again");
     assert_eq!(reads_of_events(before), 1, "it read the collection instead");
 
-    // A heard keyed event is fanned out by reading (its key's lower unfanned events come with
-    // it), in the same call; nothing of its key is pending, so it is handed out as its head.
+    // That read reached the end: a heard keyed event is fanned out from the stream too (its
+    // key's lower unfanned events are all among the heard ones); nothing of its key is
+    // pending, so it is handed out as its head, in its key's lane.
     publish_all(&store, vec![keyed("k-0", "t", "key")]).await;
     hearing.woken().await;
     let before = log.lock().unwrap().len();
     let report = store.fan_out(&subscriptions, 100, 5, at(T0)).await.unwrap();
-    assert_eq!(reads_of_events(before), 2, "it read the collection: the batch, and its key's lower unfanned events");
+    assert_eq!(reads_of_events(before), 0, "a heard keyed event is not read again");
     assert_eq!(ids(&report.claimed), ["k-0/h"]);
     assert_eq!(report.claimed[0].lease.lane, relayhost::lane::lane_of("key"));
     assert!(report.lanes.is_empty());
+}
+
+/// A heard keyed event comes from the stream only while the heard events hold every lower
+/// unfanned event of its key: its key's next event waits for the head that runs, and when
+/// the split of the lanes changes, a lower event an earlier fan-out left to another host is
+/// read and runs first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heard_keyed_events_come_from_the_stream_only_while_it_holds_their_keys_lower_events() {
+    let Recorded { log, store, .. } = recorded_store().await;
+    let subscriptions = subs(&[("h", &["t"])]);
+    let hearing = Hearing::start(&store, &subscriptions).await;
+    let events = store.events_collection().name().to_string();
+    let reads_of_events = |since: usize| {
+        log.lock().unwrap()[since..].iter().filter(|(name, command)| name == "find" && command.get_str("find") == Ok(&events)).count()
+    };
+    // Created at the fan-outs' `now`: no event is stale, so the split alone says whose it is.
+    let keyed_at = |id: &str, key: &str| keyed(id, "t", key).with_created_at(at(T0));
+
+    // The head runs; its key's next event, heard, is created without being read, and waits.
+    publish_all(&store, vec![keyed_at("a-1", "a")]).await;
+    hearing.woken().await;
+    let head = store.fan_out(&subscriptions, 100, 5, at(T0)).await.unwrap();
+    assert_eq!(ids(&head.claimed), ["a-1/h"]);
+    publish_all(&store, vec![keyed_at("a-2", "a")]).await;
+    hearing.woken().await;
+    let before = log.lock().unwrap().len();
+    let next = store.fan_out(&subscriptions, 100, 5, at(T0)).await.unwrap();
+    assert_eq!((next.events, next.claimed.len(), reads_of_events(before)), (1, 0, 0), "created, not handed out, not read");
+    assert!(store.claim(&handlers(&["h"]), 10, at(T0)).await.unwrap().is_empty(), "its head still runs");
+    assert_eq!(store.complete_many(&[head.claimed[0].lease], at(T0)).await.unwrap(), [Settlement::Completed]);
+    assert_eq!(ids(&store.claim(&handlers(&["h"]), 10, at(T0)).await.unwrap()), ["a-2/h"]);
+
+    // Two live hosts: the first events of twenty keys, heard here; this host fans out only
+    // those of its own lanes, and the others are left to the other host.
+    let other = store.instance("other");
+    assert_eq!(store.announce(at(T0)).await.unwrap(), 1);
+    assert_eq!(other.announce(at(T0)).await.unwrap(), 2);
+    assert_eq!(store.announce(at(T0)).await.unwrap(), 2);
+    publish_all(&store, (0..20).map(|k| keyed_at(&format!("k{k}-1"), &format!("key-{k}"))).collect()).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mine = store.fan_out(&subscriptions, 100, 100, at(T0)).await.unwrap();
+    assert!(mine.events > 0 && mine.events < 20, "a split in two: {} of 20", mine.events);
+    let theirs = (0..20).find(|k| !ids(&mine.claimed).contains(&format!("k{k}-1/h"))).expect("a key of the other host's");
+
+    // The other host leaves: its lanes are this host's now. Its key's second event is heard;
+    // the first, never fanned out, is read with it and runs first, the second waits for it.
+    other.relinquish().await.unwrap();
+    assert_eq!(store.announce(at(T0)).await.unwrap(), 1);
+    publish_all(&store, vec![keyed_at(&format!("k{theirs}-2"), &format!("key-{theirs}"))]).await;
+    hearing.woken().await;
+    let before = log.lock().unwrap().len();
+    let taken = store.fan_out(&subscriptions, 100, 100, at(T0)).await.unwrap();
+    assert!(reads_of_events(before) > 0, "the split changed: the stream's events are not all there is");
+    let handed: Vec<String> = ids(&taken.claimed).into_iter().filter(|id| id.starts_with(&format!("k{theirs}-"))).collect();
+    assert_eq!(handed, [format!("k{theirs}-1/h")], "the key's first event runs first, and alone");
 }
 
 /// A heard event another fan-out has marked, in a transaction still open, is not handed out:

@@ -108,6 +108,32 @@ pub(crate) fn assemble(first: Vec<Document>, prefixes: Vec<Document>) -> Vec<Doc
     batch
 }
 
+/// The lane of an event document (as [`plan`] computes its deliveries').
+pub(crate) fn lane_of(doc: &Document) -> LaneId {
+    lane_for_event(&id_text(doc.get(field::ID).unwrap_or(&Bson::Null)), string_key(doc))
+}
+
+/// A batch taken from what the change stream heard: its unkeyed events as heard, then each
+/// key's events in sequence order, as [`assemble`] orders a batch read (a key's events commit
+/// in sequence order when their publishers follow the protocol; this holds it when not).
+pub(crate) fn in_key_order(heard: Vec<Document>) -> Vec<Document> {
+    let (mut batch, mut keyed): (Vec<Document>, Vec<Document>) = heard.into_iter().partition(|doc| string_key(doc).is_none());
+    // As the key's index orders them: a missing sequence first, then numbers, then the rest.
+    let sequence = |doc: &Document| match doc.get(field::SEQUENCE) {
+        None | Some(Bson::Null) => (0, 0.0),
+        Some(Bson::Int32(n)) => (1, f64::from(*n)),
+        Some(Bson::Int64(n)) => (1, *n as f64),
+        Some(Bson::Double(n)) => (1, *n),
+        Some(_) => (2, 0.0),
+    };
+    keyed.sort_by(|a, b| {
+        let ((a_rank, a_n), (b_rank, b_n)) = (sequence(a), sequence(b));
+        string_key(a).cmp(&string_key(b)).then(a_rank.cmp(&b_rank)).then(a_n.total_cmp(&b_n))
+    });
+    batch.extend(keyed);
+    batch
+}
+
 /// Decides the deliveries of `batch` for `subscriptions`. Handlers an event already lists
 /// are skipped, so a handler that completed an event never gets it again.
 pub(crate) fn plan(batch: &[Document], subscriptions: &Subscriptions) -> FanOutPlan {
@@ -303,6 +329,16 @@ mod tests {
         let batch = assemble(first, vec![keyed("a", "k", 1), keyed("b", "k", 2)]);
         let ids: Vec<&str> = batch.iter().map(|d| d.get_str("_id").unwrap()).collect();
         assert_eq!(ids, ["u", "a", "b"]);
+    }
+
+    #[test]
+    fn heard_batches_hold_each_keys_events_in_sequence_order_after_the_unkeyed_ones() {
+        let unkeyed = NewEvent::new("u", "t", doc! {}).to_document(None, DateTime::now());
+        let mut no_sequence = keyed("n", "k", 1);
+        no_sequence.remove("sequence");
+        let heard = vec![keyed("k3", "k", 3), keyed("j1", "j", 1), unkeyed, keyed("k2", "k", 2), no_sequence];
+        let ids: Vec<String> = in_key_order(heard).iter().map(|d| d.get_str("_id").unwrap().to_string()).collect();
+        assert_eq!(ids, ["u", "j1", "n", "k2", "k3"]);
     }
 
     #[test]

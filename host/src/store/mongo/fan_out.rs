@@ -53,21 +53,22 @@ pub(super) async fn run(
     // (or, if its batch comes back full, counts a miss), so they are dropped then.
     let heard = store.heard.take();
     if hand_out.total > 0 {
-        // The heard events, unkeyed ones only: a keyed event needs its key's lower unfanned
-        // events with it, which only reading finds.
         if heard.len() > limit {
             store.heard.missed_some();
         }
         // Other hosts' events are theirs (see `crate::store::assignment`).
         let (assignment, stale_before) = (store.claimer.assignment(), store.claimer.stale_before(now));
-        let (unkeyed, keyed): (Vec<Document>, Vec<Document>) = heard
-            .into_iter()
-            .take(limit)
-            .filter(|event| assignment.fans_out(event, stale_before))
-            .partition(|event| fan_out::string_key(event).is_none());
-        if !unkeyed.is_empty() {
-            match handing_out(store, subscriptions, Batch::Heard(unkeyed), hand_out, early, now).await {
-                Ok(heard) if keyed.is_empty() && !store.heard.behind() => return Ok(heard),
+        // A keyed event needs its key's lower unfanned events with it: the heard ones are all
+        // of them only in this host's own lanes, and while the stream missed nothing (see
+        // `Heard::complete_under`); otherwise reading finds them.
+        let keyed_heard = store.heard.complete_under(&assignment);
+        let (batch, left): (Vec<Document>, Vec<Document>) =
+            heard.into_iter().take(limit).filter(|event| assignment.fans_out(event, stale_before)).partition(|event| {
+                fan_out::string_key(event).is_none() || (keyed_heard && assignment.is_mine(fan_out::lane_of(event)))
+            });
+        if !batch.is_empty() {
+            match handing_out(store, subscriptions, Batch::Heard(fan_out::in_key_order(batch)), hand_out, early, now).await {
+                Ok(heard) if left.is_empty() && !store.heard.behind() => return Ok(heard),
                 Ok(heard) => report = heard,
                 Err(error) => {
                     store.heard.missed_some();
@@ -80,10 +81,12 @@ pub(super) async fn run(
         }
         hand_out = hand_out.less(report.claimed.len() + report.sent_early);
     }
+    // The split first: a read under a split that changed since counts for none (see `Heard`).
+    let under = store.claimer.assignment();
     let since = store.heard.misses();
     match read(store, subscriptions, limit, hand_out, early, now).await {
         Ok(read) => {
-            store.heard.read(since, read.read_to_the_end);
+            store.heard.read(since, under, read.read_to_the_end);
             Ok(report.and(read))
         }
         Err(error) => {

@@ -91,27 +91,34 @@ pub(super) async fn read_batch(
             break;
         }
     }
+    // Reached the end only if the batch holds every unfanned event of this host's it saw:
+    // none cut off here, nor a key's left out by a capped prefix read below (the change
+    // stream's keyed events are fanned out alone only after such a read, see `Heard`).
+    let cut = first.len() > limit;
     first.truncate(limit);
-    let to_the_end = !more;
-    // Read on again at once only while there was something of this host's to read: a
-    // backlog of other hosts' events is theirs to drain.
-    let more = more && !first.is_empty();
+    let reach = |capped: bool| Reach {
+        // Read on again at once only while there was something of this host's to read: a
+        // backlog of other hosts' events is theirs to drain.
+        more: (more || cut || capped) && !first.is_empty(),
+        to_the_end: !(more || cut || capped),
+    };
     if first.is_empty() {
-        return Ok(Read { batch: first, reach: Reach { more, to_the_end } });
+        return Ok(Read { reach: reach(false), batch: first });
     }
     let keys = fan_out::keys_of(&first);
     if keys.is_empty() {
-        return Ok(Read { batch: fan_out::assemble(first, Vec::new()), reach: Reach { more, to_the_end } });
+        return Ok(Read { reach: reach(false), batch: fan_out::assemble(first, Vec::new()) });
     }
+    let cap = limit.saturating_mul(4);
     let prefixes = events
         .find(doc! { field::KEY: { "$in": &keys }, field::FANNED_OUT_AT: Bson::Null })
         .sort(doc! { field::KEY: 1, field::SEQUENCE: 1 })
         .hint(Hint::Name(setup::KEY_UNFANNED.into()))
-        .limit(limit.saturating_mul(4) as i64)
-        .batch_size(super::documents::one_batch(limit.saturating_mul(4)));
+        .limit(cap as i64)
+        .batch_size(super::documents::one_batch(cap));
     let prefixes: Vec<Document> = match session {
         Some(session) => prefixes.session(&mut *session).await?.stream(&mut *session).try_collect().await?,
         None => prefixes.await?.try_collect().await?,
     };
-    Ok(Read { batch: fan_out::assemble(first, prefixes), reach: Reach { more, to_the_end } })
+    Ok(Read { reach: reach(prefixes.len() >= cap), batch: fan_out::assemble(first, prefixes) })
 }
