@@ -207,6 +207,12 @@ impl Hearing {
         hearing
     }
 
+    /// Drops a report left over from events heard before (a wakeup is kept until waited
+    /// for), so that the next [`Hearing::woken`] is the stream reporting what comes next.
+    async fn forget_earlier_reports(&self) {
+        let _ = tokio::time::timeout(Duration::from_millis(200), self.waker.notified()).await;
+    }
+
     /// Waits for the stream's next report (the first is the stream opening).
     async fn woken(&self) {
         tokio::time::timeout(Duration::from_secs(10), self.waker.notified()).await.expect("a wakeup");
@@ -295,6 +301,7 @@ async fn heard_keyed_events_come_from_the_stream_only_while_it_holds_their_keys_
     assert!(store.claim(&handlers(&["h"]), 10, at(T0)).await.unwrap().is_empty(), "its head still runs");
     assert_eq!(store.complete_many(&[head.claimed[0].lease], at(T0)).await.unwrap(), [Settlement::Completed]);
     assert_eq!(ids(&store.claim(&handlers(&["h"]), 10, at(T0)).await.unwrap()), ["a-2/h"]);
+    hearing.forget_earlier_reports().await;
 
     // Two live hosts: the first events of twenty keys, heard here; this host fans out only
     // those of its own lanes, and the others are left to the other host.
@@ -312,6 +319,7 @@ async fn heard_keyed_events_come_from_the_stream_only_while_it_holds_their_keys_
     // the first, never fanned out, is read with it and runs first, the second waits for it.
     other.relinquish().await.unwrap();
     assert_eq!(store.announce(at(T0)).await.unwrap(), 1);
+    hearing.forget_earlier_reports().await;
     publish_all(&store, vec![keyed_at(&format!("k{theirs}-2"), &format!("key-{theirs}"))]).await;
     hearing.woken().await;
     let before = log.lock().unwrap().len();
@@ -319,6 +327,55 @@ async fn heard_keyed_events_come_from_the_stream_only_while_it_holds_their_keys_
     assert!(reads_of_events(before) > 0, "the split changed: the stream's events are not all there is");
     let handed: Vec<String> = ids(&taken.claimed).into_iter().filter(|id| id.starts_with(&format!("k{theirs}-"))).collect();
     assert_eq!(handed, [format!("k{theirs}-1/h")], "the key's first event runs first, and alone");
+}
+
+/// A read that left some of this host's events unfanned (more than a batch of them, past a
+/// page of other hosts' events) did not reach the end: a key's next event heard afterwards
+/// is read with its first, which runs first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_that_cut_its_batch_short_leaves_heard_keyed_events_to_reading() {
+    let Recorded { store, .. } = recorded_store().await;
+    let subscriptions = subs(&[("h", &["t"])]);
+    let hearing = Hearing::start(&store, &subscriptions).await;
+    let keyed_at = |id: &str, key: &str, at_ms: i64| keyed(id, "t", key).with_created_at(at(at_ms));
+    let other = store.instance("other");
+    assert_eq!(store.announce(at(T0)).await.unwrap(), 1);
+    assert_eq!(other.announce(at(T0)).await.unwrap(), 2);
+    assert_eq!(store.announce(at(T0)).await.unwrap(), 2);
+    // Which keys are whose: this host fans out the first events of its own keys only.
+    hearing.forget_earlier_reports().await;
+    publish_all(&store, (0..60).map(|k| keyed_at(&format!("p{k}"), &format!("key-{k}"), T0)).collect()).await;
+    let probe = store.fan_out(&subscriptions, 100, 100, at(T0)).await.unwrap();
+    let leases: Vec<_> = probe.claimed.iter().map(|c| c.lease).collect();
+    assert!(store.complete_many(&leases, at(T0)).await.unwrap().iter().all(|s| *s == Settlement::Completed));
+    let is_mine = |k: usize| ids(&probe.claimed).contains(&format!("p{k}/h"));
+    let mine: Vec<usize> = (0..60).filter(|k| is_mine(*k)).collect();
+    let theirs: Vec<usize> = (0..60).filter(|k| !is_mine(*k)).collect();
+    assert!(mine.len() >= 13 && theirs.len() >= 6, "a split in two: {} and {}", mine.len(), theirs.len());
+    assert_eq!(other.fan_out(&subscriptions, 100, 0, at(T0)).await.unwrap().events, theirs.len(), "the other's, by the other");
+    // A read to the end under this split, so that the stream's keyed events would do.
+    assert_eq!(store.fan_out(&subscriptions, 10, 0, at(T0)).await.unwrap().events, 0);
+
+    // Oldest first: four of this host's, six of the other's, then nine of this host's. A read
+    // of ten finds four of its own in its first page, nine more in the second, which ends the
+    // unfanned events: thirteen, more than a batch.
+    let order: Vec<usize> = mine[..4].iter().chain(&theirs[..6]).chain(&mine[4..13]).copied().collect();
+    hearing.forget_earlier_reports().await;
+    publish_all(&store, order.iter().enumerate().map(|(n, k)| keyed_at(&format!("s{k}-2"), &format!("key-{k}"), T0 + 1 + n as i64)).collect())
+        .await;
+    let read = store.fan_out(&subscriptions, 10, 10, at(T0 + 100)).await.unwrap();
+    assert_eq!(read.events, 10, "a batch of ten of this host's");
+    let left: Vec<usize> = mine[..13].iter().copied().filter(|k| !ids(&read.claimed).contains(&format!("s{k}-2/h"))).collect();
+    assert_eq!(left.len(), 3, "three of this host's were cut off: {:?}", ids(&read.claimed));
+
+    // The next event of a key whose event was cut off, heard: read with it, and it waits.
+    let key = left[0];
+    hearing.forget_earlier_reports().await;
+    publish_all(&store, vec![keyed_at(&format!("s{key}-3"), &format!("key-{key}"), T0 + 100)]).await;
+    hearing.woken().await;
+    let next = store.fan_out(&subscriptions, 10, 10, at(T0 + 100)).await.unwrap();
+    let handed: Vec<String> = ids(&next.claimed).into_iter().filter(|id| id.starts_with(&format!("s{key}-"))).collect();
+    assert_eq!(handed, [format!("s{key}-2/h")], "the key's earlier event runs first, and alone");
 }
 
 /// A heard event another fan-out has marked, in a transaction still open, is not handed out:

@@ -91,25 +91,26 @@ pub(super) async fn read_batch(
             break;
         }
     }
-    // Reached the end only if the batch holds every unfanned event of this host's it saw:
-    // none cut off here, nor a key's left out by a capped prefix read below (the change
-    // stream's keyed events are fanned out alone only after such a read, see `Heard`).
+    // Reached the end only if the batch holds every unfanned event of this host's it saw,
+    // none cut off here (the change stream's keyed events are fanned out alone only after
+    // such a read, see `Heard`). The prefix read below is capped at four pages, more than the
+    // pages read here: a read that reached the end saw every event any prefix holds.
     let cut = first.len() > limit;
     first.truncate(limit);
-    let reach = |capped: bool| Reach {
+    let reach = Reach {
         // Read on again at once only while there was something of this host's to read: a
         // backlog of other hosts' events is theirs to drain.
-        more: (more || cut || capped) && !first.is_empty(),
-        to_the_end: !(more || cut || capped),
+        more: (more || cut) && !first.is_empty(),
+        to_the_end: !(more || cut),
     };
     if first.is_empty() {
-        return Ok(Read { reach: reach(false), batch: first });
+        return Ok(Read { batch: first, reach });
     }
     let keys = fan_out::keys_of(&first);
     if keys.is_empty() {
-        return Ok(Read { reach: reach(false), batch: fan_out::assemble(first, Vec::new()) });
+        return Ok(Read { batch: fan_out::assemble(first, Vec::new()), reach });
     }
-    let cap = limit.saturating_mul(4);
+    let cap = limit.saturating_mul(PAGES);
     let prefixes = events
         .find(doc! { field::KEY: { "$in": &keys }, field::FANNED_OUT_AT: Bson::Null })
         .sort(doc! { field::KEY: 1, field::SEQUENCE: 1 })
@@ -120,5 +121,5 @@ pub(super) async fn read_batch(
         Some(session) => prefixes.session(&mut *session).await?.stream(&mut *session).try_collect().await?,
         None => prefixes.await?.try_collect().await?,
     };
-    Ok(Read { reach: reach(prefixes.len() >= cap), batch: fan_out::assemble(first, prefixes) })
+    Ok(Read { batch: fan_out::assemble(first, prefixes), reach })
 }
