@@ -182,6 +182,12 @@ struct Recorded {
     store: MongoStore,
 }
 
+/// How many `find`s of `store`'s events `log` recorded from its entry `since` on.
+fn finds_of_events(log: &Mutex<Vec<(String, Document)>>, store: &MongoStore, since: usize) -> usize {
+    let events = store.events_collection().name();
+    log.lock().unwrap()[since..].iter().filter(|(name, command)| name == "find" && command.get_str("find") == Ok(events)).count()
+}
+
 async fn recorded_store() -> Recorded {
     let (client, log) = recording_client().await;
     let database = fresh_database();
@@ -237,10 +243,7 @@ async fn a_fan_out_hands_out_heard_events_without_reading_them_and_never_one_fan
     let Recorded { log, store, .. } = recorded_store().await;
     let subscriptions = subs(&[("h", &["t"])]);
     let hearing = Hearing::start(&store, &subscriptions).await;
-    let events = store.events_collection().name().to_string();
-    let reads_of_events = |since: usize| {
-        log.lock().unwrap()[since..].iter().filter(|(name, command)| name == "find" && command.get_str("find") == Ok(&events)).count()
-    };
+    let reads_of_events = |since: usize| finds_of_events(&log, &store, since);
 
     publish_all(&store, vec![event("e-1", "t")]).await;
     hearing.woken().await;
@@ -288,10 +291,7 @@ async fn heard_keyed_events_come_from_the_stream_only_while_it_holds_their_keys_
     let Recorded { log, store, .. } = recorded_store().await;
     let subscriptions = subs(&[("h", &["t"])]);
     let hearing = Hearing::start(&store, &subscriptions).await;
-    let events = store.events_collection().name().to_string();
-    let reads_of_events = |since: usize| {
-        log.lock().unwrap()[since..].iter().filter(|(name, command)| name == "find" && command.get_str("find") == Ok(&events)).count()
-    };
+    let reads_of_events = |since: usize| finds_of_events(&log, &store, since);
     // Created at the fan-outs' `now`: no event is stale, so the split alone says whose it is.
     let keyed_at = |id: &str, key: &str| keyed(id, "t", key).with_created_at(at(T0));
 
