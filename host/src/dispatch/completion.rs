@@ -5,6 +5,7 @@
 //! attempt settles (that is [`super::decide`]) and never drops a lease whose completion failed:
 //! such a batch waits again and is tried after a pause.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,13 +13,15 @@ use bson::DateTime;
 use tokio::task::{JoinError, JoinHandle};
 use tokio::time::Instant;
 
+use crate::lane::LaneId;
 use crate::store::{Lease, Settlement, Store, StoreError};
 
 /// What one background `complete_many` did.
 pub(super) struct Written {
     pub completed: usize,
-    /// A keyed delivery was among them: its key's next one may be claimable now.
-    pub keyed: bool,
+    /// The lanes of the keyed deliveries among them: their keys' next ones, listed in the
+    /// same lanes, may be claimable there now.
+    pub keyed_lanes: BTreeSet<LaneId>,
 }
 
 /// Leases with whether their delivery was keyed.
@@ -73,7 +76,10 @@ impl<S: Store> Completions<S> {
         let result = step_result(task.await, "a completion");
         let (_, batch) = self.running.take().expect("a completion was running");
         match result {
-            Ok(completed) => Ok(Written { completed, keyed: batch.iter().any(|(_, keyed)| *keyed) }),
+            Ok(completed) => {
+                let keyed_lanes = batch.iter().filter(|(_, keyed)| *keyed).map(|(lease, _)| lease.lane).collect();
+                Ok(Written { completed, keyed_lanes })
+            }
             Err(error) => {
                 self.waiting.extend(batch);
                 self.paused_until = Some(Instant::now() + self.pause);

@@ -349,9 +349,11 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                     flight.handed_out.push((claimed, Some(commit)));
                     Ok(())
                 }
+                // A key's next delivery is in its key's lane, which this host holds: a claim
+                // there finds it, without searching the free lanes.
                 written = flight.completions.ended() => written.map(|written| {
                     DispatcherCounters::add(&self.counters.completed, written.completed);
-                    flight.claim |= written.keyed;
+                    flight.claim_lanes.extend(written.keyed_lanes);
                 }),
                 _ = renewal.tick() => self.renew(&flight.running).await,
                 // A new split of the lanes may leave this host events it did not fan out so far.
