@@ -481,10 +481,6 @@ fn events_run(runs: &Mutex<Vec<Run>>) -> Vec<String> {
     ran
 }
 
-/// At least `count` runs happened and no delivery is left.
-/// At least `count` runs, and nothing left to run or running: no delivery record, and none
-/// running without one (a delivery a fan-out handed out has no record until an outcome other
-/// than its completion needs one).
 /// A handler whose first attempt asks for a retry and whose later ones complete.
 fn fails_its_first_attempt() -> Arc<Behaviour> {
     Arc::new(|delivery: &ClaimedDelivery| match delivery.attempts {
@@ -493,6 +489,9 @@ fn fails_its_first_attempt() -> Arc<Behaviour> {
     })
 }
 
+/// At least `count` runs, and nothing left to run or running: no delivery record, and none
+/// running without one (a delivery a fan-out handed out has no record until an outcome other
+/// than its completion needs one).
 fn drained(store: &impl Store, runs: &Mutex<Vec<Run>>, count: usize) -> bool {
     let now = DateTime::now();
     runs.lock().unwrap().len() >= count
@@ -539,6 +538,20 @@ async fn a_busy_loop_still_polls() {
     stop.send(()).unwrap();
     handle.await.unwrap();
     assert_eq!(store.reschedules_failing.load(SeqCst), 0, "the injected failure happened");
+}
+
+/// A key's events run one after another as each completion is written: the completion of a
+/// keyed delivery asks for a claim in its key's lane, with no poll to wait for (an hour here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keys_events_follow_each_other_without_the_poll() {
+    let store = Arc::new(memory_store("worker"));
+    publish_all(&*store, (0..5).map(|n| keyed(&format!("k-{n}"), "order.placed", "customer")).collect()).await;
+    let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
+    let runner = mailer(Arc::new(|_| AttemptResult::Completed), Duration::ZERO, &runs);
+    let options = DispatcherOptions { poll_interval: Duration::from_secs(3_600), ..options(4) };
+    run_until(store.clone(), runner, options, "the key's five events run", || drained(&*store, &runs, 5)).await;
+    let sequences: Vec<Option<i64>> = runs.lock().unwrap().iter().map(|run| run.sequence).collect();
+    assert_eq!(sequences, [Some(1), Some(2), Some(3), Some(4), Some(5)]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
