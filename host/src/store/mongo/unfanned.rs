@@ -91,24 +91,23 @@ pub(super) async fn read_batch(
             break;
         }
     }
-    // Reached the end only if the batch holds every unfanned event of this host's it saw,
-    // none cut off here (the change stream's keyed events are fanned out alone only after
-    // such a read, see `Heard`). The prefix read below is capped at four pages, more than the
-    // pages read here: a read that reached the end saw every event any prefix holds.
+    // Reached the end only if the batch holds every unfanned event of this host's it saw:
+    // none cut off here, and no key's left out by a capped prefix read below (the change
+    // stream's keyed events are fanned out alone only after such a read, see `Heard`).
     let cut = first.len() > limit;
     first.truncate(limit);
-    let reach = Reach {
+    let reach = |capped: bool| Reach {
         // Read on again at once only while there was something of this host's to read: a
         // backlog of other hosts' events is theirs to drain.
-        more: (more || cut) && !first.is_empty(),
-        to_the_end: !(more || cut),
+        more: (more || cut || capped) && !first.is_empty(),
+        to_the_end: !(more || cut || capped),
     };
     if first.is_empty() {
-        return Ok(Read { batch: first, reach });
+        return Ok(Read { reach: reach(false), batch: first });
     }
     let keys = fan_out::keys_of(&first);
     if keys.is_empty() {
-        return Ok(Read { batch: fan_out::assemble(first, Vec::new()), reach });
+        return Ok(Read { reach: reach(false), batch: fan_out::assemble(first, Vec::new()) });
     }
     let cap = limit.saturating_mul(PAGES);
     let prefixes = events
@@ -121,5 +120,7 @@ pub(super) async fn read_batch(
         Some(session) => prefixes.session(&mut *session).await?.stream(&mut *session).try_collect().await?,
         None => prefixes.await?.try_collect().await?,
     };
-    Ok(Read { batch: fan_out::assemble(first, prefixes), reach })
+    // Capped only when events were committed between the two reads (a read to the end saw
+    // fewer than four pages of unfanned events in all), outside a transaction's snapshot.
+    Ok(Read { reach: reach(prefixes.len() >= cap), batch: fan_out::assemble(first, prefixes) })
 }
