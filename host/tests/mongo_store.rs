@@ -385,6 +385,43 @@ async fn a_read_that_cut_its_batch_short_leaves_heard_keyed_events_to_reading() 
     assert_eq!(handed, [format!("s{key}-2/h")], "the key's earlier event runs first, and alone");
 }
 
+/// A keyed event the stream heard that is another host's but stale (its publisher's clock
+/// said it is old) is not fanned out from the stream: its key's lower event, fresh and so left
+/// to the other host, is read with it and runs first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_heard_keyed_event_of_another_hosts_lane_waits_for_its_keys_lower_event() {
+    let Recorded { store, .. } = recorded_store().await;
+    let subscriptions = subs(&[("h", &["t"])]);
+    let hearing = Hearing::start(&store, &subscriptions).await;
+    let keyed_at = |id: &str, key: &str, at_ms: i64| keyed(id, "t", key).with_created_at(at(at_ms));
+    let other = store.instance("other");
+    assert_eq!(store.announce(at(T0)).await.unwrap(), 1);
+    assert_eq!(other.announce(at(T0)).await.unwrap(), 2);
+    assert_eq!(store.announce(at(T0)).await.unwrap(), 2);
+    // A key of the other host's: this host fans out the first events of its own keys only.
+    publish_all(&store, (0..20).map(|k| keyed_at(&format!("p{k}"), &format!("key-{k}"), T0)).collect()).await;
+    hearing.quiet().await;
+    let probe = store.fan_out(&subscriptions, 100, 100, at(T0)).await.unwrap();
+    let theirs = (0..20).find(|k| !ids(&probe.claimed).contains(&format!("p{k}/h"))).expect("a key of the other host's");
+    let leases: Vec<_> = probe.claimed.iter().map(|c| c.lease).collect();
+    assert!(store.complete_many(&leases, at(T0)).await.unwrap().iter().all(|s| *s == Settlement::Completed));
+    let theirs_first = other.fan_out(&subscriptions, 100, 100, at(T0)).await.unwrap();
+    let leases: Vec<_> = theirs_first.claimed.iter().map(|c| c.lease).collect();
+    assert!(other.complete_many(&leases, at(T0)).await.unwrap().iter().all(|s| *s == Settlement::Completed));
+    // A read to the end under this split, so that the stream's keyed events would do.
+    assert_eq!(store.fan_out(&subscriptions, 10, 0, at(T0)).await.unwrap().events, 0);
+
+    // Its second event, fresh: the other host's. Its third, stamped ten minutes old: stale,
+    // so anyone's to fan out, but only with the second.
+    let key = format!("key-{theirs}");
+    publish_all(&store, vec![keyed_at(&format!("s{theirs}-2"), &key, T0), keyed_at(&format!("s{theirs}-3"), &key, T0 - 600_000)]).await;
+    hearing.quiet().await;
+    let report = store.fan_out(&subscriptions, 10, 10, at(T0)).await.unwrap();
+    assert_eq!((report.events, report.claimed.len()), (2, 0), "both read and fanned out; the lane is the other host's");
+    let claimed = other.claim(&handlers(&["h"]), 10, at(T0)).await.unwrap();
+    assert_eq!(ids(&claimed), [format!("s{theirs}-2/h")], "the key's lower event runs first, and alone");
+}
+
 /// A heard event another fan-out has marked, in a transaction still open, is not handed out:
 /// the mark, the first thing a fan-out writes, is what makes it the only one, and a hand-out
 /// is sent early only after it. (Sent after the inserts instead, this one would be, since the
