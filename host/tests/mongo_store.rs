@@ -19,7 +19,7 @@ use mongodb::event::command::CommandEvent;
 use mongodb::options::ClientOptions;
 use relayhost::publish::Publisher;
 use relayhost::store::mongo::{EventWakeups, MongoLocation, MongoStore};
-use relayhost::store::{DeliveryFilter, PurgeOptions, Published, Settlement, Store, StoreError, StoreOptions};
+use relayhost::store::{DeliveryFilter, FanOutReport, PurgeOptions, Published, Settlement, Store, StoreError, StoreOptions, Subscriptions};
 
 fn repo_root() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
@@ -204,7 +204,7 @@ struct Hearing {
 }
 
 impl Hearing {
-    async fn start(store: &MongoStore, subscriptions: &relayhost::store::Subscriptions) -> Self {
+    async fn start(store: &MongoStore, subscriptions: &Subscriptions) -> Self {
         let waker = Arc::new(tokio::sync::Notify::new());
         let wakeups = EventWakeups::default().spawn(store, waker.clone());
         let hearing = Self { waker, wakeups };
@@ -336,6 +336,43 @@ async fn heard_keyed_events_come_from_the_stream_only_while_it_holds_their_keys_
     assert_eq!(handed, [format!("k{theirs}-1/h")], "the key's first event runs first, and alone");
 }
 
+/// Two live hosts, `store` and another instance of it, each of which fanned out and
+/// completed the first events of its own keys among `key-0`, `key-1`, ... (created at `T0`,
+/// so none is stale), then a read to the end under their split: the stream's keyed events
+/// would do from here on.
+struct Split {
+    other: MongoStore,
+    /// The keys (their numbers) of this host's lanes, and of the other's.
+    mine: Vec<usize>,
+    theirs: Vec<usize>,
+}
+
+impl Split {
+    async fn in_two(store: &MongoStore, hearing: &Hearing, subscriptions: &Subscriptions, keys: usize) -> Self {
+        let other = store.instance("other");
+        assert_eq!(store.announce(at(T0)).await.unwrap(), 1);
+        assert_eq!(other.announce(at(T0)).await.unwrap(), 2);
+        assert_eq!(store.announce(at(T0)).await.unwrap(), 2);
+        publish_all(store, (0..keys).map(|k| keyed(&format!("p{k}"), "t", &format!("key-{k}")).with_created_at(at(T0))).collect()).await;
+        hearing.quiet().await;
+        // Each fans out (and runs) the first events of its own keys only.
+        let probe = Self::fan_out_and_complete(store, subscriptions, keys * 2).await;
+        let mine: Vec<usize> = (0..keys).filter(|k| ids(&probe.claimed).contains(&format!("p{k}/h"))).collect();
+        let theirs: Vec<usize> = (0..keys).filter(|k| !mine.contains(k)).collect();
+        let by_other = Self::fan_out_and_complete(&other, subscriptions, keys * 2).await;
+        assert_eq!(by_other.events, theirs.len(), "the other's, by the other");
+        assert_eq!(store.fan_out(subscriptions, 10, 0, at(T0)).await.unwrap().events, 0, "a read to the end");
+        Self { other, mine, theirs }
+    }
+
+    async fn fan_out_and_complete(host: &MongoStore, subscriptions: &Subscriptions, limit: usize) -> FanOutReport {
+        let fanned = host.fan_out(subscriptions, limit, limit, at(T0)).await.unwrap();
+        let leases: Vec<_> = fanned.claimed.iter().map(|c| c.lease).collect();
+        assert!(host.complete_many(&leases, at(T0)).await.unwrap().iter().all(|s| *s == Settlement::Completed));
+        fanned
+    }
+}
+
 /// A read that left some of this host's events unfanned (more than a batch of them, past a
 /// page of other hosts' events) did not reach the end: a key's next event heard afterwards
 /// is read with its first, which runs first.
@@ -345,23 +382,8 @@ async fn a_read_that_cut_its_batch_short_leaves_heard_keyed_events_to_reading() 
     let subscriptions = subs(&[("h", &["t"])]);
     let hearing = Hearing::start(&store, &subscriptions).await;
     let keyed_at = |id: &str, key: &str, at_ms: i64| keyed(id, "t", key).with_created_at(at(at_ms));
-    let other = store.instance("other");
-    assert_eq!(store.announce(at(T0)).await.unwrap(), 1);
-    assert_eq!(other.announce(at(T0)).await.unwrap(), 2);
-    assert_eq!(store.announce(at(T0)).await.unwrap(), 2);
-    // Which keys are whose: this host fans out the first events of its own keys only.
-    publish_all(&store, (0..60).map(|k| keyed_at(&format!("p{k}"), &format!("key-{k}"), T0)).collect()).await;
-    hearing.quiet().await;
-    let probe = store.fan_out(&subscriptions, 100, 100, at(T0)).await.unwrap();
-    let leases: Vec<_> = probe.claimed.iter().map(|c| c.lease).collect();
-    assert!(store.complete_many(&leases, at(T0)).await.unwrap().iter().all(|s| *s == Settlement::Completed));
-    let is_mine = |k: usize| ids(&probe.claimed).contains(&format!("p{k}/h"));
-    let mine: Vec<usize> = (0..60).filter(|k| is_mine(*k)).collect();
-    let theirs: Vec<usize> = (0..60).filter(|k| !is_mine(*k)).collect();
+    let Split { mine, theirs, .. } = Split::in_two(&store, &hearing, &subscriptions, 60).await;
     assert!(mine.len() >= 12 && theirs.len() >= 6, "a split in two: {} and {}", mine.len(), theirs.len());
-    assert_eq!(other.fan_out(&subscriptions, 100, 0, at(T0)).await.unwrap().events, theirs.len(), "the other's, by the other");
-    // A read to the end under this split, so that the stream's keyed events would do.
-    assert_eq!(store.fan_out(&subscriptions, 10, 0, at(T0)).await.unwrap().events, 0);
 
     // Oldest first: four of this host's, six of the other's, then eight of this host's. A read
     // of ten finds four of its own in its first page, eight more in the second (which starts
@@ -394,22 +416,8 @@ async fn a_stale_heard_keyed_event_of_another_hosts_lane_waits_for_its_keys_lowe
     let subscriptions = subs(&[("h", &["t"])]);
     let hearing = Hearing::start(&store, &subscriptions).await;
     let keyed_at = |id: &str, key: &str, at_ms: i64| keyed(id, "t", key).with_created_at(at(at_ms));
-    let other = store.instance("other");
-    assert_eq!(store.announce(at(T0)).await.unwrap(), 1);
-    assert_eq!(other.announce(at(T0)).await.unwrap(), 2);
-    assert_eq!(store.announce(at(T0)).await.unwrap(), 2);
-    // A key of the other host's: this host fans out the first events of its own keys only.
-    publish_all(&store, (0..20).map(|k| keyed_at(&format!("p{k}"), &format!("key-{k}"), T0)).collect()).await;
-    hearing.quiet().await;
-    let probe = store.fan_out(&subscriptions, 100, 100, at(T0)).await.unwrap();
-    let theirs = (0..20).find(|k| !ids(&probe.claimed).contains(&format!("p{k}/h"))).expect("a key of the other host's");
-    let leases: Vec<_> = probe.claimed.iter().map(|c| c.lease).collect();
-    assert!(store.complete_many(&leases, at(T0)).await.unwrap().iter().all(|s| *s == Settlement::Completed));
-    let theirs_first = other.fan_out(&subscriptions, 100, 100, at(T0)).await.unwrap();
-    let leases: Vec<_> = theirs_first.claimed.iter().map(|c| c.lease).collect();
-    assert!(other.complete_many(&leases, at(T0)).await.unwrap().iter().all(|s| *s == Settlement::Completed));
-    // A read to the end under this split, so that the stream's keyed events would do.
-    assert_eq!(store.fan_out(&subscriptions, 10, 0, at(T0)).await.unwrap().events, 0);
+    let Split { other, theirs, .. } = Split::in_two(&store, &hearing, &subscriptions, 20).await;
+    let theirs = *theirs.first().expect("a key of the other host's");
 
     // Its second event, fresh: the other host's. Its third, stamped ten minutes old: stale,
     // so anyone's to fan out, but only with the second.
