@@ -196,6 +196,12 @@ async fn recorded_store() -> Recorded {
     Recorded { client, log, database, store }
 }
 
+/// A keyed event of type `t` created at `at_ms`: at the fan-outs' `now` (`T0`) it is not stale,
+/// so the split of the lanes alone says whose it is.
+fn keyed_at(id: &str, key: &str, at_ms: i64) -> relayhost::event::NewEvent {
+    keyed(id, "t", key).with_created_at(at(at_ms))
+}
+
 /// `store`'s change stream feeding its fan-outs, after a fan-out that read every unfanned
 /// event: from then on, what the stream reports is all there is. Stopped when dropped.
 struct Hearing {
@@ -292,15 +298,13 @@ async fn heard_keyed_events_come_from_the_stream_only_while_it_holds_their_keys_
     let subscriptions = subs(&[("h", &["t"])]);
     let hearing = Hearing::start(&store, &subscriptions).await;
     let reads_of_events = |since: usize| finds_of_events(&log, &store, since);
-    // Created at the fan-outs' `now`: no event is stale, so the split alone says whose it is.
-    let keyed_at = |id: &str, key: &str| keyed(id, "t", key).with_created_at(at(T0));
 
     // The head runs; its key's next event, heard, is created without being read, and waits.
-    publish_all(&store, vec![keyed_at("a-1", "a")]).await;
+    publish_all(&store, vec![keyed_at("a-1", "a", T0)]).await;
     hearing.woken().await;
     let head = store.fan_out(&subscriptions, 100, 5, at(T0)).await.unwrap();
     assert_eq!(ids(&head.claimed), ["a-1/h"]);
-    publish_all(&store, vec![keyed_at("a-2", "a")]).await;
+    publish_all(&store, vec![keyed_at("a-2", "a", T0)]).await;
     hearing.woken().await;
     let before = log.lock().unwrap().len();
     let next = store.fan_out(&subscriptions, 100, 5, at(T0)).await.unwrap();
@@ -316,7 +320,7 @@ async fn heard_keyed_events_come_from_the_stream_only_while_it_holds_their_keys_
     assert_eq!(store.announce(at(T0)).await.unwrap(), 1);
     assert_eq!(other.announce(at(T0)).await.unwrap(), 2);
     assert_eq!(store.announce(at(T0)).await.unwrap(), 2);
-    publish_all(&store, (0..20).map(|k| keyed_at(&format!("k{k}-1"), &format!("key-{k}"))).collect()).await;
+    publish_all(&store, (0..20).map(|k| keyed_at(&format!("k{k}-1"), &format!("key-{k}"), T0)).collect()).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let mine = store.fan_out(&subscriptions, 100, 100, at(T0)).await.unwrap();
     assert!(mine.events > 0 && mine.events < 20, "a split in two: {} of 20", mine.events);
@@ -327,7 +331,7 @@ async fn heard_keyed_events_come_from_the_stream_only_while_it_holds_their_keys_
     other.relinquish().await.unwrap();
     assert_eq!(store.announce(at(T0)).await.unwrap(), 1);
     hearing.forget_earlier_reports().await;
-    publish_all(&store, vec![keyed_at(&format!("k{theirs}-2"), &format!("key-{theirs}"))]).await;
+    publish_all(&store, vec![keyed_at(&format!("k{theirs}-2"), &format!("key-{theirs}"), T0)]).await;
     hearing.woken().await;
     let before = log.lock().unwrap().len();
     let taken = store.fan_out(&subscriptions, 100, 100, at(T0)).await.unwrap();
@@ -353,7 +357,7 @@ impl Split {
         assert_eq!(store.announce(at(T0)).await.unwrap(), 1);
         assert_eq!(other.announce(at(T0)).await.unwrap(), 2);
         assert_eq!(store.announce(at(T0)).await.unwrap(), 2);
-        publish_all(store, (0..keys).map(|k| keyed(&format!("p{k}"), "t", &format!("key-{k}")).with_created_at(at(T0))).collect()).await;
+        publish_all(store, (0..keys).map(|k| keyed_at(&format!("p{k}"), &format!("key-{k}"), T0)).collect()).await;
         hearing.quiet().await;
         // Each fans out (and runs) the first events of its own keys only.
         let probe = Self::fan_out_and_complete(store, subscriptions, keys * 2).await;
@@ -381,7 +385,6 @@ async fn a_read_that_cut_its_batch_short_leaves_heard_keyed_events_to_reading() 
     let Recorded { store, .. } = recorded_store().await;
     let subscriptions = subs(&[("h", &["t"])]);
     let hearing = Hearing::start(&store, &subscriptions).await;
-    let keyed_at = |id: &str, key: &str, at_ms: i64| keyed(id, "t", key).with_created_at(at(at_ms));
     let Split { mine, theirs, .. } = Split::in_two(&store, &hearing, &subscriptions, 60).await;
     assert!(mine.len() >= 12 && theirs.len() >= 6, "a split in two: {} and {}", mine.len(), theirs.len());
 
@@ -415,7 +418,6 @@ async fn a_stale_heard_keyed_event_of_another_hosts_lane_waits_for_its_keys_lowe
     let Recorded { store, .. } = recorded_store().await;
     let subscriptions = subs(&[("h", &["t"])]);
     let hearing = Hearing::start(&store, &subscriptions).await;
-    let keyed_at = |id: &str, key: &str, at_ms: i64| keyed(id, "t", key).with_created_at(at(at_ms));
     let Split { other, theirs, .. } = Split::in_two(&store, &hearing, &subscriptions, 20).await;
     let theirs = *theirs.first().expect("a key of the other host's");
 

@@ -84,14 +84,16 @@ impl Assignment {
         lease_ms.saturating_mul(2)
     }
 
+    /// Whether the event `doc` is in one of this host's lanes.
+    pub fn holds(&self, doc: &Document) -> bool {
+        let id = id_text(doc.get(field::ID).unwrap_or(&Bson::Null));
+        self.is_mine(lane_for_event(&id, string_key(doc)))
+    }
+
     /// Whether this host fans out the event `doc`: it is in one of its lanes, or older than
     /// `stale_before` (by its `createdAt`), or unreadable enough that its lane is unknown.
     pub fn fans_out(&self, doc: &Document, stale_before: DateTime) -> bool {
-        if self.hosts == 1 {
-            return true;
-        }
-        let id = id_text(doc.get(field::ID).unwrap_or(&Bson::Null));
-        if self.is_mine(lane_for_event(&id, string_key(doc))) {
+        if self.hosts == 1 || self.holds(doc) {
             return true;
         }
         match doc.get(field::CREATED_AT) {

@@ -108,11 +108,6 @@ pub(crate) fn assemble(first: Vec<Document>, prefixes: Vec<Document>) -> Vec<Doc
     batch
 }
 
-/// The lane of an event document (as [`plan`] computes its deliveries').
-pub(crate) fn lane_of(doc: &Document) -> LaneId {
-    lane_for_event(&id_text(doc.get(field::ID).unwrap_or(&Bson::Null)), string_key(doc))
-}
-
 /// A batch taken from what the change stream heard: its unkeyed events as heard, then each
 /// key's events in sequence order, as [`assemble`] orders a batch read (a key's events commit
 /// in sequence order when their publishers follow the protocol; this holds it when not).

@@ -64,7 +64,7 @@ pub(super) async fn run(
         let keyed_heard = store.heard.complete_under(&assignment);
         let (batch, left): (Vec<Document>, Vec<Document>) =
             heard.into_iter().take(limit).filter(|event| assignment.fans_out(event, stale_before)).partition(|event| {
-                fan_out::string_key(event).is_none() || (keyed_heard && assignment.is_mine(fan_out::lane_of(event)))
+                fan_out::string_key(event).is_none() || (keyed_heard && assignment.holds(event))
             });
         if !batch.is_empty() {
             match handing_out(store, subscriptions, Batch::Heard(fan_out::in_key_order(batch)), hand_out, early, now).await {
