@@ -2,6 +2,11 @@
 //! one fresh `mongod` in one run, printed as one table: each drain as a share of the floor and
 //! as a multiple of its 1-host figure, `mongod`'s CPU and counters per delivery, and the goals.
 //!
+//! A workload's several-host drains are interleaved with its one-host drains (1, 2, 1, 4, 1
+//! hosts), and each is divided by the mean of the one-host drains just before and after it:
+//! on a machine whose speed drifts within a run, a one-host figure measured minutes earlier
+//! would move the ratio more than the hosts do. The one-host row is the mean of all of them.
+//!
 //! It owns the choice of workloads and goals and the table; the measuring is the bench's
 //! (`drain`, `latency`, `raw_floor`), the same as a single run's.
 
@@ -18,10 +23,50 @@ const KEYS: usize = 1_000;
 /// Every tenth event on one hot key: 2,000 of 20,000.
 const HOT_EVERY: usize = 10;
 
+/// One row of the table: the mean of one or more drains of a workload on `hosts` hosts.
 struct Row {
     name: String,
     hosts: u16,
-    drained: Drained,
+    /// Deliveries per second, the mean of the drains.
+    rate: f64,
+    /// `mongod`'s work over all of the drains, and the deliveries they made.
+    work: ServerWork,
+    deliveries: usize,
+    others_rate: Option<f64>,
+    /// A several-host row's one-host figures: the mean of the one-host drains around it.
+    one_host: Option<Box<Row>>,
+}
+
+impl Row {
+    fn of(name: &str, hosts: u16, drains: &[&Drained], events: usize) -> Self {
+        let count = drains.len().max(1) as f64;
+        let mean = |value: fn(&Drained) -> Option<f64>| {
+            let values: Vec<f64> = drains.iter().filter_map(|drained| value(drained)).collect();
+            (!values.is_empty()).then(|| values.iter().sum::<f64>() / values.len() as f64)
+        };
+        Self {
+            name: name.to_string(),
+            hosts,
+            rate: drains.iter().map(|drained| drained.rate).sum::<f64>() / count,
+            work: drains.iter().fold(ServerWork::default(), |sum, drained| sum.plus(drained.work)),
+            deliveries: events * drains.len(),
+            others_rate: mean(|drained| drained.others_rate),
+            one_host: None,
+        }
+    }
+
+    /// `mongod`'s CPU time per delivery, in microseconds.
+    fn cpu_per_delivery(&self) -> f64 {
+        self.work.mongod_cpu.as_secs_f64() * 1e6 / self.deliveries.max(1) as f64
+    }
+
+    /// This row's rate and `mongod` CPU per delivery as multiples of its one-host figures.
+    fn against_one_host(&self) -> (f64, f64) {
+        match &self.one_host {
+            Some(one) => (self.rate / one.rate, self.cpu_per_delivery() / one.cpu_per_delivery().max(f64::MIN_POSITIVE)),
+            None => (1.0, 1.0),
+        }
+    }
 }
 
 pub(super) async fn run(args: &BenchArgs, server: &Server, plugins: &Path) -> Result<()> {
@@ -32,14 +77,29 @@ pub(super) async fn run(args: &BenchArgs, server: &Server, plugins: &Path) -> Re
     println!("raw floor {floor_before:.0} documents/s; draining {} events per workload...", args.events);
 
     let mut rows = Vec::new();
-    for (name, keys, hot_every) in [("unkeyed", 0, 0), ("1,000 keys", KEYS, 0), ("hot key + 1,000 keys", KEYS, HOT_EVERY)] {
-        let hosts: &[u16] = if hot_every > 0 { &[1] } else { &[1, 2, 4] };
-        for &count in hosts {
-            let workload = Workload { events: args.events, keys, hot_every, hosts: count, database: format!("bench_matrix_{}", rows.len()) };
+    let workloads = [("unkeyed", 0, 0), ("1,000 keys", KEYS, 0), ("hot key + 1,000 keys", KEYS, HOT_EVERY)];
+    for (workload_number, (name, keys, hot_every)) in workloads.into_iter().enumerate() {
+        let several: &[u16] = if hot_every > 0 { &[] } else { &[2, 4] };
+        let mut drains = 0;
+        let mut run = async |hosts: u16| -> Result<Drained> {
+            let workload = Workload { events: args.events, keys, hot_every, hosts, database: format!("bench_matrix_{workload_number}_{drains}") };
+            drains += 1;
             let drained = drain(args, &workload, server, &registry).await?;
-            println!("  {name} on {count} host(s): {:.0} deliveries/s", drained.rate);
-            rows.push(Row { name: name.to_string(), hosts: count, drained });
+            println!("  {name} on {hosts} host(s): {:.0} deliveries/s", drained.rate);
+            Ok(drained)
+        };
+        let mut one_host = vec![run(1).await?];
+        let mut more = Vec::new();
+        for &hosts in several {
+            let drained = run(hosts).await?;
+            one_host.push(run(1).await?);
+            let around = &one_host[one_host.len() - 2..];
+            let mut row = Row::of(name, hosts, &[&drained], args.events);
+            row.one_host = Some(Box::new(Row::of(name, 1, &around.iter().collect::<Vec<_>>(), args.events)));
+            more.push(row);
         }
+        rows.push(Row::of(name, 1, &one_host.iter().collect::<Vec<_>>(), args.events));
+        rows.extend(more);
     }
     let (floor_after, _) = raw_floor(server, args.events).await?;
     let floor = floor_before.max(floor_after);
@@ -50,38 +110,33 @@ pub(super) async fn run(args: &BenchArgs, server: &Server, plugins: &Path) -> Re
     println!("| workload | hosts | deliveries/s | of the floor | × 1 host | mongod µs / delivery | × 1 host | written / delivery | commands / delivery | goal | |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for row in &rows {
-        let one_host = rows.iter().find(|r| r.name == row.name && r.hosts == 1).expect("every workload runs on 1 host");
-        let share = row.drained.rate / floor;
-        let speedup = row.drained.rate / one_host.drained.rate;
-        let cpu = micros_per(&row.drained.work, args.events);
-        let cpu_ratio = cpu / micros_per(&one_host.drained.work, args.events).max(f64::MIN_POSITIVE);
+        let share = row.rate / floor;
+        let (speedup, cpu_ratio) = row.against_one_host();
         let (goal, met) = match (row.name.as_str(), row.hosts) {
             ("unkeyed", 1) => ("≥ 50 % of the floor".to_string(), share >= 0.50),
             ("1,000 keys", 1) => ("≥ 35 % of the floor".to_string(), share >= 0.35),
             ("hot key + 1,000 keys", _) => {
                 let keyed = rows.iter().find(|r| r.name == "1,000 keys" && r.hosts == 1).expect("measured");
-                let others = row.drained.others_rate.unwrap_or(0.0) / keyed.drained.rate;
+                let others = row.others_rate.unwrap_or(0.0) / keyed.rate;
                 (format!("other keys at the keyed rate: {:.2}×", others), others >= 0.9)
             }
             _ => ("≥ 0.9× 1 host, CPU ≤ 1.25×".to_string(), speedup >= 0.9 && cpu_ratio <= 1.25),
         };
-        let work = &row.drained.work;
-        let per = |n: i64| n as f64 / args.events.max(1) as f64;
+        let per = |n: i64| n as f64 / row.deliveries.max(1) as f64;
         println!(
             "| {} | {} | {:.0} | {:.0} % | {:.2} | {:.0} | {:.2} | {:.1} | {:.3} | {goal} | {} |",
             row.name,
             row.hosts,
-            row.drained.rate,
+            row.rate,
             share * 100.0,
             speedup,
-            cpu,
+            row.cpu_per_delivery(),
             cpu_ratio,
-            per(work.written),
-            per(work.commands),
+            per(row.work.written),
+            per(row.work.commands),
             verdict(met)
         );
     }
-
     println!();
     println!("| latency, {} events at {}/s | hosts | p50 ms | p99 ms | p50 in publisher commits | goal | |", args.latency_events, args.rate);
     println!("|---|---|---|---|---|---|---|");
@@ -98,9 +153,4 @@ pub(super) async fn run(args: &BenchArgs, server: &Server, plugins: &Path) -> Re
         }
     }
     Ok(())
-}
-
-/// `mongod`'s CPU time per delivery, in microseconds.
-fn micros_per(work: &ServerWork, deliveries: usize) -> f64 {
-    work.mongod_cpu.as_secs_f64() * 1e6 / deliveries.max(1) as f64
 }

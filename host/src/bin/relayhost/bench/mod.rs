@@ -254,6 +254,20 @@ impl ServerWork {
         })
     }
 
+    /// The work of two measurements together.
+    fn plus(self, other: Self) -> Self {
+        Self {
+            mongod_cpu: self.mongod_cpu + other.mongod_cpu,
+            host_cpu: self.host_cpu + other.host_cpu,
+            written: self.written + other.written,
+            returned: self.returned + other.returned,
+            keys_scanned: self.keys_scanned + other.keys_scanned,
+            documents_scanned: self.documents_scanned + other.documents_scanned,
+            commands: self.commands + other.commands,
+            transactions: self.transactions + other.transactions,
+        }
+    }
+
     fn since(self, earlier: Self) -> Self {
         Self {
             mongod_cpu: self.mongod_cpu.saturating_sub(earlier.mongod_cpu),
