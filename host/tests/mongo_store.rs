@@ -772,6 +772,24 @@ async fn a_claim_takes_the_follower_created_behind_a_completed_delivery_without_
     let second = store.claim(&h, 10, at(T0 + 3)).await.unwrap();
     assert_eq!(ids(&second), ["k-2/h"]);
     assert_eq!(lookups(before), 0, "k-2 was created behind k-1, which is gone: it leads its key");
+    // This store completed k-1 itself: it knows k-1 is gone without reading whether it is pending.
+    let pending_reads: Vec<Document> = log.lock().unwrap()[before..]
+        .iter()
+        .filter(|(name, command)| name == "find" && command.get_document("filter").is_ok_and(|f| f.contains_key("_id") && f.contains_key("status")))
+        .map(|(_, command)| command.clone())
+        .collect();
+    assert!(pending_reads.is_empty(), "a completed delivery was read again: {pending_reads:?}");
+
+    // A retried one is still pending: its follower waits, and that is read.
+    store.reschedule(&second[0].lease, at(T0 + 60_000), "try again", at(T0 + 4)).await.unwrap();
+    let before = log.lock().unwrap().len();
+    let third = store.claim(&h, 10, at(T0 + 5)).await.unwrap();
+    assert!(third.is_empty(), "{:?} ran while k-2 waits for its retry", ids(&third));
+    let pending_reads = log.lock().unwrap()[before..]
+        .iter()
+        .filter(|(name, command)| name == "find" && command.get_document("filter").is_ok_and(|f| f.contains_key("_id") && f.contains_key("status")))
+        .count();
+    assert_eq!(pending_reads, 1, "whether the retried k-2 is pending is read once");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

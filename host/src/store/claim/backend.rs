@@ -169,7 +169,17 @@ pub(crate) enum Unpark {
     Everything,
     /// Only these keys; a parked follower created behind one of `behind` (settled since)
     /// that is no longer pending is taken as its key's head without a lookup.
-    Keys { keys: Vec<HandlerKey>, behind: Vec<DeliveryId> },
+    Keys { keys: Vec<HandlerKey>, behind: Vec<Settled> },
+}
+
+/// A delivery this instance settled, as an unparking looks for the followers created behind it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Settled {
+    pub delivery: DeliveryId,
+    /// Completed by this instance (its completion matched its lease): it is gone and no
+    /// longer pending, which the unparking then need not read. Otherwise (retried, buried,
+    /// settled in a transaction whose outcome it does not know) it reads.
+    pub completed: bool,
 }
 
 /// The fewest due rows [`ClaimBackend::free_lanes_with_due_work`] reads per query before it

@@ -80,7 +80,7 @@ pub(crate) struct Claimer {
     charge_warning: Periodic,
     /// Keys whose deliveries this instance settled since the last claim's unparking, and
     /// those deliveries (followers created parked behind one of them are found by it).
-    moved_keys: Mutex<(HashSet<HandlerKey>, Vec<DeliveryId>)>,
+    moved_keys: Mutex<(HashSet<HandlerKey>, Vec<Settled>)>,
     /// The unparking of every key with parked deliveries.
     unpark_sweep: Periodic,
     /// Heads of keys this instance's claims looked up (see [`Plan::recall_heads`]).
@@ -246,6 +246,15 @@ impl Claimer {
 
     /// Counts `leases` as settled: they run no more, and their keys may have moved on.
     pub fn settled<'a>(&self, leases: impl IntoIterator<Item = &'a Lease>) {
+        self.count_settled(leases, false);
+    }
+
+    /// Counts `leases` as completed by this instance: settled, and their deliveries gone.
+    pub fn completed<'a>(&self, leases: impl IntoIterator<Item = &'a Lease>) {
+        self.count_settled(leases, true);
+    }
+
+    fn count_settled<'a>(&self, leases: impl IntoIterator<Item = &'a Lease>, completed: bool) {
         let mut issued = self.issued.lock().expect("issued leases");
         let mut moved = Vec::new();
         for lease in leases {
@@ -260,7 +269,7 @@ impl Claimer {
             let (keys, behind) = &mut *self.moved_keys.lock().expect("moved keys");
             for (key, delivery) in moved {
                 keys.insert(key);
-                behind.push(delivery);
+                behind.push(Settled { delivery, completed });
             }
         }
     }

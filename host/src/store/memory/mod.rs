@@ -20,7 +20,7 @@ use bson::oid::ObjectId;
 use bson::{Bson, DateTime, Document};
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
-use super::claim::{Claimer, HandlerKey, InFlight, LaneSearch, LaneState, Unpark, Unstored};
+use super::claim::{Claimer, HandlerKey, InFlight, LaneSearch, LaneState, Settled, Unpark, Unstored};
 use super::fan_out::{FanOutPlan, NewDelivery, WithoutDocuments, id_text};
 use super::retention::event_expired;
 use super::{
@@ -104,12 +104,15 @@ impl State {
         let mut heads = HashMap::new();
         // Followers created behind a delivery that is no longer pending lead their keys.
         if let Unpark::Keys { behind, .. } = scope {
-            let gone = |id: &DeliveryId| self.deliveries.get(id).is_none_or(|d| d.status != DeliveryStatus::Pending);
+            // As in MongoDB, a delivery this instance completed is taken as gone unread.
+            let gone = |settled: &Settled| {
+                settled.completed || self.deliveries.get(&settled.delivery).is_none_or(|d| d.status != DeliveryStatus::Pending)
+            };
             let named: Vec<DeliveryId> = self
                 .deliveries
                 .iter()
                 .filter(|(_, d)| d.lane == LaneKind::Parked && handlers.contains(&d.handler))
-                .filter(|(_, d)| d.behind.is_some_and(|before| behind.contains(&before) && gone(&before)))
+                .filter(|(_, d)| d.behind.is_some_and(|before| behind.iter().any(|s| s.delivery == before && gone(s))))
                 .map(|(id, _)| *id)
                 .collect();
             for id in named {
@@ -537,7 +540,7 @@ impl Store for MemoryStore {
 
     async fn complete_many(&self, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {
         let mut state = self.state.lock().await;
-        let results = leases
+        let results: Vec<Settlement> = leases
             .iter()
             .map(|lease| {
                 if self.claimer.issued(lease) {
@@ -547,7 +550,10 @@ impl Store for MemoryStore {
                 }
             })
             .collect();
-        self.claimer.settled(leases);
+        let (completed, lost): (Vec<_>, Vec<_>) =
+            leases.iter().zip(&results).partition(|(_, settlement)| **settlement == Settlement::Completed);
+        self.claimer.completed(completed.into_iter().map(|(lease, _)| lease));
+        self.claimer.settled(lost.into_iter().map(|(lease, _)| lease));
         Ok(results)
     }
 
@@ -717,7 +723,7 @@ impl Store for MemoryStore {
         delivery.updated_at = Some(now);
         if let Some(key) = &before.key {
             // Its key's next delivery may wait parked behind it: it leads the key now.
-            let scope = Unpark::Keys { keys: vec![(before.handler.clone(), key.clone())], behind: vec![id] };
+            let scope = Unpark::Keys { keys: vec![(before.handler.clone(), key.clone())], behind: vec![Settled { delivery: id, completed: false }] };
             state.unpark(std::slice::from_ref(&before.handler), &scope);
         }
         Ok(before)

@@ -15,7 +15,7 @@ use mongodb::options::Hint;
 use super::documents::delivery;
 use super::lanes::Backend;
 use super::{MongoStore, setup};
-use crate::store::claim::HandlerKey;
+use crate::store::claim::{HandlerKey, Settled};
 use crate::store::{DeliveryId, StoreError};
 
 /// Keys whose heads one command looks up.
@@ -42,25 +42,32 @@ impl Backend<'_> {
     }
 
     /// Unparks the followers created behind one of `settled` that is no longer pending, and
-    /// returns them as their keys' heads: two reads by index and one update, whatever the
-    /// number of keys, where looking each key's head up costs `mongod` a sub-pipeline per key.
+    /// returns them as their keys' heads: at most two reads by index and one update, whatever
+    /// the number of keys, where looking each key's head up costs `mongod` a sub-pipeline per
+    /// key. Whether a delivery is still pending is read only for those this instance did not
+    /// complete itself (a completed one is gone).
     pub(super) async fn followers_of_settled(
         &self,
         handlers: &[String],
-        settled: &[DeliveryId],
+        settled: &[Settled],
     ) -> Result<HashMap<HandlerKey, DeliveryId>, StoreError> {
         let deliveries = &self.store.collections.deliveries;
-        let still_pending: HashSet<DeliveryId> = deliveries
-            .find(doc! { delivery::ID: { "$in": settled }, delivery::STATUS: delivery::PENDING })
-            .projection(doc! { delivery::ID: 1 })
-            .hint(super::by_id())
-            .await?
-            .try_collect::<Vec<Document>>()
-            .await?
-            .iter()
-            .filter_map(|d| d.get_object_id(delivery::ID).ok())
-            .collect();
-        let gone: Vec<DeliveryId> = settled.iter().filter(|id| !still_pending.contains(id)).copied().collect();
+        let unsure: Vec<DeliveryId> = settled.iter().filter(|s| !s.completed).map(|s| s.delivery).collect();
+        let still_pending: HashSet<DeliveryId> = if unsure.is_empty() {
+            HashSet::new()
+        } else {
+            deliveries
+                .find(doc! { delivery::ID: { "$in": unsure }, delivery::STATUS: delivery::PENDING })
+                .projection(doc! { delivery::ID: 1 })
+                .hint(super::by_id())
+                .await?
+                .try_collect::<Vec<Document>>()
+                .await?
+                .iter()
+                .filter_map(|d| d.get_object_id(delivery::ID).ok())
+                .collect()
+        };
+        let gone: Vec<DeliveryId> = settled.iter().map(|s| s.delivery).filter(|id| !still_pending.contains(id)).collect();
         if gone.is_empty() {
             return Ok(HashMap::new());
         }

@@ -212,7 +212,9 @@ pub(super) async fn complete_many(store: &MongoStore, leases: &[Lease], now: Dat
         )?;
         stored.into_iter().chain(unstored).collect()
     };
-    store.claimer.settled(leases);
+    let (done, lost): (Vec<&Lease>, Vec<&Lease>) = leases.iter().partition(|l| completed.contains(&l.delivery));
+    store.claimer.completed(done);
+    store.claimer.settled(lost);
     Ok(leases
         .iter()
         .map(|l| if completed.contains(&l.delivery) { Settlement::Completed } else { Settlement::LeaseLost })
