@@ -720,6 +720,15 @@ fn bench_matrix_prints_every_workload_against_its_goal() {
         assert!(cells[3].parse::<f64>().unwrap() > 0.0 && cells[6].parse::<f64>().unwrap() > 0.0, "{row}");
     }
     assert_eq!(rows.iter().filter(|row| row.contains("p50 ≤ 1.7 commits")).count(), 4, "{text}");
+    // Each several-host drain runs between two one-host drains of its workload, which it is
+    // divided by.
+    let order: Vec<&str> = text.lines().filter_map(|line| line.strip_prefix("  ")?.split(':').next()).collect();
+    let interleaved = ["1", "2", "1", "4", "1"];
+    let expected: Vec<String> = [("unkeyed", &interleaved[..]), ("1,000 keys", &interleaved[..]), ("hot key + 1,000 keys", &["1"][..])]
+        .iter()
+        .flat_map(|(name, hosts)| hosts.iter().map(move |count| format!("{name} on {count} host(s)")))
+        .collect();
+    assert_eq!(order, expected, "{text}");
 }
 
 /// A drain whose deliveries never complete fails, naming how far it got, instead of waiting
