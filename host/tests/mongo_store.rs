@@ -405,9 +405,7 @@ async fn a_fan_out_learns_whose_events_are_whose_from_the_index_and_reads_only_i
     assert_eq!(page.get_document("filter").unwrap(), &doc! {}, "{page}");
     let mut explained = doc! {};
     for field in ["find", "filter", "projection", "sort", "hint", "min", "limit"] {
-        if let Some(value) = page.get(field) {
-            explained.insert(field, value.clone());
-        }
+        explained.insert(field, page.get(field).unwrap_or_else(|| panic!("{field}: {page}")).clone());
     }
     let report = client.database(&database).run_command(doc! { "explain": explained, "verbosity": "executionStats" }).await.unwrap();
     let stats = report.get_document("executionStats").unwrap();
