@@ -377,55 +377,6 @@ impl Split {
     }
 }
 
-/// A fan-out learns which of the oldest unfanned events are its own from the index alone
-/// (their id, key and age), and reads whole only its own: another host's events cost it index
-/// keys, not documents.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_fan_out_learns_whose_events_are_whose_from_the_index_and_reads_only_its_own_whole() {
-    let Recorded { client, log, database, store } = recorded_store().await;
-    let other = store.instance("other");
-    assert_eq!(store.announce(at(T0)).await.unwrap(), 1);
-    assert_eq!(other.announce(at(T0)).await.unwrap(), 2);
-    assert_eq!(store.announce(at(T0)).await.unwrap(), 2);
-    let keys = ["a", "b", "c", "d", "e", "f"];
-    let events = (0..30).map(|n| event(&format!("e-{n}"), "t").with_created_at(at(T0)));
-    let keyed_events = keys.iter().map(|key| keyed_at(&format!("k-{key}"), key, T0));
-    publish_all(&store, events.chain(keyed_events).collect()).await;
-    let subscriptions = subs(&[("h", &["t"])]);
-
-    let before = log.lock().unwrap().len();
-    let mine = store.fan_out(&subscriptions, 100, 0, at(T0)).await.unwrap().events;
-    let commands: Vec<Document> = log.lock().unwrap()[before..]
-        .iter()
-        .filter(|(name, command)| name == "find" && command.get_str("find") == Ok(store.events_collection().name()))
-        .map(|(_, command)| command.clone())
-        .collect();
-    // The page: no filter, bounded by `min` on the partial index, read from the index alone.
-    let page = commands.iter().find(|c| c.contains_key("min")).unwrap_or_else(|| panic!("no page read: {commands:?}"));
-    assert_eq!(page.get_document("filter").unwrap(), &doc! {}, "{page}");
-    let mut explained = doc! {};
-    for field in ["find", "filter", "projection", "sort", "hint", "min", "limit"] {
-        explained.insert(field, page.get(field).unwrap_or_else(|| panic!("{field}: {page}")).clone());
-    }
-    let report = client.database(&database).run_command(doc! { "explain": explained, "verbosity": "executionStats" }).await.unwrap();
-    let stats = report.get_document("executionStats").unwrap();
-    let number = |field: &str| stats.get(field).and_then(|n| n.as_i64().or(n.as_i32().map(i64::from))).unwrap_or(-1);
-    // (Explained now, the index holds only the other host's events.)
-    let left = 36 - mine as i64;
-    assert_eq!((number("totalKeysExamined"), number("totalDocsExamined")), (left, 0), "{report}");
-    let theirs = other.fan_out(&subscriptions, 100, 0, at(T0)).await.unwrap().events;
-    assert!(mine > 0 && theirs > 0 && mine + theirs == 36, "a split in two: {mine} and {theirs}");
-
-    // Then this host's own events whole: the unkeyed ones by id, the keyed ones with their
-    // keys' prefixes; never another's.
-    let by_id: Vec<bson::Bson> =
-        commands.iter().filter_map(|c| c.get_document("filter").ok()?.get_document("_id").ok()?.get_array("$in").ok().cloned()).flatten().collect();
-    let by_key: Vec<bson::Bson> =
-        commands.iter().filter_map(|c| c.get_document("filter").ok()?.get_document("key").ok()?.get_array("$in").ok().cloned()).flatten().collect();
-    assert_eq!(by_id.len() + by_key.len(), mine, "whole documents asked for: {by_id:?}, keys {by_key:?}");
-    assert_eq!(commands.len(), 3, "the page, the unkeyed by id, the keys' prefixes: {commands:?}");
-}
-
 /// A read that left some of this host's events unfanned (more than a batch of them, past a
 /// page of other hosts' events) did not reach the end: a key's next event heard afterwards
 /// is read with its first, which runs first.
@@ -898,7 +849,6 @@ async fn setup_replaces_superseded_indexes_and_pending_deliveries_stay_out_of_th
         (&deliveries, doc! { "status": 1, "updatedAt": 1 }, "status_updated"),
         (&events, doc! { "completedAt": 1 }, "completed"),
         (&events, doc! { "fannedOutAt": 1, "createdAt": 1, "_id": 1 }, "fan_out"),
-        (&events, doc! { "createdAt": 1, "_id": 1 }, "unfanned"),
     ] {
         let options = mongodb::options::IndexOptions::builder().name(name.to_string()).build();
         collection.create_index(mongodb::IndexModel::builder().keys(keys).options(options).build()).await.unwrap();
@@ -912,7 +862,7 @@ async fn setup_replaces_superseded_indexes_and_pending_deliveries_stay_out_of_th
     }
     let mut event_names = events.list_index_names().await.unwrap();
     event_names.sort();
-    assert_eq!(event_names, ["_id_", "created", "key_unfanned", "unfanned_with_keys"]);
+    assert_eq!(event_names, ["_id_", "created", "key_unfanned", "unfanned"]);
     let history_names = client.database(&database).collection::<Document>("relayhost_completed_deliveries").list_index_names().await.unwrap();
     assert!(history_names.iter().any(|n| n == "completed"), "the history's own index stays: {history_names:?}");
     let dead_letter_indexes = ["dead_by_id", "dead_updated", "dead_by_handler", "dead_by_event_type"];
@@ -924,10 +874,10 @@ async fn setup_replaces_superseded_indexes_and_pending_deliveries_stay_out_of_th
     publish_all(&store, (0..20).map(|n| event(&format!("e-{n}"), "t")).collect()).await;
     publish_all(&store, (0..3).map(|n| keyed(&format!("k-{n}"), "t", "key")).collect()).await;
     let keys = keys_per_index(&client, &database, "relayhost_events").await;
-    assert_eq!((keys.get_i32("unfanned_with_keys").unwrap(), keys.get_i32("key_unfanned").unwrap()), (23, 3), "{keys}");
+    assert_eq!((keys.get_i32("unfanned").unwrap(), keys.get_i32("key_unfanned").unwrap()), (23, 3), "{keys}");
     fan_out_all(&store, &subs(&[("h", &["t"])]), at(T0)).await;
     let keys = keys_per_index(&client, &database, "relayhost_events").await;
-    assert_eq!((keys.get_i32("unfanned_with_keys").unwrap(), keys.get_i32("key_unfanned").unwrap()), (0, 0), "{keys}");
+    assert_eq!((keys.get_i32("unfanned").unwrap(), keys.get_i32("key_unfanned").unwrap()), (0, 0), "{keys}");
     assert_eq!(keys.get_i32("created").unwrap(), 23, "{keys}");
     let keys = keys_per_index(&client, &database, "relayhost_deliveries").await;
     // The key's two followers are created parked, behind their predecessors.

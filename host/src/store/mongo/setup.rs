@@ -23,7 +23,7 @@ const SUPERSEDED_DELIVERY_INDEXES: &[&str] = &["due", "status_updated", "by_stat
 
 /// The events' indexes the fan-out reads by (by name: a hint, so that the planner never walks
 /// `created`, which has the same keys, through every event ever fanned out).
-pub(super) const UNFANNED: &str = "unfanned_with_keys";
+pub(super) const UNFANNED: &str = "unfanned";
 pub(super) const PARKED_BEHIND: &str = "parked_behind";
 pub(super) const KEY_UNFANNED: &str = "key_unfanned";
 /// Every event in creation order: the purge's walk (by name, for the same reason).
@@ -34,9 +34,8 @@ pub(super) const CREATED: &str = "created";
 /// it; the purge reads `completedAt` while it walks `created` instead. `fan_out` and
 /// `key_fan_out` held every event with `fannedOutAt` as a key, so the fan-out's stamp moved
 /// a key in each; `unfanned` and `key_unfanned` hold unfanned events only, and the stamp just
-/// takes the event out of them. `unfanned` had no `key`, so a fan-out read whole events to
-/// learn whose they are; [`UNFANNED`] answers that from the index alone.
-const SUPERSEDED_EVENT_INDEXES: &[&str] = &["completed", "fan_out", "key_fan_out", "unfanned"];
+/// takes the event out of them.
+const SUPERSEDED_EVENT_INDEXES: &[&str] = &["completed", "fan_out", "key_fan_out"];
 
 pub(super) async fn run(client: &Client, collections: &Collections, location: &MongoLocation) -> Result<(), StoreError> {
     check_server(client).await?;
@@ -151,14 +150,7 @@ fn event_indexes() -> Vec<IndexModel> {
         // missing field, which `$exists: false` would say but a partial index cannot): the
         // fan-out's stamp removes an event from it instead of moving its key, and the index
         // stays as small as the backlog.
-        // With `key`, so that a fan-out learns which of the oldest events are its own from
-        // the index alone (a covered scan, see `unfanned::read_batch`).
-        index(
-            doc! { field::CREATED_AT: 1, field::ID: 1, field::KEY: 1 },
-            UNFANNED,
-            Some(doc! { field::FANNED_OUT_AT: Bson::Null }),
-            false,
-        ),
+        index(doc! { field::CREATED_AT: 1, field::ID: 1 }, UNFANNED, Some(doc! { field::FANNED_OUT_AT: Bson::Null }), false),
         // The lowest unfanned events of a key.
         index(
             doc! { field::KEY: 1, field::SEQUENCE: 1 },
