@@ -8,6 +8,7 @@
 //! them as one table ([`matrix`]).
 
 mod matrix;
+mod server;
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
@@ -29,6 +30,7 @@ use relayhost::plugin::{PluginPolicy, PluginRegistry, PluginRuntime};
 use relayhost::plugin_runner::PluginRunner;
 use relayhost::store::mongo::{EventWakeups, MongoLocation, MongoStore};
 use relayhost::store::{ClaimedDelivery, Store, StoreOptions, StoreTransaction, run_in_transaction};
+use server::{Server, ServerWork};
 
 #[derive(Args, Clone)]
 pub struct BenchArgs {
@@ -208,109 +210,6 @@ async fn round_trip(client: &mongodb::Client) -> Result<(f64, f64)> {
 
 fn verdict(met: bool) -> &'static str {
     if met { "met" } else { "NOT met" }
-}
-
-/// The bench's `mongod`: a client, and the process whose CPU time it reads.
-struct Server {
-    client: mongodb::Client,
-    pid: u32,
-}
-
-/// What `mongod` did, from its own counters (`serverStatus`), and the CPU time it and this
-/// process spent: the drain is bound by their CPU together, so this says where a delivery
-/// costs more than a floor document.
-#[derive(Clone, Copy, Default)]
-struct ServerWork {
-    mongod_cpu: Duration,
-    host_cpu: Duration,
-    written: i64,
-    returned: i64,
-    keys_scanned: i64,
-    documents_scanned: i64,
-    commands: i64,
-    transactions: i64,
-}
-
-impl ServerWork {
-    async fn now(server: &Server) -> Result<Self> {
-        let status = server.client.database("admin").run_command(doc! { "serverStatus": 1 }).await?;
-        let metrics = status.get_document("metrics")?;
-        let (document, executor) = (metrics.get_document("document")?, metrics.get_document("queryExecutor")?);
-        let count = |from: &Document, field: &str| from.get(field).and_then(|value| value.as_i64().or(value.as_i32().map(i64::from))).unwrap_or(0);
-        Ok(Self {
-            mongod_cpu: cpu_time(&format!("/proc/{}/stat", server.pid))?,
-            host_cpu: cpu_time("/proc/self/stat")?,
-            written: count(document, "inserted") + count(document, "updated") + count(document, "deleted"),
-            returned: count(document, "returned"),
-            keys_scanned: count(executor, "scanned"),
-            documents_scanned: count(executor, "scannedObjects"),
-            commands: metrics
-                .get_document("commands")?
-                .values()
-                .filter_map(|command| command.as_document())
-                .map(|command| count(command, "total"))
-                .sum(),
-            transactions: count(status.get_document("transactions")?, "totalCommitted"),
-        })
-    }
-
-    /// The work of two measurements together.
-    fn plus(self, other: Self) -> Self {
-        Self {
-            mongod_cpu: self.mongod_cpu + other.mongod_cpu,
-            host_cpu: self.host_cpu + other.host_cpu,
-            written: self.written + other.written,
-            returned: self.returned + other.returned,
-            keys_scanned: self.keys_scanned + other.keys_scanned,
-            documents_scanned: self.documents_scanned + other.documents_scanned,
-            commands: self.commands + other.commands,
-            transactions: self.transactions + other.transactions,
-        }
-    }
-
-    fn since(self, earlier: Self) -> Self {
-        Self {
-            mongod_cpu: self.mongod_cpu.saturating_sub(earlier.mongod_cpu),
-            host_cpu: self.host_cpu.saturating_sub(earlier.host_cpu),
-            written: self.written - earlier.written,
-            returned: self.returned - earlier.returned,
-            keys_scanned: self.keys_scanned - earlier.keys_scanned,
-            documents_scanned: self.documents_scanned - earlier.documents_scanned,
-            commands: self.commands - earlier.commands,
-            transactions: self.transactions - earlier.transactions,
-        }
-    }
-
-    fn per(self, items: usize) -> String {
-        let per = |n: i64| n as f64 / items.max(1) as f64;
-        let micros = |cpu: Duration| cpu.as_secs_f64() * 1e6 / items.max(1) as f64;
-        format!(
-            "{:.0} µs of mongod's CPU and {:.0} µs of this process's, {:.1} documents written, {:.1} returned, {:.1} index keys and {:.1} documents scanned, {:.3} commands and {:.4} transactions",
-            micros(self.mongod_cpu),
-            micros(self.host_cpu),
-            per(self.written),
-            per(self.returned),
-            per(self.keys_scanned),
-            per(self.documents_scanned),
-            per(self.commands),
-            per(self.transactions)
-        )
-    }
-}
-
-/// User and system CPU time of a process so far, from `/proc/<pid>/stat` (Linux).
-fn cpu_time(stat: &str) -> Result<Duration> {
-    let text = std::fs::read_to_string(stat).with_context(|| format!("reading {stat}"))?;
-    // The command name (field 2) may hold spaces; the fields after its closing parenthesis
-    // start at field 3, so utime and stime (fields 14 and 15) are the 12th and 13th.
-    let after_name = text.rsplit_once(')').map(|(_, rest)| rest).context("no command name in /proc stat")?;
-    let fields: Vec<&str> = after_name.split_whitespace().collect();
-    let ticks = |index: usize| -> Result<u64> {
-        Ok(fields.get(index).context("a short /proc stat line")?.parse()?)
-    };
-    // SAFETY: sysconf has no memory-safety preconditions.
-    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    Ok(Duration::from_secs_f64((ticks(11)? + ticks(12)?) as f64 / per_second))
 }
 
 /// The floor: what MongoDB alone does for a queue of documents on this machine.
