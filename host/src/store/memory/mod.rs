@@ -723,7 +723,8 @@ impl Store for MemoryStore {
         delivery.updated_at = Some(now);
         if let Some(key) = &before.key {
             // Its key's next delivery may wait parked behind it: it leads the key now.
-            let scope = Unpark::Keys { keys: vec![(before.handler.clone(), key.clone())], behind: vec![Settled { delivery: id, completed: false }] };
+            let behind = vec![Settled { delivery: id, completed: false }];
+            let scope = Unpark::Keys { keys: vec![(before.handler.clone(), key.clone())], behind };
             state.unpark(std::slice::from_ref(&before.handler), &scope);
         }
         Ok(before)

@@ -82,7 +82,8 @@ pub(super) async fn run(args: &BenchArgs, server: &Server, plugins: &Path) -> Re
         let several: &[u16] = if hot_every > 0 { &[] } else { &[2, 4] };
         let mut drains = 0;
         let mut run = async |hosts: u16| -> Result<Drained> {
-            let workload = Workload { events: args.events, keys, hot_every, hosts, database: format!("bench_matrix_{workload_number}_{drains}") };
+            let database = format!("bench_matrix_{workload_number}_{drains}");
+            let workload = Workload { events: args.events, keys, hot_every, hosts, database };
             drains += 1;
             let drained = drain(args, &workload, server, &registry).await?;
             println!("  {name} on {hosts} host(s): {:.0} deliveries/s", drained.rate);
