@@ -186,6 +186,8 @@ impl Hosts {
             .args(["run", "--config"])
             .arg(&self.config)
             .env("RUST_LOG", "info")
+            // The seed replays a schedule; relayhost refuses `RELAYHOST_*` it does not know.
+            .env_remove(SEED)
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -213,21 +215,43 @@ async fn all(collection: &mongodb::Collection<Document>, filter: Document) -> Ve
     collection.find(filter).await.unwrap().try_collect().await.unwrap()
 }
 
+/// Set to a seed an earlier run printed, replays its schedule of kills.
+const SEED: &str = "RELAYHOST_CHAOS_SEED";
+
 /// Nothing is left to deliver: every committed order's event is audited, nothing is
-/// unfanned, pending or dead.
-async fn drained(db: &mongodb::Database) -> Result<bool, mongodb::error::Error> {
-    let events = db.collection::<Document>("relayhost_events");
-    let unfanned = events.count_documents(doc! { "fannedOutAt": null }).await?;
-    let deliveries = db.collection::<Document>("relayhost_deliveries").count_documents(doc! {}).await?;
-    let handed_out = events.count_documents(doc! { "handedOut.0": { "$exists": true } }).await?;
-    let orders = events.count_documents(doc! { "type": "order.placed" }).await?;
-    let audited = db.collection::<Document>("audit_log").count_documents(doc! {}).await?;
-    Ok(unfanned == 0 && deliveries == 0 && handed_out == 0 && audited == orders)
+/// unfanned, pending or dead. `Err` says what is left.
+async fn drained(db: &mongodb::Database) -> Result<(), String> {
+    let count = async |collection: &str, filter: Document| {
+        db.collection::<Document>(collection).count_documents(filter).await.map_err(|error| error.to_string())
+    };
+    let unfanned = count("relayhost_events", doc! { "fannedOutAt": null }).await?;
+    let deliveries = count("relayhost_deliveries", doc! {}).await?;
+    let handed_out = count("relayhost_events", doc! { "handedOut.0": { "$exists": true } }).await?;
+    let orders = count("relayhost_events", doc! { "type": "order.placed" }).await?;
+    let audited = count("audit_log", doc! {}).await?;
+    match (unfanned, deliveries, handed_out) {
+        (0, 0, 0) if audited == orders => Ok(()),
+        _ => {
+            let left: Vec<Document> = db
+                .collection::<Document>("relayhost_deliveries")
+                .find(doc! {})
+                .limit(5)
+                .await
+                .map_err(|error| error.to_string())?
+                .try_collect()
+                .await
+                .map_err(|error| error.to_string())?;
+            Err(format!(
+                "unfanned {unfanned}, delivery documents {deliveries}, handed out {handed_out}, audited {audited} of \
+                 {orders}; documents: {left:?}"
+            ))
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hosts_and_the_primary_killed_over_and_over_lose_nothing_duplicate_nothing_and_keep_every_keys_order() {
-    let seed: u64 = std::env::var("RELAYHOST_CHAOS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+    let seed: u64 = std::env::var(SEED).ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1
     });
     eprintln!("chaos seed {seed} (RELAYHOST_CHAOS_SEED={seed} runs this schedule again)");
@@ -318,10 +342,11 @@ async fn hosts_and_the_primary_killed_over_and_over_lose_nothing_duplicate_nothi
     let db = client.database("chaos");
     let deadline = last_kill + LEASE + TRANSACTION_LIFETIME + MARGIN;
     loop {
-        if drained(&db).await.unwrap_or(false) {
+        let left = drained(&db).await;
+        if left.is_ok() {
             break;
         }
-        assert!(Instant::now() < deadline, "not drained within lease + transaction lifetime + {MARGIN:?} of the last kill");
+        assert!(Instant::now() < deadline, "not drained within lease + transaction lifetime + {MARGIN:?} of the last kill: {left:?}");
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     eprintln!("drained {:?} after the last kill", last_kill.elapsed());
