@@ -96,9 +96,8 @@ def write_lane_lists(lane_collection, lane_ids, entries, per_delivery=LANE_WRITE
     )
 
 
-def current(db, pid):
-    event_collection, docs = events(db, owed_index=False)
-    lane_collection = lanes(db)
+def delivery_collection(db, parking):
+    """The deliveries with the host's indexes (and the parking ones if `parking`)."""
     deliveries = db.deliveries
     deliveries.drop()
     deliveries.create_index([("eventId", A), ("handler", A)], name="event_handler", unique=True)
@@ -110,13 +109,47 @@ def current(db, pid):
         name="ordering",
         partialFilterExpression={"status": "pending", "key": {"$exists": True}},
     )
-    deliveries.create_index(
-        [("lane", A), ("handler", A), ("key", A), ("sequence", A)], name="parked", partialFilterExpression={"lane": "parked"}
-    )
-    deliveries.create_index(
-        [("behind", A)], name="parked_behind", partialFilterExpression={"lane": "parked", "behind": {"$exists": True}}
-    )
-    durable = deliveries.with_options(write_concern=WriteConcern("majority"))
+    if parking:
+        deliveries.create_index(
+            [("lane", A), ("handler", A), ("key", A), ("sequence", A)], name="parked", partialFilterExpression={"lane": "parked"}
+        )
+        deliveries.create_index(
+            [("behind", A)], name="parked_behind", partialFilterExpression={"lane": "parked", "behind": {"$exists": True}}
+        )
+    return deliveries, deliveries.with_options(write_concern=WriteConcern("majority"))
+
+
+def delivery_of(event):
+    return {
+        "_id": ObjectId(), "eventId": event["_id"], "eventType": "t", "handler": "h", "key": event["key"],
+        "sequence": event["sequence"], "laneId": key_number(event) % 256, "dueAt": NOW, "status": "pending",
+        "claims": 0, "attempts": 0, "createdAt": NOW, "lane": "ready",
+    }
+
+
+def drain_documents(deliveries, lane_collection, event_collection, update, after):
+    """Claims the ready deliveries batch by batch until none is left: lists them, reads their
+    events, stamps them (`update`), deletes them, then `after(part)` readies the next."""
+    while True:
+        ready = list(deliveries.find({"lane": "ready", "laneId": {"$in": list(range(256))}}).hint("claim"))
+        if not ready:
+            break
+        for first in range(0, len(ready), BATCH):
+            part = ready[first : first + BATCH]
+            ids = [d["_id"] for d in part]
+            write_lane_lists(lane_collection, [d["laneId"] for d in part], [{"d": i, "c": 0, "h": "h"} for i in ids])
+            event_ids = [d["eventId"] for d in part]
+            list(event_collection.find({"_id": {"$in": event_ids}}))
+            event_collection.update_many({"_id": {"$in": event_ids}}, update)
+            deliveries.with_options(write_concern=WriteConcern("majority")).delete_many({"_id": {"$in": ids}})
+            after(part)
+    assert deliveries.count_documents({}) == 0
+
+
+def current(db, pid):
+    event_collection, docs = events(db, owed_index=False)
+    lane_collection = lanes(db)
+    deliveries, durable = delivery_collection(db, parking=True)
     start = cpu_seconds(pid)
     last_of_key = {}
     for first in range(0, EVENTS, BATCH):
@@ -124,36 +157,24 @@ def current(db, pid):
         event_collection.update_many({"_id": {"$in": [d["_id"] for d in batch]}}, {"$set": {"fannedOutAt": NOW, "handlers": ["h"]}})
         created = []
         for event in batch:
-            delivery = {
-                "_id": ObjectId(), "eventId": event["_id"], "eventType": "t", "handler": "h", "key": event["key"],
-                "sequence": event["sequence"], "laneId": key_number(event) % 256, "dueAt": NOW, "status": "pending",
-                "claims": 0, "attempts": 0, "createdAt": NOW, "lane": "ready",
-            }
+            delivery = delivery_of(event)
             if event["key"] in last_of_key:
                 delivery["lane"], delivery["behind"] = "parked", last_of_key[event["key"]]
             last_of_key[event["key"]] = delivery["_id"]
             created.append(delivery)
         deliveries.insert_many(created)
     fanned_out = cpu_seconds(pid)
-    while True:
-        ready = list(deliveries.find({"lane": "ready", "laneId": {"$in": list(range(256))}}).hint("claim"))
-        if not ready:
-            break
-        for first in range(0, len(ready), BATCH):
-            part = ready[first : first + BATCH]
-            ids = [d["_id"] for d in part]
-            write_lane_lists(lane_collection, [d["laneId"] for d in part], [{"d": i, "c": 0, "h": "h"} for i in ids])
-            event_ids = [d["eventId"] for d in part]
-            list(event_collection.find({"_id": {"$in": event_ids}}))
-            event_collection.update_many({"_id": {"$in": event_ids}}, {"$max": {"completedAt": NOW}})
-            durable.delete_many({"_id": {"$in": ids}})
-            followers = list(deliveries.find({"behind": {"$in": ids}, "lane": "parked"}, {"_id": 1}).hint("parked_behind"))
-            if followers:
-                durable.update_many(
-                    {"_id": {"$in": [f["_id"] for f in followers]}, "lane": "parked"},
-                    {"$set": {"lane": "ready"}, "$unset": {"behind": ""}},
-                )
-    assert deliveries.count_documents({}) == 0
+
+    def unpark(part):
+        ids = [d["_id"] for d in part]
+        followers = list(deliveries.find({"behind": {"$in": ids}, "lane": "parked"}, {"_id": 1}).hint("parked_behind"))
+        if followers:
+            durable.update_many(
+                {"_id": {"$in": [f["_id"] for f in followers]}, "lane": "parked"},
+                {"$set": {"lane": "ready"}, "$unset": {"behind": ""}},
+            )
+
+    drain_documents(deliveries, lane_collection, event_collection, {"$max": {"completedAt": NOW}}, unpark)
     return fanned_out - start, cpu_seconds(pid) - fanned_out
 
 
@@ -161,26 +182,7 @@ def owed_documents(db, pid):
     """Waiting deliveries owed on their events, a document only from their key's turn on."""
     event_collection, docs = events(db, owed_index=True)
     lane_collection = lanes(db)
-    deliveries = db.deliveries
-    deliveries.drop()
-    deliveries.create_index([("eventId", A), ("handler", A)], name="event_handler", unique=True)
-    deliveries.create_index(
-        [("laneId", A), ("dueAt", A), ("_id", A), ("handler", A)], name="claim", partialFilterExpression={"lane": "ready"}
-    )
-    deliveries.create_index(
-        [("handler", A), ("key", A), ("sequence", A)],
-        name="ordering",
-        partialFilterExpression={"status": "pending", "key": {"$exists": True}},
-    )
-    durable = deliveries.with_options(write_concern=WriteConcern("majority"))
-
-    def document(event):
-        return {
-            "_id": ObjectId(), "eventId": event["_id"], "eventType": "t", "handler": "h", "key": event["key"],
-            "sequence": event["sequence"], "laneId": key_number(event) % 256, "dueAt": NOW, "status": "pending",
-            "claims": 0, "attempts": 0, "createdAt": NOW, "lane": "ready",
-        }
-
+    deliveries, durable = delivery_collection(db, parking=False)
     start = cpu_seconds(pid)
     seen = set()
     for first in range(0, EVENTS, BATCH):
@@ -188,27 +190,18 @@ def owed_documents(db, pid):
         event_collection.update_many(
             {"_id": {"$in": [d["_id"] for d in batch]}}, {"$set": {"fannedOutAt": NOW, "handlers": ["h"], "owed": ["h"]}}
         )
-        heads = [document(event) for event in batch if event["key"] not in seen]
+        heads = [delivery_of(event) for event in batch if event["key"] not in seen]
         seen.update(event["key"] for event in batch)
         if heads:
             deliveries.insert_many(heads)
     fanned_out = cpu_seconds(pid)
-    while True:
-        ready = list(deliveries.find({"lane": "ready", "laneId": {"$in": list(range(256))}}).hint("claim"))
-        if not ready:
-            break
-        for first in range(0, len(ready), BATCH):
-            part = ready[first : first + BATCH]
-            ids = [d["_id"] for d in part]
-            write_lane_lists(lane_collection, [d["laneId"] for d in part], [{"d": i, "c": 0, "h": "h"} for i in ids])
-            event_ids = [d["eventId"] for d in part]
-            list(event_collection.find({"_id": {"$in": event_ids}}))
-            event_collection.update_many({"_id": {"$in": event_ids}}, {"$pull": {"owed": "h"}, "$max": {"completedAt": NOW}})
-            durable.delete_many({"_id": {"$in": ids}})
-            following = list(next_by_point(db, event_collection, part))
-            if following:
-                durable.insert_many([document(event) for event in following])
-    assert deliveries.count_documents({}) == 0
+
+    def give_turns(part):
+        following = list(next_by_point(db, event_collection, part))
+        if following:
+            durable.insert_many([delivery_of(event) for event in following])
+
+    drain_documents(deliveries, lane_collection, event_collection, {"$pull": {"owed": "h"}, "$max": {"completedAt": NOW}}, give_turns)
     return fanned_out - start, cpu_seconds(pid) - fanned_out
 
 
