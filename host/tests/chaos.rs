@@ -254,7 +254,7 @@ async fn hosts_and_the_primary_killed_over_and_over_lose_nothing_duplicate_nothi
     let seed: u64 = std::env::var(SEED).ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1
     });
-    eprintln!("chaos seed {seed} (RELAYHOST_CHAOS_SEED={seed} runs this schedule again)");
+    eprintln!("chaos seed {seed} ({SEED}={seed} runs this schedule again)");
     let mut dice = Dice(seed);
     let dir = std::env::temp_dir().join(format!("relayhost-chaos-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
