@@ -57,9 +57,10 @@ impl Backend<'_> {
             HashSet::new()
         } else {
             deliveries
-                .find(doc! { delivery::ID: { "$in": unsure }, delivery::STATUS: delivery::PENDING })
+                .find(doc! { delivery::ID: { "$in": &unsure }, delivery::STATUS: delivery::PENDING })
                 .projection(doc! { delivery::ID: 1 })
                 .hint(super::by_id())
+                .batch_size(super::documents::one_batch(unsure.len()))
                 .await?
                 .try_collect::<Vec<Document>>()
                 .await?
@@ -79,6 +80,9 @@ impl Backend<'_> {
             })
             .projection(doc! { delivery::ID: 1, delivery::HANDLER: 1, delivery::KEY: 1 })
             .hint(Hint::Name(setup::PARKED_BEHIND.into()))
+            // One follower behind each, as a rule (a delivery is of one handler and key), so one
+            // batch: past the server's first batch of 101, a `getMore` costs the claim a round trip.
+            .batch_size(super::documents::one_batch(settled.len()))
             .await?
             .try_collect()
             .await?;
