@@ -794,28 +794,29 @@ async fn a_claim_takes_the_follower_created_behind_a_completed_delivery_without_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_followers_of_many_settled_keys_come_in_one_batch() {
-    // More settled keys than the server's first batch (101 documents): reading their followers
-    // and whether they are still pending must not cost the claim a `getMore` each.
+    // More settled keys than the server's first batch (101 documents): reading their followers,
+    // whether they are still pending and their keys' heads must not cost the claim a `getMore`.
     let Recorded { log, store, .. } = recorded_store().await;
     let h = handlers(&["h"]);
-    let keys: Vec<String> = (0..150).map(|n| format!("k{n}")).collect();
+    let keys: Vec<String> = (0..240).map(|n| format!("k{n}")).collect();
     let events = (1..=2).flat_map(|n| keys.iter().map(move |key| keyed(&format!("{key}-{n}"), "t", key))).collect();
     publish_all(&store, events).await;
     fan_out_all(&store, &subs(&[("h", &["t"])]), at(T0)).await;
-    let heads = store.claim(&h, 200, at(T0 + 1)).await.unwrap();
+    let heads = store.claim(&h, 300, at(T0 + 1)).await.unwrap();
     assert_eq!(heads.len(), keys.len(), "each key's first event");
-    // Half retried (their followers' reads ask whether they are pending), half completed.
-    let (retried, completed) = heads.split_at(75);
+    // Over 101 retried (the claim reads whether they are pending), over 101 completed (their
+    // followers are read).
+    let (retried, completed) = heads.split_at(110);
     for delivery in retried {
         store.reschedule(&delivery.lease, at(T0 + 2), "again", at(T0 + 2)).await.unwrap();
     }
     let leases: Vec<_> = completed.iter().map(|d| d.lease).collect();
     store.complete_many(&leases, at(T0 + 2)).await.unwrap();
     let before = log.lock().unwrap().len();
-    let next = store.claim(&h, 200, at(T0 + 3)).await.unwrap();
-    assert_eq!(next.len(), keys.len(), "75 retried heads again and 75 followers of completed ones: {:?}", ids(&next));
+    let next = store.claim(&h, 300, at(T0 + 3)).await.unwrap();
+    assert_eq!(next.len(), keys.len(), "the retried heads again and the followers of the completed ones: {:?}", ids(&next));
     let get_mores = log.lock().unwrap()[before..].iter().filter(|(name, _)| name == "getMore").count();
-    assert_eq!(get_mores, 0, "a claim read its followers or pending deliveries in more than one batch");
+    assert_eq!(get_mores, 0, "a claim read its followers, pending deliveries or keys' heads in more than one batch");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

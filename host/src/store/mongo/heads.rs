@@ -145,9 +145,9 @@ pub(super) async fn heads_of(
     session: Option<&mut ClientSession>,
 ) -> Result<Vec<(String, DeliveryId, String)>, StoreError> {
     // `$literal`: `$documents` evaluates expressions, and a key is data, whatever it says.
-    let keys: Vec<Document> = keys.iter().map(|key| doc! { "k": { "$literal": *key } }).collect();
+    let literals: Vec<Document> = keys.iter().map(|key| doc! { "k": { "$literal": *key } }).collect();
     let pipeline = vec![
-        doc! { "$documents": keys },
+        doc! { "$documents": literals },
         doc! { "$lookup": {
             "from": store.collections.deliveries.name(),
             "localField": "k",
@@ -163,7 +163,8 @@ pub(super) async fn heads_of(
         doc! { "$unwind": "$head" },
     ];
     let database = store.database();
-    let aggregate = database.aggregate(pipeline);
+    // At most a row per key, in one batch (past 101, a `getMore` would cost a round trip).
+    let aggregate = database.aggregate(pipeline).batch_size(super::documents::one_batch(keys.len()));
     let found: Vec<Document> = match session {
         // A transaction reads from its primary already.
         Some(session) => aggregate.session(&mut *session).await?.stream(&mut *session).try_collect().await?,
