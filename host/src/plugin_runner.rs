@@ -8,9 +8,10 @@
 //! writes, follow-up events and the completion commit together). It must never decide retries (the dispatcher does) nor
 //! touch lanes (the store does).
 
+use std::collections::HashSet;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use bson::DateTime;
 
@@ -27,11 +28,32 @@ pub struct PluginRunner {
     registry: Arc<PluginRegistry>,
     store: Arc<MongoStore>,
     retry_for: Arc<RetryPolicies>,
+    /// The collections granted to transactional plugins that are known to exist.
+    created: Arc<Mutex<HashSet<String>>>,
 }
 
 impl PluginRunner {
     pub fn new(registry: Arc<PluginRegistry>, store: Arc<MongoStore>, retry_for: Arc<RetryPolicies>) -> Self {
-        Self { registry, store, retry_for }
+        Self { registry, store, retry_for, created: Arc::default() }
+    }
+}
+
+/// Creates the collections `plugin` is granted before its first transactional run (once per
+/// process and collection), so that its first deliveries, running at once on a fresh
+/// database, do not each create them in their transactions: those conflict, and the plugin
+/// would run again (its logs and calls repeated) for nothing. Best effort: on a failure the
+/// transactions create them, as before.
+async fn create_granted_collections(store: &MongoStore, plugin: &LoadedPlugin, created: &Mutex<HashSet<String>>) {
+    let missing: Vec<String> = {
+        let created = created.lock().expect("created collections");
+        plugin.policy.grants.transaction.collections.iter().filter(|name| !created.contains(*name)).cloned().collect()
+    };
+    if missing.is_empty() {
+        return;
+    }
+    match store.create_collections(&missing).await {
+        Ok(()) => created.lock().expect("created collections").extend(missing),
+        Err(error) => tracing::warn!(%error, plugin = %plugin.name, "could not create the collections the plugin is granted"),
     }
 }
 
@@ -60,7 +82,7 @@ impl Runner for PluginRunner {
     }
 
     fn run(&self, delivery: ClaimedDelivery) -> Pin<Box<dyn Future<Output = RunResult> + Send>> {
-        let (registry, store, retry_for) = (self.registry.clone(), self.store.clone(), self.retry_for.clone());
+        let (registry, store, retry_for, created) = (self.registry.clone(), self.store.clone(), self.retry_for.clone(), self.created.clone());
         Box::pin(async move {
             // The version serving the handler now; the delivery keeps it to the end.
             let Some(plugin) = registry.plugin_for(&delivery.handler) else { return RunResult::NotRun };
@@ -71,6 +93,7 @@ impl Runner for PluginRunner {
                 deadline: DateTime::now().timestamp_millis() + plugin.policy.limits.wall_time.as_millis() as i64,
             };
             if plugin.subscription(&delivery.handler).is_some_and(|s| s.transactional) {
+                create_granted_collections(&store, &plugin, &created).await;
                 run_transactional(&registry, &store, &plugin, &delivery, &info).await
             } else {
                 RunResult::Attempt(attempt_of(registry.runtime().invoke(&plugin, &delivery.event, &info).await.outcome))

@@ -183,6 +183,43 @@ async fn run_beside_a_conflict(reruns: u32, held: Duration) -> (relayhost::dispa
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transactional_plugins_first_deliveries_on_a_fresh_database_run_once_each() {
+    // Its granted collections do not exist yet. Created inside the deliveries' transactions,
+    // running at once, they would conflict and the plugin would run again; with no re-runs
+    // allowed, such a conflict charges the attempt, which the results would show.
+    use relayhost::dispatch::{RetryPolicy, RunResult, Runner};
+    use relayhost::plugin::PluginRegistry;
+    use relayhost::plugin_runner::PluginRunner;
+
+    let fixture = MongoFixture::new().await;
+    let store = Arc::new(fixture.worker("runner"));
+    let plugins = std::env::temp_dir().join(format!("relayhost-fresh-{}", fixture.database));
+    std::fs::create_dir_all(&plugins).unwrap();
+    std::fs::copy(plugins_dir().join("audit_log.wasm"), plugins.join("audit_log.wasm")).unwrap();
+    let registry = Arc::new(PluginRegistry::new(Arc::new(plugin_runtime()), &plugins, move |_| {
+        let mut policy = PluginPolicy {
+            grants: Grants { transaction: TransactionGrant { collections: vec!["audit_log".into(), "audit_order".into()], ..Default::default() }, ..Default::default() },
+            ..Default::default()
+        };
+        policy.limits.transaction.reruns = 0;
+        policy
+    }));
+    registry.scan().await.unwrap();
+    let orders: Vec<_> = (0..8).map(|n| keyed(&format!("order-{n}"), "order.placed", &format!("c-{n}"))).collect();
+    publish_all(&*store, orders).await;
+    fan_out_all(&*store, &subs(&[("audit-log", &["order.placed"])]), bson::DateTime::now()).await;
+    let claimed = store.claim(&handlers(&["audit-log"]), 8, bson::DateTime::now()).await.unwrap();
+    assert_eq!(claimed.len(), 8);
+
+    let runner = PluginRunner::new(registry, store.clone(), Arc::new(|_: &str| RetryPolicy::default()));
+    let results = futures::future::join_all(claimed.into_iter().map(|delivery| runner.run(delivery))).await;
+    std::fs::remove_dir_all(plugins).unwrap();
+    assert!(results.iter().all(|result| *result == RunResult::CompletedInTransaction), "{results:?}");
+    let audit = fixture.client.database(&fixture.database).collection::<Document>("audit_log");
+    assert_eq!(audit.count_documents(doc! {}).await.unwrap(), 8);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_conflicting_transaction_makes_the_handler_run_again_not_fail() {
     let (result, record) = run_beside_a_conflict(20, Duration::from_millis(500)).await;
     assert_eq!(result, relayhost::dispatch::RunResult::CompletedInTransaction, "the write conflict re-ran the handler until it went through");

@@ -196,6 +196,17 @@ impl MongoStore {
         self.client.database(&self.location.database)
     }
 
+    /// Creates those of `names` (business collections of the store's database) that do not
+    /// exist yet. MongoDB creates a missing collection inside a transaction, but two
+    /// transactions that both create one conflict, and one of them has to run again.
+    pub async fn create_collections(&self, names: &[String]) -> Result<(), StoreError> {
+        let database = self.database();
+        for name in names {
+            setup::create_collection(&database, name).await?;
+        }
+        Ok(())
+    }
+
     /// Lanes this instance took over that wait for the charge of what their previous holder
     /// left in flight (a `/metrics` gauge: it should be 0 but for moments).
     pub fn lanes_waiting_for_charge(&self) -> usize {

@@ -50,11 +50,7 @@ pub(super) async fn run(client: &Client, collections: &Collections, location: &M
         &collections.oversized_events,
         &collections.hosts,
     ] {
-        match database.create_collection(collection.name()).await {
-            Ok(()) => {}
-            Err(error) if StoreError::from(error.clone()).server_code() == Some(NAMESPACE_EXISTS) => {}
-            Err(error) => return Err(error.into()),
-        }
+        create_collection(&database, collection.name()).await?;
     }
     drop_superseded_indexes(&collections.deliveries, SUPERSEDED_DELIVERY_INDEXES).await?;
     drop_superseded_indexes(&collections.events, SUPERSEDED_EVENT_INDEXES).await?;
@@ -63,6 +59,15 @@ pub(super) async fn run(client: &Client, collections: &Collections, location: &M
     create_indexes(&collections.history, history_indexes()).await?;
     create_indexes(&collections.hosts, vec![super::hosts::lapsed_index()]).await?;
     seed_lanes(&collections.lanes).await
+}
+
+/// Creates collection `name` in `database` unless it exists.
+pub(super) async fn create_collection(database: &mongodb::Database, name: &str) -> Result<(), StoreError> {
+    match database.create_collection(name).await {
+        Ok(()) => Ok(()),
+        Err(error) if StoreError::from(error.clone()).server_code() == Some(NAMESPACE_EXISTS) => Ok(()),
+        Err(error) => Err(error.into()),
+    }
 }
 
 /// Refuses a standalone server and servers older than 6.0, saying what to run instead.
