@@ -1,7 +1,8 @@
 //! Runs deliveries in their plugins: the `Runner` the host gives the dispatcher.
 //!
 //! This module joins the three layers and owns only the joining: which loaded version serves
-//! a claimed delivery, the delivery's context, and for transactional handlers the MongoDB
+//! a claimed delivery, the delivery's context, and for transactional handlers the collections
+//! they are granted (created before their first run) and the MongoDB
 //! transaction around the run (the handler runs again after a transient transaction error,
 //! up to its plugin's `reruns` with a growing pause, then the attempt is charged; a transient
 //! error of the handler's own making, after a call of its own failed, is charged at once; its

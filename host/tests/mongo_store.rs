@@ -793,6 +793,32 @@ async fn a_claim_takes_the_follower_created_behind_a_completed_delivery_without_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transactional_completion_never_conflicts_with_another_handlers_completion_of_its_event() {
+    // A transactional handler's transaction starts with its own first write; another handler of
+    // the same event completes meanwhile. Were the event stamped inside the transaction, it
+    // would meet that stamp as a write conflict, and the handler would run again.
+    use relayhost::store::StoreTransaction;
+    let Recorded { client, database, store, .. } = recorded_store().await;
+    let business = client.database(&database).collection::<Document>("business");
+    client.database(&database).create_collection("business").await.unwrap();
+    publish_all(&store, vec![keyed("order-1", "t", "c-1")]).await;
+    fan_out_all(&store, &subs(&[("tx", &["t"]), ("plain", &["t"])]), at(T0)).await;
+    let claimed = store.claim(&handlers(&["tx", "plain"]), 10, at(T0)).await.unwrap();
+    let by_handler = |name: &str| claimed.iter().find(|d| d.handler == name).unwrap().lease;
+    let (transactional, plain) = (by_handler("tx"), by_handler("plain"));
+
+    let mut tx = store.begin().await.unwrap();
+    business.insert_one(doc! { "_id": "order-1" }).session(tx.session()).await.unwrap();
+    assert_eq!(store.complete_many(&[plain], at(T0 + 1)).await.unwrap().len(), 1);
+    store.complete_in(&mut tx, &transactional, at(T0 + 2)).await.unwrap();
+    tx.commit().await.unwrap();
+
+    assert!(list_all(&store, Default::default()).await.is_empty(), "both deliveries completed");
+    let event = store.events_collection().find_one(doc! { "_id": "order-1" }).await.unwrap().unwrap();
+    assert_eq!(event.get_datetime("completedAt").unwrap().timestamp_millis(), T0 + 2, "its latest completion: {event}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_followers_of_many_settled_keys_come_in_one_batch() {
     // More settled keys than the server's first batch (101 documents): reading their followers,
     // whether they are still pending and their keys' heads must not cost the claim a `getMore`.

@@ -48,13 +48,26 @@ fn current<'a, T>(leases: &'a [Lease], epochs: &HashMap<LaneId, i64>, found: &Ha
     leases.iter().filter(|lease| epochs.get(&lease.lane) == Some(&lease.epoch) && found.contains_key(&lease.delivery)).collect()
 }
 
+/// Where [`complete_in_session`] stamps the completed deliveries' events.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum EventStamp {
+    /// In the transaction, with the rest.
+    InTransaction,
+    /// Outside it, before it commits, as [`complete_each`] stamps them before its deletes. A
+    /// handler's transaction runs for as long as its handler: stamped in it, the event (which
+    /// every handler of it stamps) would meet any other handler's completion of it committed
+    /// meanwhile as a write conflict, and the handler would run again for nothing.
+    Outside,
+}
+
 /// Completes the current ones among `leases` in `session`'s transaction: reads the lanes and
-/// the deliveries, deletes, stamps the events, writes history. A fixed number of commands.
-/// Returns the deliveries it completed.
+/// the deliveries, deletes, stamps the events (see [`EventStamp`]), writes history. A fixed
+/// number of commands. Returns the deliveries it completed.
 async fn complete_in_session(
     store: &MongoStore,
     session: &mut ClientSession,
     leases: &[Lease],
+    stamp: EventStamp,
     now: DateTime,
 ) -> Result<HashSet<ObjectId>, StoreError> {
     let epochs = lane_epochs(store, Some(&mut *session), leases.iter().map(|l| l.lane)).await?;
@@ -78,13 +91,16 @@ async fn complete_in_session(
             .iter()
             .filter_map(|l| found[&l.delivery].get(delivery::EVENT_ID).cloned())
             .collect();
-        store
+        let stamp_events = store
             .collections
             .events
             .update_many(doc! { "_id": { "$in": event_ids } }, doc! { "$max": { crate::event::field::COMPLETED_AT: now } })
-            .hint(super::by_id())
-            .session(&mut *session)
-            .await?;
+            .hint(super::by_id());
+        match stamp {
+            EventStamp::InTransaction => stamp_events.session(&mut *session).await?,
+            // Applied only: the transaction's majority commit after it makes it durable.
+            EventStamp::Outside => stamp_events.write_concern(mongodb::options::WriteConcern::nodes(1)).await?,
+        };
         if store.options.completion_history {
             let records: Vec<Document> = current
                 .iter()
@@ -204,7 +220,7 @@ pub(super) async fn complete_many(store: &MongoStore, leases: &[Lease], now: Dat
         // have documents (a host with history hands out none without), and any left by an
         // earlier process are given theirs.
         materialize_entries(store, unstored, now).await?;
-        transaction!(store, |tx| complete_in_session(store, tx.session(), &issued, now).await)?
+        transaction!(store, |tx| complete_in_session(store, tx.session(), &issued, EventStamp::InTransaction, now).await)?
     } else {
         let (stored, unstored) = futures::try_join!(
             async { if stored.is_empty() { Ok(HashSet::new()) } else { complete_each(store, &stored, now).await } },
@@ -231,7 +247,7 @@ pub(super) async fn complete_in(store: &MongoStore, tx: &mut MongoTx, lease: &Le
         }
         _ => {
             materialize(store, std::slice::from_ref(lease), now).await?;
-            complete_in_session(store, tx.session(), std::slice::from_ref(lease), now).await?
+            complete_in_session(store, tx.session(), std::slice::from_ref(lease), EventStamp::Outside, now).await?
         }
     };
     if completed.contains(&lease.delivery) {
