@@ -37,12 +37,23 @@ impl PluginRunner {
     pub fn new(registry: Arc<PluginRegistry>, store: Arc<MongoStore>, retry_for: Arc<RetryPolicies>) -> Self {
         Self { registry, store, retry_for, created: Arc::default() }
     }
+
+    /// Creates the collections the loaded transactional plugins are granted, if missing: at
+    /// start, before any delivery runs (see [`create_granted_collections`]).
+    pub async fn create_granted_collections(&self) {
+        for subscription in self.registry.subscriptions().iter().filter(|s| s.transactional) {
+            if let Some(plugin) = self.registry.plugin_for(&subscription.handler) {
+                create_granted_collections(&self.store, &plugin, &self.created).await;
+            }
+        }
+    }
 }
 
 /// Creates the collections `plugin` is granted before its first transactional run (once per
 /// process and collection), so that its first deliveries, running at once on a fresh
 /// database, do not each create them in their transactions: those conflict, and the plugin
-/// would run again (its logs and calls repeated) for nothing. Best effort: on a failure the
+/// would run again (its logs and calls repeated) for nothing. The host does it at start; a
+/// plugin loaded later gets them at its first run. Best effort: on a failure the
 /// transactions create them, as before.
 async fn create_granted_collections(store: &MongoStore, plugin: &LoadedPlugin, created: &Mutex<HashSet<String>>) {
     let missing: Vec<String> = {

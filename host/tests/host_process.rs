@@ -33,6 +33,20 @@ async fn host_delivers_what_a_publisher_committed(program: &str, script: &Path, 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_creates_the_collections_its_transactional_plugins_are_granted_before_it_runs_anything() {
+    // Left to the first deliveries' transactions, the creation conflicts between them (and a
+    // plugin runs again); done when the first one runs, the catalog change aborts transactions
+    // running meanwhile (a fan-out's, say).
+    let deployment = Deployment::new(&["audit_log"], "").await;
+    let host = deployment.start("host");
+    let database = deployment.fixture.client.database(&deployment.fixture.database);
+    let names = database.list_collection_names().await.unwrap();
+    assert!(["audit_log", "audit_order"].iter().all(|name| names.iter().any(|n| n == name)), "{names:?}");
+    // A SIGTERM as soon as it said it was running is a graceful stop, not the signal's default.
+    host.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_host_delivers_events_pymongo_committed() {
     let python_path = Command::new(repo_root().join("scripts/ensure-python-deps.sh")).output().unwrap();
     assert!(python_path.status.success(), "{}", stdout(&python_path));

@@ -107,6 +107,7 @@ async fn serve(
     let _watch = registry.watch()?;
 
     let runner = Arc::new(PluginRunner::new(registry.clone(), store.clone(), retry_policies(config)));
+    runner.create_granted_collections().await;
     let options = DispatcherOptions {
         concurrency: config.host.concurrency,
         claim_ahead: config.host.claim_ahead_or_default(),

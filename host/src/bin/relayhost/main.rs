@@ -111,14 +111,18 @@ fn init_logs(format: &str, default_level: &str) {
     }
 }
 
-/// Resolves on the first SIGINT or SIGTERM.
-async fn shutdown_signal() {
+/// Resolves on the first SIGINT or SIGTERM. The handlers are installed at the call, not when
+/// the host first waits for a signal: until then a signal would do its default, kill the
+/// process (a SIGTERM just after the host said it was running did).
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut terminate = signal(SignalKind::terminate()).expect("SIGTERM handler");
     let mut interrupt = signal(SignalKind::interrupt()).expect("SIGINT handler");
-    let name = tokio::select! {
-        _ = terminate.recv() => "SIGTERM",
-        _ = interrupt.recv() => "SIGINT",
-    };
-    tracing::info!(signal = name, "stopping: no new claims; deliveries in flight may finish");
+    async move {
+        let name = tokio::select! {
+            _ = terminate.recv() => "SIGTERM",
+            _ = interrupt.recv() => "SIGINT",
+        };
+        tracing::info!(signal = name, "stopping: no new claims; deliveries in flight may finish");
+    }
 }

@@ -198,10 +198,13 @@ impl MongoStore {
 
     /// Creates those of `names` (business collections of the store's database) that do not
     /// exist yet. MongoDB creates a missing collection inside a transaction, but two
-    /// transactions that both create one conflict, and one of them has to run again.
+    /// transactions that both create one conflict, and one of them has to run again. Those
+    /// that exist are left alone: creating a collection is a catalog change, which the
+    /// transactions running meanwhile may have to abort for.
     pub async fn create_collections(&self, names: &[String]) -> Result<(), StoreError> {
         let database = self.database();
-        for name in names {
+        let existing = database.list_collection_names().filter(bson::doc! { "name": { "$in": names } }).await?;
+        for name in names.iter().filter(|name| !existing.contains(name)) {
             setup::create_collection(&database, name).await?;
         }
         Ok(())
