@@ -42,8 +42,20 @@ async fn a_host_creates_the_collections_its_transactional_plugins_are_granted_be
     let database = deployment.fixture.client.database(&deployment.fixture.database);
     let names = database.list_collection_names().await.unwrap();
     assert!(["audit_log", "audit_order"].iter().all(|name| names.iter().any(|n| n == name)), "{names:?}");
-    // A SIGTERM as soon as it said it was running is a graceful stop, not the signal's default.
     host.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigterm_while_the_host_starts_is_a_graceful_stop() {
+    // The signal handlers are installed before the host starts, not when it first waits for
+    // a signal: until then a SIGTERM would do its default and kill it.
+    let deployment = Deployment::new(&["audit_log"], "").await;
+    let host = deployment.spawn_with("host", &[]);
+    host.wait_for_log("plugin loaded", Duration::from_secs(120));
+    host.signal(libc::SIGTERM);
+    let log = host.log.clone();
+    assert!(host.wait(Duration::from_secs(60)), "killed by the signal:\n{}", std::fs::read_to_string(&log).unwrap_or_default());
+    assert!(std::fs::read_to_string(&log).unwrap().contains("relayhost stopped"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -71,6 +71,13 @@ impl Deployment {
     }
 
     pub fn start_with(&self, name: &str, env: &[(&str, &str)]) -> Host {
+        let host = self.spawn_with(name, env);
+        host.wait_for_log("relayhost is running", Duration::from_secs(120));
+        host
+    }
+
+    /// Starts `relayhost run` without waiting for it.
+    pub fn spawn_with(&self, name: &str, env: &[(&str, &str)]) -> Host {
         let log = self.dir.join(format!("{name}.log"));
         let file = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap();
         let child = Command::new(RELAYHOST)
@@ -83,9 +90,7 @@ impl Deployment {
             .stderr(file)
             .spawn()
             .unwrap();
-        let host = Host { child, log, started_at: std::fs::metadata(self.dir.join(format!("{name}.log"))).unwrap().len() };
-        host.wait_for_log("relayhost is running", Duration::from_secs(120));
-        host
+        Host { child, log, started_at: std::fs::metadata(self.dir.join(format!("{name}.log"))).unwrap().len() }
     }
 
     /// Runs an admin subcommand of the same configuration.
