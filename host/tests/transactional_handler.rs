@@ -136,20 +136,18 @@ async fn the_dispatcher_runs_plugins_into_an_exact_projection() {
     std::fs::remove_dir_all(plugins).unwrap();
 }
 
-/// Runs an audit-log delivery while another transaction holds its audit document's id,
-/// uncommitted, for `held`; with the plugin's `reruns` limit. The run's result, and the audit
-/// document afterwards.
-async fn run_beside_a_conflict(reruns: u32, held: Duration) -> (relayhost::dispatch::RunResult, Option<Document>) {
-    use relayhost::dispatch::{RetryPolicy, Runner};
-    use relayhost::plugin::PluginRegistry;
-    use relayhost::plugin_runner::PluginRunner;
-
+/// A fresh database, a store instance on it, and a registry of the audit-log plugin (granted
+/// its two collections, with `reruns` as its re-runs limit) loaded from a plugin directory of
+/// its own, which the caller removes.
+async fn audit_log_in_a_fresh_database(
+    reruns: u32,
+) -> (MongoFixture, Arc<relayhost::store::mongo::MongoStore>, Arc<relayhost::plugin::PluginRegistry>, std::path::PathBuf) {
     let fixture = MongoFixture::new().await;
     let store = Arc::new(fixture.worker("runner"));
-    let plugins = std::env::temp_dir().join(format!("relayhost-conflict-{}", fixture.database));
+    let plugins = std::env::temp_dir().join(format!("relayhost-audit-{}", fixture.database));
     std::fs::create_dir_all(&plugins).unwrap();
     std::fs::copy(plugins_dir().join("audit_log.wasm"), plugins.join("audit_log.wasm")).unwrap();
-    let registry = Arc::new(PluginRegistry::new(Arc::new(plugin_runtime()), &plugins, move |_| {
+    let registry = Arc::new(relayhost::plugin::PluginRegistry::new(Arc::new(plugin_runtime()), &plugins, move |_| {
         let mut policy = PluginPolicy {
             grants: Grants { transaction: TransactionGrant { collections: vec!["audit_log".into(), "audit_order".into()], ..Default::default() }, ..Default::default() },
             ..Default::default()
@@ -158,6 +156,17 @@ async fn run_beside_a_conflict(reruns: u32, held: Duration) -> (relayhost::dispa
         policy
     }));
     registry.scan().await.unwrap();
+    (fixture, store, registry, plugins)
+}
+
+/// Runs an audit-log delivery while another transaction holds its audit document's id,
+/// uncommitted, for `held`; with the plugin's `reruns` limit. The run's result, and the audit
+/// document afterwards.
+async fn run_beside_a_conflict(reruns: u32, held: Duration) -> (relayhost::dispatch::RunResult, Option<Document>) {
+    use relayhost::dispatch::{RetryPolicy, Runner};
+    use relayhost::plugin_runner::PluginRunner;
+
+    let (fixture, store, registry, plugins) = audit_log_in_a_fresh_database(reruns).await;
     publish_all(&*store, vec![keyed("order-1", "order.placed", "c-1")]).await;
     fan_out_all(&*store, &subs(&[("audit-log", &["order.placed"])]), bson::DateTime::now()).await;
     let delivery = store.claim(&handlers(&["audit-log"]), 1, bson::DateTime::now()).await.unwrap().remove(0);
@@ -188,23 +197,9 @@ async fn a_transactional_plugins_first_deliveries_on_a_fresh_database_run_once_e
     // running at once, they would conflict and the plugin would run again; with no re-runs
     // allowed, such a conflict charges the attempt, which the results would show.
     use relayhost::dispatch::{RetryPolicy, RunResult, Runner};
-    use relayhost::plugin::PluginRegistry;
     use relayhost::plugin_runner::PluginRunner;
 
-    let fixture = MongoFixture::new().await;
-    let store = Arc::new(fixture.worker("runner"));
-    let plugins = std::env::temp_dir().join(format!("relayhost-fresh-{}", fixture.database));
-    std::fs::create_dir_all(&plugins).unwrap();
-    std::fs::copy(plugins_dir().join("audit_log.wasm"), plugins.join("audit_log.wasm")).unwrap();
-    let registry = Arc::new(PluginRegistry::new(Arc::new(plugin_runtime()), &plugins, move |_| {
-        let mut policy = PluginPolicy {
-            grants: Grants { transaction: TransactionGrant { collections: vec!["audit_log".into(), "audit_order".into()], ..Default::default() }, ..Default::default() },
-            ..Default::default()
-        };
-        policy.limits.transaction.reruns = 0;
-        policy
-    }));
-    registry.scan().await.unwrap();
+    let (fixture, store, registry, plugins) = audit_log_in_a_fresh_database(0).await;
     let orders: Vec<_> = (0..8).map(|n| keyed(&format!("order-{n}"), "order.placed", &format!("c-{n}"))).collect();
     publish_all(&*store, orders).await;
     fan_out_all(&*store, &subs(&[("audit-log", &["order.placed"])]), bson::DateTime::now()).await;
