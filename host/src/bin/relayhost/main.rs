@@ -111,9 +111,9 @@ fn init_logs(format: &str, default_level: &str) {
     }
 }
 
-/// Resolves on the first SIGINT or SIGTERM. The handlers are installed at the call, not when
-/// the host first waits for a signal: until then a signal would do its default, kill the
-/// process (a SIGTERM just after the host said it was running did).
+/// Resolves on the first SIGINT or SIGTERM. The handlers are installed at the call, before the
+/// host starts, not when it first waits for a signal: until then a signal would do its
+/// default and kill the process (a SIGTERM while it started did).
 fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut terminate = signal(SignalKind::terminate()).expect("SIGTERM handler");
