@@ -39,11 +39,11 @@ impl PluginRunner {
     }
 
     /// Creates the collections the loaded transactional plugins are granted, if missing: at
-    /// start, before any delivery runs (see [`create_granted_collections`]).
+    /// start, before any delivery runs (see [`create_collections_granted_to`]).
     pub async fn create_granted_collections(&self) {
         for subscription in self.registry.subscriptions().iter().filter(|s| s.transactional) {
             if let Some(plugin) = self.registry.plugin_for(&subscription.handler) {
-                create_granted_collections(&self.store, &plugin, &self.created).await;
+                create_collections_granted_to(&self.store, &plugin, &self.created).await;
             }
         }
     }
@@ -55,7 +55,7 @@ impl PluginRunner {
 /// would run again (its logs and calls repeated) for nothing. The host does it at start; a
 /// plugin loaded later gets them at its first run. Best effort: on a failure the
 /// transactions create them, as before.
-async fn create_granted_collections(store: &MongoStore, plugin: &LoadedPlugin, created: &Mutex<HashSet<String>>) {
+async fn create_collections_granted_to(store: &MongoStore, plugin: &LoadedPlugin, created: &Mutex<HashSet<String>>) {
     let missing: Vec<String> = {
         let created = created.lock().expect("created collections");
         plugin.policy.grants.transaction.collections.iter().filter(|name| !created.contains(*name)).cloned().collect()
@@ -105,7 +105,7 @@ impl Runner for PluginRunner {
                 deadline: DateTime::now().timestamp_millis() + plugin.policy.limits.wall_time.as_millis() as i64,
             };
             if plugin.subscription(&delivery.handler).is_some_and(|s| s.transactional) {
-                create_granted_collections(&store, &plugin, &created).await;
+                create_collections_granted_to(&store, &plugin, &created).await;
                 run_transactional(&registry, &store, &plugin, &delivery, &info).await
             } else {
                 RunResult::Attempt(attempt_of(registry.runtime().invoke(&plugin, &delivery.event, &info).await.outcome))
