@@ -70,9 +70,22 @@ fn take_statement(holder: &Holder, record: &LaneRecord, now: DateTime) -> Docume
 /// (measured: a hand-out writes a lane for most of its deliveries). The values are looked up
 /// by the lane's position in `ids`; the lists are literals, so an entry's strings (event ids,
 /// keys) are never read as field paths.
+///
+/// One lane's record (a hand-out of one event: the way from a commit to its handler) is a
+/// plain update instead, which `mongod` runs without evaluating a pipeline: about 0.1 ms less
+/// latency, measured (`docs/performance.md`).
 fn held_statement(holder: &Holder, records: &[&LaneRecord]) -> Option<Document> {
     if records.is_empty() {
         return None;
+    }
+    if let [record] = records {
+        return Some(doc! {
+            "q": { lane::ID: i32::from(record.lane), lane::OWNER: &holder.owner, lane::INSTANCE: &holder.instance, lane::EPOCH: record.epoch },
+            "u": {
+                "$set": { lane::IN_FLIGHT: record.in_flight.iter().map(in_flight_document).collect::<Vec<Document>>() },
+                "$max": { lane::LEASE_EXPIRES_AT: record.lease_until },
+            },
+        });
     }
     let ids: Vec<i32> = records.iter().map(|record| i32::from(record.lane)).collect();
     let epochs: Vec<i64> = records.iter().map(|record| record.epoch).collect();
