@@ -204,6 +204,11 @@ async fn the_image_runs_as_users_run_it() {
     let during = publish(&uri, 8, "during-");
     // Three calls are held open (the fourth order's key waits behind the first's).
     wait_for("the webhook is called three times", &first, async || receiver.bodies().len() == 3).await;
+    // And nothing else runs at the stop, so that exactly those three are handed back: the
+    // audit log has every order (a transactional handler: its write commits its completion).
+    let mut everything: Vec<String> = before.iter().chain(&during).cloned().collect();
+    everything.sort();
+    wait_for("the audit log has every order", &first, async || ids(&database, "audit_log", "_id", doc! {}).await == everything).await;
 
     // A graceful stop within the grace period, exit 0.
     let stopping = Instant::now();
@@ -223,8 +228,6 @@ async fn the_image_runs_as_users_run_it() {
     // calls as their first charged attempt.
     receiver.hold.store(false, Ordering::SeqCst);
     run.start(&second);
-    let mut everything: Vec<String> = before.iter().chain(&during).cloned().collect();
-    everything.sort();
     assert_eq!(ids(&database, "relayhost_events", "_id", doc! { "type": "order.placed" }).await, everything);
     wait_for("every delivery completed", &second, async || {
         documents(&database, "relayhost_completed_deliveries", doc! {}).await.len() == everything.len() + during.len()
