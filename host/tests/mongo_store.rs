@@ -819,6 +819,32 @@ async fn a_transactional_completion_never_conflicts_with_another_handlers_comple
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transactional_hand_out_never_conflicts_with_another_handlers_completion_of_its_event() {
+    // Handed out without a document, a transactional handler's completion would be its
+    // unkeyed event's `handedOut`, written in its transaction, where another handler's
+    // completion committed meanwhile is a write conflict (which runs the handler again). Such
+    // a hand-out keeps its document (`store_contract`
+    // `a_transactional_handlers_hand_out_keeps_its_document_while_other_handlers_share_its_event`).
+    use relayhost::store::{StoreTransaction, Subscription, Subscriptions};
+    let Recorded { client, database, store, .. } = recorded_store().await;
+    let business = client.database(&database).collection::<Document>("business");
+    client.database(&database).create_collection("business").await.unwrap();
+    publish_all(&store, vec![event("order-1", "t")]).await;
+    let subscriptions =
+        Subscriptions::new([Subscription::new("tx", ["t"]).completing_in_transaction(true), Subscription::new("plain", ["t"])]).unwrap();
+    let report = store.fan_out(&subscriptions, 100, 10, at(T0)).await.unwrap();
+    let by_handler = |name: &str| report.claimed.iter().find(|d| d.handler == name).unwrap().lease;
+    let (transactional, plain) = (by_handler("tx"), by_handler("plain"));
+
+    let mut tx = store.begin().await.unwrap();
+    business.insert_one(doc! { "_id": "order-1" }).session(tx.session()).await.unwrap();
+    assert_eq!(store.complete_many(&[plain], at(T0 + 1)).await.unwrap().len(), 1);
+    store.complete_in(&mut tx, &transactional, at(T0 + 2)).await.unwrap();
+    tx.commit().await.unwrap();
+    assert!(store.claim(&handlers(&["tx", "plain"]), 10, at(T0 + 100_000)).await.unwrap().is_empty(), "each ran once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_followers_of_many_settled_keys_come_in_one_batch() {
     // More settled keys than the server's first batch (101 documents): reading their followers,
     // whether they are still pending and their keys' heads must not cost the claim a `getMore`.

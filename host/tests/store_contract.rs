@@ -15,7 +15,7 @@ use common::*;
 use relayhost::event::{EventError, NewEvent};
 use relayhost::store::{
     DeliveryFilter, DeliveryStatus, PurgeOptions, Published, Settlement, Store, StoreError, StoreOptions,
-    StoreTransaction, MALFORMED_EVENT_HANDLER, run_in_transaction,
+    StoreTransaction, Subscription, Subscriptions, MALFORMED_EVENT_HANDLER, run_in_transaction,
 };
 
 macro_rules! contract {
@@ -70,6 +70,7 @@ contract!(
     takeover_charges_the_lost_attempt_once,
     reschedule_release_and_bury,
     handed_out_deliveries_settle_and_are_taken_over_like_claimed_ones,
+    a_transactional_handlers_hand_out_keeps_its_document_while_other_handlers_share_its_event,
     lane_lists_keep_event_ids_that_look_like_expressions,
     a_handed_out_delivery_its_holder_checks_later_stays_listed_for_a_takeover,
     a_handed_out_delivery_is_buried_in_the_transaction_that_announces_it,
@@ -983,6 +984,37 @@ async fn reschedule_release_and_bury<F: Fixture>() {
     assert_eq!(dead[0].last_error.as_deref(), Some("unprocessable: no such customer"));
     let pending = list_all(store, DeliveryFilter { event_id: Some("r".into()), ..Default::default() }).await;
     assert_eq!(pending[0].last_error.as_deref(), Some("503 from upstream"));
+}
+
+async fn a_transactional_handlers_hand_out_keeps_its_document_while_other_handlers_share_its_event<F: Fixture>() {
+    // Without a document, a delivery's completion is its event's `handedOut`. A transactional
+    // handler completes in a transaction as long as its run, where that write would conflict
+    // with another handler's completion of the same event (and run the handler again): so
+    // such a hand-out keeps its document, and only such a one.
+    let fixture = F::new().await;
+    let store = fixture.store();
+    publish_all(store, vec![event("shared", "t"), event("alone", "solo")]).await;
+    let subscriptions = Subscriptions::new([
+        Subscription::new("audit", ["t", "solo"]).completing_in_transaction(true),
+        Subscription::new("mail", ["t"]),
+    ])
+    .unwrap();
+    let report = store.fan_out(&subscriptions, 100, 10, at(T0)).await.unwrap();
+    assert_eq!(report.claimed.len(), 3);
+    let listed = store.list_deliveries(&DeliveryFilter::default()).await.unwrap().deliveries;
+    let listed: Vec<(&str, &str)> = listed.iter().map(|d| (d.event_id.as_str(), d.handler.as_str())).collect();
+    assert_eq!(listed, [("shared", "audit")], "only the transactional handler's delivery of the shared event has a document");
+    let lease = |event: &str, handler: &str| report.claimed.iter().find(|c| c.event.id == event && c.handler == handler).unwrap().lease;
+
+    // Each completes as its handler does (`mongo_store`
+    // `a_transactional_hand_out_never_conflicts_with_another_handlers_completion_of_its_event`
+    // completes them at once).
+    assert_eq!(store.complete_many(&[lease("shared", "mail")], at(T0 + 1)).await.unwrap(), [Settlement::Completed]);
+    for (event, now) in [("shared", T0 + 2), ("alone", T0 + 3)] {
+        run_in_transaction(store, async |tx| store.complete_in(tx, &lease(event, "audit"), at(now)).await).await.unwrap();
+    }
+    assert!(store.list_deliveries(&DeliveryFilter::default()).await.unwrap().deliveries.is_empty());
+    assert!(store.claim(&handlers(&["audit", "mail"]), 10, at(T0 + 100_000)).await.unwrap().is_empty(), "each ran once");
 }
 
 async fn handed_out_deliveries_settle_and_are_taken_over_like_claimed_ones<F: Fixture>() {

@@ -469,7 +469,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         let (free, worth_it) = self.free_capacity(flight);
         if flight.fan_out && flight.fanning.is_none() && (worth_it || !flight.fan_out_waits) {
             let subscriptions = Subscriptions::new(
-                specs.iter().map(|s| Subscription::new(s.handler.clone(), s.event_types.iter().cloned())),
+                specs.iter().map(|s| Subscription::new(s.handler.clone(), s.event_types.iter().cloned()).completing_in_transaction(s.transactional)),
             )?;
             flight.fan_out = false;
             // What it hands out runs at once or waits for a run slot, like a claim's picks.

@@ -61,9 +61,19 @@ pub(crate) struct FanOutPlan {
     /// ([`crate::event::MAX_EVENT_DOCUMENT_BYTES`]), whole: a store where one could not grow by
     /// its mark moves it aside first.
     pub oversized: Vec<Document>,
+    /// Deliveries that keep their document when handed out (see [`WithoutDocuments::of`]): a
+    /// handler's that completes in its own transaction, of an event other handlers get too.
+    pub keep_documents: HashSet<DeliveryId>,
 }
 
 impl FanOutPlan {
+    /// Whether `fresh` (read with no key idle, so unkeyed only) is every delivery of the plan,
+    /// each to be handed out without a document: what a fan-out without a transaction needs,
+    /// since it writes nothing but the events' marks.
+    pub fn handed_out_whole_without_documents(&self, fresh: &[Fresh]) -> bool {
+        fresh.len() == self.deliveries.len() && self.keep_documents.is_empty()
+    }
+
     /// What carrying out this plan did, `claimed` being the deliveries it handed out once
     /// committed and `sent_early` those it handed out before.
     pub fn report(&self, claimed: Vec<ClaimedDelivery>, sent_early: &[DeliveryId]) -> super::FanOutReport {
@@ -213,6 +223,11 @@ pub(crate) fn plan(batch: &[Document], subscriptions: &Subscriptions) -> FanOutP
                 handlers.push(handler.to_string());
             }
         }
+        if handlers.len() > 1 {
+            let created = &plan.deliveries[plan.deliveries.len() - new_handlers.len()..];
+            let in_transaction = created.iter().filter(|d| subscriptions.completes_in_transaction(&d.handler));
+            plan.keep_documents.extend(in_transaction.map(|d| d.id));
+        }
         plan.events.push(FannedEvent { id: raw_id, new_handlers, handlers });
     }
     plan
@@ -291,12 +306,17 @@ pub(crate) struct WithoutDocuments {
 }
 
 impl WithoutDocuments {
-    /// Every unkeyed one of `fresh`, each marked as such. (A keyed one keeps its document:
-    /// whether a key has something pending is read from the deliveries.)
+    /// Every unkeyed one of `fresh`, each marked as such. A keyed one keeps its document:
+    /// whether a key has something pending is read from the deliveries. So does one of the
+    /// plan's [`FanOutPlan::keep_documents`]: without a document, a delivery's completion is
+    /// its event's `handedOut`, and in a handler's transaction, which lasts as long as its run,
+    /// that write would conflict with any other handler's completion of the same event, and
+    /// run the handler again.
     pub fn of(plan: &FanOutPlan, fresh: &mut [Fresh]) -> Self {
         let events: HashMap<DeliveryId, &Bson> = plan.deliveries.iter().map(|d| (d.id, &d.event_id)).collect();
         let mut unstored = Self { fan_out: ObjectId::new(), ..Self::default() };
-        for Fresh { candidate, .. } in fresh.iter_mut().filter(|fresh| fresh.candidate.key.is_none()) {
+        let without_document = |fresh: &&mut Fresh| fresh.candidate.key.is_none() && !plan.keep_documents.contains(&fresh.candidate.id);
+        for Fresh { candidate, .. } in fresh.iter_mut().filter(without_document) {
             let Some(event) = events.get(&candidate.id) else { continue };
             candidate.unstored = Some(HandOutOf { event: (*event).clone(), fan_out: Some(unstored.fan_out) });
             unstored.handlers.entry(id_text(event)).or_default().push(candidate.handler.clone());

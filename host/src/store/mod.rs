@@ -96,6 +96,8 @@ fn default_owner() -> String {
 pub struct Subscription {
     pub handler: String,
     pub event_types: BTreeSet<String>,
+    /// Its deliveries complete in its own transaction ([`Store::complete_in`]).
+    pub in_transaction: bool,
 }
 
 impl Subscription {
@@ -104,7 +106,12 @@ impl Subscription {
         I: IntoIterator<Item = T>,
         T: Into<String>,
     {
-        Self { handler: handler.into(), event_types: event_types.into_iter().map(Into::into).collect() }
+        Self { handler: handler.into(), event_types: event_types.into_iter().map(Into::into).collect(), in_transaction: false }
+    }
+
+    /// The same, its deliveries completing in its own transaction if `in_transaction`.
+    pub fn completing_in_transaction(self, in_transaction: bool) -> Self {
+        Self { in_transaction, ..self }
     }
 }
 
@@ -113,6 +120,7 @@ impl Subscription {
 pub struct Subscriptions {
     by_type: BTreeMap<String, BTreeSet<String>>,
     handlers: BTreeSet<String>,
+    in_transaction: BTreeSet<String>,
 }
 
 impl Subscriptions {
@@ -133,6 +141,9 @@ impl Subscriptions {
             if !result.handlers.insert(handler.clone()) {
                 return Err(StoreError::InvalidArgument(format!("handler id {handler:?} is subscribed twice")));
             }
+            if subscription.in_transaction {
+                result.in_transaction.insert(handler.clone());
+            }
             for event_type in subscription.event_types {
                 result.by_type.entry(event_type).or_default().insert(handler.clone());
             }
@@ -148,6 +159,11 @@ impl Subscriptions {
     /// Every subscribed handler, in name order.
     pub fn handlers(&self) -> Vec<String> {
         self.handlers.iter().cloned().collect()
+    }
+
+    /// Whether `handler`'s deliveries complete in its own transaction.
+    pub fn completes_in_transaction(&self, handler: &str) -> bool {
+        self.in_transaction.contains(handler)
     }
 }
 

@@ -107,7 +107,7 @@ impl MemoryStore {
         if plan.events.is_empty() {
             return Ok(Some(plan.report(Vec::new(), &[])));
         }
-        if fresh.len() < plan.deliveries.len() {
+        if !plan.handed_out_whole_without_documents(&fresh) {
             return Ok(None);
         }
         let without = WithoutDocuments::of(&plan, &mut fresh);

@@ -193,7 +193,7 @@ async fn plain(
     if plan.events.is_empty() {
         return Ok(Some(reach.on(plan.report(Vec::new(), &[]))));
     }
-    if fresh.len() < plan.deliveries.len() {
+    if !plan.handed_out_whole_without_documents(&fresh) {
         store.plain_marks.skip(PLAIN_SKIPS);
         return Ok(None);
     }
