@@ -236,3 +236,63 @@ async fn a_conflict_that_outlasts_the_reruns_charges_the_attempt() {
     }
     assert!(record.is_none(), "nothing of the charged attempt was committed");
 }
+
+/// The results of the runs it passes on, in order.
+struct Recording<R> {
+    inner: R,
+    results: Arc<std::sync::Mutex<Vec<(String, relayhost::dispatch::RunResult)>>>,
+}
+
+impl<R: relayhost::dispatch::Runner> relayhost::dispatch::Runner for Recording<R> {
+    fn handlers(&self) -> Vec<relayhost::dispatch::HandlerSpec> {
+        self.inner.handlers()
+    }
+
+    fn run(&self, delivery: ClaimedDelivery) -> std::pin::Pin<Box<dyn Future<Output = relayhost::dispatch::RunResult> + Send>> {
+        let (run, results) = (self.inner.run(delivery.clone()), self.results.clone());
+        Box::pin(async move {
+            let result = run.await;
+            results.lock().unwrap().push((delivery.handler.clone(), result.clone()));
+            result
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transactional_handler_beside_another_handler_of_unkeyed_events_runs_once_each() {
+    // The no-op plugin completes the same events while the audit log's transactions are open.
+    // With no re-runs allowed, a write conflict between the two completions would charge the
+    // audit log's attempt, which its recorded results would show.
+    use relayhost::dispatch::{Dispatcher, DispatcherOptions, RetryPolicy, RunResult};
+    use relayhost::plugin_runner::PluginRunner;
+
+    let (fixture, store, registry, plugins) = audit_log_in_a_fresh_database(0).await;
+    std::fs::copy(plugins_dir().join("noop.wasm"), plugins.join("noop.wasm")).unwrap();
+    registry.scan().await.unwrap();
+    let runner = PluginRunner::new(registry, store.clone(), Arc::new(|_: &str| RetryPolicy::default()));
+    let results = Arc::default();
+    let runner = Arc::new(Recording { inner: runner, results: Arc::clone(&results) });
+    let options = DispatcherOptions { concurrency: 8, poll_interval: Duration::from_millis(20), ..Default::default() };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let dispatcher = Dispatcher::new(store.clone(), runner, options);
+    let handle = tokio::spawn(async move { dispatcher.run(async { let _ = stopped.await; }).await.unwrap() });
+    // Published while the dispatcher runs, so that each is handed out with its fan-out.
+    let orders: Vec<_> = (0..40).map(|n| relayhost::event::NewEvent::new(format!("order-{n}"), "order.placed", doc! { "n": n })).collect();
+    for chunk in orders.chunks(4) {
+        publish_all(&*store, chunk.to_vec()).await;
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while results.lock().unwrap().len() < 80 {
+        assert!(std::time::Instant::now() < deadline, "{:?}", results.lock().unwrap());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.send(()).unwrap();
+    handle.await.unwrap();
+    std::fs::remove_dir_all(plugins).unwrap();
+    let results = results.lock().unwrap();
+    let audited: Vec<&RunResult> = results.iter().filter(|(handler, _)| handler == "audit-log").map(|(_, result)| result).collect();
+    assert_eq!(audited.len(), 40, "{results:?}");
+    assert!(audited.iter().all(|result| **result == RunResult::CompletedInTransaction), "{audited:?}");
+    let audit = fixture.client.database(&fixture.database).collection::<Document>("audit_log");
+    assert_eq!(audit.count_documents(doc! {}).await.unwrap(), 40);
+}
