@@ -797,23 +797,15 @@ async fn a_transactional_completion_never_conflicts_with_another_handlers_comple
     // A transactional handler's transaction starts with its own first write; another handler of
     // the same event completes meanwhile. Were the event stamped inside the transaction, it
     // would meet that stamp as a write conflict, and the handler would run again.
-    use relayhost::store::StoreTransaction;
-    let Recorded { client, database, store, .. } = recorded_store().await;
-    let business = client.database(&database).collection::<Document>("business");
-    client.database(&database).create_collection("business").await.unwrap();
-    publish_all(&store, vec![keyed("order-1", "t", "c-1")]).await;
-    fan_out_all(&store, &subs(&[("tx", &["t"]), ("plain", &["t"])]), at(T0)).await;
+    let recorded = recorded_store().await;
+    let store = &recorded.store;
+    publish_all(store, vec![keyed("order-1", "t", "c-1")]).await;
+    fan_out_all(store, &subs(&[("tx", &["t"]), ("plain", &["t"])]), at(T0)).await;
     let claimed = store.claim(&handlers(&["tx", "plain"]), 10, at(T0)).await.unwrap();
     let by_handler = |name: &str| claimed.iter().find(|d| d.handler == name).unwrap().lease;
-    let (transactional, plain) = (by_handler("tx"), by_handler("plain"));
+    complete_beside_an_open_transaction(&recorded, by_handler("tx"), by_handler("plain")).await;
 
-    let mut tx = store.begin().await.unwrap();
-    business.insert_one(doc! { "_id": "order-1" }).session(tx.session()).await.unwrap();
-    assert_eq!(store.complete_many(&[plain], at(T0 + 1)).await.unwrap().len(), 1);
-    store.complete_in(&mut tx, &transactional, at(T0 + 2)).await.unwrap();
-    tx.commit().await.unwrap();
-
-    assert!(list_all(&store, Default::default()).await.is_empty(), "both deliveries completed");
+    assert!(list_all(store, Default::default()).await.is_empty(), "both deliveries completed");
     let event = store.events_collection().find_one(doc! { "_id": "order-1" }).await.unwrap().unwrap();
     assert_eq!(event.get_datetime("completedAt").unwrap().timestamp_millis(), T0 + 2, "its latest completion: {event}");
 }
@@ -825,23 +817,30 @@ async fn a_transactional_hand_out_never_conflicts_with_another_handlers_completi
     // completion committed meanwhile is a write conflict (which runs the handler again). Such
     // a hand-out keeps its document (`store_contract`
     // `a_transactional_handlers_hand_out_keeps_its_document_while_other_handlers_share_its_event`).
-    use relayhost::store::{StoreTransaction, Subscription, Subscriptions};
-    let Recorded { client, database, store, .. } = recorded_store().await;
-    let business = client.database(&database).collection::<Document>("business");
-    client.database(&database).create_collection("business").await.unwrap();
-    publish_all(&store, vec![event("order-1", "t")]).await;
+    use relayhost::store::Subscription;
+    let recorded = recorded_store().await;
+    let store = &recorded.store;
+    publish_all(store, vec![event("order-1", "t")]).await;
     let subscriptions =
         Subscriptions::new([Subscription::new("tx", ["t"]).completing_in_transaction(true), Subscription::new("plain", ["t"])]).unwrap();
     let report = store.fan_out(&subscriptions, 100, 10, at(T0)).await.unwrap();
     let by_handler = |name: &str| report.claimed.iter().find(|d| d.handler == name).unwrap().lease;
-    let (transactional, plain) = (by_handler("tx"), by_handler("plain"));
+    complete_beside_an_open_transaction(&recorded, by_handler("tx"), by_handler("plain")).await;
+    assert!(store.claim(&handlers(&["tx", "plain"]), 10, at(T0 + 100_000)).await.unwrap().is_empty(), "each ran once");
+}
 
+/// Completes `plain` while the transaction of `transactional` (of event `order-1`), opened
+/// by a write of its own, is open; then completes `transactional` in it and commits.
+async fn complete_beside_an_open_transaction(recorded: &Recorded, transactional: relayhost::store::Lease, plain: relayhost::store::Lease) {
+    use relayhost::store::StoreTransaction;
+    let Recorded { client, database, store, .. } = recorded;
+    let business = client.database(database).collection::<Document>("business");
+    client.database(database).create_collection("business").await.unwrap();
     let mut tx = store.begin().await.unwrap();
     business.insert_one(doc! { "_id": "order-1" }).session(tx.session()).await.unwrap();
     assert_eq!(store.complete_many(&[plain], at(T0 + 1)).await.unwrap().len(), 1);
     store.complete_in(&mut tx, &transactional, at(T0 + 2)).await.unwrap();
     tx.commit().await.unwrap();
-    assert!(store.claim(&handlers(&["tx", "plain"]), 10, at(T0 + 100_000)).await.unwrap().is_empty(), "each ran once");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
