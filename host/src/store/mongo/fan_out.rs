@@ -228,7 +228,11 @@ async fn mark_plainly(
         let sent = halves.iter().map(|statements| {
             generations::update_each(store, collection, statements.clone(), WriteIn::Alone(Commit::Applied))
         });
-        match futures::future::try_join_all(sent).await {
+        // Every half is awaited, failed or not. A half dropped on its way when the other
+        // failed could still mark its events after this fan-out gave up and handed them
+        // back, which finds them unmarked and leaves them out of their lane's list: marked
+        // events that nothing lists, and nothing runs.
+        match futures::future::join_all(sent).await.into_iter().collect::<Result<Vec<u64>, StoreError>>() {
             Ok(counts) => break counts.into_iter().sum(),
             Err(error) if attempts < PLAIN_MARK_ATTEMPTS => {
                 attempts += 1;
