@@ -236,7 +236,7 @@ async fn mark_plainly(
             Ok(counts) => break counts.into_iter().sum(),
             Err(error) if attempts < PLAIN_MARK_ATTEMPTS => {
                 attempts += 1;
-                tracing::debug!(%error, attempts, "a plain mark failed; sending it again");
+                tracing::warn!(%error, attempts, "a plain mark failed; sending it again");
                 tokio::time::sleep(std::time::Duration::from_millis(50 << attempts)).await;
             }
             Err(error) => return Err(error),
