@@ -69,7 +69,9 @@ pub(crate) struct FanOutPlan {
 impl FanOutPlan {
     /// Whether `fresh` (read with no key idle, so unkeyed only) is every delivery of the plan,
     /// each to be handed out without a document: what a fan-out without a transaction needs,
-    /// since it writes nothing but the events' marks.
+    /// since it writes nothing but the events' marks. (Its listing refuses any other batch
+    /// too, see `Claimer::hand_out_listed_first`; asked here first, a store skips that path
+    /// for its next batches instead of reading each twice.)
     pub fn handed_out_whole_without_documents(&self, fresh: &[Fresh]) -> bool {
         fresh.len() == self.deliveries.len() && self.keep_documents.is_empty()
     }
