@@ -1185,22 +1185,74 @@ async fn a_plain_mark_that_fails_halfway_hands_back_what_it_listed_and_loses_not
     publish_all(&store, backlog.iter().map(|id| event(id, "t")).collect()).await;
     // The server refuses the mark of the odd events, every time it is sent.
     let db = client.database(&database);
-    let refuse_odd = doc! { "$or": [{ "fanOut": { "$exists": false } }, { "_id": { "$regex": "^even-" } }] };
-    db.run_command(doc! { "collMod": "relayhost_events", "validator": refuse_odd, "validationAction": "error" }).await.unwrap();
+    refuse_marks_but_of(&db, doc! { "_id": { "$regex": "^even-" } }).await;
 
     let (early, mut sent) = tokio::sync::mpsc::unbounded_channel();
     assert!(store.fan_out_early(&subscriptions, 100, 100, &early, at(T0 + 1_000)).await.is_err());
-    let handed = sent.try_recv().unwrap();
-    assert_eq!(handed.claimed.len(), 100);
+    hand_back_as_not_run(&store, sent.try_recv().unwrap(), 100).await;
+    refuse_marks_but_of(&db, doc! {}).await;
+    assert_every_event_runs_once(&store, &subscriptions, backlog).await;
+}
+
+/// A plain mark is sent as two commands at once. When one fails while the other is still on
+/// its way (here: held up by a transaction that changed its event), the mark gives up only
+/// once that one is answered too: had it handed its events back first, the late half would
+/// mark its event after the hand-back found it unmarked and left it out of its lane's list,
+/// a marked event that nothing lists and nothing runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_mark_gives_up_only_once_neither_half_is_on_its_way() {
+    let Recorded { client, database, store, .. } = recorded_store().await;
+    let subscriptions = subs(&[("h", &["t"])]);
+    hold_lanes(&store, &subscriptions, "first", &[3, 7, 11]).await;
+    // One event per half.
+    let backlog = vec!["held-up".to_string(), "refused".to_string()];
+    publish_all(&store, backlog.iter().map(|id| event(id, "t")).collect()).await;
+    let db = client.database(&database);
+    refuse_marks_but_of(&db, doc! { "_id": "held-up" }).await;
+    let mut holding = client.start_session().await.unwrap();
+    holding.start_transaction().await.unwrap();
+    let change = doc! { "$set": { "changedBy": "an open transaction" } };
+    store.events_collection().update_one(doc! { "_id": "held-up" }, change).session(&mut holding).await.unwrap();
+    // Longer than the mark's retries take (1.5 s of pauses).
+    let held = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        holding.abort_transaction().await.unwrap();
+    });
+
+    let (early, mut sent) = tokio::sync::mpsc::unbounded_channel();
+    assert!(store.fan_out_early(&subscriptions, 2, 2, &early, at(T0 + 1_000)).await.is_err());
+    assert!(held.is_finished(), "the mark gave up while its held-up half was still on its way");
+    hand_back_as_not_run(&store, sent.try_recv().unwrap(), 2).await;
+    held.await.unwrap();
+    refuse_marks_but_of(&db, doc! {}).await;
+    assert_every_event_runs_once(&store, &subscriptions, backlog).await;
+}
+
+/// Makes the server refuse to mark an event fanned out unless it matches `allowed` (every
+/// event, given `{}`).
+async fn refuse_marks_but_of(db: &mongodb::Database, allowed: Document) {
+    let validator = match allowed.is_empty() {
+        true => doc! {},
+        false => doc! { "$or": [{ "fanOut": { "$exists": false } }, allowed] },
+    };
+    db.run_command(doc! { "collMod": "relayhost_events", "validator": validator, "validationAction": "error" }).await.unwrap();
+}
+
+/// Does with a hand-out whose fan-out failed what the dispatcher does: hands its `expected`
+/// deliveries back, uncharged.
+async fn hand_back_as_not_run(store: &MongoStore, handed: relayhost::store::EarlyHandOut, expected: usize) {
+    assert_eq!(handed.claimed.len(), expected);
     assert!(!handed.commit.committed().await, "their fan-out is not done");
-    // As the dispatcher does with runs whose fan-out is not done: handed back, uncharged.
     let leases: Vec<_> = handed.claimed.iter().map(|c| c.lease).collect();
     store.release(&leases, at(T0 + 1_000)).await.unwrap();
-    db.run_command(doc! { "collMod": "relayhost_events", "validator": {}, "validationAction": "error" }).await.unwrap();
+}
 
+/// Fans out, claims and completes until nothing is left; every event of `backlog` must have
+/// run exactly once, uncharged.
+async fn assert_every_event_runs_once(store: &MongoStore, subscriptions: &Subscriptions, backlog: Vec<String>) {
     let mut ran = Vec::new();
     for _ in 0..10 {
-        let report = store.fan_out(&subscriptions, 100, 100, at(T0 + 2_000)).await.unwrap();
+        let report = store.fan_out(subscriptions, 100, 100, at(T0 + 2_000)).await.unwrap();
         let mut claimed = report.claimed;
         claimed.extend(store.claim(&handlers(&["h"]), 200, at(T0 + 2_000)).await.unwrap());
         if claimed.is_empty() && report.events == 0 {
