@@ -7,6 +7,7 @@
 //! WebAssembly, plugins or the dispatcher's policies (backoff, attempt limits): callers pass
 //! decisions in, the store applies them atomically and fenced.
 
+mod answered;
 mod assignment;
 mod claim;
 #[cfg(test)]

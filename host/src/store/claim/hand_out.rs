@@ -94,7 +94,7 @@ impl Claimer {
                 let window = DateTime::from_millis(now.timestamp_millis().saturating_sub(REQUEUE_RACE_WINDOW_MS));
                 if keyed.is_empty() { Ok(false) } else { backend.requeued_since(window).await }
             };
-            futures::try_join!(record, take, requeued)
+            answered::all_three(record, take, requeued).await
         };
         let (written, recorded) = futures::join!(write, recording);
         let (commit, (flags, taken, requeued)) = match (written, recorded) {

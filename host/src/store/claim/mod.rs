@@ -24,6 +24,7 @@ use std::time::Duration;
 use bson::oid::ObjectId;
 use bson::{Bson, DateTime, Document};
 
+use super::answered;
 use super::assignment::Assignment;
 use super::{Capacity, ClaimedDelivery, DeliveryId, EarlyHandOut, EarlyHandOuts, FanOutCommit, Lease, StoreError};
 

@@ -145,7 +145,7 @@ impl Claimer {
         };
         // The heads unparking found spare the scan a lookup of each of those keys (they are
         // the keys that just moved, whose next deliveries this claim is most likely to see).
-        let ((mut mine, current, left_over), mut heads) = match futures::try_join!(running_in_held, unpark) {
+        let ((mut mine, current, left_over), mut heads) = match answered::both(running_in_held, unpark).await {
             Ok(read) => read,
             Err(error) => {
                 self.unpark_later(scope);
@@ -239,7 +239,7 @@ impl Claimer {
         };
         let hand_back = async { if idle.is_empty() { Ok(()) } else { backend.hand_back(&self.holder, &idle, now).await } };
         let events = async { if event_ids.is_empty() { Ok(HashMap::new()) } else { backend.events(&event_ids).await } };
-        let (recorded, (), events) = futures::try_join!(record, hand_back, events)?;
+        let (recorded, (), events) = answered::all_three(record, hand_back, events).await?;
         Ok(Written { records, recorded, idle, events })
     }
 

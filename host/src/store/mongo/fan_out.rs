@@ -34,7 +34,7 @@ use super::documents::new_delivery_document;
 use super::unfanned::{Reach, Read, read_batch};
 use crate::event::field;
 use crate::store::fan_out::{self, FanOutPlan, FannedEvent, WithoutDocuments, id_text};
-use crate::store::{Capacity, DeliveryId, EarlyHandOuts, FanOutReport, StoreError, StoreTransaction, Subscriptions};
+use crate::store::{Capacity, DeliveryId, EarlyHandOuts, FanOutReport, StoreError, StoreTransaction, Subscriptions, answered};
 
 pub(super) async fn run(
     store: &MongoStore,
@@ -228,11 +228,9 @@ async fn mark_plainly(
         let sent = halves.iter().map(|statements| {
             generations::update_each(store, collection, statements.clone(), WriteIn::Alone(Commit::Applied))
         });
-        // Every half is awaited, failed or not. A half dropped on its way when the other
-        // failed could still mark its events after this fan-out gave up and handed them
-        // back, which finds them unmarked and leaves them out of their lane's list: marked
-        // events that nothing lists, and nothing runs.
-        match futures::future::join_all(sent).await.into_iter().collect::<Result<Vec<u64>, StoreError>>() {
+        // Every half is awaited, failed or not (see `answered`): a half landing after this
+        // fan-out gave up would mark events its hand-back left out of their lane's list.
+        match answered::every(sent).await {
             Ok(counts) => break counts.into_iter().sum(),
             Err(error) if attempts < PLAIN_MARK_ATTEMPTS => {
                 attempts += 1;

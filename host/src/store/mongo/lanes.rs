@@ -18,7 +18,7 @@ use crate::death::Death;
 use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
 use crate::store::claim::MIN_ROWS_PER_LANE_QUERY;
 use crate::store::claim::{Candidate, ClaimBackend, HandlerKey, Holder, InFlight, LaneRecord, LaneState, LaneWrite, Unpark};
-use crate::store::{DeliveryId, LOST_WHILE_RUNNING, Lease, StoreError};
+use crate::store::{DeliveryId, LOST_WHILE_RUNNING, Lease, StoreError, answered};
 
 
 /// Up to this many lanes are taken with one `findAndModify` each, in parallel, instead of
@@ -313,7 +313,7 @@ impl ClaimBackend for Backend<'_> {
         let take = take_lane(holder, until, None);
         if ids.len() <= PARALLEL_TAKES_MAX {
             // A few lanes (a fresh commit's): each taken and read back in one round trip.
-            let taken = try_join_all(ids.iter().map(|id| {
+            let taken = answered::every(ids.iter().map(|id| {
                 self.store
                     .collections
                     .lanes
@@ -342,7 +342,7 @@ impl ClaimBackend for Backend<'_> {
         write: LaneWrite,
     ) -> Result<Vec<(LaneId, i64)>, StoreError> {
         // One round trip per lane, all at once: a hand-out names the lanes of a few events.
-        let taken = try_join_all(lanes.iter().map(|(id, entries)| {
+        let taken = answered::every(lanes.iter().map(|(id, entries)| {
             let mut filter = free_lane(*id, now);
             filter.insert(lane::IN_FLIGHT, doc! { "$size": 0 });
             self.store
@@ -372,10 +372,11 @@ impl ClaimBackend for Backend<'_> {
         let moved_on = doc! { "$inc": { delivery::CLAIMS: 1_i64 }, "$set": { delivery::SUSPECT: true } };
         let pairs = |entries: Vec<&InFlight>| entries.into_iter().map(|entry| (entry.delivery, entry.claims)).collect::<Vec<_>>();
         let (started, waiting) = (pairs(started), pairs(waiting));
-        futures::try_join!(
+        answered::both(
             async { if started.is_empty() { Ok(0) } else { generations::update_current(self.store, &started, &charged).await } },
             async { if waiting.is_empty() { Ok(0) } else { generations::update_current(self.store, &waiting, &moved_on).await } },
-        )?;
+        )
+        .await?;
         Ok(())
     }
 
@@ -399,7 +400,7 @@ impl ClaimBackend for Backend<'_> {
                 .write_concern(Commit::from(LaneWrite::Applied).write_concern())
                 .into_future()
         });
-        let results = try_join_all(writes).await?;
+        let results = answered::every(writes).await?;
         Ok(results.iter().map(|result| result.matched_count == 1).collect())
     }
 

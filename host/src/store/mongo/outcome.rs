@@ -13,7 +13,7 @@ use super::documents::{delivery, generation_filter, history, lane, lane_state, v
 use super::{generations, unstored};
 use super::{MongoStore, MongoTx};
 use crate::lane::LaneId;
-use crate::store::{DeliveryStatus, DeliveryView, Lease, Settlement, StoreError};
+use crate::store::{DeliveryStatus, DeliveryView, Lease, Settlement, StoreError, answered};
 
 fn lease_generations<'a>(leases: impl Iterator<Item = &'a Lease>) -> Vec<(ObjectId, i64)> {
     leases.map(|lease| (lease.delivery, lease.claims)).collect()
@@ -222,10 +222,11 @@ pub(super) async fn complete_many(store: &MongoStore, leases: &[Lease], now: Dat
         materialize_entries(store, unstored, now).await?;
         transaction!(store, |tx| complete_in_session(store, tx.session(), &issued, EventStamp::InTransaction, now).await)?
     } else {
-        let (stored, unstored) = futures::try_join!(
+        let (stored, unstored) = answered::both(
             async { if stored.is_empty() { Ok(HashSet::new()) } else { complete_each(store, &stored, now).await } },
             complete_unstored(store, None, &unstored, now),
-        )?;
+        )
+        .await?;
         stored.into_iter().chain(unstored).collect()
     };
     let (done, lost): (Vec<&Lease>, Vec<&Lease>) = leases.iter().partition(|l| completed.contains(&l.delivery));
