@@ -377,6 +377,28 @@ impl Split {
     }
 }
 
+/// A fan-out whose heard events are all another host's reads nothing: the stream missed
+/// nothing since a read to the end under this split, so nothing of this host's is unfanned.
+/// A fan-out with nothing heard (the poll's) still reads, and leaves the event to its host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heard_events_all_another_hosts_leave_nothing_to_read() {
+    let Recorded { log, store, .. } = recorded_store().await;
+    let subscriptions = subs(&[("h", &["t"])]);
+    let hearing = Hearing::start(&store, &subscriptions).await;
+    let Split { other, theirs, .. } = Split::in_two(&store, &hearing, &subscriptions, 20).await;
+    let theirs = id_in_lane("theirs", relayhost::lane::lane_of(&format!("key-{}", theirs[0])));
+
+    // Created at the fan-outs' now: fresh, so the split alone says whose it is.
+    publish_all(&store, vec![event(&theirs, "t").with_created_at(at(T0))]).await;
+    hearing.woken().await;
+    let before = log.lock().unwrap().len();
+    assert_eq!(store.fan_out(&subscriptions, 100, 5, at(T0)).await.unwrap().events, 0);
+    assert_eq!(finds_of_events(&log, &store, before), 0, "nothing read");
+    assert_eq!(store.fan_out(&subscriptions, 100, 5, at(T0)).await.unwrap().events, 0);
+    assert_eq!(finds_of_events(&log, &store, before), 1, "the poll's fan-out reads");
+    assert_eq!(other.fan_out(&subscriptions, 10, 0, at(T0)).await.unwrap().events, 1, "the other host's to fan out");
+}
+
 /// A read that left some of this host's events unfanned (more than a batch of them, past a
 /// page of other hosts' events) did not reach the end: a key's next event heard afterwards
 /// is read with its first, which runs first.

@@ -61,11 +61,18 @@ pub(super) async fn run(
         // A keyed event needs its key's lower unfanned events with it: the heard ones are all
         // of them only in this host's own lanes, and while the stream missed nothing (see
         // `Heard::complete_under`); otherwise reading finds them.
-        let keyed_heard = store.heard.complete_under(&assignment);
+        let complete = store.heard.complete_under(&assignment);
+        let heard_some = !heard.is_empty();
         let (batch, left): (Vec<Document>, Vec<Document>) =
             heard.into_iter().take(limit).filter(|event| assignment.fans_out(event, stale_before)).partition(|event| {
-                fan_out::string_key(event).is_none() || (keyed_heard && assignment.holds(event))
+                fan_out::string_key(event).is_none() || (complete && assignment.holds(event))
             });
+        if heard_some && batch.is_empty() && left.is_empty() && complete {
+            // All the stream reported is other hosts', and it missed nothing since a read to
+            // the end under this split: nothing of this host's is left to read. (A fan-out
+            // with nothing heard, the poll's, still reads: it finds other hosts' stale events.)
+            return Ok(report);
+        }
         if !batch.is_empty() {
             match handing_out(store, subscriptions, Batch::Heard(fan_out::in_key_order(batch)), hand_out, early, now).await {
                 Ok(heard) if left.is_empty() && !store.heard.behind() => return Ok(heard),
