@@ -377,16 +377,17 @@ impl Split {
     }
 }
 
-/// A fan-out whose heard events are all another host's reads nothing: the stream missed
-/// nothing since a read to the end under this split, so nothing of this host's is unfanned.
-/// A fan-out with nothing heard (the poll's) still reads, and leaves the event to its host.
+/// A fan-out whose heard events are all another host's reads nothing while the stream missed
+/// nothing since a read to the end under this split: nothing of this host's is unfanned. A
+/// fan-out with nothing heard (the poll's) still reads, and leaves the event to its host.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn heard_events_all_another_hosts_leave_nothing_to_read() {
+async fn heard_events_all_another_hosts_leave_nothing_to_read_unless_the_stream_missed_some() {
     let Recorded { log, store, .. } = recorded_store().await;
     let subscriptions = subs(&[("h", &["t"])]);
     let hearing = Hearing::start(&store, &subscriptions).await;
-    let Split { other, theirs, .. } = Split::in_two(&store, &hearing, &subscriptions, 20).await;
-    let theirs = id_in_lane("theirs", relayhost::lane::lane_of(&format!("key-{}", theirs[0])));
+    let Split { other, mine, theirs } = Split::in_two(&store, &hearing, &subscriptions, 20).await;
+    let (my_lane, their_lane) = (relayhost::lane::lane_of(&format!("key-{}", mine[0])), relayhost::lane::lane_of(&format!("key-{}", theirs[0])));
+    let theirs = id_in_lane("theirs", their_lane);
 
     // Created at the fan-outs' now: fresh, so the split alone says whose it is.
     publish_all(&store, vec![event(&theirs, "t").with_created_at(at(T0))]).await;
@@ -397,6 +398,15 @@ async fn heard_events_all_another_hosts_leave_nothing_to_read() {
     assert_eq!(store.fan_out(&subscriptions, 100, 5, at(T0)).await.unwrap().events, 0);
     assert_eq!(finds_of_events(&log, &store, before), 1, "the poll's fan-out reads");
     assert_eq!(other.fan_out(&subscriptions, 10, 0, at(T0)).await.unwrap().events, 1, "the other host's to fan out");
+
+    // Once the stream may have missed some (more were heard than are kept), a fan-out that
+    // heard only the other host's events reads all the same, and finds this host's.
+    let ours: Vec<_> = (0..257).map(|n| event(&id_in_lane(&format!("ours{n}"), my_lane), "t").with_created_at(at(T0))).collect();
+    publish_all(&store, ours).await;
+    hearing.quiet().await;
+    publish_all(&store, vec![event(&id_in_lane("theirs-again", their_lane), "t").with_created_at(at(T0))]).await;
+    hearing.woken().await;
+    assert_eq!(store.fan_out(&subscriptions, 100, 5, at(T0)).await.unwrap().events, 100, "this host's, read");
 }
 
 /// A read that left some of this host's events unfanned (more than a batch of them, past a
