@@ -31,17 +31,16 @@
 //! A delivery whose host dies before its outcome is written is retried after its lease
 //! expires, so nothing is lost.
 //!
-//! One file past 600 lines because every step of the loop (fan-out, claim, start, settle,
-//! renew, stop) reads and changes the one `Flight` state; the pieces that need none of it
-//! live beside it (`completion`, `starts`, `sequence_watch`, `settle`). The one delivery path
-//! (#24) is to make the loop small enough to drop this note.
+//! Every step of the loop here (claim, start, settle, renew, stop) reads and changes the one
+//! `Flight` state; the pieces that need none of it live beside it: what a dispatcher is given
+//! (`runner`, `options`), the background fan-out (`fan_out_task`), the announcements,
+//! `completion`, `starts`, `sequence_watch` and `settle`.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, BinaryHeap, HashMap};
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bson::DateTime;
@@ -50,117 +49,18 @@ use tokio::task::{AbortHandle, JoinHandle};
 use tokio::time::Instant;
 
 use super::completion::{Completions, step_result};
+use super::fan_out_task::{FanOutTask, FannedOut, join_fan_out};
+use super::options::{DispatcherCounters, DispatcherOptions};
+use super::runner::{HandlerSpec, RunResult, Runner};
+use super::announcements;
 use super::sequence_watch::SequenceWatch;
 use super::starts::StartRecorder;
-use super::{AttemptResult, RetryPolicy, Settle, bury_with_dead_letter, decide};
+use super::{Settle, bury_with_dead_letter, decide};
 use crate::lane::LaneId;
 use crate::store::{
-    ANNOUNCE_EVERY, Capacity, ClaimedDelivery, DeliveryId, EarlyHandOut, EarlyHandOuts, FanOutCommit, Lease, Store, StoreError, Subscription,
+    Capacity, ClaimedDelivery, DeliveryId, EarlyHandOut, EarlyHandOuts, FanOutCommit, Lease, Store, StoreError, Subscription,
     Subscriptions,
 };
-
-/// A handler the runner offers, with its retry policy.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HandlerSpec {
-    pub handler: String,
-    pub event_types: Vec<String>,
-    pub retry: RetryPolicy,
-    /// Completes inside its own transaction: its lease is not renewed (a renewal would
-    /// conflict with that completion), so the lease must outlast it.
-    pub transactional: bool,
-}
-
-/// How a run ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RunResult {
-    Attempt(AttemptResult),
-    /// The runner completed the delivery in the handler's own transaction.
-    CompletedInTransaction,
-    /// Nothing ran (no plugin serves the handler any more): hand it back, uncharged.
-    NotRun,
-    /// The lease was lost while it ran; another worker owns the delivery now.
-    LeaseLost,
-}
-
-/// Runs deliveries. The host implements it with plugins; the dispatcher never knows how.
-pub trait Runner: Send + Sync + 'static {
-    fn handlers(&self) -> Vec<HandlerSpec>;
-    fn run(&self, delivery: ClaimedDelivery) -> Pin<Box<dyn Future<Output = RunResult> + Send>>;
-}
-
-#[derive(Debug, Clone)]
-pub struct DispatcherOptions {
-    /// Deliveries running at once in this process.
-    pub concurrency: usize,
-    /// Deliveries a claim may take beyond the free run slots, to wait for one. Bigger claims
-    /// cost fewer round trips per delivery; the waiting ones keep their lane leased (so a
-    /// process that dies charges them an attempt, like the running ones). Finished runs whose
-    /// completion is not written yet may add as many again before claims wait for them.
-    pub claim_ahead: usize,
-    /// Claims happen at least this often, and whenever a delivery finishes, a wakeup comes
-    /// or a retry falls due.
-    pub poll_interval: Duration,
-    pub fan_out_batch: usize,
-    pub lease_duration: Duration,
-    /// How long a stop waits for running deliveries.
-    pub shutdown_timeout: Duration,
-}
-
-/// The default `claim_ahead` per run slot. Claims of a few times the run slots cost about as
-/// much as small ones and keep the slots fed under a backlog (measured with `relayhost bench`);
-/// more would let one host hoard work that other hosts could run.
-pub const CLAIM_AHEAD_PER_RUN_SLOT: usize = 4;
-
-impl DispatcherOptions {
-    /// The default `claim_ahead` for `concurrency` run slots.
-    pub fn default_claim_ahead(concurrency: usize) -> usize {
-        concurrency.saturating_mul(CLAIM_AHEAD_PER_RUN_SLOT)
-    }
-}
-
-impl Default for DispatcherOptions {
-    fn default() -> Self {
-        // Handlers mostly wait on the network (webhooks, mail, other services), so run slots
-        // are cheap; and under a backlog, fan-outs hand out up to the capacity they make, in
-        // bigger batches that write fewer lane lists per delivery. 64 drained 6,975-7,147
-        // deliveries/s against 5,969-6,117 for 32 in interleaved `relayhost bench` runs. The
-        // price is memory: up to this many instances at once, each within its plugin's limit.
-        let concurrency = 64;
-        Self {
-            concurrency,
-            claim_ahead: Self::default_claim_ahead(concurrency),
-            poll_interval: Duration::from_millis(500),
-            fan_out_batch: 200,
-            lease_duration: Duration::from_secs(30),
-            shutdown_timeout: Duration::from_secs(10),
-        }
-    }
-}
-
-/// What a dispatcher has done since it started.
-#[derive(Debug, Default)]
-pub struct DispatcherCounters {
-    pub completed: AtomicU64,
-    pub retried: AtomicU64,
-    pub dead: AtomicU64,
-    /// Handed back uncharged: nothing served the handler, or a stop cut the run short.
-    pub released: AtomicU64,
-    /// Store errors the loop logged and went on from.
-    pub store_errors: AtomicU64,
-    /// Keyed deliveries that started after a higher sequence of their key (see
-    /// [`SequenceWatch`]).
-    pub out_of_order: AtomicU64,
-}
-
-impl DispatcherCounters {
-    fn add(counter: &AtomicU64, n: usize) {
-        counter.fetch_add(n as u64, Ordering::Relaxed);
-    }
-
-    pub fn get(counter: &AtomicU64) -> u64 {
-        counter.load(Ordering::Relaxed)
-    }
-}
 
 /// The claim loop of one store instance.
 pub struct Dispatcher<S: Store, R: Runner> {
@@ -176,36 +76,6 @@ struct Running {
     renew: bool,
     task: AbortHandle,
 }
-
-/// How a background fan-out ended.
-struct FannedOut {
-    /// Its last batch made new deliveries that are left to a claim.
-    new_deliveries: bool,
-    /// Their lanes, when it was one batch touching at most [`CLAIM_IN_MAX_LANES`] lanes.
-    lanes: Option<BTreeSet<LaneId>>,
-    /// What its first batch handed out (see [`Store::fan_out`]): claimed, to be run.
-    claimed: Vec<ClaimedDelivery>,
-    /// Its last batch was full (it stopped early to hand out, or for a stop): more may wait.
-    more: bool,
-    /// Its batch was full and it handed out what it made.
-    handed_out_full: bool,
-}
-
-/// Malformed events a fan-out names in its log, at most; the rest are counted.
-const MALFORMED_LOGGED: usize = 10;
-
-/// Says which events a fan-out found malformed (their deliveries are dead, and announced).
-fn log_malformed(malformed: &[(String, String)]) {
-    for (event, reason) in malformed.iter().take(MALFORMED_LOGGED) {
-        tracing::warn!(event = %event, %reason, "a malformed event was dead-lettered at fan-out");
-    }
-    if malformed.len() > MALFORMED_LOGGED {
-        tracing::warn!(more = malformed.len() - MALFORMED_LOGGED, "more malformed events were dead-lettered at fan-out");
-    }
-}
-
-/// A fan-out that touched at most this many lanes is followed by a claim in just those.
-const CLAIM_IN_MAX_LANES: usize = 8;
 
 /// Loop state the settle and stop steps share.
 struct Flight<S: Store> {
@@ -304,7 +174,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             0
         });
         let hosts_changed = Arc::new(Notify::new());
-        let announcing = self.spawn_announcements(hosts, hosts_changed.clone());
+        let announcing = announcements::spawn(self.store.clone(), self.options.lease_duration, hosts, hosts_changed.clone());
         loop {
             let next_retry = flight.retry_timers.peek().map(|Reverse(at)| *at);
             // New events appear only with a wakeup or by the poll; a finished delivery brings
@@ -372,31 +242,6 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         }
         announcing.abort();
         self.stop(&permits, &finished_tx, &mut flight, &mut finished, &mut early).await
-    }
-
-    /// Announces this host to the others (see [`Store::announce`]) every [`ANNOUNCE_EVERY`]
-    /// (or tenth of a lease, if shorter), beside the claim loop so that its ticks never hold
-    /// back the loop's poll; wakes the loop when the number of live hosts changed.
-    fn spawn_announcements(&self, hosts: usize, hosts_changed: Arc<Notify>) -> JoinHandle<()> {
-        let store = self.store.clone();
-        let every = ANNOUNCE_EVERY.min(self.options.lease_duration / 10);
-        tokio::spawn(async move {
-            let mut ticks = tokio::time::interval(every);
-            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            ticks.tick().await;
-            let mut hosts = hosts;
-            loop {
-                ticks.tick().await;
-                match store.announce(DateTime::now()).await {
-                    Ok(live) if live != hosts => {
-                        hosts = live;
-                        hosts_changed.notify_one();
-                    }
-                    Ok(_) => {}
-                    Err(error) => tracing::warn!(%error, "announcing this host failed; trying again"),
-                }
-            }
-        })
     }
 
     /// Starts a fan-out when one is wanted and none runs, claims up to the free capacity and
@@ -476,8 +321,16 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             flight.fanning_hands_out.store(free > 0, Ordering::SeqCst);
             let hands_out = flight.fanning_hands_out.clone();
             let capacity = self.capacity(flight);
-            flight.fanning =
-                Some(self.spawn_fan_out(subscriptions, fanned.clone(), capacity, early.clone(), hands_out, flight.stop_fanning.clone()));
+            let task = FanOutTask {
+                store: self.store.clone(),
+                batch: self.options.fan_out_batch,
+                subscriptions,
+                fanned: fanned.clone(),
+                early: early.clone(),
+                hands_out,
+                stop: flight.stop_fanning.clone(),
+            };
+            flight.fanning = Some(task.spawn(capacity));
         }
         Ok(())
     }
@@ -586,69 +439,6 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             flight.running.insert(lease.delivery, Running { lease, renew: !spec.transactional, task: task.abort_handle() });
         }
         Ok(())
-    }
-
-    /// Fans out until a short batch says nothing is left, waking the loop after every full
-    /// batch so that claims take the new deliveries while the rest is still being fanned out.
-    /// Given a `hand_out` budget, its first batch is of at most that many events, and hands out
-    /// up to that many of their deliveries; if it handed out all it made, the fan-out ends
-    /// there, so that they run at once (the loop fans out again if the batch was full, once
-    /// there is room).
-    fn spawn_fan_out(
-        &self,
-        subscriptions: Subscriptions,
-        fanned: Arc<Notify>,
-        hand_out: Capacity,
-        early: EarlyHandOuts,
-        hands_out: Arc<AtomicBool>,
-        stop: Arc<AtomicBool>,
-    ) -> JoinHandle<Result<FannedOut, StoreError>> {
-        let store = self.store.clone();
-        let batch = self.options.fan_out_batch;
-        tokio::spawn(async move {
-            let started = Instant::now();
-            let mut hand_out = hand_out;
-            let mut first = true;
-            let mut claimed = Vec::new();
-            loop {
-                let batch_started = Instant::now();
-                // A batch that may hand out is no bigger than what it may hand out: the rest
-                // would be left to claims.
-                let batch = if hand_out.total > 0 { batch.min(hand_out.total) } else { batch };
-                let report = store.fan_out_early(&subscriptions, batch, hand_out, &early, DateTime::now()).await?;
-                let handed_out = report.claimed.len() + report.sent_early;
-                log_malformed(&report.malformed_events);
-                tracing::trace!(
-                    elapsed_us = batch_started.elapsed().as_micros() as u64,
-                    count = report.deliveries,
-                    handed_out,
-                    "fan-out batch"
-                );
-                let full = report.events >= batch || report.more;
-                // It handed out all it made: the next batch is to wait for room to do the same.
-                // Otherwise (lanes another host holds, keyed events) the rest of the backlog is
-                // fanned out at once for claims, as a fan-out that hands out nothing does.
-                let whole = hand_out.total > 0 && handed_out > 0 && report.lanes.is_empty();
-                hands_out.store(false, Ordering::SeqCst);
-                claimed.extend(report.claimed);
-                if !full || whole || stop.load(Ordering::Relaxed) {
-                    tracing::trace!(elapsed_us = started.elapsed().as_micros() as u64, "fanned out");
-                    let few = first && report.lanes.len() <= CLAIM_IN_MAX_LANES;
-                    return Ok(FannedOut {
-                        new_deliveries: !report.lanes.is_empty(),
-                        lanes: few.then_some(report.lanes),
-                        claimed,
-                        more: full,
-                        handed_out_full: full && whole,
-                    });
-                }
-                if report.deliveries > 0 {
-                    fanned.notify_one();
-                }
-                first = false;
-                hand_out = Capacity::from(0);
-            }
-        })
     }
 
     /// Settles finished runs, and notes what they may have made worth a fan-out or a claim.
@@ -825,14 +615,6 @@ fn settle_batch<S: Store>(
 async fn sleep_until_some(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
-    }
-}
-
-/// How the background fan-out ended; never resolves while none runs.
-async fn join_fan_out<T>(task: &mut Option<JoinHandle<Result<T, StoreError>>>) -> Result<T, StoreError> {
-    match task {
-        Some(task) => step_result(task.await, "the fan-out"),
         None => std::future::pending().await,
     }
 }

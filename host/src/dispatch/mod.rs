@@ -5,13 +5,19 @@
 //! handler runs (WebAssembly lives in `plugin`) nor how the outbox stores anything (that is
 //! the `store`). The claim loop, wakeups, batching and renewals build on these pieces.
 
+mod announcements;
 mod completion;
 mod dead_letter;
 mod dispatcher;
+mod fan_out_task;
+mod options;
+mod runner;
 mod sequence_watch;
 mod settle;
 mod starts;
 
-pub use dispatcher::{Dispatcher, DispatcherCounters, DispatcherOptions, HandlerSpec, RunResult, Runner};
+pub use dispatcher::Dispatcher;
+pub use options::{DispatcherCounters, DispatcherOptions};
+pub use runner::{HandlerSpec, RunResult, Runner};
 pub use dead_letter::{DEAD_LETTER_EVENT_TYPE, bury_by_operator, bury_with_dead_letter, dead_letter_event};
 pub use settle::{AttemptResult, RetryPolicy, Settle, decide};

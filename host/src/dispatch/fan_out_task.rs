@@ -1,0 +1,126 @@
+//! The dispatcher's background fan-out: batches one after the other until a short one says
+//! nothing is left, or the first, which may hand out, handed out all it made; the loop is
+//! woken after each full batch. It owns when a fan-out ends and what it reports back; it must
+//! never start a run (the loop starts what it hands out).
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use bson::DateTime;
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use super::completion::step_result;
+use crate::lane::LaneId;
+use crate::store::{Capacity, ClaimedDelivery, EarlyHandOuts, Store, StoreError, Subscriptions};
+
+/// How a background fan-out ended.
+pub(super) struct FannedOut {
+    /// Its last batch made new deliveries that are left to a claim.
+    pub(super) new_deliveries: bool,
+    /// Their lanes, when it was one batch touching at most [`CLAIM_IN_MAX_LANES`] lanes.
+    pub(super) lanes: Option<BTreeSet<LaneId>>,
+    /// What its first batch handed out (see [`Store::fan_out`]): claimed, to be run.
+    pub(super) claimed: Vec<ClaimedDelivery>,
+    /// Its last batch was full (it stopped early to hand out, or for a stop): more may wait.
+    pub(super) more: bool,
+    /// Its batch was full and it handed out what it made.
+    pub(super) handed_out_full: bool,
+}
+
+/// Malformed events a fan-out names in its log, at most; the rest are counted.
+const MALFORMED_LOGGED: usize = 10;
+
+/// Says which events a fan-out found malformed (their deliveries are dead, and announced).
+fn log_malformed(malformed: &[(String, String)]) {
+    for (event, reason) in malformed.iter().take(MALFORMED_LOGGED) {
+        tracing::warn!(event = %event, %reason, "a malformed event was dead-lettered at fan-out");
+    }
+    if malformed.len() > MALFORMED_LOGGED {
+        tracing::warn!(more = malformed.len() - MALFORMED_LOGGED, "more malformed events were dead-lettered at fan-out");
+    }
+}
+
+/// A fan-out that touched at most this many lanes is followed by a claim in just those.
+const CLAIM_IN_MAX_LANES: usize = 8;
+
+/// What a background fan-out is given.
+pub(super) struct FanOutTask<S: Store> {
+    pub store: Arc<S>,
+    /// Events per batch, at most.
+    pub batch: usize,
+    pub subscriptions: Subscriptions,
+    /// Woken after every full batch, so that claims take its deliveries meanwhile.
+    pub fanned: Arc<Notify>,
+    pub early: EarlyHandOuts,
+    /// Cleared once its first batch, the one that may hand out, is done.
+    pub hands_out: Arc<AtomicBool>,
+    /// Asks it to end after its current batch.
+    pub stop: Arc<AtomicBool>,
+}
+
+impl<S: Store> FanOutTask<S> {
+    /// Fans out until a short batch says nothing is left, waking the loop after every full
+    /// batch so that claims take the new deliveries while the rest is still being fanned out.
+    /// Given a `hand_out` budget, its first batch is of at most that many events, and hands out
+    /// up to that many of their deliveries; if it handed out all it made, the fan-out ends
+    /// there, so that they run at once (the loop fans out again if the batch was full, once
+    /// there is room).
+    pub(super) fn spawn(self, hand_out: Capacity) -> JoinHandle<Result<FannedOut, StoreError>> {
+        let Self { store, batch, subscriptions, fanned, early, hands_out, stop } = self;
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let mut hand_out = hand_out;
+            let mut first = true;
+            let mut claimed = Vec::new();
+            loop {
+                let batch_started = Instant::now();
+                // A batch that may hand out is no bigger than what it may hand out: the rest
+                // would be left to claims.
+                let batch = if hand_out.total > 0 { batch.min(hand_out.total) } else { batch };
+                let report = store.fan_out_early(&subscriptions, batch, hand_out, &early, DateTime::now()).await?;
+                let handed_out = report.claimed.len() + report.sent_early;
+                log_malformed(&report.malformed_events);
+                tracing::trace!(
+                    elapsed_us = batch_started.elapsed().as_micros() as u64,
+                    count = report.deliveries,
+                    handed_out,
+                    "fan-out batch"
+                );
+                let full = report.events >= batch || report.more;
+                // It handed out all it made: the next batch is to wait for room to do the same.
+                // Otherwise (lanes another host holds, keyed events) the rest of the backlog is
+                // fanned out at once for claims, as a fan-out that hands out nothing does.
+                let whole = hand_out.total > 0 && handed_out > 0 && report.lanes.is_empty();
+                hands_out.store(false, Ordering::SeqCst);
+                claimed.extend(report.claimed);
+                if !full || whole || stop.load(Ordering::Relaxed) {
+                    tracing::trace!(elapsed_us = started.elapsed().as_micros() as u64, "fanned out");
+                    let few = first && report.lanes.len() <= CLAIM_IN_MAX_LANES;
+                    return Ok(FannedOut {
+                        new_deliveries: !report.lanes.is_empty(),
+                        lanes: few.then_some(report.lanes),
+                        claimed,
+                        more: full,
+                        handed_out_full: full && whole,
+                    });
+                }
+                if report.deliveries > 0 {
+                    fanned.notify_one();
+                }
+                first = false;
+                hand_out = Capacity::from(0);
+            }
+        })
+    }
+}
+
+/// How the background fan-out ended; never resolves while none runs.
+pub(super) async fn join_fan_out<T>(task: &mut Option<JoinHandle<Result<T, StoreError>>>) -> Result<T, StoreError> {
+    match task {
+        Some(task) => step_result(task.await, "the fan-out"),
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,38 @@
+//! What runs deliveries, as the dispatcher sees it: the handlers a runner offers and how a
+//! run ended. The host implements [`Runner`] with plugins; this module must never know how
+//! a handler runs.
+
+use std::future::Future;
+use std::pin::Pin;
+
+use super::{AttemptResult, RetryPolicy};
+use crate::store::ClaimedDelivery;
+
+/// A handler the runner offers, with its retry policy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HandlerSpec {
+    pub handler: String,
+    pub event_types: Vec<String>,
+    pub retry: RetryPolicy,
+    /// Completes inside its own transaction: its lease is not renewed (a renewal would
+    /// conflict with that completion), so the lease must outlast it.
+    pub transactional: bool,
+}
+
+/// How a run ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RunResult {
+    Attempt(AttemptResult),
+    /// The runner completed the delivery in the handler's own transaction.
+    CompletedInTransaction,
+    /// Nothing ran (no plugin serves the handler any more): hand it back, uncharged.
+    NotRun,
+    /// The lease was lost while it ran; another worker owns the delivery now.
+    LeaseLost,
+}
+
+/// Runs deliveries. The host implements it with plugins; the dispatcher never knows how.
+pub trait Runner: Send + Sync + 'static {
+    fn handlers(&self) -> Vec<HandlerSpec>;
+    fn run(&self, delivery: ClaimedDelivery) -> Pin<Box<dyn Future<Output = RunResult> + Send>>;
+}
