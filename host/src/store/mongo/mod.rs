@@ -165,6 +165,7 @@ impl MongoStore {
             budget: self.options.transaction_budget,
             claimer: self.claimer.clone(),
             settles: Vec::new(),
+            for_majority: false,
         })
     }
 
@@ -292,6 +293,9 @@ pub struct MongoTx {
     /// Leases this transaction settles (a handler's completion, a burial): settled for the
     /// claimer once it commits.
     settles: Vec<Lease>,
+    /// Its commit is acknowledged only once a majority has it, whatever its write concern
+    /// (see [`MongoTx::commit_for_majority`]).
+    for_majority: bool,
 }
 
 impl MongoTx {
@@ -302,6 +306,14 @@ impl MongoTx {
 
     fn settles_on_commit(&mut self, lease: Lease) {
         self.settles.push(lease);
+    }
+
+    /// Has the commit wait for a majority, even in a transaction begun to be acknowledged once
+    /// applied: a transaction reads a snapshot of majority-committed data, so one begun after
+    /// a commit acknowledged sooner may not see it (a fan-out's, by the transactional handler
+    /// that completes what it handed out).
+    fn commit_for_majority(&mut self) {
+        self.for_majority = true;
     }
 }
 
@@ -316,6 +328,10 @@ impl StoreTransaction for MongoTx {
             match self.session.commit_transaction().await.map_err(StoreError::from) {
                 Ok(()) => {
                     self.claimer.settled(&self.settles);
+                    if self.for_majority {
+                        // Committed again, the driver asks for a majority (w: "majority").
+                        self.session.commit_transaction().await?;
+                    }
                     return Ok(());
                 }
                 Err(error) if error.server_code() == Some(MAX_TIME_MS_EXPIRED) => {
