@@ -861,31 +861,6 @@ async fn a_transactional_hand_out_never_conflicts_with_another_handlers_completi
     assert!(store.claim(&handlers(&["tx", "plain"]), 10, at(T0 + 100_000)).await.unwrap().is_empty(), "each ran once");
 }
 
-/// A transaction reads a snapshot of majority-committed data. A fan-out acknowledged once
-/// applied, handing out a delivery of a handler that completes in its own transaction, would
-/// let that transaction begin before a majority has the fan-out: it would not find what it
-/// completes, and the handler would run again. Such a fan-out's word comes once a majority
-/// has it, on both ways a fan-out hands out (the plain mark, and the transaction).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_transactional_handlers_hand_out_is_seen_by_the_transaction_its_run_begins_at_once() {
-    use relayhost::store::{StoreTransaction, Subscription};
-    let Recorded { store, .. } = recorded_store().await;
-    hold_lanes(&store, &subs(&[("h", &["t"])]), "first", &[3, 7, 11]).await;
-    let alone = Subscriptions::new([Subscription::new("tx", ["order"]).completing_in_transaction(true)]).unwrap();
-    let beside = Subscriptions::new([Subscription::new("tx", ["order"]).completing_in_transaction(true), Subscription::new("plain", ["order"])]).unwrap();
-    for (n, subscriptions) in [alone, beside].iter().enumerate() {
-        publish_all(&store, vec![event(&format!("order-{n}"), "order")]).await;
-        let (early, mut sent) = tokio::sync::mpsc::unbounded_channel();
-        store.fan_out_early(subscriptions, 10, 10, &early, at(T0)).await.unwrap();
-        let handed = sent.try_recv().unwrap();
-        assert!(handed.commit.committed().await);
-        let lease = handed.claimed.iter().find(|d| d.handler == "tx").unwrap().lease;
-        let mut tx = store.begin().await.unwrap();
-        store.complete_in(&mut tx, &lease, at(T0)).await.unwrap_or_else(|error| panic!("{} handler(s): {error}", n + 1));
-        tx.commit().await.unwrap();
-    }
-}
-
 /// Completes `plain` while the transaction of `transactional` (of event `order-1`), opened
 /// by a write of its own, is open; then completes `transactional` in it and commits.
 async fn complete_beside_an_open_transaction(recorded: &Recorded, transactional: relayhost::store::Lease, plain: relayhost::store::Lease) {
