@@ -309,9 +309,10 @@ impl MongoTx {
     }
 
     /// Has the commit wait for a majority, even in a transaction begun to be acknowledged once
-    /// applied: a transaction reads a snapshot of majority-committed data, so one begun after
-    /// a commit acknowledged sooner may not see it (a fan-out's, by the transactional handler
-    /// that completes what it handed out).
+    /// applied: a transaction (read concern `snapshot`) begun just after a commit acknowledged
+    /// sooner may read a snapshot without it, as the transactional handler completing what a
+    /// fan-out handed out did (see `fan_out::completes_in_transaction`). Once a majority has
+    /// a write, every snapshot taken later holds it.
     fn commit_for_majority(&mut self) {
         self.for_majority = true;
     }
