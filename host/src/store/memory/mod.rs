@@ -6,11 +6,11 @@
 //! Transactions are serializable: a transaction holds the whole state until it commits or
 //! aborts, so never claim from inside one. Nothing here survives the process.
 //!
-//! One file past 600 lines because it implements the whole `Store` over
-//! one in-process state, each method a few lines against it, so that its semantics can be
-//! read side by side with the MongoDB store's; its two fan-outs (`fan_out.rs`), its claim
-//! primitives (`lanes.rs`) and its deliveries without a record (`unstored.rs`) are beside it,
-//! as in the MongoDB store.
+//! This file holds the state and the `Store` over it, each method a few lines against it, so
+//! that its semantics can be read side by side with the MongoDB store's; beside it, as in the
+//! MongoDB store: the state changes several methods share (`state.rs`), its two fan-outs
+//! (`fan_out.rs`), its claim primitives (`lanes.rs`), its deliveries without a record
+//! (`unstored.rs`) and the operator reads and purge (`operations.rs`).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -22,7 +22,6 @@ use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use super::claim::{Claimer, HandlerKey, InFlight, LaneSearch, LaneState, Settled, Unpark, Unstored};
 use super::fan_out::{FanOutPlan, NewDelivery, WithoutDocuments, id_text};
-use super::retention::event_expired;
 use super::{
     Capacity, ClaimedDelivery, DeliveryFilter, DeliveryId, DeliveryPage, DeliveryStatus, DeliveryView, EarlyHandOuts, FanOutReport,
     HandlerStatistics, Lease, PurgeOptions, PurgeReport, Published, Settlement, Store, StoreError, StoreOptions,
@@ -33,9 +32,12 @@ use crate::lane::{LANE_COUNT, LaneId};
 
 mod fan_out;
 mod lanes;
+mod operations;
+mod state;
 mod unstored;
 
 use lanes::Backend;
+use operations::to_view;
 
 use unstored::{Charge, Entry};
 
@@ -96,260 +98,6 @@ struct State {
     history: BTreeMap<DeliveryId, HistoryRecord>,
     /// The hosts that announced themselves, each until its announcement lapses.
     hosts: BTreeMap<String, DateTime>,
-}
-
-impl State {
-    /// What [`ClaimBackend::unpark`] does, on this data.
-    fn unpark(&mut self, handlers: &[String], scope: &Unpark) -> HashMap<HandlerKey, DeliveryId> {
-        let mut heads = HashMap::new();
-        // Followers created behind a delivery that is no longer pending lead their keys.
-        if let Unpark::Keys { behind, .. } = scope {
-            // As in MongoDB, a delivery this instance completed is taken as gone unread.
-            let gone = |settled: &Settled| {
-                settled.completed || self.deliveries.get(&settled.delivery).is_none_or(|d| d.status != DeliveryStatus::Pending)
-            };
-            let named: Vec<DeliveryId> = self
-                .deliveries
-                .iter()
-                .filter(|(_, d)| d.lane == LaneKind::Parked && handlers.contains(&d.handler))
-                .filter(|(_, d)| d.behind.is_some_and(|before| behind.iter().any(|s| s.delivery == before && gone(s))))
-                .map(|(id, _)| *id)
-                .collect();
-            for id in named {
-                let d = self.deliveries.get_mut(&id).expect("found above");
-                d.lane = LaneKind::Ready;
-                d.behind = None;
-                heads.insert((d.handler.clone(), d.key.clone().expect("keyed")), id);
-            }
-        }
-        let keys: Option<HashSet<(&str, &str)>> = match scope {
-            Unpark::Everything => None,
-            Unpark::Keys { keys, .. } => Some(
-                keys.iter()
-                    .filter(|key| !heads.contains_key(*key))
-                    .map(|(handler, key)| (handler.as_str(), key.as_str()))
-                    .collect(),
-            ),
-        };
-        let in_scope = |handler: &str, key: &str| keys.as_ref().is_none_or(|keys| keys.contains(&(handler, key)));
-        let mut lowest: HashMap<HandlerKey, (i64, DeliveryId, LaneKind)> = HashMap::new();
-        for (id, d) in &self.deliveries {
-            if d.status != DeliveryStatus::Pending || !handlers.contains(&d.handler) {
-                continue;
-            }
-            let (Some(key), Some(sequence)) = (&d.key, d.sequence) else { continue };
-            if !in_scope(&d.handler, key) {
-                continue;
-            }
-            let slot = lowest.entry((d.handler.clone(), key.clone())).or_insert((sequence, *id, d.lane));
-            if sequence < slot.0 {
-                *slot = (sequence, *id, d.lane);
-            }
-        }
-        for (key, (_, id, lane)) in lowest {
-            if lane == LaneKind::Parked {
-                let d = self.deliveries.get_mut(&id).expect("exists");
-                d.lane = LaneKind::Ready;
-                d.behind = None;
-            }
-            heads.insert(key, id);
-        }
-        heads
-    }
-
-    fn new() -> Self {
-        let lanes = (0..LANE_COUNT)
-            .map(|id| LaneState {
-                id: id as LaneId,
-                owner: None,
-                instance: None,
-                lease_expires_at: DateTime::from_millis(0),
-                epoch: 0,
-                in_flight: Vec::new(),
-            })
-            .collect();
-        Self {
-            events: BTreeMap::new(),
-            key_sequences: HashMap::new(),
-            deliveries: BTreeMap::new(),
-            lanes,
-            history: BTreeMap::new(),
-            hosts: BTreeMap::new(),
-        }
-    }
-
-    /// The lease is current: its lane still has that epoch and the delivery that generation.
-    /// (Not necessarily in that lane: one handed out without a record may be listed in any lane
-    /// its holder holds, and its record, once it has one, is in its event's lane.)
-    fn current(&self, lease: &Lease) -> bool {
-        self.lanes[usize::from(lease.lane)].epoch == lease.epoch
-            && self.deliveries.get(&lease.delivery).is_some_and(|d| d.claims == lease.claims && d.status == DeliveryStatus::Pending)
-    }
-
-    /// Whether the lane of `lease` still has its epoch.
-    fn lane_current(&self, lease: &Lease) -> bool {
-        self.lanes[usize::from(lease.lane)].epoch == lease.epoch
-    }
-
-    /// Inserts a fan-out's deliveries but those handed out `without` a record (which its
-    /// events list instead), announces those it creates dead and marks its events fanned out.
-    fn write_fan_out(&mut self, plan: &FanOutPlan, without: &WithoutDocuments, now: DateTime) {
-        for dead_letter in &plan.dead_letters {
-            // Built by the store itself, so it is valid; one published already stays.
-            let _ = self.publish(dead_letter, usize::MAX);
-        }
-        self.insert_deliveries(plan, |id| !without.deliveries.contains_key(id), now);
-        for fanned in &plan.events {
-            if let Some(event) = self.events.get_mut(&id_text(&fanned.id)) {
-                event.insert(field::FANNED_OUT_AT, now);
-                let mut handlers: Vec<Bson> = match event.get(field::HANDLERS) {
-                    Some(Bson::Array(list)) => list.clone(),
-                    _ => Vec::new(),
-                };
-                handlers.extend(fanned.new_handlers.iter().cloned().map(Bson::String));
-                event.insert(field::HANDLERS, handlers);
-            }
-        }
-        self.list_handed_out(without);
-    }
-
-    /// Inserts the records of the plan's deliveries that `wanted`.
-    fn insert_deliveries(&mut self, plan: &FanOutPlan, wanted: impl Fn(&DeliveryId) -> bool, now: DateTime) {
-        for NewDelivery { id, event_id, event_type, handler, key, sequence, lane, dead_reason, behind } in
-            plan.deliveries.iter().filter(|d| wanted(&d.id))
-        {
-            let dead = dead_reason.is_some();
-            self.deliveries.insert(
-                *id,
-                Delivery {
-                    event_id: event_id.clone(),
-                    event_type: event_type.clone(),
-                    handler: handler.clone(),
-                    key: key.clone(),
-                    sequence: *sequence,
-                    lane_id: *lane,
-                    lane: if dead {
-                        LaneKind::Dead
-                    } else if behind.is_some() {
-                        LaneKind::Parked
-                    } else {
-                        LaneKind::Ready
-                    },
-                    status: if dead { DeliveryStatus::Dead } else { DeliveryStatus::Pending },
-                    attempts: 0,
-                    claims: 0,
-                    due_at: now,
-                    created_at: now,
-                    updated_at: dead.then_some(now),
-                    requeued_at: None,
-                    last_error: dead_reason.clone(),
-                    suspect: false,
-                    behind: *behind,
-                },
-            );
-        }
-    }
-
-    fn complete(&mut self, lease: &Lease, now: DateTime, history: bool) -> Settlement {
-        if !self.current(lease) {
-            return Settlement::LeaseLost;
-        }
-        let delivery = self.deliveries.remove(&lease.delivery).expect("checked above");
-        self.stamp_completed(&delivery.event_id, now);
-        if history {
-            self.history.insert(
-                lease.delivery,
-                HistoryRecord { event_id: delivery.event_id, handler: delivery.handler, completed_at: now },
-            );
-        }
-        Settlement::Completed
-    }
-
-    /// Stamps the event's latest completion.
-    fn stamp_completed(&mut self, event_id: &Bson, now: DateTime) {
-        if let Some(event) = self.events.get_mut(&id_text(event_id)) {
-            let later = match event.get(field::COMPLETED_AT) {
-                Some(Bson::DateTime(at)) => *at < now,
-                _ => true,
-            };
-            if later {
-                event.insert(field::COMPLETED_AT, now);
-            }
-        }
-    }
-
-    /// Completes what `lease` runs, with or without a record (the latter as `unstored` names it).
-    fn complete_lease(&mut self, lease: &Lease, unstored: Option<Unstored>, now: DateTime, history: bool) -> Settlement {
-        match unstored {
-            Some(unstored) if !history => {
-                if self.lane_current(lease) && self.complete_unstored(&Entry::of_lease(lease, unstored), now) {
-                    Settlement::Completed
-                } else {
-                    Settlement::LeaseLost
-                }
-            }
-            unstored => {
-                self.materialize_lease(lease, unstored, now);
-                self.complete(lease, now, history)
-            }
-        }
-    }
-
-    /// Gives the delivery of `lease` its record if it runs without one (as `unstored` names
-    /// it), so that an outcome other than a completion applies.
-    fn materialize_lease(&mut self, lease: &Lease, unstored: Option<Unstored>, now: DateTime) {
-        if let Some(unstored) = unstored {
-            self.materialize(&[Entry::of_lease(lease, unstored)], Charge::Nothing, now);
-        }
-    }
-
-    fn bury(&mut self, lease: &Lease, reason: &str, charge_attempt: bool, now: DateTime) -> Settlement {
-        if !self.current(lease) {
-            return Settlement::LeaseLost;
-        }
-        let delivery = self.deliveries.get_mut(&lease.delivery).expect("checked above");
-        delivery.status = DeliveryStatus::Dead;
-        delivery.lane = LaneKind::Dead;
-        delivery.claims += 1;
-        delivery.attempts += u32::from(charge_attempt);
-        delivery.last_error = Some(reason.to_string());
-        delivery.updated_at = Some(now);
-        Settlement::Completed
-    }
-
-    fn publish(&mut self, event: &NewEvent, max_payload_bytes: usize) -> Result<Published, StoreError> {
-        event.validate(max_payload_bytes)?;
-        if self.events.contains_key(&event.id) {
-            return Ok(Published::Duplicate);
-        }
-        let sequence = event.key.as_ref().map(|key| {
-            let counter = self.key_sequences.entry(key.clone()).or_insert(0);
-            *counter += 1;
-            *counter
-        });
-        self.events.insert(event.id.clone(), event.to_document(sequence, DateTime::now()));
-        Ok(Published::New { sequence })
-    }
-
-    /// The entries of live lanes that run: at their record's generation, or without a record
-    /// while their event names them.
-    fn running(&self, now: DateTime) -> Vec<&InFlight> {
-        self.lanes
-            .iter()
-            .filter(|lane| lane.owner.is_some() && lane.lease_expires_at >= now)
-            .flat_map(|lane| lane.in_flight.iter())
-            .filter(|entry| self.runs(entry))
-            .collect()
-    }
-
-    /// Whether a lane's entry still runs: its record is at the entry's generation and pending,
-    /// or, without a record, its event names it.
-    fn runs(&self, entry: &InFlight) -> bool {
-        match Entry::listed(std::slice::from_ref(entry)).first() {
-            Some(unstored) => self.names(unstored),
-            None => self.deliveries.get(&entry.delivery).is_some_and(|d| d.claims == entry.claims && d.status == DeliveryStatus::Pending),
-        }
-    }
 }
 
 /// An in-process outbox. Clones of the data are made with [`MemoryStore::instance`].
@@ -443,30 +191,6 @@ impl Drop for MemoryTx {
         // A transaction dropped without commit aborts, as a MongoDB session does.
         self.abort_in_place();
     }
-}
-
-fn to_view(id: &DeliveryId, d: &Delivery) -> DeliveryView {
-    DeliveryView {
-        id: id.to_hex(),
-        event_id: id_text(&d.event_id),
-        event_type: d.event_type.clone(),
-        handler: d.handler.clone(),
-        key: d.key.clone(),
-        sequence: d.sequence,
-        status: d.status,
-        lane: d.lane.as_str().to_string(),
-        lane_id: d.lane_id,
-        attempts: d.attempts,
-        due_at: d.due_at,
-        created_at: d.created_at,
-        updated_at: d.updated_at,
-        last_error: d.last_error.clone(),
-    }
-}
-
-fn stats_for<'m>(map: &'m mut BTreeMap<String, HandlerStatistics>, handler: &str) -> &'m mut HandlerStatistics {
-    map.entry(handler.to_string())
-        .or_insert_with(|| HandlerStatistics { handler: handler.to_string(), ..Default::default() })
 }
 
 impl Store for MemoryStore {
@@ -731,32 +455,7 @@ impl Store for MemoryStore {
     }
 
     async fn purge(&self, options: &PurgeOptions, _now: DateTime) -> Result<PurgeReport, StoreError> {
-        let mut state = self.state.lock().await;
-        let mut report = PurgeReport::default();
-        if let Some(cutoff) = options.dead_before {
-            let before = state.deliveries.len();
-            state.deliveries.retain(|_, d| {
-                !(d.status == DeliveryStatus::Dead && d.updated_at.unwrap_or(d.created_at) < cutoff)
-            });
-            report.dead_deliveries = (before - state.deliveries.len()) as u64;
-        }
-        if let Some(cutoff) = options.completed_before {
-            let before = state.history.len();
-            state.history.retain(|_, record| record.completed_at >= cutoff);
-            report.history_records = (before - state.history.len()) as u64;
-        }
-        let referenced: HashSet<String> = state
-            .deliveries
-            .values()
-            .map(|d| id_text(&d.event_id))
-            .chain(state.history.values().map(|r| id_text(&r.event_id)))
-            .collect();
-        let before = state.events.len();
-        // An event still listing a handler in `handedOut` has a delivery running without a record.
-        let handed_out = |event: &Document| matches!(event.get(field::HANDED_OUT), Some(Bson::Array(list)) if !list.is_empty());
-        state.events.retain(|id, event| referenced.contains(id) || handed_out(event) || !event_expired(event, options));
-        report.events = (before - state.events.len()) as u64;
-        Ok(report)
+        Ok(self.state.lock().await.purge(options))
     }
 
     async fn unfanned_events(&self) -> Result<u64, StoreError> {
@@ -765,59 +464,12 @@ impl Store for MemoryStore {
     }
 
     async fn statistics(&self, now: DateTime) -> Result<Vec<HandlerStatistics>, StoreError> {
-        let state = self.state.lock().await;
-        let running_entries = state.running(now);
-        let running: HashSet<DeliveryId> = running_entries.iter().map(|entry| entry.delivery).collect();
-        let mut by_handler: BTreeMap<String, HandlerStatistics> = BTreeMap::new();
-        // Those without a record run, and have no record to be counted by below.
-        for entry in running_entries.iter().filter(|entry| entry.unstored.is_some()) {
-            stats_for(&mut by_handler, &entry.handler).running += 1;
-        }
-        for (id, d) in &state.deliveries {
-            let stats = stats_for(&mut by_handler, &d.handler);
-            match d.status {
-                DeliveryStatus::Dead => stats.dead += 1,
-                DeliveryStatus::Pending => {
-                    if running.contains(id) {
-                        stats.running += 1;
-                    } else {
-                        stats.pending += 1;
-                    }
-                    if d.lane == LaneKind::Parked {
-                        stats.parked += 1;
-                    }
-                    stats.oldest_due_at = Some(stats.oldest_due_at.map_or(d.due_at, |at| at.min(d.due_at)));
-                }
-            }
-        }
-        if self.options.completion_history {
-            for record in state.history.values() {
-                *stats_for(&mut by_handler, &record.handler).completed.get_or_insert(0) += 1;
-            }
-            for stats in by_handler.values_mut() {
-                stats.completed.get_or_insert(0);
-            }
-        }
-        Ok(by_handler.into_values().collect())
+        Ok(self.state.lock().await.statistics(now, self.options.completion_history))
     }
 
     async fn list_deliveries(&self, filter: &DeliveryFilter) -> Result<DeliveryPage, StoreError> {
         let after = filter.after_id()?;
-        let limit = filter.page_limit();
-        let state = self.state.lock().await;
-        let matches = |d: &Delivery| {
-            filter.status.is_none_or(|s| d.status == s)
-                && filter.handler.as_ref().is_none_or(|h| &d.handler == h)
-                && filter.event_type.as_ref().is_none_or(|t| &d.event_type == t)
-                && filter.event_id.as_ref().is_none_or(|e| id_text(&d.event_id) == *e)
-                && filter.key.as_ref().is_none_or(|k| d.key.as_ref() == Some(k))
-        };
-        let range = match after {
-            Some(after) => state.deliveries.range((std::ops::Bound::Excluded(after), std::ops::Bound::Unbounded)),
-            None => state.deliveries.range(..),
-        };
-        let deliveries = range.filter(|(_, d)| matches(d)).take(limit + 1).map(|(id, d)| to_view(id, d)).collect();
-        Ok(DeliveryPage::from_overfetch(deliveries, limit))
+        Ok(self.state.lock().await.list_deliveries(filter, after))
     }
 }
 
