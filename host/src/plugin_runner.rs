@@ -39,7 +39,7 @@ impl PluginRunner {
     }
 
     /// Creates the collections the loaded transactional plugins are granted, if missing: at
-    /// start, before any delivery runs (see [`create_collections_granted_to`]).
+    /// start, before any delivery runs (see `create_collections_granted_to`).
     pub async fn create_granted_collections(&self) {
         for subscription in self.registry.subscriptions().iter().filter(|s| s.transactional) {
             if let Some(plugin) = self.registry.plugin_for(&subscription.handler) {
