@@ -33,7 +33,6 @@ use super::{Commit, MongoStore, generations, heads, lanes};
 use super::documents::new_delivery_document;
 use super::unfanned::{Reach, Read, read_batch};
 use crate::event::field;
-use crate::store::claim::Fresh;
 use crate::store::fan_out::{self, FanOutPlan, FannedEvent, WithoutDocuments, id_text};
 use crate::store::{Capacity, DeliveryId, EarlyHandOuts, FanOutReport, StoreError, StoreTransaction, Subscriptions, answered};
 
@@ -205,11 +204,10 @@ async fn plain(
         store.plain_marks.skip(PLAIN_SKIPS);
         return Ok(None);
     }
-    let commit = if completes_in_transaction(&fresh, subscriptions) { Commit::Majority } else { Commit::Applied };
     let unstored = WithoutDocuments::of(&plan, &mut fresh);
     let (plan, handed_out, fan_out) = (&plan, &unstored.handlers, unstored.fan_out);
     let mark = || async move {
-        let ours = mark_plainly(store, &plan.events, handed_out, fan_out, commit, now).await?;
+        let ours = mark_plainly(store, &plan.events, handed_out, fan_out, now).await?;
         Ok(plan.deliveries.iter().filter(|d| ours.contains(&id_text(&d.event_id))).map(|d| d.id).collect())
     };
     // `None`: the lanes held have no room for it (the transaction's hand-out takes some), or
@@ -219,16 +217,14 @@ async fn plain(
 }
 
 /// Marks `events` fanned out by `fan_out` with plain updates, two commands at once (one per
-/// half), acknowledged as `commit` says; returns the events (as [`id_text`] prints them) it
-/// marked. An event another fan-out marked first is left as it is. The statements also match
-/// an event `fan_out` marked already, so after an error they are sent again, changing nothing
-/// twice.
+/// half); returns the events (as [`id_text`] prints them) it marked. An event another
+/// fan-out marked first is left as it is. The statements also match an event `fan_out`
+/// marked already, so after an error they are sent again, changing nothing twice.
 async fn mark_plainly(
     store: &MongoStore,
     events: &[FannedEvent],
     handed_out: &HashMap<String, Vec<String>>,
     fan_out: ObjectId,
-    commit: Commit,
     now: DateTime,
 ) -> Result<HashSet<String>, StoreError> {
     let collection = store.collections.events.name();
@@ -237,7 +233,7 @@ async fn mark_plainly(
     let mut attempts = 0;
     let marked: u64 = loop {
         let sent = halves.iter().map(|statements| {
-            generations::update_each(store, collection, statements.clone(), WriteIn::Alone(commit))
+            generations::update_each(store, collection, statements.clone(), WriteIn::Alone(Commit::Applied))
         });
         // Every half is awaited, failed or not (see `answered`): a half landing after this
         // fan-out gave up would mark events its hand-back left out of their lane's list.
@@ -266,17 +262,6 @@ async fn mark_plainly(
         .try_collect()
         .await?;
     Ok(ours.iter().map(|event| id_text(event.get(field::ID).unwrap_or(&Bson::Null))).collect())
-}
-
-/// Whether any of `fresh` is a delivery of a handler that completes in its own transaction:
-/// the fan-out that hands it out is then acknowledged by a majority before its runs have word
-/// of it. Acknowledged once applied, the transaction that completes it, begun at the word,
-/// sometimes read a snapshot without the fan-out: it did not find what it completes, and the
-/// handler ran again for nothing (`transactional_handler`
-/// `a_transactional_handler_beside_another_handler_of_unkeyed_events_runs_once_each` failed
-/// 4 of 50 runs so; 1 of 160 since, its cause not seen).
-fn completes_in_transaction(fresh: &[Fresh], subscriptions: &Subscriptions) -> bool {
-    fresh.iter().any(|fresh| subscriptions.completes_in_transaction(&fresh.candidate.handler))
 }
 
 /// How often a plain mark is sent again after an error before the fan-out gives up (and
@@ -336,9 +321,6 @@ async fn handing_out(
         },
     };
     let mut fresh = fan_out::fresh(&plan, &batch, hand_out, &idle, now);
-    if completes_in_transaction(&fresh, subscriptions) {
-        tx.commit_for_majority();
-    }
     // What is handed out gets no document (see `super::unstored`), unless every completion is to be
     // recorded: the history copies the delivery's document.
     let unstored = if store.options.completion_history { WithoutDocuments::default() } else { WithoutDocuments::of(&plan, &mut fresh) };

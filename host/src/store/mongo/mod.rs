@@ -165,7 +165,6 @@ impl MongoStore {
             budget: self.options.transaction_budget,
             claimer: self.claimer.clone(),
             settles: Vec::new(),
-            for_majority: false,
         })
     }
 
@@ -293,9 +292,6 @@ pub struct MongoTx {
     /// Leases this transaction settles (a handler's completion, a burial): settled for the
     /// claimer once it commits.
     settles: Vec<Lease>,
-    /// Its commit is acknowledged only once a majority has it, whatever its write concern
-    /// (see [`MongoTx::commit_for_majority`]).
-    for_majority: bool,
 }
 
 impl MongoTx {
@@ -306,15 +302,6 @@ impl MongoTx {
 
     fn settles_on_commit(&mut self, lease: Lease) {
         self.settles.push(lease);
-    }
-
-    /// Has the commit wait for a majority, even in a transaction begun to be acknowledged once
-    /// applied: a transaction (read concern `snapshot`) begun just after a commit acknowledged
-    /// sooner may read a snapshot without it, as the transactional handler completing what a
-    /// fan-out handed out did (see `fan_out::completes_in_transaction`). Once a majority has
-    /// a write, every snapshot taken later holds it.
-    fn commit_for_majority(&mut self) {
-        self.for_majority = true;
     }
 }
 
@@ -329,10 +316,6 @@ impl StoreTransaction for MongoTx {
             match self.session.commit_transaction().await.map_err(StoreError::from) {
                 Ok(()) => {
                     self.claimer.settled(&self.settles);
-                    if self.for_majority {
-                        // Committed again, the driver asks for a majority (w: "majority").
-                        self.session.commit_transaction().await?;
-                    }
                     return Ok(());
                 }
                 Err(error) if error.server_code() == Some(MAX_TIME_MS_EXPIRED) => {
