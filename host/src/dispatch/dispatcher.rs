@@ -31,29 +31,28 @@
 //! A delivery whose host dies before its outcome is written is retried after its lease
 //! expires, so nothing is lost.
 //!
-//! One file, a little past 600 lines, because every step of the loop here (claim, start,
-//! settle, renew, stop) reads and changes the one `Flight` state; the pieces that need none of
-//! it live beside it: what a dispatcher is given (`runner`, `options`), the background fan-out
-//! (`fan_out_task`), the announcements, `completion`, `starts`, `sequence_watch` and `settle`.
+//! Every step of the loop here (claim, start, settle, renew, stop) reads and changes the one
+//! loop state (`flight.rs`); the pieces that need none of it live beside it: what a
+//! dispatcher is given (`runner`, `options`), the background fan-out (`fan_out_task`), the
+//! announcements, `completion`, `starts`, `sequence_watch` and `settle`.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeSet, BinaryHeap, HashMap};
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bson::DateTime;
 use tokio::sync::{Notify, Semaphore, mpsc};
-use tokio::task::{AbortHandle, JoinHandle};
 use tokio::time::Instant;
 
 use super::completion::{Completions, step_result};
-use super::fan_out_task::{FanOutTask, FannedOut, join_fan_out};
+use super::fan_out_task::{FanOutTask, join_fan_out};
+use super::flight::{Flight, Running};
 use super::options::{DispatcherCounters, DispatcherOptions};
 use super::runner::{HandlerSpec, RunResult, Runner};
 use super::announcements;
-use super::sequence_watch::SequenceWatch;
 use super::starts::StartRecorder;
 use super::{Settle, bury_with_dead_letter, decide};
 use crate::lane::LaneId;
@@ -69,72 +68,6 @@ pub struct Dispatcher<S: Store, R: Runner> {
     options: DispatcherOptions,
     wakeup: Arc<Notify>,
     counters: Arc<DispatcherCounters>,
-}
-
-struct Running {
-    lease: Lease,
-    renew: bool,
-    task: AbortHandle,
-}
-
-/// Loop state the settle and stop steps share.
-struct Flight<S: Store> {
-    /// Claimed deliveries, running or waiting for a run slot.
-    running: HashMap<DeliveryId, Running>,
-    /// Due times of retries this dispatcher scheduled, earliest first.
-    retry_timers: BinaryHeap<Reverse<Instant>>,
-    /// What the next step should look for. A claim costs several round trips, so the loop
-    /// claims only when something may have become claimable.
-    fan_out: bool,
-    claim: bool,
-    /// The last claim filled all the free capacity: more may be waiting.
-    backlog: bool,
-    /// The last fan-out handed out a full batch: the unfanned events behind it are fanned out
-    /// once there is capacity worth a claim, each batch handed out as a whole, instead of all
-    /// at once into deliveries left to claims (a hand-out costs a store less than a claim;
-    /// in MongoDB it writes no delivery document at all).
-    fan_out_waits: bool,
-    /// The fan-out running in the background, if any.
-    fanning: Option<JoinHandle<Result<FannedOut, StoreError>>>,
-    /// Its first batch, which may hand out, is under way.
-    fanning_hands_out: Arc<AtomicBool>,
-    /// Asks the background fan-out to end after its current batch (a stop).
-    stop_fanning: Arc<AtomicBool>,
-    /// Deliveries fan-outs handed out, started by the next dispatch step; those handed out
-    /// before their fan-out's commit with its word.
-    handed_out: Vec<(Vec<ClaimedDelivery>, Option<FanOutCommit>)>,
-    /// Lanes a fan-out just put a few new deliveries in: the next claim looks only there.
-    claim_lanes: BTreeSet<LaneId>,
-    /// Successful runs, completed in batches in the background.
-    completions: Completions<S>,
-    /// Finished runs whose outcome could not be written yet; still in `running`.
-    unsettled: Vec<(ClaimedDelivery, RunResult)>,
-    /// Records the starts of suspects claimed ahead, before they run.
-    starts: StartRecorder,
-    /// Reports keyed deliveries that start out of their key's sequence order.
-    sequences: SequenceWatch,
-}
-
-impl<S: Store> Flight<S> {
-    fn new(completions: Completions<S>, starts: StartRecorder) -> Self {
-        Self {
-            running: HashMap::new(),
-            retry_timers: BinaryHeap::new(),
-            fan_out: true,
-            claim: true,
-            backlog: false,
-            fan_out_waits: false,
-            fanning: None,
-            fanning_hands_out: Arc::default(),
-            stop_fanning: Arc::default(),
-            handed_out: Vec::new(),
-            claim_lanes: BTreeSet::new(),
-            completions,
-            unsettled: Vec::new(),
-            starts,
-            sequences: SequenceWatch::default(),
-        }
-    }
 }
 
 impl<S: Store, R: Runner> Dispatcher<S, R> {

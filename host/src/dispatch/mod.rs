@@ -10,6 +10,7 @@ mod completion;
 mod dead_letter;
 mod dispatcher;
 mod fan_out_task;
+mod flight;
 mod options;
 mod runner;
 mod sequence_watch;
