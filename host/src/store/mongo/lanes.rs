@@ -2,8 +2,8 @@
 //! set of them), on the claim, ordering and parked indexes. The `ClaimBackend` implementation
 //! in MongoDB: every primitive the shared claim calls, together, so that each can be checked
 //! against its contract in `store/claim/` and its twin in `store/memory/lanes.rs`; finding the
-//! heads of keys, which unparking and the scan share, is in `heads.rs`. That is why it is one
-//! file past 600 lines: one trait implementation, read beside the trait, primitive by primitive.
+//! heads of keys, which unparking and the scan share, is in `heads.rs`, and the filters and
+//! updates of lane documents that several primitives send are in `lane_statements.rs`.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 
@@ -14,6 +14,7 @@ use futures::future::try_join_all;
 use super::{Commit, MongoStore};
 use super::documents::{self, delivery, entry, in_flight_document, lane, lane_state};
 use super::{generations, unstored};
+use super::lane_statements::{free_lane, held_statement, take_lane, take_statement};
 use crate::death::Death;
 use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
 use crate::store::claim::MIN_ROWS_PER_LANE_QUERY;
@@ -35,79 +36,6 @@ fn generation_pairs(entries: &[InFlight]) -> Vec<(DeliveryId, i64)> {
 
 fn lane_ids(ids: impl IntoIterator<Item = LaneId>) -> Vec<i32> {
     ids.into_iter().map(i32::from).collect()
-}
-
-/// The filter of lane `id` while nobody holds it under a live lease at `now`.
-fn free_lane(id: LaneId, now: DateTime) -> Document {
-    doc! {
-        lane::ID: i32::from(id),
-        "$or": [{ lane::OWNER: Bson::Null }, { lane::LEASE_EXPIRES_AT: { "$lt": now } }],
-    }
-}
-
-/// The update that makes `holder` a lane's owner until `until`, at the next epoch, and lists
-/// `in_flight` in it if given.
-fn take_lane(holder: &Holder, until: DateTime, in_flight: Option<&[InFlight]>) -> Document {
-    let mut set = doc! { lane::OWNER: &holder.owner, lane::INSTANCE: &holder.instance, lane::LEASE_EXPIRES_AT: until };
-    if let Some(in_flight) = in_flight {
-        set.insert(lane::IN_FLIGHT, in_flight.iter().map(in_flight_document).collect::<Vec<Document>>());
-    }
-    doc! { "$set": set, "$inc": { lane::EPOCH: 1_i64 } }
-}
-
-/// A record that also takes its lane (see [`LaneRecord::takes_free_at`]).
-fn take_statement(holder: &Holder, record: &LaneRecord, now: DateTime) -> Document {
-    let mut filter = free_lane(record.lane, now);
-    filter.insert(lane::EPOCH, record.epoch - 1);
-    filter.insert(lane::IN_FLIGHT, doc! { "$size": 0 });
-    doc! { "q": filter, "u": take_lane(holder, record.lease_until, Some(&record.in_flight)) }
-}
-
-/// The records of lanes the holder holds, all in one statement: each lane is matched at its
-/// record's epoch and gets its record's list, with its lease extended to the record's end.
-/// `mongod` plans every statement of a write command on its own, and the 256 lane documents
-/// share a page, so a statement per lane cost about three times the writes themselves
-/// (measured: a hand-out writes a lane for most of its deliveries). The values are looked up
-/// by the lane's position in `ids`; the lists are literals, so an entry's strings (event ids,
-/// keys) are never read as field paths.
-///
-/// One lane's record (a hand-out of one event: the way from a commit to its handler) is a
-/// plain update instead, which `mongod` runs without evaluating a pipeline: about 0.1 ms less
-/// latency, measured (`docs/performance.md`).
-fn held_statement(holder: &Holder, records: &[&LaneRecord]) -> Option<Document> {
-    if records.is_empty() {
-        return None;
-    }
-    if let [record] = records {
-        return Some(doc! {
-            "q": { lane::ID: i32::from(record.lane), lane::OWNER: &holder.owner, lane::INSTANCE: &holder.instance, lane::EPOCH: record.epoch },
-            "u": {
-                "$set": { lane::IN_FLIGHT: record.in_flight.iter().map(in_flight_document).collect::<Vec<Document>>() },
-                "$max": { lane::LEASE_EXPIRES_AT: record.lease_until },
-            },
-        });
-    }
-    let ids: Vec<i32> = records.iter().map(|record| i32::from(record.lane)).collect();
-    let epochs: Vec<i64> = records.iter().map(|record| record.epoch).collect();
-    let untils: Vec<DateTime> = records.iter().map(|record| record.lease_until).collect();
-    let lists: Vec<Vec<Document>> =
-        records.iter().map(|record| record.in_flight.iter().map(in_flight_document).collect()).collect();
-    let of_lane = |values: Bson| doc! { "$arrayElemAt": [values, { "$indexOfArray": [&ids, format!("${}", lane::ID)] }] };
-    Some(doc! {
-        "q": {
-            lane::ID: { "$in": &ids },
-            lane::OWNER: &holder.owner,
-            lane::INSTANCE: &holder.instance,
-            "$expr": { "$eq": [format!("${}", lane::EPOCH), of_lane(Bson::from(epochs))] },
-        },
-        "u": [{
-            "$set": {
-                lane::IN_FLIGHT: of_lane(Bson::from(doc! { "$literal": lists })),
-                lane::LEASE_EXPIRES_AT: { "$max": [format!("${}", lane::LEASE_EXPIRES_AT), of_lane(Bson::from(untils))] },
-            },
-        }],
-        "multi": true,
-    })
 }
 
 impl Backend<'_> {

@@ -35,6 +35,7 @@ mod generations;
 mod heads;
 mod heard;
 mod hosts;
+mod lane_statements;
 mod lanes;
 mod operations;
 mod outcome;
