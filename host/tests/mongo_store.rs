@@ -1440,3 +1440,73 @@ async fn an_embedded_server_keeps_its_data_across_restarts_on_another_port() {
     second.stop();
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_open_transactions_of_a_host_that_stopped_announcing_itself_are_ended_once() {
+    // A killed host's open transaction keeps the documents it wrote locked until the server's
+    // transaction lifetime (15 s on the test server, a minute by default). Its client named
+    // itself in its announcement: a third of a lease after that lapsed, a live host ends its
+    // sessions. A live host's, or a host's that lapsed only just, stay open.
+    let lease = Duration::from_secs(3);
+    let own_name = format!("relayhost self-{}", fresh_database());
+    let fixture =
+        MongoFixture::with_options(StoreOptions { lease_duration: lease, client_app_name: Some(own_name), ..options() }).await;
+    let database = fixture.client.database(&fixture.database);
+    let projections = database.collection::<Document>("projections");
+    let hosts = database.collection::<Document>("relayhost_hosts");
+    let uri = relayhost::mongod::process_server().unwrap();
+    let now = bson::DateTime::now();
+    let shifted = |ms: i64| bson::DateTime::from_millis(now.timestamp_millis() + ms);
+    let lease_ms = lease.as_millis() as i64;
+    let mut open = Vec::new();
+    for (name, expires_at) in [("dead", shifted(-lease_ms)), ("alive", shifted(lease_ms)), ("recent", shifted(-1))] {
+        projections.insert_one(doc! { "_id": name }).await.unwrap();
+        let app_name = format!("relayhost {name}-{}", fixture.database);
+        let mut client_options = ClientOptions::parse(uri.to_string()).await.unwrap();
+        client_options.app_name = Some(app_name.clone());
+        let client = Client::with_options(client_options).unwrap();
+        let mut session = client.start_session().await.unwrap();
+        session.start_transaction().await.unwrap();
+        let theirs = client.database(&fixture.database).collection::<Document>("projections");
+        theirs.update_one(doc! { "_id": name }, doc! { "$set": { "by": name } }).session(&mut session).await.unwrap();
+        hosts.insert_one(doc! { "_id": format!("{name}/1"), "owner": name, "expiresAt": expires_at, "appName": app_name }).await.unwrap();
+        open.push((name, client, session));
+    }
+    // A lapsed host whose client had no name: nothing to end.
+    hosts.insert_one(doc! { "_id": "anonymous/1", "owner": "anonymous", "expiresAt": shifted(-lease_ms) }).await.unwrap();
+    // Whether a transaction may write the document now (a held one conflicts at once).
+    let free = async |id: &str| {
+        let mut session = fixture.client.start_session().await.unwrap();
+        session.start_transaction().await.unwrap();
+        let written = projections.update_one(doc! { "_id": id }, doc! { "$set": { "next": true } }).session(&mut session).await;
+        let _ = session.abort_transaction().await;
+        written.is_ok()
+    };
+    assert!(!free("dead").await && !free("alive").await && !free("recent").await, "every one is held before");
+
+    assert_eq!(fixture.store.announce(now).await.unwrap(), 2, "itself and the live host");
+    assert!(free("dead").await, "the dead host's transaction is ended");
+    assert!(!free("alive").await, "a live host's is not");
+    assert!(!free("recent").await, "nor one that lapsed less than a third of a lease ago");
+    let ended_at = |id: &str| {
+        let (hosts, id) = (hosts.clone(), id.to_string());
+        async move { hosts.find_one(doc! { "_id": id }).await.unwrap().unwrap().get_datetime("endedAt").ok().copied() }
+    };
+    assert_eq!(ended_at("dead/1").await, Some(now));
+    assert_eq!(ended_at("anonymous/1").await, None);
+
+    // Later, the one that lapsed just now is ended too; the dead one is not ended again.
+    let later = shifted(lease_ms / 3 + 1);
+    assert_eq!(fixture.store.announce(later).await.unwrap(), 2);
+    assert!(free("recent").await && !free("alive").await);
+    assert_eq!((ended_at("dead/1").await, ended_at("recent/1").await), (Some(now), Some(later)));
+    for (name, _client, mut session) in open {
+        let committed = session.commit_transaction().await;
+        assert_eq!(committed.is_ok(), name == "alive", "{name}: {committed:?}");
+    }
+    // A host ended while it was alive after all is live again at its next announcement.
+    let own = hosts.find_one(doc! { "owner": "test-worker" }).await.unwrap().unwrap().get_str("_id").unwrap().to_string();
+    hosts.update_one(doc! { "_id": &own }, doc! { "$set": { "endedAt": now } }).await.unwrap();
+    fixture.store.announce(later).await.unwrap();
+    assert_eq!(ended_at(&own).await, None);
+}

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use mongodb::Client;
+use mongodb::options::ClientOptions;
 use serde::{Deserialize, Serialize};
 
 use crate::config::MongoConfig;
@@ -36,6 +37,9 @@ struct EmbeddedState {
 pub struct MongoConnection {
     pub client: Client,
     pub uri: String,
+    /// The `appName` the client gives the server: `relayhost <id>`, unique to this process
+    /// (it replaces one the URI names), so that other hosts can end its sessions once it died.
+    pub app_name: String,
     owned: Option<(Mongod, PathBuf)>,
 }
 
@@ -72,8 +76,12 @@ impl MongoConnection {
     }
 
     async fn connect(uri: String, owned: Option<(Mongod, PathBuf)>) -> Result<Self, ConnectError> {
-        let client = Client::with_uri_str(&uri).await.map_err(|source| ConnectError::Connect { uri: uri.clone(), source })?;
-        Ok(Self { client, uri, owned })
+        let failed = |source| ConnectError::Connect { uri: uri.clone(), source };
+        let mut options = ClientOptions::parse(&uri).await.map_err(failed)?;
+        let app_name = format!("relayhost {}", bson::oid::ObjectId::new().to_hex());
+        options.app_name = Some(app_name.clone());
+        let client = Client::with_options(options).map_err(failed)?;
+        Ok(Self { client, uri, app_name, owned })
     }
 
     /// Stops the embedded server this process started (a no-op otherwise).

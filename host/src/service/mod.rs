@@ -54,6 +54,7 @@ pub fn store_for(config: &Config, connection: &MongoConnection) -> Result<MongoS
         lease_duration: config.host.lease.0,
         completion_history: config.host.completion_history,
         transaction_budget: transaction_budget(config),
+        client_app_name: Some(connection.app_name.clone()),
         ..StoreOptions::default()
     };
     Ok(MongoStore::new(connection.client.clone(), location, options))

@@ -70,6 +70,11 @@ pub struct StoreOptions {
     pub max_payload_bytes: usize,
     /// Time a transaction may take from start to commit before it is aborted.
     pub transaction_budget: Duration,
+    /// The `appName` this store's MongoDB client gives the server, unique to its process
+    /// (`relayhost run` sets one). Announced with the host, it lets the other hosts end this
+    /// process's open transactions should it die (see `mongo/hosts.rs`); `None`: they wait
+    /// for the server's transaction lifetime instead.
+    pub client_app_name: Option<String>,
 }
 
 impl Default for StoreOptions {
@@ -81,6 +86,7 @@ impl Default for StoreOptions {
             purge_batch_size: 500,
             max_payload_bytes: crate::event::DEFAULT_MAX_PAYLOAD_BYTES,
             transaction_budget: Duration::from_secs(5),
+            client_app_name: None,
         }
     }
 }
