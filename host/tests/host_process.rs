@@ -489,6 +489,54 @@ async fn an_event_that_kills_its_host_every_time_goes_dead_after_max_attempts_de
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_hosts_open_transaction_is_ended_by_another_host_long_before_the_servers_lifetime() {
+    // Its transactional handler wrote a projection's document and hangs (its first attempt
+    // only); its host is killed. The server would keep that transaction, and its lock on the
+    // document, for its transaction lifetime (15 s on the test server, a minute by default),
+    // and the delivery's next attempt would meet the lock until then. The other host ends the
+    // dead one's sessions once its announcement lapsed, well within the 2 s lease after which
+    // it takes the lane over and runs the delivery again.
+    let extra = "lease = \"2s\"\npoll_interval = \"200ms\"\n\n\
+                 [plugin.hostile]\nwall_time = \"60s\"\ngrants = { collections = [\"projection\"] }";
+    let deployment = Deployment::new(&["hostile"], extra).await;
+    let projection = deployment.collection("projection");
+    projection.insert_one(doc! { "_id": "held", "runs": 0 }).await.unwrap();
+    let hosts = [deployment.start("a"), deployment.start("b")];
+    let published = deployment.relayhost(&["publish", "--type", "hold", "--id", "hold-1", "--payload", "{\"target\": \"projection\"}"]);
+    assert!(published.status.success(), "{}", stdout(&published));
+    // Running where a lane lists it as started; its write comes first thing.
+    let (deliveries, lanes) = (deployment.collection("relayhost_deliveries"), deployment.collection("relayhost_lanes"));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let owner = loop {
+        if let Some(delivery) = deliveries.find_one(doc! { "eventId": "hold-1" }).await.unwrap() {
+            let running = doc! { "inFlight": { "$elemMatch": { "d": delivery.get("_id").unwrap(), "s": { "$ne": false } } } };
+            if let Some(lane) = lanes.find_one(running).await.unwrap() {
+                break lane.get_str("owner").unwrap().to_string();
+            }
+        }
+        assert!(Instant::now() < deadline, "neither host ran it:\n{}\n{}", hosts[0].log(), hosts[1].log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let holding = hosts.iter().position(|host| owner.ends_with(&format!(":{}", host.child.id()))).expect("one of the two");
+    let [a, b] = hosts;
+    let (killed, survivor) = if holding == 0 { (a, b) } else { (b, a) };
+    let killed_at = Instant::now();
+    killed.signal(libc::SIGKILL);
+    assert!(!killed.wait(Duration::from_secs(10)));
+    deployment
+        .wait_until("the next attempt wrote the document", Duration::from_secs(60), async |d| {
+            d.collection("projection").find_one(doc! { "_id": "held", "runs": 1 }).await.unwrap().is_some()
+        })
+        .await;
+    let took = killed_at.elapsed();
+    assert!(survivor.log().contains("ended its open sessions"), "{}", survivor.log());
+    assert!(took < Duration::from_secs(10), "the lock was held {took:?} after the kill:\n{}", survivor.log());
+    deployment.wait_until("it is completed", Duration::from_secs(30), async |d| d.drained().await).await;
+    survivor.stop();
+}
+
 // ---- graceful stop ----
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -58,6 +58,9 @@ impl Plugin for Hostile {
         subscriptions.push(Subscription::new("rerun", ["rerun"]).transactional());
         // Reads everything of the target collection (up to 1,000 documents).
         subscriptions.push(Subscription::new("find-all", ["find-all"]).transactional());
+        // Counts its run in the target's `held` document, then, on its first attempt, never
+        // returns: the tests kill its host while its transaction holds that document.
+        subscriptions.push(Subscription::new("hold", ["hold"]).transactional());
         subscriptions
     }
 
@@ -130,6 +133,14 @@ impl Plugin for Hostile {
                 transaction::find(&target, "{}", 1).map(|_| ()).map_err(Failure::retry)
             }
             "find-all" => transaction::find(&target, "{}", 1_000).map(|found| log::info(&format!("found {}", found.len()))).map_err(blocked),
+            "hold" => {
+                transaction::update(&target, r#"{"_id": "held"}"#, r#"{"$inc": {"runs": 1}}"#).map_err(Failure::retry)?;
+                if context.attempt == 1 {
+                    log::info("holding the document");
+                    std::thread::sleep(std::time::Duration::from_secs(3_600));
+                }
+                Ok(())
+            }
             "hang" if payload["hang"] == Value::Bool(false) => Ok(()),
             "hang" => {
                 std::thread::sleep(std::time::Duration::from_secs(3_600));
