@@ -502,7 +502,10 @@ async fn a_killed_hosts_open_transaction_is_ended_by_another_host_long_before_th
     let deployment = Deployment::new(&["hostile"], extra).await;
     let projection = deployment.collection("projection");
     projection.insert_one(doc! { "_id": "held", "runs": 0 }).await.unwrap();
-    let hosts = [deployment.start("a"), deployment.start("b")];
+    let health: Vec<std::net::SocketAddr> =
+        (0..2).map(|_| format!("127.0.0.1:{}", relayhost::mongod::free_port().unwrap()).parse().unwrap()).collect();
+    let start = |name: &str, at: usize| deployment.start_with(name, &[("RELAYHOST_HOST_HEALTH_LISTEN", &health[at].to_string())]);
+    let hosts = [start("a", 0), start("b", 1)];
     let published = deployment.relayhost(&["publish", "--type", "hold", "--id", "hold-1", "--payload", "{\"target\": \"projection\"}"]);
     assert!(published.status.success(), "{}", stdout(&published));
     // Running where a lane lists it as started; its write comes first thing.
@@ -522,6 +525,7 @@ async fn a_killed_hosts_open_transaction_is_ended_by_another_host_long_before_th
     let holding = hosts.iter().position(|host| owner.ends_with(&format!(":{}", host.child.id()))).expect("one of the two");
     let [a, b] = hosts;
     let (killed, survivor) = if holding == 0 { (a, b) } else { (b, a) };
+    let survivor_health = health[1 - holding];
     let killed_at = Instant::now();
     killed.signal(libc::SIGKILL);
     assert!(!killed.wait(Duration::from_secs(10)));
@@ -533,6 +537,9 @@ async fn a_killed_hosts_open_transaction_is_ended_by_another_host_long_before_th
     let took = killed_at.elapsed();
     assert!(survivor.log().contains("ended its open sessions"), "{}", survivor.log());
     assert!(took < Duration::from_secs(10), "the lock was held {took:?} after the kill:\n{}", survivor.log());
+    let (_, metrics) = http_get(survivor_health, "/metrics");
+    let ended = metrics.lines().find_map(|line| line.strip_prefix("relayhost_dead_hosts_sessions_ended_total "));
+    assert!(ended.and_then(|n| n.parse::<u64>().ok()).is_some_and(|n| n >= 1), "counted: {metrics}");
     deployment.wait_until("it is completed", Duration::from_secs(30), async |d| d.drained().await).await;
     survivor.stop();
 }

@@ -1485,6 +1485,7 @@ async fn the_open_transactions_of_a_host_that_stopped_announcing_itself_are_ende
     assert!(!free("dead").await && !free("alive").await && !free("recent").await, "every one is held before");
 
     assert_eq!(fixture.store.announce(now).await.unwrap(), 2, "itself and the live host");
+    assert_eq!(fixture.store.dead_hosts_sessions_ended(), 1, "counted for /metrics");
     assert!(free("dead").await, "the dead host's transaction is ended");
     assert!(!free("alive").await, "a live host's is not");
     assert!(!free("recent").await, "nor one that lapsed less than a third of a lease ago");
@@ -1499,6 +1500,7 @@ async fn the_open_transactions_of_a_host_that_stopped_announcing_itself_are_ende
     let later = shifted(lease_ms / 3 + 1);
     assert_eq!(fixture.store.announce(later).await.unwrap(), 2);
     assert!(free("recent").await && !free("alive").await);
+    assert_eq!(fixture.store.dead_hosts_sessions_ended(), 2);
     assert_eq!((ended_at("dead/1").await, ended_at("recent/1").await), (Some(now), Some(later)));
     for (name, _client, mut session) in open {
         let committed = session.commit_transaction().await;

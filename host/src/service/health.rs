@@ -121,6 +121,11 @@ impl HealthState {
             "# HELP relayhost_lanes_waiting_for_charge Lanes taken over whose previous holder's deliveries could not be charged yet\n# TYPE relayhost_lanes_waiting_for_charge gauge"
         );
         let _ = writeln!(out, "relayhost_lanes_waiting_for_charge {waiting}");
+        let _ = writeln!(
+            out,
+            "# HELP relayhost_dead_hosts_sessions_ended_total Sessions of hosts that stopped announcing themselves this host ended (their open transactions held locks)\n# TYPE relayhost_dead_hosts_sessions_ended_total counter"
+        );
+        let _ = writeln!(out, "relayhost_dead_hosts_sessions_ended_total {}", self.store.dead_hosts_sessions_ended());
         let statistics = self
             .statistics
             .get_or_refresh(|| async {

@@ -116,7 +116,10 @@ async fn end_lapsed(store: &MongoStore, lapsed: Vec<Lapsed>, now: DateTime) {
         }
         match end_sessions(&store.client.database("admin"), &host.app_name).await {
             Ok(0) => {}
-            Ok(ended) => tracing::warn!(host = %host.id, sessions = ended, "a host stopped announcing itself; ended its open sessions"),
+            Ok(ended) => {
+                store.dead_hosts_sessions_ended.fetch_add(ended as u64, std::sync::atomic::Ordering::Relaxed);
+                tracing::warn!(host = %host.id, sessions = ended, "a host stopped announcing itself; ended its open sessions");
+            }
             Err(error) => tracing::warn!(
                 %error,
                 host = %host.id,

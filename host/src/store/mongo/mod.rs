@@ -47,6 +47,7 @@ mod wakeup;
 pub use wakeup::EventWakeups;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bson::{DateTime, Document};
@@ -146,6 +147,8 @@ pub struct MongoStore {
     heard: Arc<heard::Heard>,
     /// Whether a fan-out tries its plain mark first (see `fan_out`).
     plain_marks: Arc<fan_out::PlainMarks>,
+    /// Sessions of hosts that stopped announcing themselves this instance ended (see `hosts`).
+    dead_hosts_sessions_ended: Arc<AtomicU64>,
     options: StoreOptions,
     location: MongoLocation,
 }
@@ -175,7 +178,17 @@ impl MongoStore {
         let publisher =
             Publisher::new(&database, &location.collection_prefix).with_max_payload_bytes(options.max_payload_bytes);
         let claimer = Arc::new(Claimer::new(&options.owner, options.lease_duration));
-        Self { client, collections, publisher, claimer, heard: Arc::default(), plain_marks: Arc::default(), options, location }
+        Self {
+            client,
+            collections,
+            publisher,
+            claimer,
+            heard: Arc::default(),
+            plain_marks: Arc::default(),
+            dead_hosts_sessions_ended: Arc::default(),
+            options,
+            location,
+        }
     }
 
     /// Another claimer on the same collections (a second worker in this process).
@@ -215,6 +228,12 @@ impl MongoStore {
     /// left in flight (a `/metrics` gauge: it should be 0 but for moments).
     pub fn lanes_waiting_for_charge(&self) -> usize {
         self.claimer.lanes_waiting_for_charge()
+    }
+
+    /// Sessions of hosts that stopped announcing themselves this instance ended (a `/metrics`
+    /// counter: each dead host's open transactions, see `hosts`).
+    pub fn dead_hosts_sessions_ended(&self) -> u64 {
+        self.dead_hosts_sessions_ended.load(Ordering::Relaxed)
     }
 
     /// The publisher writing into this store's events collection.
