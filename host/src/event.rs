@@ -38,6 +38,11 @@ pub mod field {
     /// The fan-out that marked it, when that mark was no transaction (MongoDB): racing
     /// fan-outs tell by it which events each marked.
     pub const FAN_OUT: &str = "fanOut";
+    /// Handlers whose run of it may have killed its host before it was fanned out: a
+    /// takeover found the run listed as started and the event unfanned (its fan-out's
+    /// transaction never committed). Its fan-out gives their deliveries documents, suspect,
+    /// for a claim, which records a run's start before it runs.
+    pub const SUSPECTS: &str = "suspects";
 }
 
 /// Longest event id, in characters.

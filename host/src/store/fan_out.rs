@@ -36,6 +36,9 @@ pub(crate) struct NewDelivery {
     /// by a claim, and the claim after that predecessor is settled takes it as its key's head
     /// without looking the key up (see `Unpark::Keys`).
     pub behind: Option<DeliveryId>,
+    /// Its event names its handler among [`field::SUSPECTS`]: never handed out by its fan-out,
+    /// it gets a document, suspect, so that its start is recorded before it runs.
+    pub suspect: bool,
 }
 
 /// An event to mark fanned out, with the handlers its list gains.
@@ -155,6 +158,10 @@ pub(crate) fn plan(batch: &[Document], subscriptions: &Subscriptions) -> FanOutP
             _ => Vec::new(),
         };
         let listed: HashSet<&str> = listed_in_order.iter().copied().collect();
+        let suspects: HashSet<&str> = match doc.get(field::SUSPECTS) {
+            Some(Bson::Array(handlers)) => handlers.iter().filter_map(Bson::as_str).collect(),
+            _ => HashSet::new(),
+        };
         let size = crate::event::check_document_size(doc);
         if size.is_err() {
             plan.oversized.push(doc.clone());
@@ -195,6 +202,7 @@ pub(crate) fn plan(batch: &[Document], subscriptions: &Subscriptions) -> FanOutP
                 lane: lane_for_event(&event_id, key.as_deref()),
                 dead_reason: dead_reason.clone(),
                 behind: None,
+                suspect: suspects.contains(handler.as_str()),
             };
             let delivery = match (&delivery.key, &delivery.dead_reason) {
                 (Some(key), None) => {
@@ -268,7 +276,7 @@ pub(crate) fn fresh(plan: &FanOutPlan, batch: &[Document], budget: Capacity, idl
     };
     plan.deliveries
         .iter()
-        .filter(|d| d.dead_reason.is_none() && may_run(d))
+        .filter(|d| d.dead_reason.is_none() && !d.suspect && may_run(d))
         .filter_map(|d| {
             let event_id = id_text(&d.event_id);
             let event = EventRecord::from_document(events.get(&event_id)?).ok()?;

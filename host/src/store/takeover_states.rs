@@ -1,12 +1,13 @@
 //! The states crashes and races leave in lanes' in-flight lists, and what a takeover makes of
 //! them, against both stores: the same delivery listed in two lanes and twice in one, the
 //! entries of a fan-out that lost the race for its event (naming a delivery that never
-//! existed) beside the winner's when both holders die together, and a death with a full
-//! claim-ahead, where only what had started is charged. Each must end with every delivery
-//! run once more and nothing waiting.
+//! existed) beside the winner's when both holders die together, a death with a full
+//! claim-ahead, where only what had started is charged, and a death while a run handed out
+//! before its fan-out committed, which never did. Each must end with every delivery run once
+//! more and nothing waiting.
 
 use bson::oid::ObjectId;
-use bson::{DateTime, doc};
+use bson::{Bson, DateTime, doc};
 
 use super::claim::{ClaimBackend, HandOutOf, InFlight, LaneRecord, LaneWrite};
 use super::claim_faults::{Parts, T0, both_stores, mongo_store, options};
@@ -27,6 +28,7 @@ const LATER: i64 = T0 + 31_000;
 both_stores!(a_delivery_listed_in_two_lanes_and_twice_in_one_is_charged_once, listed_twice);
 both_stores!(two_holders_dying_after_a_racing_fan_out_charge_only_the_delivery_that_exists, racing_fan_outs_then_two_deaths);
 both_stores!(a_death_with_a_full_claim_ahead_charges_only_what_had_started, full_claim_ahead);
+both_stores!(a_run_its_host_died_in_before_its_fan_out_committed_is_recorded_before_it_runs_again, died_before_the_fan_out_committed);
 
 fn handlers() -> Vec<String> {
     vec!["h".to_string()]
@@ -166,4 +168,39 @@ async fn full_claim_ahead<S: Store + Parts>(a: &S, b: &S, _c: &S) {
     let leases: Vec<_> = again.iter().map(|c| c.lease).collect();
     b.complete_many(&leases, at(later)).await.unwrap();
     drain(b, later + 2).await;
+}
+
+async fn died_before_the_fan_out_committed<S: Store + Parts>(a: &S, b: &S, c: &S) {
+    publish(a, ["e-1".to_string()]).await;
+    // a handed e-1 out before its fan-out's commit (listed as started, without a document)
+    // and died, perhaps of the run, before the fan-out committed: the event is unfanned.
+    let (backend_a, claimer_a) = a.parts();
+    let entry = InFlight {
+        delivery: ObjectId::new(),
+        claims: 0,
+        handler: "h".to_string(),
+        key: None,
+        unstored: Some(HandOutOf { event: Bson::String("e-1".to_string()), fan_out: Some(ObjectId::new()) }),
+        started: true,
+    };
+    let lane = crate::lane::lane_for_event("e-1", None);
+    let lists = [(lane, vec![entry])];
+    let listed = backend_a.take_listing(&lists, &claimer_a.holder, at(T0), at(T0 + 30_000), LaneWrite::Applied);
+    assert_eq!(listed.await.unwrap().len(), 1);
+
+    // b takes the lane over: nothing exists to charge or run, and the lane does not stall.
+    assert!(b.claim_in(&handlers(), &[lane], 10, at(LATER)).await.unwrap().is_empty());
+    // Fanned out again, it is not handed out before a durable record of its start (it might
+    // kill its host again): it gets a document, suspect, for a claim.
+    let fanned = b.fan_out(&subscriptions(), 10, 10, at(LATER)).await.unwrap();
+    assert_eq!((fanned.events, fanned.claimed.len()), (1, 0), "created, not handed out");
+    let claimed = b.claim(&handlers(), Capacity::new(10, 1), at(LATER)).await.unwrap();
+    assert_eq!(claimed.len(), 1);
+    assert!(claimed[0].suspect && claimed[0].started && claimed[0].attempts == 0, "{:?}", claimed[0]);
+
+    // b dies running it: this death is charged.
+    let again = c.claim(&handlers(), 10, at(LATER + 31_000)).await.unwrap();
+    assert_eq!(again.iter().map(|c| (c.event.id.as_str(), c.attempts)).collect::<Vec<_>>(), [("e-1", 1)]);
+    c.complete_many(&[again[0].lease], at(LATER + 31_000)).await.unwrap();
+    drain(c, LATER + 31_001).await;
 }

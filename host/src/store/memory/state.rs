@@ -121,7 +121,7 @@ impl State {
 
     /// Inserts the records of the plan's deliveries that `wanted`.
     pub(super) fn insert_deliveries(&mut self, plan: &FanOutPlan, wanted: impl Fn(&DeliveryId) -> bool, now: DateTime) {
-        for NewDelivery { id, event_id, event_type, handler, key, sequence, lane, dead_reason, behind } in
+        for NewDelivery { id, event_id, event_type, handler, key, sequence, lane, dead_reason, behind, suspect } in
             plan.deliveries.iter().filter(|d| wanted(&d.id))
         {
             let dead = dead_reason.is_some();
@@ -149,7 +149,7 @@ impl State {
                     updated_at: dead.then_some(now),
                     requeued_at: None,
                     last_error: dead_reason.clone(),
-                    suspect: false,
+                    suspect: *suspect,
                     behind: *behind,
                 },
             );

@@ -117,6 +117,9 @@ pub(super) fn new_delivery_document(new: &NewDelivery, now: DateTime) -> Documen
     if let Some(behind) = new.behind {
         document.insert(delivery::BEHIND, behind);
     }
+    if new.suspect {
+        document.insert(delivery::SUSPECT, true);
+    }
     if let Some(reason) = &new.dead_reason {
         document.insert(delivery::LAST_ERROR, reason);
         document.insert(delivery::UPDATED_AT, now);
