@@ -204,3 +204,40 @@ async fn died_before_the_fan_out_committed<S: Store + Parts>(a: &S, b: &S, c: &S
     c.complete_many(&[again[0].lease], at(LATER + 31_000)).await.unwrap();
     drain(c, LATER + 31_001).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_fan_outs_transaction_still_holding_its_event_does_not_hold_the_takeover_up() {
+    // In MongoDB the dead host's fan-out transaction holds the event it marked until its
+    // session is ended (see `mongo/hosts.rs`): the takeover does not wait for it, and the
+    // event is named suspect once it is free.
+    let a = mongo_store().await;
+    let b = a.instance("b");
+    publish(&a, ["e-1".to_string()]).await;
+    let events = a.events_collection();
+    let mut dead = events.client().start_session().await.unwrap();
+    dead.start_transaction().await.unwrap();
+    let mark = doc! { "$set": { "fannedOutAt": at(T0), "handedOut": ["h"], "handlers": ["h"] } };
+    events.update_one(doc! { "_id": "e-1" }, mark).session(&mut dead).await.unwrap();
+    let (backend_a, claimer_a) = a.parts();
+    let entry = InFlight {
+        delivery: ObjectId::new(),
+        claims: 0,
+        handler: "h".to_string(),
+        key: None,
+        unstored: Some(HandOutOf { event: Bson::String("e-1".to_string()), fan_out: Some(ObjectId::new()) }),
+        started: true,
+    };
+    let lane = crate::lane::lane_for_event("e-1", None);
+    let lists = [(lane, vec![entry])];
+    let listed = backend_a.take_listing(&lists, &claimer_a.holder, at(T0), at(T0 + 30_000), LaneWrite::Applied);
+    assert_eq!(listed.await.unwrap().len(), 1);
+
+    assert!(b.claim_in(&handlers(), &[lane], 10, at(LATER)).await.unwrap().is_empty());
+    assert_eq!(b.parts().1.lanes_waiting_for_charge(), 0, "the charge did not wait for the transaction");
+    dead.abort_transaction().await.unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while events.find_one(doc! { "_id": "e-1", "suspects": "h" }).await.unwrap().is_none() {
+        assert!(std::time::Instant::now() < deadline, "the event is named suspect once the transaction ended");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}

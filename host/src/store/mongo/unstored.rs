@@ -17,6 +17,7 @@
 //! [`Candidate::unstored`]: crate::store::claim::Candidate::unstored
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::Duration;
 
 use bson::oid::ObjectId;
 use bson::{Bson, DateTime, Document, doc};
@@ -67,7 +68,7 @@ pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], charge: C
     if entries.is_empty() {
         return Ok(());
     }
-    transaction!(store, |tx| {
+    let suspects = transaction!(store, |tx| {
         let session = tx.session();
         let ids: Vec<Bson> = entries.iter().map(|entry| entry.event.clone()).collect();
         let (events, deliveries) = (&store.collections.events, &store.collections.deliveries);
@@ -88,6 +89,7 @@ pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], charge: C
         let mut statements = Vec::new();
         let mut documents = Vec::new();
         let mut unlisted = Vec::new();
+        let mut suspects = Vec::new();
         for entry in entries {
             let listed = events.get(&id_text(&entry.event)).filter(|event| entry.named_by(event));
             let Some(event) = listed else {
@@ -97,7 +99,7 @@ pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], charge: C
                 if charge == Charge::Takeover && entry.started && unfanned {
                     // Started before its fan-out committed, which it never did: see `suspect`.
                     // (Unless the snapshot is behind that commit: then the check below fails.)
-                    statements.push(suspect(entry));
+                    suspects.push(entry.clone());
                 }
                 unlisted.push(entry.clone());
                 continue;
@@ -144,27 +146,50 @@ pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], charge: C
         if !unfinished(store, &unlisted).await?.is_empty() {
             return Err(StoreError::SnapshotBehind("a delivery without a document to materialize".into()));
         }
-        if statements.is_empty() {
-            return Ok(());
+        if !statements.is_empty() {
+            generations::update_each(store, store.collections.events.name(), statements, WriteIn::Transaction(&mut *session))
+                .await?;
         }
-        generations::update_each(store, store.collections.events.name(), statements, WriteIn::Transaction(&mut *session))
-            .await?;
         if !documents.is_empty() {
             store.collections.deliveries.insert_many(documents).session(&mut *session).await?;
         }
-        Ok(())
-    })
+        Ok(suspects)
+    })?;
+    suspect(store, suspects).await;
+    Ok(())
 }
 
-/// Names the entry's handler among its event's [`field::SUSPECTS`] while the event is unfanned:
-/// its run was handed out before its fan-out committed, and its host died with the fan-out
-/// uncommitted, perhaps of the run. Nothing names that run to charge; its next one must be
-/// recorded as started before it starts, so that a crash loop is charged from its next death.
-fn suspect(entry: &Entry) -> Document {
-    doc! {
-        "q": { field::ID: entry.event.clone(), field::FANNED_OUT_AT: Bson::Null },
-        "u": { "$addToSet": { field::SUSPECTS: &entry.handler } },
-        "hint": { field::ID: 1 },
+/// How long a takeover waits for its [`suspect`] writes before it leaves them to land on
+/// their own.
+const SUSPECT_WAIT: Duration = Duration::from_millis(250);
+
+/// Names each entry's handler among its event's [`field::SUSPECTS`] while the event is
+/// unfanned: its run was handed out before its fan-out committed, and its host died with the
+/// fan-out uncommitted, perhaps of the run. Nothing names that run to charge; its next one must
+/// be recorded as started before it starts, so that a crash loop is charged from its next death.
+///
+/// After the takeover's transaction, not in it: until the dead host's transaction is ended
+/// (see `hosts`), it holds the event, and a write waits for it. The takeover waits for these
+/// a moment, then leaves them to land when it ends (each applies only to an unfanned event).
+async fn suspect(store: &MongoStore, entries: Vec<Entry>) {
+    if entries.is_empty() {
+        return;
+    }
+    let mut by_handler: BTreeMap<String, Vec<Bson>> = BTreeMap::new();
+    for entry in entries {
+        by_handler.entry(entry.handler).or_default().push(entry.event);
+    }
+    let events = store.collections.events.clone();
+    let mut writes = tokio::spawn(async move {
+        for (handler, ids) in by_handler {
+            let filter = doc! { field::ID: { "$in": ids }, field::FANNED_OUT_AT: Bson::Null };
+            if let Err(error) = events.update_many(filter, doc! { "$addToSet": { field::SUSPECTS: &handler } }).await {
+                tracing::warn!(%error, %handler, "marking the events of runs lost before their fan-out committed failed");
+            }
+        }
+    });
+    if tokio::time::timeout(SUSPECT_WAIT, &mut writes).await.is_err() {
+        tracing::debug!("a takeover's suspect events wait for a dead host's transaction; left to land on their own");
     }
 }
 
