@@ -12,7 +12,9 @@
 //! so that the ordinary fenced outcomes apply from there. Both conditions are on the event
 //! document, so of a completion and a materialization only the first changes anything. It
 //! must never write a document for a handler the list no longer names (that delivery was
-//! completed, or has its document already).
+//! completed, or has its document already). A takeover's entry whose event was never fanned
+//! out (its fan-out's transaction died with its host) makes the event suspect instead (see
+//! [`suspect`]).
 //!
 //! [`Candidate::unstored`]: crate::store::claim::Candidate::unstored
 
