@@ -12,7 +12,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use bson::oid::ObjectId;
 use bson::{Bson, DateTime, Document};
 
-use super::claim::{Candidate, Fresh, HandOutOf, HandlerKey};
+use super::claim::{Candidate, EventOf, Fresh, HandOutOf, HandlerKey};
 use super::{Capacity, ClaimedDelivery, DeliveryId, MALFORMED_EVENT_HANDLER, Subscriptions};
 use crate::death::Death;
 pub(crate) use crate::event::{id_text, string_key};
@@ -292,6 +292,7 @@ pub(crate) fn fresh(plan: &FanOutPlan, batch: &[Document], budget: Capacity, idl
                 unstored: None,
                 started: false,
                 suspect: false,
+                before_commit: d.key.is_some().then(|| EventOf(d.event_id.clone())),
             };
             Some(Fresh { candidate, event })
         })

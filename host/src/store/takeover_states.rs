@@ -9,7 +9,7 @@
 use bson::oid::ObjectId;
 use bson::{Bson, DateTime, doc};
 
-use super::claim::{ClaimBackend, HandOutOf, InFlight, LaneRecord, LaneWrite};
+use super::claim::{ClaimBackend, EventOf, HandOutOf, InFlight, LaneRecord, LaneWrite};
 use super::claim_faults::{Parts, T0, both_stores, mongo_store, options};
 use super::memory::MemoryStore;
 use super::{
@@ -29,6 +29,7 @@ both_stores!(a_delivery_listed_in_two_lanes_and_twice_in_one_is_charged_once, li
 both_stores!(two_holders_dying_after_a_racing_fan_out_charge_only_the_delivery_that_exists, racing_fan_outs_then_two_deaths);
 both_stores!(a_death_with_a_full_claim_ahead_charges_only_what_had_started, full_claim_ahead);
 both_stores!(a_run_its_host_died_in_before_its_fan_out_committed_is_recorded_before_it_runs_again, died_before_the_fan_out_committed);
+both_stores!(a_keyed_run_its_host_died_in_before_its_fan_out_committed_is_recorded_before_it_runs_again, keyed_died_before_the_fan_out_committed);
 
 fn handlers() -> Vec<String> {
     vec!["h".to_string()]
@@ -171,19 +172,36 @@ async fn full_claim_ahead<S: Store + Parts>(a: &S, b: &S, _c: &S) {
 }
 
 async fn died_before_the_fan_out_committed<S: Store + Parts>(a: &S, b: &S, c: &S) {
-    publish(a, ["e-1".to_string()]).await;
-    // a handed e-1 out before its fan-out's commit (listed as started, without a document)
-    // and died, perhaps of the run, before the fan-out committed: the event is unfanned.
+    lost_before_the_fan_out_committed(a, b, c, None).await;
+}
+
+async fn keyed_died_before_the_fan_out_committed<S: Store + Parts>(a: &S, b: &S, c: &S) {
+    lost_before_the_fan_out_committed(a, b, c, Some("k")).await;
+}
+
+/// A hand-out's run (unkeyed, without a document; or the head of `key`, whose document comes
+/// with the commit) listed as started, its host dead before its fan-out committed.
+async fn lost_before_the_fan_out_committed<S: Store + Parts>(a: &S, b: &S, c: &S, key: Option<&str>) {
+    let event = NewEvent::new("e-1", "t", doc! {});
+    let event = match key {
+        Some(key) => event.with_key(key),
+        None => event,
+    };
+    run_in_transaction(a, async |tx| a.publish(tx, &event).await).await.unwrap();
+    // a handed e-1 out before its fan-out's commit and died, perhaps of the run, before the
+    // fan-out committed: the event is unfanned.
     let (backend_a, claimer_a) = a.parts();
+    let id = Bson::String("e-1".to_string());
     let entry = InFlight {
         delivery: ObjectId::new(),
         claims: 0,
         handler: "h".to_string(),
-        key: None,
-        unstored: Some(HandOutOf { event: Bson::String("e-1".to_string()), fan_out: Some(ObjectId::new()) }),
+        key: key.map(str::to_string),
+        unstored: key.is_none().then(|| HandOutOf { event: id.clone(), fan_out: Some(ObjectId::new()) }),
         started: true,
+        before_commit: key.is_some().then(|| EventOf(id.clone())),
     };
-    let lane = crate::lane::lane_for_event("e-1", None);
+    let lane = crate::lane::lane_for_event("e-1", key);
     let lists = [(lane, vec![entry])];
     let listed = backend_a.take_listing(&lists, &claimer_a.holder, at(T0), at(T0 + 30_000), LaneWrite::Applied);
     assert_eq!(listed.await.unwrap().len(), 1);
@@ -226,6 +244,7 @@ async fn a_dead_fan_outs_transaction_still_holding_its_event_does_not_hold_the_t
         key: None,
         unstored: Some(HandOutOf { event: Bson::String("e-1".to_string()), fan_out: Some(ObjectId::new()) }),
         started: true,
+        before_commit: None,
     };
     let lane = crate::lane::lane_for_event("e-1", None);
     let lists = [(lane, vec![entry])];

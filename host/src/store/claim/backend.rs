@@ -25,6 +25,8 @@ pub(crate) struct InFlight {
     /// it has (see [`Claimer::record_starts`]): a takeover charges an attempt for these
     /// only. A delivery claimed ahead of a free run slot is listed unstarted.
     pub started: bool,
+    /// See [`Candidate::before_commit`].
+    pub before_commit: Option<EventOf>,
 }
 
 /// What names a delivery handed out without a document: its event's `_id` as stored
@@ -40,6 +42,12 @@ pub(crate) struct HandOutOf {
 
 // Ids are compared as documents compare them in the store: by type and value.
 impl Eq for HandOutOf {}
+
+/// An event's `_id` as stored (publishers choose its type), compared by type and value.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct EventOf(pub Bson);
+
+impl Eq for EventOf {}
 
 /// A lane document.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -84,6 +92,12 @@ pub(crate) struct Candidate {
     /// [`ClaimedDelivery::suspect`]), so that a delivery that kills its host is charged at
     /// every death but its first.
     pub suspect: bool,
+    /// Set for a keyed delivery its fan-out hands out: its event's id. Its document comes
+    /// with the fan-out's commit, which its run may start before; a takeover that finds the
+    /// run listed as started and the event unfanned names the event suspect for its handler
+    /// (as for a delivery without a document), so that its next run is recorded as started
+    /// before it starts.
+    pub before_commit: Option<EventOf>,
 }
 
 impl Candidate {
@@ -96,6 +110,7 @@ impl Candidate {
             key: self.key.clone(),
             unstored: self.unstored.clone(),
             started: self.started,
+            before_commit: self.before_commit.clone(),
         }
     }
 

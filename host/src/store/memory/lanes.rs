@@ -13,7 +13,7 @@ use super::unstored::{Charge, Entry};
 use super::{LaneKind, State};
 use crate::death::Death;
 use crate::lane::LaneId;
-use crate::store::claim::{Candidate, ClaimBackend, HandlerKey, Holder, InFlight, LaneRecord, LaneState, LaneWrite, Unpark};
+use crate::store::claim::{Candidate, ClaimBackend, EventOf, HandlerKey, Holder, InFlight, LaneRecord, LaneState, LaneWrite, Unpark};
 use crate::store::fan_out::id_text;
 use crate::store::{DeliveryId, DeliveryStatus, LOST_WHILE_RUNNING, Lease, StoreError};
 
@@ -117,6 +117,10 @@ impl ClaimBackend for Backend<'_> {
         // A delivery its fan-out handed out without a record gets one, charged as the others are.
         state.materialize(&Entry::listed(entries), Charge::Takeover, now);
         for entry in entries.iter().filter(|entry| entry.unstored.is_none()) {
+            // A keyed run handed out before its fan-out committed, which it never did.
+            if let (true, Some(EventOf(event))) = (entry.started, &entry.before_commit) {
+                state.suspect(event, &entry.handler);
+            }
             if let Some(d) = state.deliveries.get_mut(&entry.delivery) {
                 if d.claims == entry.claims && d.status == DeliveryStatus::Pending {
                     d.claims += 1;
@@ -189,6 +193,7 @@ impl ClaimBackend for Backend<'_> {
                 unstored: None,
                 started: false,
                 suspect: d.suspect,
+                before_commit: None,
             })
             .collect();
         rows.sort_by_key(|row| (row.due_at, row.id));

@@ -5,6 +5,24 @@
 use super::*;
 
 impl State {
+    /// Names `handler` among the event's `suspects` while the event is unfanned: a takeover
+    /// found its run handed out before its fan-out committed, which it never did (see the
+    /// MongoDB store's `suspects`).
+    pub(super) fn suspect(&mut self, event: &Bson, handler: &str) {
+        let Some(event) = self.events.get_mut(&id_text(event)) else { return };
+        if event.contains_key(field::FANNED_OUT_AT) {
+            return;
+        }
+        let handler = Bson::String(handler.to_string());
+        match event.get_mut(field::SUSPECTS) {
+            Some(Bson::Array(suspects)) if suspects.contains(&handler) => {}
+            Some(Bson::Array(suspects)) => suspects.push(handler),
+            _ => {
+                event.insert(field::SUSPECTS, vec![handler]);
+            }
+        }
+    }
+
     /// What [`ClaimBackend::unpark`] does, on this data.
     pub(super) fn unpark(&mut self, handlers: &[String], scope: &Unpark) -> HashMap<HandlerKey, DeliveryId> {
         let mut heads = HashMap::new();

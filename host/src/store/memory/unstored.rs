@@ -48,24 +48,6 @@ impl State {
         self.events.get(&id_text(&entry.event)).is_some_and(|event| entry.named_by(event))
     }
 
-    /// Names the entry's handler among its event's `suspects` while the event is unfanned: its
-    /// run was handed out before its fan-out committed, which it never did (see the MongoDB
-    /// store's `unstored::suspect`).
-    fn suspect(&mut self, entry: &Entry) {
-        let Some(event) = self.events.get_mut(&id_text(&entry.event)) else { return };
-        if event.contains_key(field::FANNED_OUT_AT) {
-            return;
-        }
-        let handler = Bson::String(entry.handler.clone());
-        match event.get_mut(field::SUSPECTS) {
-            Some(Bson::Array(suspects)) if suspects.contains(&handler) => {}
-            Some(Bson::Array(suspects)) => suspects.push(handler),
-            _ => {
-                event.insert(field::SUSPECTS, vec![handler]);
-            }
-        }
-    }
-
     /// Takes the handler out of its event's list (`named` checked by the caller).
     fn unlist(&mut self, entry: &Entry) {
         if let Some(Bson::Array(handlers)) = self.events.get_mut(&id_text(&entry.event)).and_then(|e| e.get_mut(field::HANDED_OUT)) {
@@ -90,7 +72,7 @@ impl State {
         for entry in entries {
             if !self.names(entry) {
                 if charge == Charge::Takeover && entry.started {
-                    self.suspect(entry);
+                    self.suspect(&entry.event, &entry.handler);
                 }
                 continue;
             }

@@ -4,7 +4,7 @@
 use bson::oid::ObjectId;
 use bson::{Bson, DateTime, Document, doc};
 
-use super::super::claim::{Candidate, HandOutOf, InFlight, LaneState};
+use super::super::claim::{Candidate, EventOf, HandOutOf, InFlight, LaneState};
 use super::super::fan_out::{NewDelivery, id_text};
 use super::super::{DeliveryStatus, DeliveryView, StoreError};
 use crate::lane::LaneId;
@@ -64,6 +64,8 @@ pub(super) mod entry {
     pub const FAN_OUT: &str = "f";
     /// `false` for a delivery claimed ahead that has not started (absent: started).
     pub const STARTED: &str = "s";
+    /// The event of a keyed delivery its fan-out handed out (see `Candidate::before_commit`).
+    pub const BEFORE_COMMIT: &str = "b";
 }
 
 pub(super) mod history {
@@ -146,6 +148,7 @@ pub(super) fn candidate(document: &Document) -> Result<Candidate, StoreError> {
         unstored: None,
         started: false,
         suspect: document.get_bool(delivery::SUSPECT).unwrap_or(false),
+        before_commit: None,
     })
 }
 
@@ -162,6 +165,9 @@ pub(super) fn in_flight_document(entry: &InFlight) -> Document {
     }
     if !entry.started {
         document.insert(entry::STARTED, false);
+    }
+    if let Some(EventOf(event)) = &entry.before_commit {
+        document.insert(entry::BEFORE_COMMIT, event.clone());
     }
     document
 }
@@ -182,6 +188,7 @@ pub(super) fn lane_state(document: &Document) -> Result<LaneState, StoreError> {
                         fan_out: listed.get_object_id(entry::FAN_OUT).ok(),
                     }),
                     started: listed.get_bool(entry::STARTED).unwrap_or(true),
+                    before_commit: listed.get(entry::BEFORE_COMMIT).cloned().map(EventOf),
                 })
             })
             .collect::<Result<Vec<_>, StoreError>>()?,

@@ -13,7 +13,7 @@ use futures::future::try_join_all;
 
 use super::{Commit, MongoStore};
 use super::documents::{self, delivery, entry, in_flight_document, lane, lane_state};
-use super::{generations, unstored};
+use super::{generations, suspects, unstored};
 use super::lane_statements::{free_lane, held_statement, take_lane, take_statement};
 use crate::death::Death;
 use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
@@ -289,6 +289,13 @@ impl ClaimBackend for Backend<'_> {
         // A delivery its fan-out handed out without a document gets one, charged as the
         // others are, in the transaction that writes it.
         unstored::materialize(self.store, &unstored::Entry::listed(entries), unstored::Charge::Takeover, now).await?;
+        // A keyed run handed out before its fan-out committed, which it never did.
+        let lost_uncommitted = entries
+            .iter()
+            .filter(|entry| entry.unstored.is_none() && entry.started)
+            .filter_map(|entry| Some((entry.before_commit.clone()?.0, entry.handler.clone())))
+            .collect();
+        suspects::name(self.store, lost_uncommitted).await;
         let (started, waiting): (Vec<&InFlight>, Vec<&InFlight>) =
             entries.iter().filter(|entry| entry.unstored.is_none()).partition(|entry| entry.started);
         let charged = doc! {

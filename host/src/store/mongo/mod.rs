@@ -40,6 +40,7 @@ mod lanes;
 mod operations;
 mod outcome;
 mod setup;
+mod suspects;
 mod unfanned;
 mod unstored;
 mod wakeup;

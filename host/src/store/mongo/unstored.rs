@@ -14,12 +14,11 @@
 //! must never write a document for a handler the list no longer names (that delivery was
 //! completed, or has its document already). A takeover's entry whose event was never fanned
 //! out (its fan-out's transaction died with its host) makes the event suspect instead (see
-//! [`suspect`]).
+//! `suspects`).
 //!
 //! [`Candidate::unstored`]: crate::store::claim::Candidate::unstored
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::time::Duration;
 
 use bson::oid::ObjectId;
 use bson::{Bson, DateTime, Document, doc};
@@ -28,7 +27,7 @@ use mongodb::ClientSession;
 
 use super::documents::{delivery, new_delivery_document};
 use super::generations::{self, WriteIn};
-use super::{Commit, MongoStore};
+use super::{Commit, MongoStore, suspects};
 use crate::event::field;
 use crate::store::fan_out::{NewDelivery, id_text};
 use crate::store::{DeliveryId, LOST_WHILE_RUNNING, StoreError};
@@ -99,7 +98,7 @@ pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], charge: C
                     .get(&id_text(&entry.event))
                     .is_some_and(|event| matches!(event.get(field::FANNED_OUT_AT), None | Some(Bson::Null)));
                 if charge == Charge::Takeover && entry.started && unfanned {
-                    // Started before its fan-out committed, which it never did: see `suspect`.
+                    // Started before its fan-out committed, which it never did: see `suspects`.
                     // (Unless the snapshot is behind that commit: then the check below fails.)
                     suspects.push(entry.clone());
                 }
@@ -157,42 +156,8 @@ pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], charge: C
         }
         Ok(suspects)
     })?;
-    suspect(store, suspects).await;
+    suspects::name(store, suspects.into_iter().map(|entry| (entry.event, entry.handler)).collect()).await;
     Ok(())
-}
-
-/// How long a takeover waits for its [`suspect`] writes before it leaves them to land on
-/// their own.
-const SUSPECT_WAIT: Duration = Duration::from_millis(250);
-
-/// Names each entry's handler among its event's [`field::SUSPECTS`] while the event is
-/// unfanned: its run was handed out before its fan-out committed, and its host died with the
-/// fan-out uncommitted, perhaps of the run. Nothing names that run to charge; its next one must
-/// be recorded as started before it starts, so that a crash loop is charged from its next death.
-///
-/// After the takeover's transaction, not in it: until the dead host's transaction is ended
-/// (see `hosts`), it holds the event, and a write waits for it. The takeover waits for these
-/// a moment, then leaves them to land when it ends (each applies only to an unfanned event).
-async fn suspect(store: &MongoStore, entries: Vec<Entry>) {
-    if entries.is_empty() {
-        return;
-    }
-    let mut by_handler: BTreeMap<String, Vec<Bson>> = BTreeMap::new();
-    for entry in entries {
-        by_handler.entry(entry.handler).or_default().push(entry.event);
-    }
-    let events = store.collections.events.clone();
-    let mut writes = tokio::spawn(async move {
-        for (handler, ids) in by_handler {
-            let filter = doc! { field::ID: { "$in": ids }, field::FANNED_OUT_AT: Bson::Null };
-            if let Err(error) = events.update_many(filter, doc! { "$addToSet": { field::SUSPECTS: &handler } }).await {
-                tracing::warn!(%error, %handler, "marking the events of runs lost before their fan-out committed failed");
-            }
-        }
-    });
-    if tokio::time::timeout(SUSPECT_WAIT, &mut writes).await.is_err() {
-        tracing::debug!("a takeover's suspect events wait for a dead host's transaction; left to land on their own");
-    }
 }
 
 /// The documents `filter` matches in `collection`, read in `session`'s transaction (about
