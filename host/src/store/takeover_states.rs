@@ -176,6 +176,15 @@ async fn died_before_the_fan_out_committed<S: Store + Parts>(a: &S, b: &S, c: &S
 }
 
 async fn keyed_died_before_the_fan_out_committed<S: Store + Parts>(a: &S, b: &S, c: &S) {
+    // A fan-out that hands out a key's head names its event in the head's lane entry.
+    let head = NewEvent::new("head-0", "t", doc! {}).with_key("j");
+    run_in_transaction(a, async |tx| a.publish(tx, &head).await).await.unwrap();
+    let handed = a.fan_out(&subscriptions(), 10, 10, at(T0)).await.unwrap().claimed;
+    assert_eq!(handed.len(), 1);
+    let lane = a.parts().0.lanes(&[handed[0].lease.lane]).await.unwrap().remove(0);
+    let entry = lane.in_flight.iter().find(|entry| entry.delivery == handed[0].lease.delivery).expect("listed");
+    assert_eq!(entry.before_commit, Some(EventOf(Bson::String("head-0".to_string()))));
+    a.complete_many(&[handed[0].lease], at(T0)).await.unwrap();
     lost_before_the_fan_out_committed(a, b, c, Some("k")).await;
 }
 
