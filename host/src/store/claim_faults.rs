@@ -35,6 +35,8 @@ enum Fault {
     /// A takeover's charge of what the previous owner left in flight fails, having written
     /// nothing (a transaction of a dead host kept it waiting too long, say).
     FailCharge,
+    /// A takeover's charge never finishes (a dead host's transaction holds what it writes).
+    HoldCharge,
     /// Nothing goes wrong in the claim itself.
     Nothing,
 }
@@ -45,11 +47,13 @@ struct Faulty<'s, B, S> {
     store: &'s S,
     /// How often the claim asked the database which unsettled entries are still current.
     current_reads: AtomicUsize,
+    /// How often the claim tried to charge a takeover.
+    charges: AtomicUsize,
 }
 
 impl<'s, B, S> Faulty<'s, B, S> {
     fn new(inner: B, fault: Fault, store: &'s S) -> Self {
-        Self { inner, fault, store, current_reads: AtomicUsize::new(0) }
+        Self { inner, fault, store, current_reads: AtomicUsize::new(0), charges: AtomicUsize::new(0) }
     }
 }
 
@@ -96,8 +100,10 @@ impl<B: ClaimBackend + Send, S: Store> ClaimBackend for Faulty<'_, B, S> {
         }
     }
     async fn charge_lost(&self, entries: &[InFlight], now: DateTime) -> Result<(), StoreError> {
+        self.charges.fetch_add(1, Ordering::SeqCst);
         match self.fault {
             Fault::FailCharge => Err(injected()),
+            Fault::HoldCharge => std::future::pending().await,
             _ => self.inner.charge_lost(entries, now).await,
         }
     }
@@ -136,7 +142,7 @@ impl<B: ClaimBackend + Send, S: Store> ClaimBackend for Faulty<'_, B, S> {
                 self.store.requeue(id, DateTime::from_millis(T0 + 1)).await?;
                 self.inner.record(holder, records, write).await
             }
-            Fault::Nothing | Fault::FailAfterTake | Fault::FailCharge => self.inner.record(holder, records, write).await,
+            Fault::Nothing | Fault::FailAfterTake | Fault::FailCharge | Fault::HoldCharge => self.inner.record(holder, records, write).await,
         }
     }
     async fn hand_back(&self, holder: &Holder, lanes: &[(LaneId, i64)], now: DateTime) -> Result<(), StoreError> {
@@ -246,6 +252,7 @@ both_stores!(a_hand_out_whose_take_reply_was_lost_reconciles, failure_after_hand
 both_stores!(a_claim_whose_take_reply_was_lost_charges_the_takeover_and_keeps_the_lane, failure_after_take);
 both_stores!(a_hand_out_sent_before_its_commit_gives_word_of_it, early_hand_outs);
 both_stores!(a_takeover_whose_charge_failed_charges_it_at_the_next_claim, failure_of_charge);
+both_stores!(a_charge_kept_waiting_is_tried_again_once_a_second_and_holds_no_claim_up, charge_kept_waiting);
 both_stores!(a_stop_before_a_failed_charge_was_made_leaves_it_to_the_next_taker, stop_after_failed_charge);
 both_stores!(a_death_before_a_failed_charge_was_made_leaves_it_to_the_next_taker, death_before_failed_charge_was_made);
 
@@ -372,6 +379,31 @@ async fn failure_of_charge<S: Store + Parts>(a: &S, b: &S, c: &S) {
     assert_eq!(b.parts().1.lanes_waiting_for_charge(), 0);
     assert_eq!(claimed.len(), 1, "e-1 runs again");
     assert_eq!(claimed[0].attempts, 1, "the lost attempt is charged exactly once");
+}
+
+async fn charge_kept_waiting<S: Store + Parts>(a: &S, b: &S, _c: &S) {
+    run_in_transaction(a, async |tx| a.publish(tx, &NewEvent::new("e-1", "t", doc! {})).await.map(|_| ())).await.unwrap();
+    let subscriptions = Subscriptions::new([Subscription::new("h", ["t"])]).unwrap();
+    assert_eq!(a.fan_out(&subscriptions, 10, 10, DateTime::from_millis(T0)).await.unwrap().claimed.len(), 1);
+    // a dies running e-1; b's charge of it waits for good (a lock of a's that nobody ends).
+    let (backend, claimer) = b.parts();
+    let faulty = Faulty::new(backend, Fault::HoldCharge, b);
+    let later = |ms| DateTime::from_millis(T0 + 31_000 + ms);
+    let handlers = vec!["h".to_string()];
+    let claim = async |ms| claimer.claim(&faulty, &handlers, LaneSearch::FreeWithDueWork, 1, later(ms)).await.unwrap();
+    assert!(claim(0).await.is_empty(), "its lane sits the claim out");
+    assert_eq!((faulty.charges.load(Ordering::SeqCst), claimer.lanes_waiting_for_charge()), (1, 1));
+    // Later claims try it again once a second, each for a moment only.
+    let started = std::time::Instant::now();
+    for ms in [1, 2, 500, 999, 1_001, 1_500] {
+        assert!(claim(ms).await.is_empty());
+    }
+    assert!(started.elapsed() < std::time::Duration::from_secs(2), "no claim waited long: {:?}", started.elapsed());
+    assert_eq!((faulty.charges.load(Ordering::SeqCst), claimer.lanes_waiting_for_charge()), (3, 1), "tried at 1 and 1,001 ms");
+    // Once the lock is gone, the next try charges it and e-1 runs again.
+    let claimed = b.claim(&handlers, 1, later(2_100)).await.unwrap();
+    assert_eq!(claimer.lanes_waiting_for_charge(), 0);
+    assert_eq!(claimed.iter().map(|c| (c.event.id.as_str(), c.attempts)).collect::<Vec<_>>(), [("e-1", 1)]);
 }
 
 async fn stop_after_failed_charge<S: Store + Parts>(a: &S, b: &S, c: &S) {

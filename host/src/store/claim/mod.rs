@@ -67,6 +67,12 @@ const UNSETTLED_TRUSTED_FOR_MS: i64 = 2_000;
 /// `transactionLifetimeLimitSeconds`, 60 s by default).
 const CHARGE_WAIT: Duration = Duration::from_secs(2);
 
+/// A charge that waited [`CHARGE_WAIT`] once is tried again at most this often, and waited for
+/// at most [`CHARGE_RETRY_WAIT`]: the claims in between go on without it, so a lock held for
+/// the server's transaction lifetime never holds up every claim of its host.
+const CHARGE_RETRY_INTERVAL_MS: i64 = 1_000;
+const CHARGE_RETRY_WAIT: Duration = Duration::from_millis(200);
+
 /// One store instance's claiming state: the lanes it holds and the leases it issued.
 pub(crate) struct Claimer {
     pub holder: Holder,
@@ -77,6 +83,8 @@ pub(crate) struct Claimer {
     issued: Mutex<HashMap<DeliveryId, Issued>>,
     /// The look for older work in free lanes (see the claim).
     fairness_check: Periodic,
+    /// The retry of a takeover's charge that waited too long (see [`CHARGE_RETRY_INTERVAL_MS`]).
+    charge_retry: Periodic,
     /// The warning that lanes still wait for a takeover's charge, at most this often.
     charge_warning: Periodic,
     /// Keys whose deliveries this instance settled since the last claim's unparking, and
@@ -175,6 +183,7 @@ impl Claimer {
             held: tokio::sync::Mutex::new(BTreeMap::new()),
             issued: Mutex::new(HashMap::new()),
             fairness_check: Periodic::new(FAIRNESS_CHECK_INTERVAL_MS),
+            charge_retry: Periodic::new(CHARGE_RETRY_INTERVAL_MS),
             charge_warning: Periodic::new(CHARGE_WARNING_INTERVAL_MS),
             moved_keys: Mutex::new((HashSet::new(), Vec::new())),
             unpark_sweep: Periodic::new(UNPARK_SWEEP_INTERVAL_MS),
@@ -445,7 +454,7 @@ impl Claimer {
         // Charge what the previous owner left in flight before reading what to claim,
         // so that a takeover and a completion never both succeed.
         let lost: Vec<InFlight> = taken.iter().flat_map(|lane| lane.in_flight.iter().cloned()).collect();
-        let charged = if lost.is_empty() { Ok(()) } else { charge(backend, &lost, now).await };
+        let charged = if lost.is_empty() { Ok(()) } else { charge(backend, &lost, now, CHARGE_WAIT).await };
         if charged.is_err() {
             let mut uncharged = self.uncharged.lock().expect("uncharged");
             uncharged.extend(taken.iter().flat_map(|lane| lane.in_flight.iter().map(|entry| (lane.id, lane.epoch, entry.clone()))));
@@ -473,12 +482,12 @@ impl Claimer {
     }
 }
 
-/// Charges `entries` (see [`ClaimBackend::charge_lost`]), waiting at most [`CHARGE_WAIT`]. A
-/// charge cut short is made again in full later: each of its writes applies once.
+/// Charges `entries` (see [`ClaimBackend::charge_lost`]), waiting at most `wait`. A charge cut
+/// short is made again in full later: each of its writes applies once.
 ///
 /// A delivery listed twice (in two lanes, or twice in one: racing fan-outs and failures can
 /// leave that behind) is charged once, as started if any of its entries says so.
-async fn charge<B: ClaimBackend>(backend: &B, entries: &[InFlight], now: DateTime) -> Result<(), StoreError> {
+async fn charge<B: ClaimBackend>(backend: &B, entries: &[InFlight], now: DateTime, wait: Duration) -> Result<(), StoreError> {
     let mut unique: Vec<InFlight> = Vec::with_capacity(entries.len());
     let mut at: HashMap<(DeliveryId, i64), usize> = HashMap::new();
     for entry in entries {
@@ -490,9 +499,7 @@ async fn charge<B: ClaimBackend>(backend: &B, entries: &[InFlight], now: DateTim
             }
         }
     }
-    tokio::time::timeout(CHARGE_WAIT, backend.charge_lost(&unique, now))
-        .await
-        .unwrap_or(Err(StoreError::ChargeWaiting(CHARGE_WAIT)))
+    tokio::time::timeout(wait, backend.charge_lost(&unique, now)).await.unwrap_or(Err(StoreError::ChargeWaiting(wait)))
 }
 
 /// The lease of `pick` in its lane at `epoch`, counted as issued at `now`, handed out with

@@ -286,14 +286,17 @@ impl Claimer {
 
     /// A takeover whose charge failed is finished first. Charging again changes nothing
     /// already charged (the charge applies at the listed generation only), and charging after
-    /// the lane changed hands again is the charge its new owner would make. While it still
-    /// cannot be made, its lanes sit this claim out: they are returned.
+    /// the lane changed hands again is the charge its new owner would make. It is tried at
+    /// most once a second, for a moment (see `CHARGE_RETRY_INTERVAL_MS`); while it still cannot
+    /// be made, its lanes sit this claim out: they are returned.
     async fn finish_failed_charges<B: ClaimBackend>(&self, backend: &B, now: DateTime) -> BTreeSet<LaneId> {
         let uncharged: Vec<(LaneId, i64, InFlight)> = self.uncharged.lock().expect("uncharged").clone();
         let mut waiting = BTreeSet::new();
-        if !uncharged.is_empty() {
+        if !uncharged.is_empty() && !self.charge_retry.due(now) {
+            waiting.extend(uncharged.iter().map(|(lane, _, _)| *lane));
+        } else if !uncharged.is_empty() {
             let entries: Vec<InFlight> = uncharged.iter().map(|(_, _, entry)| entry.clone()).collect();
-            match charge(backend, &entries, now).await {
+            match charge(backend, &entries, now, CHARGE_RETRY_WAIT).await {
                 Ok(()) => self.uncharged.lock().expect("uncharged").clear(),
                 Err(error) => {
                     waiting.extend(uncharged.iter().map(|(lane, _, _)| *lane));
@@ -301,7 +304,7 @@ impl Claimer {
                         tracing::warn!(
                             %error,
                             lanes = ?waiting,
-                            "lanes taken over still wait for their previous holder's deliveries to be charged; trying again at every claim",
+                            "lanes taken over still wait for their previous holder's deliveries to be charged; trying again every second",
                         );
                     }
                 }
