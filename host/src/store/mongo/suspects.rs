@@ -14,8 +14,10 @@ use bson::{Bson, doc};
 use super::MongoStore;
 use crate::event::field;
 
-/// How long a takeover waits for its writes before it leaves them to land on their own.
-const WAIT: Duration = Duration::from_millis(250);
+/// How long a takeover waits for its writes before it leaves them to land on their own: less
+/// than a claim gives a charge it tries again (`CHARGE_RETRY_WAIT`, 200 ms), so a held event
+/// never makes such a retry fail.
+const WAIT: Duration = Duration::from_millis(100);
 
 /// Names each `(event, handler)`'s handler among the event's suspects while it is unfanned.
 ///

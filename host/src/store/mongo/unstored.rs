@@ -69,11 +69,11 @@ pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], charge: C
     if entries.is_empty() {
         return Ok(());
     }
-    let suspects = transaction!(store, |tx| {
+    let unlisted = transaction!(store, |tx| {
         let session = tx.session();
         let ids: Vec<Bson> = entries.iter().map(|entry| entry.event.clone()).collect();
         let (events, deliveries) = (&store.collections.events, &store.collections.deliveries);
-        let projection = doc! { field::ID: 1, field::TYPE: 1, field::HANDED_OUT: 1, field::FAN_OUT: 1, field::FANNED_OUT_AT: 1 };
+        let projection = doc! { field::ID: 1, field::TYPE: 1, field::HANDED_OUT: 1, field::FAN_OUT: 1 };
         let events = read_in(session, events, doc! { field::ID: { "$in": &ids } }, projection, entries.len()).await?;
         let events: HashMap<String, &Document> =
             events.iter().map(|event| (id_text(event.get(field::ID).unwrap_or(&Bson::Null)), event)).collect();
@@ -90,18 +90,9 @@ pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], charge: C
         let mut statements = Vec::new();
         let mut documents = Vec::new();
         let mut unlisted = Vec::new();
-        let mut suspects = Vec::new();
         for entry in entries {
             let listed = events.get(&id_text(&entry.event)).filter(|event| entry.named_by(event));
             let Some(event) = listed else {
-                let unfanned = events
-                    .get(&id_text(&entry.event))
-                    .is_some_and(|event| matches!(event.get(field::FANNED_OUT_AT), None | Some(Bson::Null)));
-                if charge == Charge::Takeover && entry.started && unfanned {
-                    // Started before its fan-out committed, which it never did: see `suspects`.
-                    // (Unless the snapshot is behind that commit: then the check below fails.)
-                    suspects.push(entry.clone());
-                }
                 unlisted.push(entry.clone());
                 continue;
             };
@@ -154,9 +145,14 @@ pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], charge: C
         if !documents.is_empty() {
             store.collections.deliveries.insert_many(documents).session(&mut *session).await?;
         }
-        Ok(suspects)
+        Ok(unlisted)
     })?;
-    suspects::name(store, suspects.into_iter().map(|entry| (entry.event, entry.handler)).collect()).await;
+    // A takeover's run its event no longer names may have started before its fan-out
+    // committed, which it never did: its event, if still unfanned, is named suspect.
+    if charge == Charge::Takeover {
+        let started = unlisted.into_iter().filter(|entry| entry.started);
+        suspects::name(store, started.map(|entry| (entry.event, entry.handler)).collect()).await;
+    }
     Ok(())
 }
 
