@@ -1450,7 +1450,7 @@ async fn the_open_transactions_of_a_host_that_stopped_announcing_itself_are_ende
     let lease = Duration::from_secs(3);
     let own_name = format!("relayhost self-{}", fresh_database());
     let fixture =
-        MongoFixture::with_options(StoreOptions { lease_duration: lease, client_app_name: Some(own_name), ..options() }).await;
+        MongoFixture::with_options(StoreOptions { lease_duration: lease, client_app_name: Some(own_name.clone()), ..options() }).await;
     let database = fixture.client.database(&fixture.database);
     let projections = database.collection::<Document>("projections");
     let hosts = database.collection::<Document>("relayhost_hosts");
@@ -1459,9 +1459,11 @@ async fn the_open_transactions_of_a_host_that_stopped_announcing_itself_are_ende
     let shifted = |ms: i64| bson::DateTime::from_millis(now.timestamp_millis() + ms);
     let lease_ms = lease.as_millis() as i64;
     let mut open = Vec::new();
-    for (name, expires_at) in [("dead", shifted(-lease_ms)), ("alive", shifted(lease_ms)), ("recent", shifted(-1))] {
+    // (The sibling is another instance of this process, on its client: its own sessions.)
+    let hosts_before = [("dead", shifted(-lease_ms)), ("alive", shifted(lease_ms)), ("recent", shifted(-1)), ("sibling", shifted(-lease_ms))];
+    for (name, expires_at) in hosts_before {
         projections.insert_one(doc! { "_id": name }).await.unwrap();
-        let app_name = format!("relayhost {name}-{}", fixture.database);
+        let app_name = if name == "sibling" { own_name.clone() } else { format!("relayhost {name}-{}", fixture.database) };
         let mut client_options = ClientOptions::parse(uri.to_string()).await.unwrap();
         client_options.app_name = Some(app_name.clone());
         let client = Client::with_options(client_options).unwrap();
@@ -1489,12 +1491,13 @@ async fn the_open_transactions_of_a_host_that_stopped_announcing_itself_are_ende
     assert!(free("dead").await, "the dead host's transaction is ended");
     assert!(!free("alive").await, "a live host's is not");
     assert!(!free("recent").await, "nor one that lapsed less than a third of a lease ago");
+    assert!(!free("sibling").await, "nor this host's own client's");
     let ended_at = |id: &str| {
         let (hosts, id) = (hosts.clone(), id.to_string());
         async move { hosts.find_one(doc! { "_id": id }).await.unwrap().unwrap().get_datetime("endedAt").ok().copied() }
     };
     assert_eq!(ended_at("dead/1").await, Some(now));
-    assert_eq!(ended_at("anonymous/1").await, None);
+    assert_eq!((ended_at("anonymous/1").await, ended_at("sibling/1").await), (None, None));
 
     // Later, the one that lapsed just now is ended too; the dead one is not ended again.
     let later = shifted(lease_ms / 3 + 1);
@@ -1504,7 +1507,7 @@ async fn the_open_transactions_of_a_host_that_stopped_announcing_itself_are_ende
     assert_eq!((ended_at("dead/1").await, ended_at("recent/1").await), (Some(now), Some(later)));
     for (name, _client, mut session) in open {
         let committed = session.commit_transaction().await;
-        assert_eq!(committed.is_ok(), name == "alive", "{name}: {committed:?}");
+        assert_eq!(committed.is_ok(), name == "alive" || name == "sibling", "{name}: {committed:?}");
     }
     // A host ended while it was alive after all is live again at its next announcement.
     let own = hosts.find_one(doc! { "owner": "test-worker" }).await.unwrap().unwrap().get_str("_id").unwrap().to_string();
