@@ -6,13 +6,13 @@
 //! did not, a hand-out sent before its commit, which then failed, and a takeover whose
 //! charge failed (then a stop, or a death, before it is made).
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use bson::{DateTime, Document, doc};
 
 use super::claim::{
-    Candidate, ClaimBackend, HandlerKey, Holder, InFlight, LaneRecord, LaneSearch, LaneState, LaneWrite, Unpark,
+    Candidate, ClaimBackend, DueWork, HandlerKey, Holder, InFlight, LaneRecord, LaneSearch, LaneState, LaneWrite, Unpark,
 };
 use super::memory::MemoryStore;
 use super::mongo::{MongoLocation, MongoStore};
@@ -71,12 +71,11 @@ impl<B: ClaimBackend + Send, S: Store> ClaimBackend for Faulty<'_, B, S> {
     async fn free_lanes_with_due_work(
         &self,
         handlers: &[String],
-        exclude: &BTreeSet<LaneId>,
+        due: DueWork<'_>,
         count: usize,
         wanted: usize,
-        now: DateTime,
     ) -> Result<Vec<(LaneId, usize)>, StoreError> {
-        self.inner.free_lanes_with_due_work(handlers, exclude, count, wanted, now).await
+        self.inner.free_lanes_with_due_work(handlers, due, count, wanted).await
     }
     async fn take_lanes(&self, lanes: &[LaneId], holder: &Holder, now: DateTime, until: DateTime) -> Result<Vec<LaneState>, StoreError> {
         let taken = self.inner.take_lanes(lanes, holder, now, until).await?;

@@ -197,6 +197,27 @@ pub(crate) struct Settled {
     pub completed: bool,
 }
 
+/// Which free lanes' ready work a search counts ([`ClaimBackend::free_lanes_with_due_work`]):
+/// work due by `before` in this host's lanes, and in other live hosts' lanes (theirs to take,
+/// see `crate::store::assignment`) only what was due by `others_before` too, what waited past
+/// stale. One search thus finds both, so that a claim of an idle host reads the lanes once.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DueWork<'a> {
+    /// Lanes not searched at all (those the claim holds or tried already).
+    pub exclude: &'a BTreeSet<LaneId>,
+    /// Work due by then counts; a lease that ran out by then leaves its lane free.
+    pub before: DateTime,
+    pub others: &'a BTreeSet<LaneId>,
+    pub others_before: DateTime,
+}
+
+impl DueWork<'_> {
+    /// Until when work in `lane` counts as due.
+    pub fn due_before(&self, lane: LaneId) -> DateTime {
+        if self.others.contains(&lane) { self.before.min(self.others_before) } else { self.before }
+    }
+}
+
 /// The fewest due rows [`ClaimBackend::free_lanes_with_due_work`] reads per query before it
 /// stops: an answer that saw fewer rows in all saw every due row of the free lanes.
 pub(crate) const MIN_ROWS_PER_LANE_QUERY: usize = 64;
@@ -212,19 +233,17 @@ pub(crate) trait ClaimBackend: Sync {
         scope: &Unpark,
     ) -> impl Future<Output = Result<HashMap<HandlerKey, DeliveryId>, StoreError>> + Send;
     fn lanes(&self, ids: &[LaneId]) -> impl Future<Output = Result<Vec<LaneState>, StoreError>> + Send;
-    /// Up to `count` lanes that are free (no owner or an expired lease), not in `exclude`,
-    /// and have due ready deliveries of `handlers` (or list in flight deliveries of theirs
-    /// without a document, which their last holder left: those first), the one with the
-    /// oldest due delivery first,
-    /// each with how many due deliveries were seen there (a lower bound; enough rows are read
-    /// to see about `wanted` of them).
+    /// Up to `count` lanes that are free (no owner or an expired lease), not excluded, and
+    /// have ready deliveries of `handlers` due as `due` says (or list in flight deliveries of
+    /// theirs without a document, which their last holder left: those first), the one with
+    /// the oldest due delivery first, each with how many due deliveries were seen there (a
+    /// lower bound; enough rows are read to see about `wanted` of them).
     fn free_lanes_with_due_work(
         &self,
         handlers: &[String],
-        exclude: &BTreeSet<LaneId>,
+        due: DueWork<'_>,
         count: usize,
         wanted: usize,
-        now: DateTime,
     ) -> impl Future<Output = Result<Vec<(LaneId, usize)>, StoreError>> + Send;
     /// Takes those of `lanes` that are still free, incrementing their epochs, and returns
     /// them as taken (with the in-flight list the previous owner left); lanes another claimer

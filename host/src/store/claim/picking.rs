@@ -36,7 +36,23 @@ impl Claimer {
         let lanes: Vec<LaneId> = mine.keys().copied().collect();
         scan(backend, &mut plan, &lanes, handlers, now).await?;
         let tried: BTreeSet<LaneId> = mine.keys().chain(&waiting).copied().collect();
-        self.take_free_lanes(backend, held, &mut mine, &mut plan, tried, handlers, &search, now, until).await?;
+        // Held lanes that run nothing and where the scan picked nothing are handed back while
+        // free lanes are searched (the search leaves them alone): an idle host's poll then
+        // waits for one round trip less.
+        let idle: Vec<(LaneId, i64)> = mine
+            .iter()
+            .filter(|(id, lane)| lane.takes_free_at.is_none() && lane.running.is_empty() && !plan.picks.iter().any(|p| p.lane == **id))
+            .map(|(id, lane)| (*id, lane.epoch))
+            .collect();
+        mine.retain(|id, _| !idle.iter().any(|(lane, _)| lane == id));
+        let hand_back = async { if idle.is_empty() { Ok(()) } else { backend.hand_back(&self.holder, &idle, now).await } };
+        let take_free = self.take_free_lanes(backend, held, &mut mine, &mut plan, tried, handlers, &search, now, until);
+        let (handed_back, taken_free) = futures::join!(hand_back, take_free);
+        if handed_back.is_ok() {
+            held.retain(|id, _| !idle.iter().any(|(lane, _)| lane == id));
+        }
+        handed_back?;
+        taken_free?;
 
         // Record the picks, sort out what cannot run or must wait, issue the leases.
         let written = self.record(backend, held, &mine, &mut plan, capacity, now, until).await?;
@@ -335,18 +351,21 @@ impl Claimer {
         now: DateTime,
         until: DateTime,
     ) -> Result<(), StoreError> {
+        if !matches!(search, LaneSearch::FreeWithDueWork) {
+            return Ok(());
+        }
         // Free lanes of other live hosts are theirs to take (see `crate::store::assignment`):
         // taking them would only race them for their own fan-outs' deliveries. Their work
-        // is taken here only once it waited past stale, below.
+        // counts only once it waited past stale.
         let assignment = self.assignment();
         let others: BTreeSet<LaneId> = (0..=LaneId::MAX).filter(|lane| !assignment.is_mine(*lane)).collect();
-        let stale_exclude: BTreeSet<LaneId> = (0..=LaneId::MAX).filter(|lane| !others.contains(lane) || tried.contains(lane)).collect();
-        tried.extend(others.iter().copied());
-        if plan.full() && matches!(search, LaneSearch::FreeWithDueWork) && self.fairness_check.due(now) {
+        let others_before = self.stale_before(now);
+        if plan.full() && self.fairness_check.due(now) {
             if let Some(youngest) = plan.youngest_due() {
                 let before = DateTime::from_millis(youngest.timestamp_millis() - 1);
                 let half = (plan.limit / 2).max(1);
-                let older = backend.free_lanes_with_due_work(handlers, &tried, FAIRNESS_LANES, half, before).await?;
+                let due = DueWork { exclude: &tried, before, others: &others, others_before };
+                let older = backend.free_lanes_with_due_work(handlers, due, FAIRNESS_LANES, half).await?;
                 if !older.is_empty() {
                     let lanes: Vec<LaneId> = older.iter().map(|(lane, _)| *lane).collect();
                     tried.extend(lanes.iter().copied());
@@ -360,9 +379,10 @@ impl Claimer {
         // More lanes, in growing rounds (4, 8, 16, ... or as many as the due work seen in them
         // says the batch still needs, if more), while the batch is not full.
         let mut round = 4;
-        while !plan.full() && matches!(search, LaneSearch::FreeWithDueWork) {
+        while !plan.full() {
             let missing = plan.limit - plan.picks.len();
-            let found = backend.free_lanes_with_due_work(handlers, &tried, MAX_LANES_PER_QUERY, missing, now).await?;
+            let due = DueWork { exclude: &tried, before: now, others: &others, others_before };
+            let found = backend.free_lanes_with_due_work(handlers, due, MAX_LANES_PER_QUERY, missing).await?;
             if found.is_empty() {
                 break;
             }
@@ -378,6 +398,9 @@ impl Claimer {
                 .map(|(_, (lane, _))| *lane)
                 .collect();
             tried.extend(free.iter().copied());
+            if free.iter().any(|lane| others.contains(lane)) {
+                tracing::debug!(lanes = ?free, "taking other hosts' free lanes whose work waited past stale");
+            }
             let taken = self.take(backend, held, &free, now, until).await?;
             let new_lanes = adopt(held, mine, taken);
             scan(backend, plan, &new_lanes, handlers, now).await?;
@@ -389,18 +412,6 @@ impl Claimer {
                 break;
             }
             round = (round * 2).min(MAX_LANES_PER_QUERY);
-        }
-        if !plan.full() && !others.is_empty() && matches!(search, LaneSearch::FreeWithDueWork) {
-            let stale_before = self.stale_before(now);
-            let missing = plan.limit - plan.picks.len();
-            let found = backend.free_lanes_with_due_work(handlers, &stale_exclude, FAIRNESS_LANES, missing, stale_before).await?;
-            if !found.is_empty() {
-                let lanes: Vec<LaneId> = found.iter().map(|(lane, _)| *lane).collect();
-                tracing::debug!(?lanes, "taking other hosts' free lanes whose work waited past stale");
-                let taken = self.take(backend, held, &lanes, now, until).await?;
-                let new_lanes = adopt(held, mine, taken);
-                scan(backend, plan, &new_lanes, handlers, now).await?;
-            }
         }
         Ok(())
     }

@@ -13,7 +13,7 @@ use super::unstored::{Charge, Entry};
 use super::{LaneKind, State};
 use crate::death::Death;
 use crate::lane::LaneId;
-use crate::store::claim::{Candidate, ClaimBackend, EventOf, HandlerKey, Holder, InFlight, LaneRecord, LaneState, LaneWrite, Unpark};
+use crate::store::claim::{Candidate, ClaimBackend, DueWork, EventOf, HandlerKey, Holder, InFlight, LaneRecord, LaneState, LaneWrite, Unpark};
 use crate::store::fan_out::id_text;
 use crate::store::{DeliveryId, DeliveryStatus, LOST_WHILE_RUNNING, Lease, StoreError};
 
@@ -46,13 +46,14 @@ impl ClaimBackend for Backend<'_> {
     async fn free_lanes_with_due_work(
         &self,
         handlers: &[String],
-        exclude: &std::collections::BTreeSet<LaneId>,
+        due: DueWork<'_>,
         count: usize,
         _wanted: usize,
-        now: DateTime,
     ) -> Result<Vec<(LaneId, usize)>, StoreError> {
+        let now = due.before;
         let state = self.0.lock().await;
-        let free_lanes = state.lanes.iter().filter(|lane| (lane.owner.is_none() || lane.lease_expires_at < now) && !exclude.contains(&lane.id));
+        let free_lanes =
+            state.lanes.iter().filter(|lane| (lane.owner.is_none() || lane.lease_expires_at < now) && !due.exclude.contains(&lane.id));
         // Lanes whose last holder left deliveries without a record in flight come first: no
         // record shows that work, and it is the oldest there is (it was running).
         let mut stranded: Vec<(LaneId, usize)> = Vec::new();
@@ -67,7 +68,7 @@ impl ClaimBackend for Backend<'_> {
         }
         let mut oldest: BTreeMap<LaneId, (DateTime, usize)> = BTreeMap::new();
         for d in state.deliveries.values() {
-            if d.lane == LaneKind::Ready && d.due_at <= now && free.contains(&d.lane_id) && handlers.contains(&d.handler) {
+            if d.lane == LaneKind::Ready && free.contains(&d.lane_id) && d.due_at <= due.due_before(d.lane_id) && handlers.contains(&d.handler) {
                 let (at, due) = oldest.entry(d.lane_id).or_insert((d.due_at, 0));
                 *at = (*at).min(d.due_at);
                 *due += 1;

@@ -5,7 +5,7 @@
 //! heads of keys, which unparking and the scan share, is in `heads.rs`, and the filters and
 //! updates of lane documents that several primitives send are in `lane_statements.rs`.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 
 use bson::{Bson, DateTime, Document, doc};
 use futures::TryStreamExt;
@@ -18,7 +18,7 @@ use super::lane_statements::{free_lane, held_statement, take_lane, take_statemen
 use crate::death::Death;
 use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
 use crate::store::claim::MIN_ROWS_PER_LANE_QUERY;
-use crate::store::claim::{Candidate, ClaimBackend, HandlerKey, Holder, InFlight, LaneRecord, LaneState, LaneWrite, Unpark};
+use crate::store::claim::{Candidate, ClaimBackend, DueWork, HandlerKey, Holder, InFlight, LaneRecord, LaneState, LaneWrite, Unpark};
 use crate::store::{DeliveryId, LOST_WHILE_RUNNING, Lease, StoreError, answered};
 
 
@@ -116,11 +116,11 @@ impl ClaimBackend for Backend<'_> {
     async fn free_lanes_with_due_work(
         &self,
         handlers: &[String],
-        exclude: &BTreeSet<LaneId>,
+        due: DueWork<'_>,
         count: usize,
         wanted: usize,
-        now: DateTime,
     ) -> Result<Vec<(LaneId, usize)>, StoreError> {
+        let now = due.before;
         // Only the lanes that are not plainly free and idle come back: those held under a live
         // lease, and those listing anything in flight. Every lane has a document (setup seeds
         // them all), so the others are free with nothing listed: a search reads a few lane
@@ -152,7 +152,7 @@ impl ClaimBackend for Backend<'_> {
         // the claim index shows that work, and it is the oldest there is (it was running).
         let mut lanes: Vec<(LaneId, usize)> = Vec::with_capacity(count);
         for id in 0..=LaneId::MAX {
-            if exclude.contains(&id) {
+            if due.exclude.contains(&id) {
                 continue;
             }
             let Some(document) = listed.get(&id) else {
@@ -185,11 +185,18 @@ impl ClaimBackend for Backend<'_> {
         // lane the only busy one. One claim-index scan over all the free lanes answers those
         // (fewer rows than it may return: it saw every due row), where the merge below costs
         // `mongod` milliseconds per call whatever it finds.
-        let due_in = |lanes: &[i32]| {
+        // This host's free lanes and other hosts' count work due by different times: each
+        // group is read on its own, the groups at once.
+        let (mine, others): (Vec<i32>, Vec<i32>) = free.iter().partition(|id| !due.others.contains(&(**id as LaneId)));
+        let groups: Vec<(Vec<i32>, DateTime)> = [(mine, due.before), (others, due.before.min(due.others_before))]
+            .into_iter()
+            .filter(|(lanes, _)| !lanes.is_empty())
+            .collect();
+        let due_in = |lanes: &[i32], before: DateTime| {
             doc! {
                 delivery::LANE: delivery::READY,
                 delivery::LANE_ID: { "$in": lanes },
-                delivery::DUE_AT: { "$lte": now },
+                delivery::DUE_AT: { "$lte": before },
                 delivery::HANDLER: { "$in": handlers },
             }
         };
@@ -207,17 +214,20 @@ impl ClaimBackend for Backend<'_> {
                 .await?;
             Ok::<_, StoreError>(rows)
         };
-        let few = if free.is_empty() { Vec::new() } else { read(due_in(&free), false, MIN_ROWS_PER_LANE_QUERY).await? };
-        // Otherwise the oldest due entries of the free lanes, read as a merge of one
+        let few = try_join_all(groups.iter().map(|(lanes, before)| read(due_in(lanes, *before), false, MIN_ROWS_PER_LANE_QUERY))).await?;
+        // Otherwise the oldest due entries of the group's lanes, read as a merge of one
         // claim-index scan per lane: the cost grows with the number of lanes and rows read,
         // never with the backlog. A lane with a deep old backlog can fill the rows alone; then
         // this round yields fewer lanes, and that lane has enough work for the claim anyway.
         let rows_wanted = (wanted * 2).clamp(MIN_ROWS_PER_LANE_QUERY, 1_000);
-        let chunks = if few.len() < MIN_ROWS_PER_LANE_QUERY {
-            vec![few]
-        } else {
-            try_join_all(free.chunks(MAX_LANES_PER_QUERY).map(|chunk| read(due_in(chunk), true, rows_wanted))).await?
-        };
+        let merged = groups.iter().zip(few).map(|((lanes, before), few)| async move {
+            if few.len() < MIN_ROWS_PER_LANE_QUERY {
+                return Ok::<_, StoreError>(few);
+            }
+            let chunks = try_join_all(lanes.chunks(MAX_LANES_PER_QUERY).map(|chunk| read(due_in(chunk, *before), true, rows_wanted)));
+            Ok(chunks.await?.concat())
+        });
+        let chunks = try_join_all(merged).await?;
         let mut oldest: Vec<(DateTime, LaneId)> = Vec::new();
         for row in chunks.iter().flatten() {
             let due = *row.get_datetime(delivery::DUE_AT).map_err(|_| StoreError::Corrupt(format!("delivery {row}")))?;
