@@ -49,11 +49,15 @@ struct Faulty<'s, B, S> {
     current_reads: AtomicUsize,
     /// How often the claim tried to charge a takeover.
     charges: AtomicUsize,
+    /// How often the claim searched free lanes, and handed lanes back.
+    searches: AtomicUsize,
+    hand_backs: AtomicUsize,
 }
 
 impl<'s, B, S> Faulty<'s, B, S> {
     fn new(inner: B, fault: Fault, store: &'s S) -> Self {
-        Self { inner, fault, store, current_reads: AtomicUsize::new(0), charges: AtomicUsize::new(0) }
+        let count = || AtomicUsize::new(0);
+        Self { inner, fault, store, current_reads: count(), charges: count(), searches: count(), hand_backs: count() }
     }
 }
 
@@ -75,6 +79,7 @@ impl<B: ClaimBackend + Send, S: Store> ClaimBackend for Faulty<'_, B, S> {
         count: usize,
         wanted: usize,
     ) -> Result<Vec<(LaneId, usize)>, StoreError> {
+        self.searches.fetch_add(1, Ordering::SeqCst);
         self.inner.free_lanes_with_due_work(handlers, due, count, wanted).await
     }
     async fn take_lanes(&self, lanes: &[LaneId], holder: &Holder, now: DateTime, until: DateTime) -> Result<Vec<LaneState>, StoreError> {
@@ -145,6 +150,7 @@ impl<B: ClaimBackend + Send, S: Store> ClaimBackend for Faulty<'_, B, S> {
         }
     }
     async fn hand_back(&self, holder: &Holder, lanes: &[(LaneId, i64)], now: DateTime) -> Result<(), StoreError> {
+        self.hand_backs.fetch_add(1, Ordering::SeqCst);
         self.inner.hand_back(holder, lanes, now).await
     }
     async fn events(&self, ids: &[String]) -> Result<HashMap<String, Document>, StoreError> {
@@ -254,6 +260,29 @@ both_stores!(a_takeover_whose_charge_failed_charges_it_at_the_next_claim, failur
 both_stores!(a_charge_kept_waiting_is_tried_again_once_a_second_and_holds_no_claim_up, charge_kept_waiting);
 both_stores!(a_stop_before_a_failed_charge_was_made_leaves_it_to_the_next_taker, stop_after_failed_charge);
 both_stores!(a_death_before_a_failed_charge_was_made_leaves_it_to_the_next_taker, death_before_failed_charge_was_made);
+both_stores!(an_idle_hosts_claim_searches_the_free_lanes_once_and_hands_its_idle_lane_back, idle_claim);
+
+/// The poll of an idle host is a claim that finds nothing: it costs few round trips, or every
+/// event fanned out meanwhile waits for it (a hand-out waits for a claim of its host).
+async fn idle_claim<S: Store + Parts>(a: &S, b: &S, _c: &S) {
+    let handlers = vec!["h".to_string()];
+    one_delivery(a).await;
+    let claimed = a.claim(&handlers, 10, DateTime::from_millis(T0)).await.unwrap();
+    assert_eq!(claimed.len(), 1);
+    a.complete_many(&[claimed[0].lease], DateTime::from_millis(T0 + 1)).await.unwrap();
+    // b is live too: a's search covers its own free lanes and b's stale work at once.
+    for host in [a, b, a] {
+        host.announce(DateTime::from_millis(T0 + 2)).await.unwrap();
+    }
+    let (backend, claimer) = a.parts();
+    let faulty = Faulty::new(backend, Fault::Nothing, a);
+    let idle = claimer.claim(&faulty, &handlers, LaneSearch::FreeWithDueWork, 10, DateTime::from_millis(T0 + 3)).await.unwrap();
+    assert!(idle.is_empty());
+    let calls = (faulty.searches.load(Ordering::SeqCst), faulty.hand_backs.load(Ordering::SeqCst));
+    assert_eq!(calls, (1, 1), "one search and one hand-back");
+    let lane = faulty.lanes(&[claimed[0].lease.lane]).await.unwrap().remove(0);
+    assert!(lane.owner.is_none() && lane.in_flight.is_empty(), "the idle lane is free again: {lane:?}");
+}
 
 async fn requeue_during_claim<S: Store + Parts>(a: &S, _b: &S, _c: &S) {
     let handlers = vec!["h".to_string()];
