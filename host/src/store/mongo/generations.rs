@@ -100,7 +100,7 @@ pub(super) async fn delete_current(store: &MongoStore, pairs: &[(ObjectId, i64)]
         "delete": collection,
         "deletes": statements,
         "ordered": false,
-        "writeConcern": { "w": "majority" },
+        "writeConcern": Commit::Applied.write_concern_document(),
     };
     let reply = store.client.database(&store.location.database).run_command(command).await?;
     matched(collection, "delete", &reply)

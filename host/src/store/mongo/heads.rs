@@ -14,7 +14,7 @@ use mongodb::options::Hint;
 
 use super::documents::delivery;
 use super::lanes::Backend;
-use super::{MongoStore, setup};
+use super::{Commit, MongoStore, setup};
 use crate::store::claim::{HandlerKey, Settled};
 use crate::store::{DeliveryId, StoreError};
 
@@ -103,6 +103,7 @@ impl Backend<'_> {
                     doc! { "$set": { delivery::LANE: delivery::READY }, "$unset": { delivery::BEHIND: "" } },
                 )
                 .hint(super::by_id())
+                .write_concern(Commit::Applied.write_concern())
                 .await?;
         }
         Ok(heads)
