@@ -16,10 +16,15 @@ use super::documents::delivery;
 use super::lanes::Backend;
 use super::{Commit, MongoStore, setup};
 use crate::store::claim::{HandlerKey, Settled};
-use crate::store::{DeliveryId, StoreError};
+use crate::store::{DeliveryId, StoreError, answered};
 
 /// Keys whose heads one command looks up.
 const HEADS_PER_COMMAND: usize = 1_000;
+
+/// Settled deliveries up to this many (a key's chain settles one at a time) have their
+/// followers unparked by one `findAndModify` each, all at once: one round trip instead of a
+/// read and then an update.
+const UNPARKED_ONE_BY_ONE_MAX: usize = 4;
 
 impl Backend<'_> {
     /// Every key of `handlers` with parked deliveries. One skip scan over the `parked` index
@@ -43,8 +48,8 @@ impl Backend<'_> {
 
     /// Unparks the followers created behind one of `settled` that is no longer pending, and
     /// returns them as their keys' heads: at most two reads by index and one update, whatever
-    /// the number of keys, where looking each key's head up costs `mongod` a sub-pipeline per
-    /// key. Whether a delivery is still pending is read only for those this instance did not
+    /// the number of keys (or, for a few, one `findAndModify` each, at once), where looking
+    /// each key's head up costs `mongod` a sub-pipeline per key. Whether a delivery is still pending is read only for those this instance did not
     /// complete itself (a completed one is gone).
     pub(super) async fn followers_of_settled(
         &self,
@@ -72,13 +77,30 @@ impl Backend<'_> {
         if gone.is_empty() {
             return Ok(HashMap::new());
         }
+        let unpark = doc! { "$set": { delivery::LANE: delivery::READY }, "$unset": { delivery::BEHIND: "" } };
+        let projection = doc! { delivery::ID: 1, delivery::HANDLER: 1, delivery::KEY: 1 };
+        if gone.len() <= UNPARKED_ONE_BY_ONE_MAX {
+            let unparked = answered::every(gone.iter().map(|id| {
+                deliveries
+                    .find_one_and_update(
+                        doc! { delivery::BEHIND: id, delivery::LANE: delivery::PARKED, delivery::HANDLER: { "$in": handlers } },
+                        unpark.clone(),
+                    )
+                    .projection(projection.clone())
+                    .hint(Hint::Name(setup::PARKED_BEHIND.into()))
+                    .write_concern(Commit::Applied.write_concern())
+                    .into_future()
+            }))
+            .await?;
+            return Ok(keys_of(unparked.iter().flatten()));
+        }
         let followers: Vec<Document> = deliveries
             .find(doc! {
                 delivery::BEHIND: { "$in": gone },
                 delivery::LANE: delivery::PARKED,
                 delivery::HANDLER: { "$in": handlers },
             })
-            .projection(doc! { delivery::ID: 1, delivery::HANDLER: 1, delivery::KEY: 1 })
+            .projection(projection)
             .hint(Hint::Name(setup::PARKED_BEHIND.into()))
             // One follower behind each, as a rule (a delivery is of one handler and key), so one
             // batch: past the server's first batch of 101, a `getMore` costs the claim a round trip.
@@ -86,22 +108,11 @@ impl Backend<'_> {
             .await?
             .try_collect()
             .await?;
-        let mut heads = HashMap::with_capacity(followers.len());
-        for follower in &followers {
-            let (Ok(id), Ok(handler), Ok(key)) =
-                (follower.get_object_id(delivery::ID), follower.get_str(delivery::HANDLER), follower.get_str(delivery::KEY))
-            else {
-                continue;
-            };
-            heads.insert((handler.to_string(), key.to_string()), id);
-        }
+        let heads = keys_of(followers.iter());
         if !heads.is_empty() {
             let ids: Vec<DeliveryId> = heads.values().copied().collect();
             deliveries
-                .update_many(
-                    doc! { delivery::ID: { "$in": ids }, delivery::LANE: delivery::PARKED },
-                    doc! { "$set": { delivery::LANE: delivery::READY }, "$unset": { delivery::BEHIND: "" } },
-                )
+                .update_many(doc! { delivery::ID: { "$in": ids }, delivery::LANE: delivery::PARKED }, unpark)
                 .hint(super::by_id())
                 .write_concern(Commit::Applied.write_concern())
                 .await?;
@@ -215,4 +226,18 @@ pub(super) async fn idle_keys(
         }
     }
     Ok(idle)
+}
+
+/// The deliveries of `followers` by their handler and key.
+fn keys_of<'a>(followers: impl Iterator<Item = &'a Document>) -> HashMap<HandlerKey, DeliveryId> {
+    followers
+        .filter_map(|follower| {
+            let (Ok(id), Ok(handler), Ok(key)) =
+                (follower.get_object_id(delivery::ID), follower.get_str(delivery::HANDLER), follower.get_str(delivery::KEY))
+            else {
+                return None;
+            };
+            Some(((handler.to_string(), key.to_string()), id))
+        })
+        .collect()
 }
