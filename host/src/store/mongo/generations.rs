@@ -72,7 +72,8 @@ pub(super) async fn update_current(store: &MongoStore, pairs: &[(ObjectId, i64)]
 }
 
 /// Deletes every pending delivery among `pairs` still at its listed generation, in one
-/// majority-acknowledged command; returns how many were deleted.
+/// command acknowledged once applied (a completion: the next delivery of its key runs only
+/// after a majority write that follows it); returns how many were deleted.
 ///
 /// One statement per distinct generation, `_id: { $in }` within it: most deliveries of a batch
 /// share their generation, and each statement of a write command is planned and executed on

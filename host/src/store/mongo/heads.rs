@@ -49,8 +49,10 @@ impl Backend<'_> {
     /// Unparks the followers created behind one of `settled` that is no longer pending, and
     /// returns them as their keys' heads: at most two reads by index and one update, whatever
     /// the number of keys (or, for a few, one `findAndModify` each, at once), where looking
-    /// each key's head up costs `mongod` a sub-pipeline per key. Whether a delivery is still pending is read only for those this instance did not
-    /// complete itself (a completed one is gone).
+    /// each key's head up costs `mongod` a sub-pipeline per key. Whether a delivery is still
+    /// pending is read only for those this instance did not complete itself (a completed one
+    /// is gone). The unpark is acknowledged once applied: the claim that runs the follower
+    /// records it by a majority write after it, and the sweep repairs one a failover lost.
     pub(super) async fn followers_of_settled(
         &self,
         handlers: &[String],

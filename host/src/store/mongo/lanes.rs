@@ -95,6 +95,7 @@ impl ClaimBackend for Backend<'_> {
                     doc! { "$set": { delivery::LANE: delivery::READY } },
                 )
                 .hint(super::by_id())
+                // Applied only, as in `followers_of_settled`.
                 .write_concern(Commit::Applied.write_concern())
                 .await?;
         }

@@ -147,7 +147,10 @@ async fn complete_each(store: &MongoStore, leases: &[Lease], now: DateTime) -> R
     let mut completed: HashSet<ObjectId> = current.iter().map(|l| l.delivery).collect();
     if !current.is_empty() {
         let event_ids: Vec<&Bson> = current.iter().map(|l| &events[&l.delivery]).collect();
-        // Applied only: the majority delete after it, on the same primary, makes it durable.
+        // Applied only, as the delete after it: the next delivery of a completed one's key runs
+        // only after a claim's majority record (or a hand-out's durable list) that comes after
+        // both on the same primary and makes them durable (a failover that loses them runs the
+        // delivery again, never after a later one of its key).
         store
             .collections
             .events
