@@ -300,14 +300,16 @@ impl ClaimBackend for Backend<'_> {
     async fn charge_lost(&self, entries: &[InFlight], now: DateTime) -> Result<(), StoreError> {
         // A delivery its fan-out handed out without a document gets one, charged as the
         // others are, in the transaction that writes it.
-        unstored::materialize(self.store, &unstored::Entry::listed(entries), unstored::Charge::Takeover, now).await?;
-        // A keyed run handed out before its fan-out committed, which it never did.
-        let lost_uncommitted = entries
-            .iter()
-            .filter(|entry| entry.unstored.is_none() && entry.started)
-            .filter_map(|entry| Some((entry.before_commit.clone()?.0, entry.handler.clone())))
-            .collect();
-        suspects::name(self.store, lost_uncommitted).await;
+        let mut lost_uncommitted =
+            unstored::materialize(self.store, &unstored::Entry::listed(entries), unstored::Charge::Takeover, now).await?;
+        // Runs handed out before their fan-out committed, which it never did: the unkeyed ones
+        // the materialization found unlisted, and keyed ones. Named in one go, beside the charge.
+        lost_uncommitted.extend(
+            entries
+                .iter()
+                .filter(|entry| entry.unstored.is_none() && entry.started)
+                .filter_map(|entry| Some((entry.before_commit.clone()?.0, entry.handler.clone()))),
+        );
         let (started, waiting): (Vec<&InFlight>, Vec<&InFlight>) =
             entries.iter().filter(|entry| entry.unstored.is_none()).partition(|entry| entry.started);
         let charged = doc! {
@@ -319,12 +321,12 @@ impl ClaimBackend for Backend<'_> {
         let moved_on = doc! { "$inc": { delivery::CLAIMS: 1_i64 }, "$set": { delivery::SUSPECT: true } };
         let pairs = |entries: Vec<&InFlight>| entries.into_iter().map(|entry| (entry.delivery, entry.claims)).collect::<Vec<_>>();
         let (started, waiting) = (pairs(started), pairs(waiting));
-        answered::both(
+        let charges = answered::both(
             async { if started.is_empty() { Ok(0) } else { generations::update_current(self.store, &started, &charged).await } },
             async { if waiting.is_empty() { Ok(0) } else { generations::update_current(self.store, &waiting, &moved_on).await } },
-        )
-        .await?;
-        Ok(())
+        );
+        let (charged, ()) = futures::join!(charges, suspects::name(self.store, lost_uncommitted));
+        charged.map(|_| ())
     }
 
     async fn record_starts(&self, holder: &Holder, lanes: &[(LaneId, i64, Vec<DeliveryId>)]) -> Result<Vec<bool>, StoreError> {

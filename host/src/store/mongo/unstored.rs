@@ -12,9 +12,9 @@
 //! so that the ordinary fenced outcomes apply from there. Both conditions are on the event
 //! document, so of a completion and a materialization only the first changes anything. It
 //! must never write a document for a handler the list no longer names (that delivery was
-//! completed, or has its document already). A takeover's entry whose event was never fanned
-//! out (its fan-out's transaction died with its host) makes the event suspect instead (see
-//! `suspects`).
+//! completed, or has its document already). A takeover's started entry that its event no
+//! longer names goes back to the takeover, which makes the event suspect if it was never
+//! fanned out (its fan-out's transaction died with its host; see `suspects`).
 //!
 //! [`Candidate::unstored`]: crate::store::claim::Candidate::unstored
 
@@ -27,7 +27,7 @@ use mongodb::ClientSession;
 
 use super::documents::{delivery, new_delivery_document};
 use super::generations::{self, WriteIn};
-use super::{Commit, MongoStore, suspects};
+use super::{Commit, MongoStore};
 use crate::event::field;
 use crate::store::fan_out::{NewDelivery, id_text};
 use crate::store::{DeliveryId, LOST_WHILE_RUNNING, StoreError};
@@ -65,9 +65,18 @@ pub(super) enum Charge {
 /// second document for an event and handler: entries naming the same one are made once, and
 /// one that has a document already (the unique `(eventId, handler)` index would refuse the
 /// batch, for good) only leaves the list.
-pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], charge: Charge, now: DateTime) -> Result<(), StoreError> {
+///
+/// Returns, for a takeover, the runs listed as started whose event no longer names them, as
+/// `(event, handler)`: one that started before its fan-out committed, which it never did, is
+/// for [`super::suspects::name`] (which names only unfanned events).
+pub(super) async fn materialize(
+    store: &MongoStore,
+    entries: &[Entry],
+    charge: Charge,
+    now: DateTime,
+) -> Result<Vec<(Bson, String)>, StoreError> {
     if entries.is_empty() {
-        return Ok(());
+        return Ok(Vec::new());
     }
     let unlisted = transaction!(store, |tx| {
         let session = tx.session();
@@ -147,13 +156,10 @@ pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], charge: C
         }
         Ok(unlisted)
     })?;
-    // A takeover's run its event no longer names may have started before its fan-out
-    // committed, which it never did: its event, if still unfanned, is named suspect.
-    if charge == Charge::Takeover {
-        let started = unlisted.into_iter().filter(|entry| entry.started);
-        suspects::name(store, started.map(|entry| (entry.event, entry.handler)).collect()).await;
+    if charge != Charge::Takeover {
+        return Ok(Vec::new());
     }
-    Ok(())
+    Ok(unlisted.into_iter().filter(|entry| entry.started).map(|entry| (entry.event, entry.handler)).collect())
 }
 
 /// The documents `filter` matches in `collection`, read in `session`'s transaction (about
