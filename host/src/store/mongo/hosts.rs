@@ -138,10 +138,11 @@ async fn end_sessions(admin: &Database, app_name: &str) -> Result<usize, StoreEr
     ];
     let sessions: Vec<Document> = admin.aggregate(pipeline).await?.try_collect().await?;
     let ids: Vec<Document> = sessions.into_iter().filter_map(|session| session.get(ID).map(|id| doc! { "id": id.clone() })).collect();
-    if !ids.is_empty() {
-        admin.run_command(doc! { "killSessions": ids.clone() }).await?;
+    let count = ids.len();
+    if count > 0 {
+        admin.run_command(doc! { "killSessions": ids }).await?;
     }
-    Ok(ids.len())
+    Ok(count)
 }
 
 /// Deletes this instance's announcement (a graceful stop).
