@@ -199,21 +199,7 @@ async fn lost_before_the_fan_out_committed<S: Store + Parts>(a: &S, b: &S, c: &S
     run_in_transaction(a, async |tx| a.publish(tx, &event).await).await.unwrap();
     // a handed e-1 out before its fan-out's commit and died, perhaps of the run, before the
     // fan-out committed: the event is unfanned.
-    let (backend_a, claimer_a) = a.parts();
-    let id = Bson::String("e-1".to_string());
-    let entry = InFlight {
-        delivery: ObjectId::new(),
-        claims: 0,
-        handler: "h".to_string(),
-        key: key.map(str::to_string),
-        unstored: key.is_none().then(|| HandOutOf { event: id.clone(), fan_out: Some(ObjectId::new()) }),
-        started: true,
-        before_commit: key.is_some().then(|| EventOf(id.clone())),
-    };
-    let lane = crate::lane::lane_for_event("e-1", key);
-    let lists = [(lane, vec![entry])];
-    let listed = backend_a.take_listing(&lists, &claimer_a.holder, at(T0), at(T0 + 30_000), LaneWrite::Applied);
-    assert_eq!(listed.await.unwrap().len(), 1);
+    let lane = hand_out_started(a, key).await;
 
     // b takes the lane over: nothing exists to charge or run, and the lane does not stall.
     assert!(b.claim_in(&handlers(), &[lane], 10, at(LATER)).await.unwrap().is_empty());
@@ -232,6 +218,28 @@ async fn lost_before_the_fan_out_committed<S: Store + Parts>(a: &S, b: &S, c: &S
     drain(c, LATER + 31_001).await;
 }
 
+/// Lists `e-1`'s run (unkeyed, without a document; or the head of `key`, whose document comes
+/// with the commit) as started in a lane `a` takes, as `a`'s hand-out does before its fan-out
+/// commits; returns the lane.
+async fn hand_out_started<S: Store + Parts>(a: &S, key: Option<&str>) -> crate::lane::LaneId {
+    let (backend_a, claimer_a) = a.parts();
+    let id = Bson::String("e-1".to_string());
+    let entry = InFlight {
+        delivery: ObjectId::new(),
+        claims: 0,
+        handler: "h".to_string(),
+        key: key.map(str::to_string),
+        unstored: key.is_none().then(|| HandOutOf { event: id.clone(), fan_out: Some(ObjectId::new()) }),
+        started: true,
+        before_commit: key.is_some().then(|| EventOf(id.clone())),
+    };
+    let lane = crate::lane::lane_for_event("e-1", key);
+    let lists = [(lane, vec![entry])];
+    let listed = backend_a.take_listing(&lists, &claimer_a.holder, at(T0), at(T0 + 30_000), LaneWrite::Applied);
+    assert_eq!(listed.await.unwrap().len(), 1);
+    lane
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_fan_outs_transaction_still_holding_its_event_does_not_hold_the_takeover_up() {
     // In MongoDB the dead host's fan-out transaction holds the event it marked until its
@@ -245,20 +253,7 @@ async fn a_dead_fan_outs_transaction_still_holding_its_event_does_not_hold_the_t
     dead.start_transaction().await.unwrap();
     let mark = doc! { "$set": { "fannedOutAt": at(T0), "handedOut": ["h"], "handlers": ["h"] } };
     events.update_one(doc! { "_id": "e-1" }, mark).session(&mut dead).await.unwrap();
-    let (backend_a, claimer_a) = a.parts();
-    let entry = InFlight {
-        delivery: ObjectId::new(),
-        claims: 0,
-        handler: "h".to_string(),
-        key: None,
-        unstored: Some(HandOutOf { event: Bson::String("e-1".to_string()), fan_out: Some(ObjectId::new()) }),
-        started: true,
-        before_commit: None,
-    };
-    let lane = crate::lane::lane_for_event("e-1", None);
-    let lists = [(lane, vec![entry])];
-    let listed = backend_a.take_listing(&lists, &claimer_a.holder, at(T0), at(T0 + 30_000), LaneWrite::Applied);
-    assert_eq!(listed.await.unwrap().len(), 1);
+    let lane = hand_out_started(&a, None).await;
 
     assert!(b.claim_in(&handlers(), &[lane], 10, at(LATER)).await.unwrap().is_empty());
     assert_eq!(b.parts().1.lanes_waiting_for_charge(), 0, "the charge did not wait for the transaction");
