@@ -58,21 +58,32 @@ impl PluginRunner {
 /// plugin loaded later gets them at its first run. Best effort: on a failure the
 /// transactions create them, as before.
 async fn create_collections_granted_to(store: &MongoStore, plugin: &LoadedPlugin, created: &Mutex<HashSet<String>>) {
-    // Held while they are created: a run that comes meanwhile waits for them. A collection
-    // created while a handler's transaction was open made that transaction's commit a write
-    // conflict, and the handler ran again (`transactional_handler`
-    // `a_transactional_handler_beside_another_handler_of_unkeyed_events_runs_once_each`, its
-    // first run: 3 of 60 and 2 of 150 looped runs failed so; none of 150, twice, since).
+    let granted = &plugin.policy.grants.transaction.collections;
+    if let Err(error) = create_once(created, granted, async |missing: &[String]| store.create_collections(missing).await).await {
+        tracing::warn!(%error, plugin = %plugin.name, "could not create the collections the plugin is granted");
+    }
+}
+
+/// Calls `create` with those of `wanted` that `created` does not hold yet, and adds them once
+/// it succeeded. `created` is held while they are created: a run that comes meanwhile waits
+/// for them. A collection created while a handler's transaction was open made that
+/// transaction's commit a write conflict, and the handler ran again (`transactional_handler`
+/// `a_transactional_handler_beside_another_handler_of_unkeyed_events_runs_once_each`, its
+/// first run: 3 of 60 and 2 of 150 looped runs failed so; none of 150, twice, since; the
+/// test below shows the wait).
+async fn create_once(
+    created: &Mutex<HashSet<String>>,
+    wanted: &[String],
+    create: impl AsyncFnOnce(&[String]) -> Result<(), StoreError>,
+) -> Result<(), StoreError> {
     let mut created = created.lock().await;
-    let missing: Vec<String> =
-        plugin.policy.grants.transaction.collections.iter().filter(|name| !created.contains(*name)).cloned().collect();
+    let missing: Vec<String> = wanted.iter().filter(|name| !created.contains(*name)).cloned().collect();
     if missing.is_empty() {
-        return;
+        return Ok(());
     }
-    match store.create_collections(&missing).await {
-        Ok(()) => created.extend(missing),
-        Err(error) => tracing::warn!(%error, plugin = %plugin.name, "could not create the collections the plugin is granted"),
-    }
+    create(&missing).await?;
+    created.extend(missing);
+    Ok(())
 }
 
 fn attempt_of(outcome: Outcome) -> AttemptResult {
@@ -211,5 +222,46 @@ impl Reruns {
         let pause = std::time::Duration::from_millis(50u64 << (self.done - 1).min(7)).min(std::time::Duration::from_secs(5));
         tokio::time::sleep(pause).await;
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use futures::FutureExt;
+    use tokio::sync::Notify;
+
+    use super::*;
+
+    /// A run that comes while another creates the collections waits until they exist, and
+    /// does not create them again (its transaction would be open beside their creation).
+    #[tokio::test]
+    async fn a_run_that_comes_while_the_collections_are_created_waits_for_them() {
+        let created = Mutex::new(HashSet::new());
+        let wanted = vec!["audit".to_string(), "orders".to_string()];
+        let (creating, done) = (Notify::new(), Notify::new());
+        let calls = AtomicUsize::new(0);
+        let create = async |missing: &[String]| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            assert_eq!(missing, ["audit".to_string(), "orders".to_string()]);
+            creating.notify_one();
+            done.notified().await;
+            Ok(())
+        };
+        let mut first = std::pin::pin!(create_once(&created, &wanted, create));
+        // The first run is inside its creation.
+        assert!(first.as_mut().now_or_never().is_none());
+        creating.notified().now_or_never().expect("the first run is creating the collections");
+        let mut second = std::pin::pin!(create_once(&created, &wanted, async |_: &[String]| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }));
+        assert!(second.as_mut().now_or_never().is_none(), "a second run went ahead while the collections were being created");
+        done.notify_one();
+        first.await.expect("created");
+        second.await.expect("waited");
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "the collections were created once");
+        assert_eq!(created.lock().await.len(), 2);
     }
 }
