@@ -13,7 +13,7 @@ use futures::future::try_join_all;
 
 use super::{Commit, MongoStore};
 use super::documents::{self, delivery, entry, in_flight_document, lane, lane_state};
-use super::{generations, suspects, unstored};
+use super::{generations, setup, suspects, unstored};
 use super::lane_statements::{free_lane, held_statement, take_lane, take_statement};
 use crate::death::Death;
 use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
@@ -400,7 +400,7 @@ impl ClaimBackend for Backend<'_> {
             .sort(doc! { delivery::DUE_AT: 1, delivery::ID: 1 })
             .limit(limit as i64)
             .batch_size(super::documents::one_batch(limit))
-            .hint(mongodb::options::Hint::Name("claim".to_string()))
+            .hint(mongodb::options::Hint::Name(setup::CLAIM_DUE.to_string()))
             .projection(doc! {
                 delivery::ID: 1, delivery::EVENT_ID: 1, delivery::HANDLER: 1, delivery::KEY: 1, delivery::LANE_ID: 1,
                 delivery::DUE_AT: 1, delivery::CLAIMS: 1, delivery::ATTEMPTS: 1, delivery::SUSPECT: 1,
