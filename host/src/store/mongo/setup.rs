@@ -116,7 +116,7 @@ fn delivery_indexes() -> Vec<IndexModel> {
         ),
         // A claim's candidates in its held lanes: one scan in due order, the lanes checked in
         // the index's keys. Read through `claim`, a claim over 128 lanes was a merge of 128
-        // scans, about five times the `mongod` work for the same rows (see `docs/performance.md`).
+        // scans, about five times as long for the same rows (see `docs/performance.md`).
         index(
             doc! { delivery::DUE_AT: 1, delivery::ID: 1, delivery::LANE_ID: 1, delivery::HANDLER: 1 },
             CLAIM_DUE,
