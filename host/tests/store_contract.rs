@@ -808,12 +808,19 @@ async fn older_work_in_a_free_lane_goes_before_younger_work_of_a_held_lane<F: Fi
 }
 
 async fn a_claim_takes_the_oldest_due_work_of_all_its_held_lanes_first<F: Fixture>() {
+    // More lanes than one query merging a scan per lane reads (`MAX_LANES_PER_QUERY`), and
+    // every lane (read in MongoDB by one scan in due order).
+    for held in [201, 256] {
+        oldest_due_work_first_over_held_lanes::<F>(held).await;
+    }
+}
+
+async fn oldest_due_work_first_over_held_lanes<F: Fixture>(held: usize) {
     let fixture = F::new().await;
     let store = fixture.store();
     let subscriptions = subs(&[("h", &["t"])]);
-    // One delivery running in each of 201 lanes: the store holds more lanes than one search
-    // of free lanes reads (`MAX_LANES_PER_QUERY`).
-    let running: Vec<String> = (0..=200).map(|lane| id_in_lane("running", lane)).collect();
+    // One delivery running in each of `held` lanes.
+    let running: Vec<String> = (0..held).map(|lane| id_in_lane("running", lane as u8)).collect();
     publish_all(store, running.iter().map(|id| event(id, "t")).collect()).await;
     fan_out_all(store, &subscriptions, at(T0)).await;
     let mut claimed = Vec::new();
@@ -824,14 +831,14 @@ async fn a_claim_takes_the_oldest_due_work_of_all_its_held_lanes_first<F: Fixtur
         }
     }
     assert_eq!(claimed.len(), running.len());
-    // Then an older delivery in the highest of those lanes and a younger one in a low one.
+    // Then an older delivery in a high lane and a younger one in a low one.
     let (older, younger) = (id_in_lane("older", 200), id_in_lane("younger", 3));
     publish_all(store, vec![event(&older, "t")]).await;
     fan_out_all(store, &subscriptions, at(T0 + 1)).await;
     publish_all(store, vec![event(&younger, "t")]).await;
     fan_out_all(store, &subscriptions, at(T0 + 2)).await;
     let next = store.claim(&handlers(&["h"]), 1, at(T0 + 3)).await.unwrap();
-    assert_eq!(ids(&next), [format!("{older}/h")], "the oldest due delivery of the held lanes goes first, whichever lane");
+    assert_eq!(ids(&next), [format!("{older}/h")], "the oldest due delivery of {held} held lanes goes first, whichever lane");
     let last = store.claim(&handlers(&["h"]), 1, at(T0 + 3)).await.unwrap();
     assert_eq!(ids(&last), [format!("{younger}/h")]);
 }
