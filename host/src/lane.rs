@@ -4,10 +4,10 @@
 //! to its lane. It must never change: every delivery document stores the lane it was given,
 //! and per-key order relies on all deliveries of a key sharing one lane.
 
-/// Number of lanes. A query merging one index scan per lane reads at most [`MAX_LANES_PER_QUERY`] of them.
+/// Number of lanes. A claim queries at most [`MAX_LANES_PER_QUERY`] of them at once.
 pub const LANE_COUNT: u16 = 256;
 
-/// MongoDB merges at most 200 index scans per query; 128 keeps such a query well inside that.
+/// MongoDB merges at most 200 index scans per query; 128 keeps a claim query well inside that.
 pub const MAX_LANES_PER_QUERY: usize = 128;
 
 /// A lane number in `0..LANE_COUNT`.

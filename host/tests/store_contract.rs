@@ -61,7 +61,6 @@ contract!(
     racing_plain_marks_of_one_backlog_run_every_event_once,
     lanes_are_held_per_store_instance,
     older_work_in_a_free_lane_goes_before_younger_work_of_a_held_lane,
-    a_claim_takes_the_oldest_due_work_of_all_its_held_lanes_first,
     relinquish_hands_lanes_back_at_once,
     a_stale_lease_changes_nothing,
     a_lane_taken_over_gives_its_old_holder_nothing,
@@ -805,42 +804,6 @@ async fn older_work_in_a_free_lane_goes_before_younger_work_of_a_held_lane<F: Fi
     let next = store.claim(&handlers(&["h"]), 5, at(T0 + 4)).await.unwrap();
     assert_eq!(next.len(), 5);
     assert!(ids(&next).contains(&format!("{waiting}/h")), "the oldest due delivery is claimed: {:?}", ids(&next));
-}
-
-async fn a_claim_takes_the_oldest_due_work_of_all_its_held_lanes_first<F: Fixture>() {
-    // More lanes than one query merging a scan per lane reads (`MAX_LANES_PER_QUERY`), and
-    // every lane (read in MongoDB by one scan in due order).
-    for held in [201, 256] {
-        oldest_due_work_first_over_held_lanes::<F>(held).await;
-    }
-}
-
-async fn oldest_due_work_first_over_held_lanes<F: Fixture>(held: usize) {
-    let fixture = F::new().await;
-    let store = fixture.store();
-    let subscriptions = subs(&[("h", &["t"])]);
-    // One delivery running in each of `held` lanes.
-    let running: Vec<String> = (0..held).map(|lane| id_in_lane("running", lane as u8)).collect();
-    publish_all(store, running.iter().map(|id| event(id, "t")).collect()).await;
-    fan_out_all(store, &subscriptions, at(T0)).await;
-    let mut claimed = Vec::new();
-    for _ in 0..10 {
-        claimed.extend(store.claim(&handlers(&["h"]), running.len() - claimed.len(), at(T0)).await.unwrap());
-        if claimed.len() == running.len() {
-            break;
-        }
-    }
-    assert_eq!(claimed.len(), running.len());
-    // Then an older delivery in a high lane and a younger one in a low one.
-    let (older, younger) = (id_in_lane("older", 200), id_in_lane("younger", 3));
-    publish_all(store, vec![event(&older, "t")]).await;
-    fan_out_all(store, &subscriptions, at(T0 + 1)).await;
-    publish_all(store, vec![event(&younger, "t")]).await;
-    fan_out_all(store, &subscriptions, at(T0 + 2)).await;
-    let next = store.claim(&handlers(&["h"]), 1, at(T0 + 3)).await.unwrap();
-    assert_eq!(ids(&next), [format!("{older}/h")], "the oldest due delivery of {held} held lanes goes first, whichever lane");
-    let last = store.claim(&handlers(&["h"]), 1, at(T0 + 3)).await.unwrap();
-    assert_eq!(ids(&last), [format!("{younger}/h")]);
 }
 
 async fn lanes_are_held_per_store_instance<F: Fixture>() {

@@ -135,9 +135,8 @@ impl Plan {
     }
 }
 
-/// Reads the due deliveries of `lanes` page by page, oldest first over all of them, and lets
-/// the plan pick from them; it continues past blocked keys until the batch is full or the
-/// lanes are exhausted.
+/// Reads the due deliveries of `lanes` page by page and lets the plan pick from them; it
+/// continues past blocked keys until the batch is full or the lanes are exhausted.
 pub(super) async fn scan<B: ClaimBackend>(
     backend: &B,
     plan: &mut Plan,
@@ -145,26 +144,28 @@ pub(super) async fn scan<B: ClaimBackend>(
     handlers: &[String],
     now: DateTime,
 ) -> Result<(), StoreError> {
-    let mut after = None;
-    while !plan.full() {
-        let page = ((plan.limit - plan.picks.len()) * 2).clamp(64, 1_000);
-        let rows = backend.candidates(lanes, handlers, now, after, &plan.running_ids, page).await?;
-        plan.recall_heads(&rows);
-        let unknown = plan.unknown_keys(&rows);
-        if !unknown.is_empty() {
-            let heads = backend.key_heads(&unknown).await?;
-            for key in unknown {
-                let head = heads.get(&key).copied();
-                plan.heads.insert(key, head);
+    for chunk in lanes.chunks(MAX_LANES_PER_QUERY) {
+        let mut after = None;
+        while !plan.full() {
+            let page = ((plan.limit - plan.picks.len()) * 2).clamp(64, 1_000);
+            let rows = backend.candidates(chunk, handlers, now, after, &plan.running_ids, page).await?;
+            plan.recall_heads(&rows);
+            let unknown = plan.unknown_keys(&rows);
+            if !unknown.is_empty() {
+                let heads = backend.key_heads(&unknown).await?;
+                for key in unknown {
+                    let head = heads.get(&key).copied();
+                    plan.heads.insert(key, head);
+                }
             }
-        }
-        let exhausted = rows.len() < page;
-        after = rows.last().map(|row| (row.due_at, row.id));
-        for row in rows {
-            plan.consider(row);
-        }
-        if exhausted {
-            break;
+            let exhausted = rows.len() < page;
+            after = rows.last().map(|row| (row.due_at, row.id));
+            for row in rows {
+                plan.consider(row);
+            }
+            if exhausted {
+                break;
+            }
         }
     }
     Ok(())

@@ -13,10 +13,10 @@ use futures::future::try_join_all;
 
 use super::{Commit, MongoStore};
 use super::documents::{self, delivery, entry, in_flight_document, lane, lane_state};
-use super::{generations, setup, suspects, unstored};
+use super::{generations, suspects, unstored};
 use super::lane_statements::{free_lane, held_statement, take_lane, take_statement};
 use crate::death::Death;
-use crate::lane::{LANE_COUNT, LaneId, MAX_LANES_PER_QUERY};
+use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
 use crate::store::claim::MIN_ROWS_PER_LANE_QUERY;
 use crate::store::claim::{Candidate, ClaimBackend, DueWork, HandlerKey, Holder, InFlight, LaneRecord, LaneState, LaneWrite, Unpark};
 use crate::store::{DeliveryId, LOST_WHILE_RUNNING, Lease, StoreError, answered};
@@ -210,7 +210,7 @@ impl ClaimBackend for Backend<'_> {
                 .projection(doc! { delivery::LANE_ID: 1, delivery::DUE_AT: 1, delivery::ID: 0 })
                 .limit(limit as i64)
                 .batch_size(super::documents::one_batch(limit))
-                .hint(mongodb::options::Hint::Name(setup::CLAIM.to_string()))
+                .hint(mongodb::options::Hint::Name("claim".to_string()))
                 .await?
                 .try_collect()
                 .await?;
@@ -373,62 +373,42 @@ impl ClaimBackend for Backend<'_> {
         running: &HashSet<DeliveryId>,
         limit: usize,
     ) -> Result<Vec<Candidate>, StoreError> {
-        // Every lane: one scan of `claim_due` in due order. Fewer: a merge of one `claim` scan
-        // per lane, at most 128 lanes a query, the groups read at once and merged here. Through
-        // `claim_due` a claim over some lanes would read past the other lanes' older rows (a
-        // slow host's backlog) at every claim: 108 ms a read past 100,000 of them, against
-        // 2 ms (see `docs/performance.md`).
-        let (index, groups): (&str, Vec<&[LaneId]>) = if lanes.len() >= usize::from(LANE_COUNT) {
-            (setup::CLAIM_DUE, vec![lanes])
-        } else {
-            (setup::CLAIM, lanes.chunks(MAX_LANES_PER_QUERY).collect())
+        let mut filter = doc! {
+            delivery::LANE: delivery::READY,
+            delivery::LANE_ID: { "$in": lane_ids(lanes.iter().copied()) },
+            delivery::DUE_AT: { "$lte": now },
+            delivery::HANDLER: { "$in": handlers },
         };
-        let several = groups.len() > 1;
-        let reads = groups.into_iter().map(|group| {
-            let mut filter = doc! {
-                delivery::LANE: delivery::READY,
-                delivery::LANE_ID: { "$in": lane_ids(group.iter().copied()) },
-                delivery::DUE_AT: { "$lte": now },
-                delivery::HANDLER: { "$in": handlers },
-            };
-            if !running.is_empty() {
-                // `_id` is in both indexes, so these are skipped without reading a document.
-                filter.insert(delivery::ID, doc! { "$nin": running.iter().copied().collect::<Vec<_>>() });
-            }
-            if let Some((due_at, id)) = after {
-                filter.insert(
-                    "$or",
-                    vec![
-                        doc! { delivery::DUE_AT: { "$gt": due_at } },
-                        doc! { delivery::DUE_AT: due_at, delivery::ID: { "$gt": id } },
-                    ],
-                );
-            }
-            let deliveries = &self.store.collections.deliveries;
-            async move {
-                let documents: Vec<Document> = deliveries
-                    .find(filter)
-                    .sort(doc! { delivery::DUE_AT: 1, delivery::ID: 1 })
-                    .limit(limit as i64)
-                    .batch_size(super::documents::one_batch(limit))
-                    .hint(mongodb::options::Hint::Name(index.to_string()))
-                    .projection(doc! {
-                        delivery::ID: 1, delivery::EVENT_ID: 1, delivery::HANDLER: 1, delivery::KEY: 1, delivery::LANE_ID: 1,
-                        delivery::DUE_AT: 1, delivery::CLAIMS: 1, delivery::ATTEMPTS: 1, delivery::SUSPECT: 1,
-                    })
-                    .await?
-                    .try_collect()
-                    .await?;
-                Ok::<_, StoreError>(documents)
-            }
-        });
-        let mut candidates = try_join_all(reads).await?.iter().flatten().map(documents::candidate).collect::<Result<Vec<_>, _>>()?;
-        if several {
-            // Each group's first `limit` rows hold every row of the first `limit` of all.
-            candidates.sort_by_key(|candidate| (candidate.due_at, candidate.id));
-            candidates.truncate(limit);
+        if !running.is_empty() {
+            // `_id` is in the claim index, so these are skipped without reading a document.
+            filter.insert(delivery::ID, doc! { "$nin": running.iter().copied().collect::<Vec<_>>() });
         }
-        Ok(candidates)
+        if let Some((due_at, id)) = after {
+            filter.insert(
+                "$or",
+                vec![
+                    doc! { delivery::DUE_AT: { "$gt": due_at } },
+                    doc! { delivery::DUE_AT: due_at, delivery::ID: { "$gt": id } },
+                ],
+            );
+        }
+        let documents: Vec<Document> = self
+            .store
+            .collections
+            .deliveries
+            .find(filter)
+            .sort(doc! { delivery::DUE_AT: 1, delivery::ID: 1 })
+            .limit(limit as i64)
+            .batch_size(super::documents::one_batch(limit))
+            .hint(mongodb::options::Hint::Name("claim".to_string()))
+            .projection(doc! {
+                delivery::ID: 1, delivery::EVENT_ID: 1, delivery::HANDLER: 1, delivery::KEY: 1, delivery::LANE_ID: 1,
+                delivery::DUE_AT: 1, delivery::CLAIMS: 1, delivery::ATTEMPTS: 1, delivery::SUSPECT: 1,
+            })
+            .await?
+            .try_collect()
+            .await?;
+        documents.iter().map(documents::candidate).collect()
     }
 
     async fn key_heads(&self, keys: &[HandlerKey]) -> Result<HashMap<HandlerKey, DeliveryId>, StoreError> {

@@ -26,9 +26,6 @@ const SUPERSEDED_DELIVERY_INDEXES: &[&str] = &["due", "status_updated", "by_stat
 pub(super) const UNFANNED: &str = "unfanned";
 pub(super) const PARKED_BEHIND: &str = "parked_behind";
 pub(super) const KEY_UNFANNED: &str = "key_unfanned";
-/// The deliveries' indexes a claim reads its candidates by (see `delivery_indexes`).
-pub(super) const CLAIM: &str = "claim";
-pub(super) const CLAIM_DUE: &str = "claim_due";
 /// Every event in creation order: the purge's walk (by name, for the same reason).
 pub(super) const CREATED: &str = "created";
 
@@ -107,20 +104,11 @@ fn delivery_indexes() -> Vec<IndexModel> {
     vec![
         // Backstop of idempotent fan-out; the code never relies on catching it.
         index(doc! { delivery::EVENT_ID: 1, delivery::HANDLER: 1 }, "event_handler", None, true),
-        // Claims over some of the lanes, and free-lane discovery (due work counted per lane).
-        // Ends with `handler` so a query over many lanes stays a merge of one index scan per lane.
+        // Claims and free-lane discovery. Ends with `handler` so a query over many lanes stays a
+        // merge of one index scan per lane.
         index(
             doc! { delivery::LANE_ID: 1, delivery::DUE_AT: 1, delivery::ID: 1, delivery::HANDLER: 1 },
-            CLAIM,
-            Some(doc! { delivery::LANE: delivery::READY }),
-            false,
-        ),
-        // A claim's candidates when it holds every lane (one host): one scan in due order.
-        // Through `claim`, that read was two merges of 128 scans, about five times as long for
-        // the same rows (see `docs/performance.md`).
-        index(
-            doc! { delivery::DUE_AT: 1, delivery::ID: 1, delivery::LANE_ID: 1, delivery::HANDLER: 1 },
-            CLAIM_DUE,
+            "claim",
             Some(doc! { delivery::LANE: delivery::READY }),
             false,
         ),
