@@ -19,7 +19,9 @@ use mongodb::event::command::CommandEvent;
 use mongodb::options::ClientOptions;
 use relayhost::publish::Publisher;
 use relayhost::store::mongo::{EventWakeups, MongoLocation, MongoStore};
-use relayhost::store::{DeliveryFilter, FanOutReport, PurgeOptions, Published, Settlement, Store, StoreError, StoreOptions, Subscriptions};
+use relayhost::store::{
+    DeliveryFilter, FanOutReport, PurgeOptions, Published, Settlement, Store, StoreError, StoreOptions, StoreTransaction, Subscriptions,
+};
 
 fn repo_root() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
@@ -823,6 +825,41 @@ async fn a_claim_takes_the_follower_created_behind_a_completed_delivery_without_
         .filter(|(name, command)| name == "find" && command.get_document("filter").is_ok_and(|f| f.contains_key("_id") && f.contains_key("status")))
         .count();
     assert_eq!(pending_reads, 1, "whether the retried k-2 is pending is read once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_unpark_leaves_the_follower_leading_its_key_without_the_delivery_it_was_behind() {
+    // The operator's burial and the sweep unpark as a claim after a completion does (and as
+    // the memory store does): the follower is ready and no longer names its predecessor.
+    let Recorded { client, database, store, .. } = recorded_store().await;
+    let deliveries = client.database(&database).collection::<Document>("relayhost_deliveries");
+    let h = handlers(&["h"]);
+    publish_all(&store, (1..=3).map(|n| keyed(&format!("k-{n}"), "t", "key")).collect()).await;
+    fan_out_all(&store, &subs(&[("h", &["t"])]), at(T0)).await;
+    let head = store.claim(&h, 10, at(T0 + 1)).await.unwrap().remove(0);
+    store.reschedule(&head.lease, at(T0 + 3_600_000), "flaky", at(T0 + 2)).await.unwrap();
+    store.relinquish().await.unwrap();
+    let mut tx = store.begin().await.unwrap();
+    store.bury_pending_in(&mut tx, &head.lease.delivery.to_hex(), "stuck", at(T0 + 3)).await.unwrap();
+    tx.commit().await.unwrap();
+    let follower = |event: &'static str| {
+        let deliveries = deliveries.clone();
+        async move { deliveries.find_one(doc! { "eventId": event }).await.unwrap().unwrap() }
+    };
+    let k2 = follower("k-2").await;
+    assert_eq!((k2.get_str("lane").unwrap(), k2.contains_key("behind")), ("ready", false), "unparked by the burial: {k2}");
+    // Another instance runs k-2 and stops: this one never settled it, so k-3, parked behind
+    // k-2, is unparked by this one's sweep of the parked keys.
+    let other = MongoStore::new(client.clone(), MongoLocation::with_default_prefix(&database).unwrap(), options());
+    let second = other.claim(&h, 10, at(T0 + 4)).await.unwrap();
+    assert_eq!(ids(&second), ["k-2/h"]);
+    other.complete_many(&[second[0].lease], at(T0 + 5)).await.unwrap();
+    other.relinquish().await.unwrap();
+    assert!(follower("k-3").await.contains_key("behind"), "k-3 waits parked behind k-2");
+    let third = store.claim(&h, 10, at(T0 + 10_000)).await.unwrap();
+    assert_eq!(ids(&third), ["k-3/h"]);
+    let k3 = follower("k-3").await;
+    assert!(!k3.contains_key("behind"), "unparked by the sweep: {k3}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

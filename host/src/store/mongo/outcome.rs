@@ -566,7 +566,7 @@ pub(super) async fn bury_pending_in(
             store
                 .collections
                 .deliveries
-                .update_one(doc! { delivery::ID: next }, doc! { "$set": { delivery::LANE: delivery::READY } })
+                .update_one(doc! { delivery::ID: next }, super::heads::unparked())
                 .session(&mut *session)
                 .await?;
         }
