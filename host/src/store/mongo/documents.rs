@@ -129,6 +129,12 @@ pub(super) fn new_delivery_document(new: &NewDelivery, now: DateTime) -> Documen
     document
 }
 
+/// The update that unparks a delivery: it leads its key now, so the delivery it was created
+/// behind no longer matters (as the memory store clears it). Every unpark writes this.
+pub(super) fn unparked() -> Document {
+    doc! { "$set": { delivery::LANE: delivery::READY }, "$unset": { delivery::BEHIND: "" } }
+}
+
 pub(super) fn lane_id(document: &Document, field: &str) -> Result<LaneId, StoreError> {
     integer(document, field)
         .and_then(|n| LaneId::try_from(n).ok())

@@ -12,7 +12,7 @@ use futures::future::try_join_all;
 use mongodb::ClientSession;
 use mongodb::options::Hint;
 
-use super::documents::delivery;
+use super::documents::{self, delivery};
 use super::lanes::Backend;
 use super::{Commit, MongoStore, setup};
 use crate::store::claim::{HandlerKey, Settled};
@@ -20,12 +20,6 @@ use crate::store::{DeliveryId, StoreError, answered};
 
 /// Keys whose heads one command looks up.
 const HEADS_PER_COMMAND: usize = 1_000;
-
-/// The update that unparks a delivery: it leads its key now, so the delivery it was created
-/// behind no longer matters (as the memory store clears it). Every unpark writes this.
-pub(super) fn unparked() -> Document {
-    doc! { "$set": { delivery::LANE: delivery::READY }, "$unset": { delivery::BEHIND: "" } }
-}
 
 /// Settled deliveries up to this many (a key's chain settles one at a time) have their
 /// followers unparked by one `findAndModify` each, all at once: one round trip instead of a
@@ -85,7 +79,7 @@ impl Backend<'_> {
         if gone.is_empty() {
             return Ok(HashMap::new());
         }
-        let unpark = unparked();
+        let unpark = documents::unparked();
         let projection = doc! { delivery::ID: 1, delivery::HANDLER: 1, delivery::KEY: 1 };
         if gone.len() <= UNPARKED_ONE_BY_ONE_MAX {
             let unparked = answered::every(gone.iter().map(|id| {

@@ -92,7 +92,7 @@ impl ClaimBackend for Backend<'_> {
             deliveries
                 .update_many(
                     doc! { delivery::ID: { "$in": movable }, delivery::LANE: delivery::PARKED },
-                    super::heads::unparked(),
+                    documents::unparked(),
                 )
                 .hint(super::by_id())
                 // Applied only, as in `followers_of_settled`.

@@ -9,7 +9,7 @@ use bson::{Bson, DateTime, Document, doc};
 use futures::TryStreamExt;
 use mongodb::ClientSession;
 
-use super::documents::{delivery, generation_filter, history, lane, lane_state, view};
+use super::documents::{self, delivery, generation_filter, history, lane, lane_state, view};
 use super::{generations, unstored};
 use super::{MongoStore, MongoTx};
 use crate::lane::LaneId;
@@ -566,7 +566,7 @@ pub(super) async fn bury_pending_in(
             store
                 .collections
                 .deliveries
-                .update_one(doc! { delivery::ID: next }, super::heads::unparked())
+                .update_one(doc! { delivery::ID: next }, documents::unparked())
                 .session(&mut *session)
                 .await?;
         }
