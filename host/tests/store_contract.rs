@@ -61,6 +61,7 @@ contract!(
     racing_plain_marks_of_one_backlog_run_every_event_once,
     lanes_are_held_per_store_instance,
     older_work_in_a_free_lane_goes_before_younger_work_of_a_held_lane,
+    held_lanes_past_the_first_group_are_not_starved_by_younger_work_of_the_first,
     relinquish_hands_lanes_back_at_once,
     a_stale_lease_changes_nothing,
     a_lane_taken_over_gives_its_old_holder_nothing,
@@ -804,6 +805,47 @@ async fn older_work_in_a_free_lane_goes_before_younger_work_of_a_held_lane<F: Fi
     let next = store.claim(&handlers(&["h"]), 5, at(T0 + 4)).await.unwrap();
     assert_eq!(next.len(), 5);
     assert!(ids(&next).contains(&format!("{waiting}/h")), "the oldest due delivery is claimed: {:?}", ids(&next));
+}
+
+async fn held_lanes_past_the_first_group_are_not_starved_by_younger_work_of_the_first<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    let subscriptions = subs(&[("h", &["t"])]);
+    // One delivery running in each of 201 lanes: the store holds more lanes than a claim reads
+    // in one query (`MAX_LANES_PER_QUERY`, in lane order).
+    let running: Vec<String> = (0..=200).map(|lane| id_in_lane("running", lane)).collect();
+    publish_all(store, running.iter().map(|id| event(id, "t")).collect()).await;
+    fan_out_all(store, &subscriptions, at(T0)).await;
+    let mut claimed = Vec::new();
+    for _ in 0..10 {
+        claimed.extend(store.claim(&handlers(&["h"]), running.len() - claimed.len(), at(T0)).await.unwrap());
+        if claimed.len() == running.len() {
+            break;
+        }
+    }
+    assert_eq!(claimed.len(), running.len());
+    let publish_at = async |id: &str, time: i64| {
+        publish_all(store, vec![event(id, "t")]).await;
+        fan_out_all(store, &subscriptions, at(time)).await;
+    };
+    let claim_one_at = async |time: i64| ids(&store.claim(&handlers(&["h"]), 1, at(time)).await.unwrap());
+    // An older delivery in the highest of those lanes and a younger one in a low one: the
+    // first group's younger work fills the claim, and the older work goes first all the same.
+    let (older, younger) = (id_in_lane("older", 200), id_in_lane("younger", 3));
+    publish_at(&older, T0 + 1).await;
+    publish_at(&younger, T0 + 2).await;
+    assert_eq!(claim_one_at(T0 + 3).await, [format!("{older}/h")], "the oldest due delivery of the held lanes goes first, whichever lane");
+    // Then a steady stream into the first group: its work may go first for a moment (the look
+    // past it is taken at most once a second), never for longer.
+    let older_again = id_in_lane("older-again", 199);
+    publish_at(&older_again, T0 + 4).await;
+    for (n, lane) in [4, 5].into_iter().enumerate() {
+        publish_at(&id_in_lane(&format!("younger-{n}"), lane), T0 + 5 + n as i64).await;
+    }
+    let mut next = claim_one_at(T0 + 10).await;
+    next.extend(claim_one_at(T0 + 11).await);
+    next.extend(claim_one_at(T0 + 1_003).await);
+    assert!(next.contains(&format!("{older_again}/h")), "the later lanes' older work waits a second at most: {next:?}");
 }
 
 async fn lanes_are_held_per_store_instance<F: Fixture>() {

@@ -34,7 +34,7 @@ mod picking;
 mod plan;
 
 pub(crate) use backend::*;
-use plan::{Plan, scan};
+use plan::{Plan, older_work_of_unread_lanes, scan};
 use crate::event::EventRecord;
 use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
 
@@ -45,7 +45,8 @@ use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
 /// that then died, or buried by an operator) without paying per claim for every parked key.
 const UNPARK_SWEEP_INTERVAL_MS: i64 = 5_000;
 
-/// How often a claim whose held lanes filled it looks for older work in free lanes.
+/// How often a claim whose held lanes filled it looks for older work in free lanes, and in the
+/// held lanes its scan did not reach.
 const FAIRNESS_CHECK_INTERVAL_MS: i64 = 1_000;
 /// How many free lanes with older work such a look takes at most.
 const FAIRNESS_LANES: usize = 16;
@@ -83,6 +84,9 @@ pub(crate) struct Claimer {
     issued: Mutex<HashMap<DeliveryId, Issued>>,
     /// The look for older work in free lanes (see the claim).
     fairness_check: Periodic,
+    /// The look for older work in held lanes a claim's scan did not reach (see
+    /// [`plan::older_work_of_unread_lanes`]).
+    unread_lanes_check: Periodic,
     /// The retry of a takeover's charge that waited too long (see [`CHARGE_RETRY_INTERVAL_MS`]).
     charge_retry: Periodic,
     /// The warning that lanes still wait for a takeover's charge, at most this often.
@@ -183,6 +187,7 @@ impl Claimer {
             held: tokio::sync::Mutex::new(BTreeMap::new()),
             issued: Mutex::new(HashMap::new()),
             fairness_check: Periodic::new(FAIRNESS_CHECK_INTERVAL_MS),
+            unread_lanes_check: Periodic::new(FAIRNESS_CHECK_INTERVAL_MS),
             charge_retry: Periodic::new(CHARGE_RETRY_INTERVAL_MS),
             charge_warning: Periodic::new(CHARGE_WARNING_INTERVAL_MS),
             moved_keys: Mutex::new((HashSet::new(), Vec::new())),

@@ -35,7 +35,10 @@ impl Claimer {
         // learned, when it succeeds; a failed claim only costs the next one some lookups.
         plan.known_heads = std::mem::take(&mut *self.known_heads.lock().expect("known heads"));
         let lanes: Vec<LaneId> = mine.keys().copied().collect();
-        scan(backend, &mut plan, &lanes, handlers, now).await?;
+        let unread = scan(backend, &mut plan, &lanes, handlers, now).await?;
+        if plan.full() && !unread.is_empty() && self.unread_lanes_check.due(now) {
+            older_work_of_unread_lanes(backend, &mut plan, unread, handlers).await?;
+        }
         let tried: BTreeSet<LaneId> = mine.keys().chain(&waiting).copied().collect();
         // Held lanes that run nothing and where the scan picked nothing are handed back while
         // free lanes are searched (the search leaves them alone): an idle host's poll then

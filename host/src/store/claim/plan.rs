@@ -136,15 +136,21 @@ impl Plan {
 }
 
 /// Reads the due deliveries of `lanes` page by page and lets the plan pick from them; it
-/// continues past blocked keys until the batch is full or the lanes are exhausted.
-pub(super) async fn scan<B: ClaimBackend>(
+/// continues past blocked keys until the batch is full or the lanes are exhausted. The lanes
+/// are read in groups of [`MAX_LANES_PER_QUERY`], one after the other; it returns those of
+/// the groups it did not reach, the batch being full before them (see
+/// [`older_work_of_unread_lanes`]).
+pub(super) async fn scan<'l, B: ClaimBackend>(
     backend: &B,
     plan: &mut Plan,
-    lanes: &[LaneId],
+    lanes: &'l [LaneId],
     handlers: &[String],
     now: DateTime,
-) -> Result<(), StoreError> {
-    for chunk in lanes.chunks(MAX_LANES_PER_QUERY) {
+) -> Result<&'l [LaneId], StoreError> {
+    for (group, chunk) in lanes.chunks(MAX_LANES_PER_QUERY).enumerate() {
+        if plan.full() {
+            return Ok(&lanes[group * MAX_LANES_PER_QUERY..]);
+        }
         let mut after = None;
         while !plan.full() {
             let page = ((plan.limit - plan.picks.len()) * 2).clamp(64, 1_000);
@@ -167,6 +173,35 @@ pub(super) async fn scan<B: ClaimBackend>(
                 break;
             }
         }
+    }
+    Ok(&[])
+}
+
+/// Gives the held lanes a scan did not reach their turn: their due work older than the
+/// claim's youngest pick takes the place of the youngest picks, up to half the claim. A scan
+/// reads its lanes' groups in lane order and stops once the batch is full, so without this a
+/// steady stream into the lanes of the first group would starve the later ones for as long as
+/// it lasted; the claim does it at most once a second, since it costs one read to count that
+/// work and one scan to pick it.
+pub(super) async fn older_work_of_unread_lanes<B: ClaimBackend>(
+    backend: &B,
+    plan: &mut Plan,
+    unread: &[LaneId],
+    handlers: &[String],
+) -> Result<(), StoreError> {
+    let Some(youngest) = plan.youngest_due() else { return Ok(()) };
+    let before = DateTime::from_millis(youngest.timestamp_millis() - 1);
+    let half = (plan.limit / 2).max(1);
+    let mut older = 0;
+    for chunk in unread.chunks(MAX_LANES_PER_QUERY) {
+        if older >= half {
+            break;
+        }
+        older += backend.candidates(chunk, handlers, before, None, &plan.running_ids, half - older).await?.len();
+    }
+    if older > 0 {
+        plan.make_room(older);
+        scan(backend, plan, unread, handlers, before).await?;
     }
     Ok(())
 }
