@@ -51,6 +51,7 @@ contract!(
     per_key_rules_hold_within_one_claim,
     keyed_deliveries_run_one_at_a_time_in_sequence_order,
     a_fan_out_creates_the_followers_of_a_key_parked,
+    a_backlog_of_many_keys_is_fanned_out_in_publishing_order_not_a_whole_key_at_a_time,
     concurrent_workers_never_claim_twice_and_keep_key_order,
     lanes_are_exclusive_under_a_live_lease,
     live_hosts_split_the_lanes_and_leave_each_other_their_events_until_stale,
@@ -399,6 +400,37 @@ async fn a_fan_out_creates_the_followers_of_a_key_parked<F: Fixture>() {
     for handler in ["h", "g"] {
         let seen: Vec<i64> = order.iter().filter(|(h, _)| h == handler).map(|(_, n)| *n).collect();
         assert_eq!(seen, [1, 2, 3, 4], "{handler}");
+    }
+}
+
+async fn a_backlog_of_many_keys_is_fanned_out_in_publishing_order_not_a_whole_key_at_a_time<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    // Three keys with three events each, published round after round.
+    let events: Vec<NewEvent> =
+        (1..=3).flat_map(|round| ["a", "b", "c"].map(|key| keyed(&format!("{round}-{key}"), "t", key))).collect();
+    publish_all(store, events).await;
+    let subscriptions = subs(&[("h", &["t"])]);
+    // A batch of three takes the three oldest events and, of their keys, only what precedes
+    // them: one round at a time, not the whole of the first key.
+    for round in 1..=3 {
+        let report = store.fan_out(&subscriptions, 3, 0, at(T0)).await.unwrap();
+        assert_eq!((report.events, report.deliveries), (3, 3), "round {round}");
+        let statistics = store.statistics(at(T0)).await.unwrap();
+        assert_eq!(statistics.iter().map(|s| s.pending).sum::<u64>(), 3 * round as u64, "round {round}");
+    }
+    assert_eq!(store.fan_out(&subscriptions, 3, 0, at(T0)).await.unwrap().events, 0);
+    // Each key's events still run in order.
+    let mut order: Vec<String> = Vec::new();
+    for step in 0..6 {
+        let claimed = store.claim(&handlers(&["h"]), 10, at(T0 + step)).await.unwrap();
+        order.extend(claimed.iter().map(|c| c.event.id.clone()));
+        let leases: Vec<_> = claimed.iter().map(|c| c.lease).collect();
+        store.complete_many(&leases, at(T0 + step)).await.unwrap();
+    }
+    for key in ["a", "b", "c"] {
+        let seen: Vec<&String> = order.iter().filter(|id| id.ends_with(key)).collect();
+        assert_eq!(seen, [&format!("1-{key}"), &format!("2-{key}"), &format!("3-{key}")]);
     }
 }
 

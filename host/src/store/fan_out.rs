@@ -109,6 +109,39 @@ pub(crate) fn keys_of(first: &[Document]) -> Vec<String> {
     keys.into_iter().map(str::to_string).collect()
 }
 
+/// The highest sequence the key prefixes of a batch need read: the highest of the keyed events
+/// of `first`. A key's unfanned events above it wait for a batch whose oldest events reach
+/// them, so a backlog of many keys is fanned out in publishing order, a few events of each key
+/// at a time, instead of whole keys at a time: a key's later events then usually find it idle
+/// and are handed out too, where a whole key's would all be created behind its head, each to
+/// wait for a claim. Events with no sequence are read all the same (the key's index orders
+/// them first). `None` (read every unfanned event of the keys, up to the cap) when one of them
+/// has a sequence that is not an integer, which the key's index orders after every number.
+pub(crate) fn prefix_bound(first: &[Document]) -> Option<i64> {
+    let mut highest = None;
+    for doc in first.iter().filter(|doc| string_key(doc).is_some()) {
+        let sequence = match doc.get(field::SEQUENCE) {
+            None | Some(Bson::Null) => continue,
+            Some(Bson::Int32(n)) => i64::from(*n),
+            Some(Bson::Int64(n)) => *n,
+            Some(_) => return None,
+        };
+        highest = highest.max(Some(sequence));
+    }
+    Some(highest.unwrap_or(i64::MIN))
+}
+
+/// Whether a prefix read under `bound` (see [`prefix_bound`]) takes `doc`, one of its keys'
+/// unfanned events: it is not an integer sequence above the bound.
+pub(crate) fn within_prefix_bound(doc: &Document, bound: Option<i64>) -> bool {
+    let Some(bound) = bound else { return true };
+    match doc.get(field::SEQUENCE) {
+        Some(Bson::Int32(n)) => i64::from(*n) <= bound,
+        Some(Bson::Int64(n)) => *n <= bound,
+        _ => true,
+    }
+}
+
 /// The batch to fan out: the unkeyed events of `first` and every per-key prefix read. Keyed
 /// events of `first` whose key the (capped) prefix read did not reach wait for a later batch.
 pub(crate) fn assemble(first: Vec<Document>, prefixes: Vec<Document>) -> Vec<Document> {
@@ -355,6 +388,24 @@ mod tests {
         let batch = assemble(first, vec![keyed("a", "k", 1), keyed("b", "k", 2)]);
         let ids: Vec<&str> = batch.iter().map(|d| d.get_str("_id").unwrap()).collect();
         assert_eq!(ids, ["u", "a", "b"]);
+    }
+
+    #[test]
+    fn a_prefix_read_stops_at_the_highest_integer_sequence_of_the_batch() {
+        let unkeyed = NewEvent::new("u", "t", doc! {}).to_document(None, DateTime::now());
+        let mut no_sequence = keyed("n", "j", 1);
+        no_sequence.remove("sequence");
+        let bound = prefix_bound(&[keyed("a", "k", 2), unkeyed.clone(), keyed("b", "j", 5), no_sequence.clone()]);
+        assert_eq!(bound, Some(5));
+        assert!(within_prefix_bound(&keyed("c", "k", 5), bound) && !within_prefix_bound(&keyed("d", "k", 6), bound));
+        assert!(within_prefix_bound(&no_sequence, bound), "the key's index orders a missing sequence first");
+        // Nothing keyed with a sequence: only missing sequences are below the bound.
+        assert_eq!(prefix_bound(&[unkeyed, no_sequence]), Some(i64::MIN));
+        // A sequence that is not an integer comes after every number in the key's index: no bound.
+        let mut odd = keyed("o", "k", 1);
+        odd.insert("sequence", 1.5);
+        assert_eq!(prefix_bound(&[keyed("a", "k", 2), odd.clone()]), None);
+        assert!(within_prefix_bound(&odd, Some(0)));
     }
 
     #[test]

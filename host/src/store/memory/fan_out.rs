@@ -18,7 +18,8 @@ use crate::store::{Capacity, DeliveryId, DeliveryStatus, EarlyHandOuts, FanOutRe
 
 impl MemoryStore {
     /// The next batch of this host's share of the unfanned events, in `(createdAt, _id)`
-    /// order, completed with the lowest unfanned events of every key in it.
+    /// order, completed with the lowest unfanned events of every key in it (up to
+    /// [`fan_out::prefix_bound`]).
     fn read_batch(&self, state: &State, limit: usize, now: DateTime) -> Vec<Document> {
         let (assignment, stale_before) = (self.claimer.assignment(), self.claimer.stale_before(now));
         let mut unfanned: Vec<&Document> = state
@@ -28,9 +29,12 @@ impl MemoryStore {
             .collect();
         unfanned.sort_by_key(|doc| (created_at_of(doc), id_text(doc.get(field::ID).unwrap_or(&Bson::Null))));
         let first: Vec<Document> = unfanned.iter().take(limit).map(|doc| (*doc).clone()).collect();
-        let keys = fan_out::keys_of(&first);
-        let mut prefixes: Vec<&Document> =
-            unfanned.iter().copied().filter(|doc| string_key(doc).is_some_and(|k| keys.iter().any(|x| x == k))).collect();
+        let (keys, bound) = (fan_out::keys_of(&first), fan_out::prefix_bound(&first));
+        let mut prefixes: Vec<&Document> = unfanned
+            .iter()
+            .copied()
+            .filter(|doc| string_key(doc).is_some_and(|k| keys.iter().any(|x| x == k)) && fan_out::within_prefix_bound(doc, bound))
+            .collect();
         prefixes.sort_by_key(|doc| (string_key(doc).map(str::to_string), doc.get_i64(field::SEQUENCE).ok()));
         let prefixes: Vec<Document> = prefixes.into_iter().take(limit.saturating_mul(4)).cloned().collect();
         fan_out::assemble(first, prefixes)

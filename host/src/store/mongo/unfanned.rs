@@ -42,8 +42,8 @@ impl Reach {
 }
 
 /// A batch of unfanned events of this host's lanes (or stale ones of any): the oldest,
-/// completed by the lowest unfanned events of every key among them (see
-/// [`crate::store::fan_out`]). Where other hosts' events fill the oldest page, it reads on
+/// completed by the lowest unfanned events of every key among them, up to
+/// [`fan_out::prefix_bound`] (see [`crate::store::fan_out`]). Where other hosts' events fill the oldest page, it reads on
 /// from where that page ended (an index position, `min`), up to [`PAGES`] pages.
 pub(super) async fn read_batch(
     store: &MongoStore,
@@ -110,8 +110,13 @@ pub(super) async fn read_batch(
         return Ok(Read { reach: reach(false), batch: fan_out::assemble(first, Vec::new()) });
     }
     let cap = limit.saturating_mul(PAGES);
+    let mut filter = doc! { field::KEY: { "$in": &keys }, field::FANNED_OUT_AT: Bson::Null };
+    if let Some(bound) = fan_out::prefix_bound(&first) {
+        // Every sequence but the integers above the bound, as `fan_out::within_prefix_bound`.
+        filter.insert(field::SEQUENCE, doc! { "$not": { "$gt": bound } });
+    }
     let prefixes = events
-        .find(doc! { field::KEY: { "$in": &keys }, field::FANNED_OUT_AT: Bson::Null })
+        .find(filter)
         .sort(doc! { field::KEY: 1, field::SEQUENCE: 1 })
         .hint(Hint::Name(setup::KEY_UNFANNED.into()))
         .limit(cap as i64)
