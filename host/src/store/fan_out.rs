@@ -7,7 +7,7 @@
 //! publishers' clocks said (a lower sequence always committed first, so it is visible).
 //! This module is pure: it decides, the stores write.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use bson::oid::ObjectId;
 use bson::{Bson, DateTime, Document};
@@ -103,36 +103,51 @@ impl FanOutPlan {
     }
 }
 
-/// Keys whose lowest unfanned events must be read to complete the batch.
-pub(crate) fn keys_of(first: &[Document]) -> Vec<String> {
-    let keys: BTreeSet<&str> = first.iter().filter_map(string_key).collect();
-    keys.into_iter().map(str::to_string).collect()
-}
+/// How many groups of keys a batch's prefix read names at most (see [`prefixes_to_read`]).
+const PREFIX_GROUPS_MAX: usize = 8;
 
-/// The highest sequence the key prefixes of a batch need read: the highest of the keyed events
-/// of `first`. A key's unfanned events above it wait for a batch whose oldest events reach
-/// them, so a backlog of many keys is fanned out in publishing order, a few events of each key
-/// at a time, instead of whole keys at a time: a key's later events then usually find it idle
-/// and are handed out too, where a whole key's would all be created behind its head, each to
-/// wait for a claim. Events with no sequence are read all the same (the key's index orders
-/// them first). `None` (read every unfanned event of the keys, up to the cap) when one of them
-/// has a sequence that is not an integer, which the key's index orders after every number.
-pub(crate) fn prefix_bound(first: &[Document]) -> Option<i64> {
-    let mut highest = None;
-    for doc in first.iter().filter(|doc| string_key(doc).is_some()) {
-        let sequence = match doc.get(field::SEQUENCE) {
-            None | Some(Bson::Null) => continue,
-            Some(Bson::Int32(n)) => i64::from(*n),
-            Some(Bson::Int64(n)) => *n,
-            Some(_) => return None,
+/// Keys whose lowest unfanned events must be read to complete the batch, grouped by how far
+/// that read goes: up to the highest sequence the key has among the oldest events (`first`),
+/// or, `None`, to the key's end (up to the read's cap). A key's unfanned events above its
+/// bound wait for a batch whose oldest events reach them, so a backlog of many keys is fanned
+/// out in publishing order, a few events of each key at a time, instead of whole keys at a
+/// time: a key's later events then usually find it idle and are handed out too, where a whole
+/// key's would all be created behind its head, each to wait for a claim. Events with no
+/// sequence are read all the same (the key's index orders them first); a key with a sequence
+/// that is not an integer, which the index orders after every number, is read to its end.
+/// Keys of the same bound share a group; past [`PREFIX_GROUPS_MAX`] bounds, neighbouring
+/// ones are merged under the highest of them (reading more of a key than needed is harmless).
+pub(crate) fn prefixes_to_read(first: &[Document]) -> Vec<(Vec<String>, Option<i64>)> {
+    let mut bounds: BTreeMap<&str, Option<i64>> = BTreeMap::new();
+    for doc in first {
+        let Some(key) = string_key(doc) else { continue };
+        let bound = bounds.entry(key).or_insert(Some(i64::MIN));
+        *bound = match (*bound, doc.get(field::SEQUENCE)) {
+            (bound, None | Some(Bson::Null)) => bound,
+            (Some(bound), Some(Bson::Int32(n))) => Some(bound.max(i64::from(*n))),
+            (Some(bound), Some(Bson::Int64(n))) => Some(bound.max(*n)),
+            _ => None,
         };
-        highest = highest.max(Some(sequence));
     }
-    Some(highest.unwrap_or(i64::MIN))
+    // By bound, the unbounded last.
+    let mut by_bound: BTreeMap<(bool, i64), Vec<String>> = BTreeMap::new();
+    for (key, bound) in bounds {
+        by_bound.entry((bound.is_none(), bound.unwrap_or(i64::MAX))).or_default().push(key.to_string());
+    }
+    let groups: Vec<((bool, i64), Vec<String>)> = by_bound.into_iter().collect();
+    let per_group = groups.len().div_ceil(PREFIX_GROUPS_MAX).max(1);
+    groups
+        .chunks(per_group)
+        .map(|merged| {
+            let ((unbounded, bound), _) = merged[merged.len() - 1];
+            let keys = merged.iter().flat_map(|(_, keys)| keys.iter().cloned()).collect();
+            (keys, (!unbounded).then_some(bound))
+        })
+        .collect()
 }
 
-/// Whether a prefix read under `bound` (see [`prefix_bound`]) takes `doc`, one of its keys'
-/// unfanned events: it is not an integer sequence above the bound.
+/// Whether a prefix read under `bound` (see [`prefixes_to_read`]) takes `doc`, one of its
+/// keys' unfanned events: it is not an integer sequence above the bound.
 pub(crate) fn within_prefix_bound(doc: &Document, bound: Option<i64>) -> bool {
     let Some(bound) = bound else { return true };
     match doc.get(field::SEQUENCE) {
@@ -384,28 +399,35 @@ mod tests {
     #[test]
     fn keyed_events_come_only_from_their_key_prefix() {
         let first = vec![keyed("b", "k", 2), NewEvent::new("u", "t", doc! {}).to_document(None, DateTime::now())];
-        assert_eq!(keys_of(&first), ["k"]);
+        assert_eq!(prefixes_to_read(&first), [(vec!["k".to_string()], Some(2))]);
         let batch = assemble(first, vec![keyed("a", "k", 1), keyed("b", "k", 2)]);
         let ids: Vec<&str> = batch.iter().map(|d| d.get_str("_id").unwrap()).collect();
         assert_eq!(ids, ["u", "a", "b"]);
     }
 
     #[test]
-    fn a_prefix_read_stops_at_the_highest_integer_sequence_of_the_batch() {
+    fn a_prefix_read_stops_at_each_keys_highest_integer_sequence_in_the_batch() {
         let unkeyed = NewEvent::new("u", "t", doc! {}).to_document(None, DateTime::now());
         let mut no_sequence = keyed("n", "j", 1);
         no_sequence.remove("sequence");
-        let bound = prefix_bound(&[keyed("a", "k", 2), unkeyed.clone(), keyed("b", "j", 5), no_sequence.clone()]);
-        assert_eq!(bound, Some(5));
-        assert!(within_prefix_bound(&keyed("c", "k", 5), bound) && !within_prefix_bound(&keyed("d", "k", 6), bound));
-        assert!(within_prefix_bound(&no_sequence, bound), "the key's index orders a missing sequence first");
-        // Nothing keyed with a sequence: only missing sequences are below the bound.
-        assert_eq!(prefix_bound(&[unkeyed, no_sequence]), Some(i64::MIN));
-        // A sequence that is not an integer comes after every number in the key's index: no bound.
-        let mut odd = keyed("o", "k", 1);
+        let mut odd = keyed("o", "x", 1);
         odd.insert("sequence", 1.5);
-        assert_eq!(prefix_bound(&[keyed("a", "k", 2), odd.clone()]), None);
+        let first = [keyed("a", "k", 2), unkeyed, keyed("b", "j", 5), no_sequence.clone(), keyed("c", "m", 2), odd.clone()];
+        let groups = prefixes_to_read(&first);
+        let named = |keys: &[&str]| keys.iter().map(|k| k.to_string()).collect::<Vec<_>>();
+        assert_eq!(groups, [(named(&["k", "m"]), Some(2)), (named(&["j"]), Some(5)), (named(&["x"]), None)]);
+        // A key with no sequence among them has only its missing sequences below its bound.
+        let groups = prefixes_to_read(&[no_sequence.clone()]);
+        assert_eq!(groups, [(named(&["j"]), Some(i64::MIN))]);
+        assert!(within_prefix_bound(&no_sequence, Some(i64::MIN)), "the key's index orders a missing sequence first");
+        assert!(within_prefix_bound(&keyed("d", "k", 2), Some(2)) && !within_prefix_bound(&keyed("e", "k", 3), Some(2)));
         assert!(within_prefix_bound(&odd, Some(0)));
+        // Past eight bounds, neighbours share a group under the highest of them.
+        let many: Vec<Document> = (1..=20).map(|n| keyed(&format!("e{n}"), &format!("k{n:02}"), n)).collect();
+        let groups = prefixes_to_read(&many);
+        assert_eq!(groups.len(), 7);
+        assert_eq!(groups[0], (named(&["k01", "k02", "k03"]), Some(3)));
+        assert_eq!(groups.iter().map(|(keys, _)| keys.len()).sum::<usize>(), 20);
     }
 
     #[test]

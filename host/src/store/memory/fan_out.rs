@@ -19,7 +19,7 @@ use crate::store::{Capacity, DeliveryId, DeliveryStatus, EarlyHandOuts, FanOutRe
 impl MemoryStore {
     /// The next batch of this host's share of the unfanned events, in `(createdAt, _id)`
     /// order, completed with the lowest unfanned events of every key in it (up to
-    /// [`fan_out::prefix_bound`]).
+    /// [`fan_out::prefixes_to_read`]).
     fn read_batch(&self, state: &State, limit: usize, now: DateTime) -> Vec<Document> {
         let (assignment, stale_before) = (self.claimer.assignment(), self.claimer.stale_before(now));
         let mut unfanned: Vec<&Document> = state
@@ -29,12 +29,12 @@ impl MemoryStore {
             .collect();
         unfanned.sort_by_key(|doc| (created_at_of(doc), id_text(doc.get(field::ID).unwrap_or(&Bson::Null))));
         let first: Vec<Document> = unfanned.iter().take(limit).map(|doc| (*doc).clone()).collect();
-        let (keys, bound) = (fan_out::keys_of(&first), fan_out::prefix_bound(&first));
-        let mut prefixes: Vec<&Document> = unfanned
-            .iter()
-            .copied()
-            .filter(|doc| string_key(doc).is_some_and(|k| keys.iter().any(|x| x == k)) && fan_out::within_prefix_bound(doc, bound))
-            .collect();
+        let groups = fan_out::prefixes_to_read(&first);
+        let read = |doc: &&Document| {
+            let Some(key) = string_key(doc) else { return false };
+            groups.iter().any(|(keys, bound)| keys.iter().any(|k| k == key) && fan_out::within_prefix_bound(doc, *bound))
+        };
+        let mut prefixes: Vec<&Document> = unfanned.iter().copied().filter(read).collect();
         prefixes.sort_by_key(|doc| (string_key(doc).map(str::to_string), doc.get_i64(field::SEQUENCE).ok()));
         let prefixes: Vec<Document> = prefixes.into_iter().take(limit.saturating_mul(4)).cloned().collect();
         fan_out::assemble(first, prefixes)

@@ -43,7 +43,7 @@ impl Reach {
 
 /// A batch of unfanned events of this host's lanes (or stale ones of any): the oldest,
 /// completed by the lowest unfanned events of every key among them, up to
-/// [`fan_out::prefix_bound`] (see [`crate::store::fan_out`]). Where other hosts' events fill the oldest page, it reads on
+/// [`fan_out::prefixes_to_read`] (see [`crate::store::fan_out`]). Where other hosts' events fill the oldest page, it reads on
 /// from where that page ended (an index position, `min`), up to [`PAGES`] pages.
 pub(super) async fn read_batch(
     store: &MongoStore,
@@ -105,16 +105,22 @@ pub(super) async fn read_batch(
     if first.is_empty() {
         return Ok(Read { reach: reach(false), batch: first });
     }
-    let keys = fan_out::keys_of(&first);
-    if keys.is_empty() {
+    let groups = fan_out::prefixes_to_read(&first);
+    if groups.is_empty() {
         return Ok(Read { reach: reach(false), batch: fan_out::assemble(first, Vec::new()) });
     }
     let cap = limit.saturating_mul(PAGES);
-    let mut filter = doc! { field::KEY: { "$in": &keys }, field::FANNED_OUT_AT: Bson::Null };
-    if let Some(bound) = fan_out::prefix_bound(&first) {
-        // Every sequence but the integers above the bound, as `fan_out::within_prefix_bound`.
-        filter.insert(field::SEQUENCE, doc! { "$not": { "$gt": bound } });
-    }
+    // Each group's keys up to its bound: every sequence but the integers above it, as
+    // `fan_out::within_prefix_bound` says.
+    let group_filter = |(keys, bound): &(Vec<String>, Option<i64>)| match bound {
+        Some(bound) => doc! { field::KEY: { "$in": keys }, field::SEQUENCE: { "$not": { "$gt": *bound } } },
+        None => doc! { field::KEY: { "$in": keys } },
+    };
+    let mut filter = match groups.as_slice() {
+        [group] => group_filter(group),
+        groups => doc! { "$or": groups.iter().map(group_filter).collect::<Vec<Document>>() },
+    };
+    filter.insert(field::FANNED_OUT_AT, Bson::Null);
     let prefixes = events
         .find(filter)
         .sort(doc! { field::KEY: 1, field::SEQUENCE: 1 })
