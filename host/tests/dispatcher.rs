@@ -410,6 +410,9 @@ impl Store for FaultyStore {
         self.starts_recorded.fetch_add(leases.len(), SeqCst);
         self.inner.record_starts(leases).await
     }
+    fn followers_may_wait(&self, handler: &str, key: &str) -> bool {
+        self.inner.followers_may_wait(handler, key)
+    }
     async fn complete_many(&self, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {
         if fails(&self.completions_failing) {
             return Err(StoreError::Corrupt("injected: the completion's reply was lost".into()));

@@ -58,6 +58,7 @@ contract!(
     a_claim_in_given_lanes_takes_only_those_and_keeps_the_rules,
     a_fan_out_hands_out_unkeyed_deliveries_in_free_or_own_lanes_only,
     a_fan_out_hands_out_a_keys_head_only_while_nothing_of_its_key_is_pending,
+    a_keys_head_handed_out_without_a_document_holds_its_key_and_leads_it_after_a_takeover,
     a_fan_out_that_may_hand_out_early_hands_out_each_once_with_word_of_its_commit,
     racing_plain_marks_of_one_backlog_run_every_event_once,
     lanes_are_held_per_store_instance,
@@ -726,6 +727,43 @@ async fn a_fan_out_hands_out_a_keys_head_only_while_nothing_of_its_key_is_pendin
     assert!(a.fan_out(&subscriptions, 100, 10, at(T0 + 8)).await.unwrap().claimed.is_empty());
     publish_all(&a, vec![keyed("later-1", "t", "later")]).await;
     assert_eq!(ids(&a.fan_out(&subscriptions, 100, 10, at(T0 + 61_000)).await.unwrap().claimed), ["later-1/h"]);
+}
+
+async fn a_keys_head_handed_out_without_a_document_holds_its_key_and_leads_it_after_a_takeover<F: Fixture>() {
+    let fixture = F::new().await;
+    let (a, b) = (fixture.worker("a"), fixture.worker("b"));
+    let subscriptions = subs(&[("h", &["t"])]);
+    // Two keys' heads handed out, "k" with its follower in the same batch (parked behind it).
+    publish_all(&a, vec![keyed("k-1", "t", "k"), keyed("k-2", "t", "k"), keyed("j-1", "t", "j")]).await;
+    let report = a.fan_out(&subscriptions, 100, 10, at(T0)).await.unwrap();
+    let mut heads = ids(&report.claimed);
+    heads.sort();
+    assert_eq!(heads, ["j-1/h", "k-1/h"]);
+    // Neither head has a document: only the follower does.
+    let statistics = a.statistics(at(T0)).await.unwrap();
+    assert_eq!((statistics[0].pending, statistics[0].parked), (1, 1), "{statistics:?}");
+    // Nothing of "j" is pending in the store, yet its next event is not handed out beside its
+    // head: the head runs on this instance.
+    publish_all(&a, vec![keyed("j-2", "t", "j")]).await;
+    assert!(a.fan_out(&subscriptions, 100, 10, at(T0 + 1)).await.unwrap().claimed.is_empty());
+    assert!(a.claim(&handlers(&["h"]), 10, at(T0 + 2)).await.unwrap().is_empty(), "both keys run");
+
+    // Another instance's claim meanwhile unparks "k"'s follower (its predecessor has no
+    // document) and learns it as the key's head.
+    assert!(b.claim(&handlers(&["h"]), 10, at(T0 + 3)).await.unwrap().is_empty());
+    // The first instance dies: its heads get their documents, charged, and lead their keys at
+    // the instance that takes their lanes over.
+    let late = T0 + 31_000;
+    let taken = b.claim(&handlers(&["h"]), 10, at(late)).await.unwrap();
+    let mut taken_ids = ids(&taken);
+    taken_ids.sort();
+    assert_eq!(taken_ids, ["j-1/h", "k-1/h"]);
+    assert!(taken.iter().all(|c| c.attempts == 1), "charged: they were running");
+    let leases: Vec<_> = taken.iter().map(|c| c.lease).collect();
+    assert_eq!(b.complete_many(&leases, at(late + 1)).await.unwrap(), [Settlement::Completed; 2]);
+    let mut next = ids(&b.claim(&handlers(&["h"]), 10, at(late + 2)).await.unwrap());
+    next.sort();
+    assert_eq!(next, ["j-2/h", "k-2/h"]);
 }
 
 /// Two hosts fan the same backlog out at once, each handing out whole batches listed in the

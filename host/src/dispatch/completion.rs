@@ -19,13 +19,14 @@ use crate::store::{Lease, Settlement, Store, StoreError};
 /// What one background `complete_many` did.
 pub(super) struct Written {
     pub completed: usize,
-    /// The lanes of the keyed deliveries among them: their keys' next ones, listed in the
-    /// same lanes, may be claimable there now.
+    /// The lanes of the keyed deliveries among them whose keys may have deliveries waiting
+    /// for a claim ([`Store::followers_may_wait`]): those, in the same lanes, may be
+    /// claimable there now.
     pub keyed_lanes: BTreeSet<LaneId>,
 }
 
-/// Leases with whether their delivery was keyed.
-type Batch = Vec<(Lease, bool)>;
+/// Leases with their delivery's handler and key, if it has one.
+type Batch = Vec<(Lease, Option<(String, String)>)>;
 
 pub(super) struct Completions<S: Store> {
     store: Arc<S>,
@@ -41,8 +42,8 @@ impl<S: Store> Completions<S> {
         Self { store, pause, waiting: Vec::new(), running: None, paused_until: None }
     }
 
-    pub fn push(&mut self, lease: Lease, keyed: bool) {
-        self.waiting.push((lease, keyed));
+    pub fn push(&mut self, lease: Lease, key: Option<(String, String)>) {
+        self.waiting.push((lease, key));
     }
 
     /// Successful runs whose completion is not written yet.
@@ -77,7 +78,8 @@ impl<S: Store> Completions<S> {
         let (_, batch) = self.running.take().expect("a completion was running");
         match result {
             Ok(completed) => {
-                let keyed_lanes = batch.iter().filter(|(_, keyed)| *keyed).map(|(lease, _)| lease.lane).collect();
+                let awaited = |key: &Option<(String, String)>| key.as_ref().is_some_and(|(h, k)| self.store.followers_may_wait(h, k));
+                let keyed_lanes = batch.iter().filter(|(_, key)| awaited(key)).map(|(lease, _)| lease.lane).collect();
                 Ok(Written { completed, keyed_lanes })
             }
             Err(error) => {

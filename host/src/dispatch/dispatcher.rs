@@ -410,7 +410,8 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             let policy = specs.iter().find(|s| s.handler == delivery.handler).map(|s| s.retry).unwrap_or_default();
             let written = match decide(attempt, delivery.attempts + 1, &policy, now) {
                 Settle::Complete => {
-                    flight.completions.push(delivery.lease, keyed);
+                    let key = delivery.event.key.clone().map(|key| (delivery.handler.clone(), key));
+                    flight.completions.push(delivery.lease, key);
                     Ok(())
                 }
                 Settle::Reschedule { due_at, reason } => {

@@ -84,17 +84,14 @@ impl FanOutPlan {
     pub fn report(&self, claimed: Vec<ClaimedDelivery>, sent_early: &[DeliveryId]) -> super::FanOutReport {
         let handed_out: HashSet<DeliveryId> =
             claimed.iter().map(|c| c.lease.delivery).chain(sent_early.iter().copied()).collect();
+        let left = |d: &&NewDelivery| d.dead_reason.is_none() && !handed_out.contains(&d.id);
         super::FanOutReport {
             events: self.events.len(),
             deliveries: self.deliveries.len(),
             malformed: self.malformed,
             malformed_events: self.malformed_events.clone(),
-            lanes: self
-                .deliveries
-                .iter()
-                .filter(|d| d.dead_reason.is_none() && !handed_out.contains(&d.id))
-                .map(|d| d.lane)
-                .collect(),
+            lanes: self.deliveries.iter().filter(left).map(|d| d.lane).collect(),
+            left_to_claims: self.deliveries.iter().filter(left).filter_map(|d| Some((d.handler.clone(), d.key.clone()?))).collect(),
             claimed,
             sent_early: sent_early.len(),
             more: false,
@@ -360,26 +357,28 @@ pub(crate) struct WithoutDocuments {
     pub fan_out: ObjectId,
     /// By event (as [`id_text`] prints it): the handlers its `handedOut` list gets.
     pub handlers: HashMap<String, Vec<String>>,
-    /// Each one's event and handler.
-    pub deliveries: HashMap<DeliveryId, (Bson, String)>,
+    /// Each one's event, handler and key.
+    pub deliveries: HashMap<DeliveryId, (Bson, String, Option<String>)>,
 }
 
 impl WithoutDocuments {
-    /// Every unkeyed one of `fresh`, each marked as such. A keyed one keeps its document:
-    /// whether a key has something pending is read from the deliveries. So does one of the
-    /// plan's [`FanOutPlan::keep_documents`]: without a document, a delivery's completion is
+    /// Every one of `fresh`, each marked as such. A keyed one is its key's head, handed out
+    /// while nothing of its key is pending in the store nor runs on this instance (the only
+    /// one that runs its lane's work); its followers in the batch get documents, parked
+    /// behind it. One of the plan's [`FanOutPlan::keep_documents`] keeps its document:
+    /// without a document, a delivery's completion is
     /// its event's `handedOut`, and in a handler's transaction, which lasts as long as its run,
     /// that write would conflict with any other handler's completion of the same event, and
     /// run the handler again.
     pub fn of(plan: &FanOutPlan, fresh: &mut [Fresh]) -> Self {
         let events: HashMap<DeliveryId, &Bson> = plan.deliveries.iter().map(|d| (d.id, &d.event_id)).collect();
         let mut unstored = Self { fan_out: ObjectId::new(), ..Self::default() };
-        let without_document = |fresh: &&mut Fresh| fresh.candidate.key.is_none() && !plan.keep_documents.contains(&fresh.candidate.id);
+        let without_document = |fresh: &&mut Fresh| !plan.keep_documents.contains(&fresh.candidate.id);
         for Fresh { candidate, .. } in fresh.iter_mut().filter(without_document) {
             let Some(event) = events.get(&candidate.id) else { continue };
             candidate.unstored = Some(HandOutOf { event: (*event).clone(), fan_out: Some(unstored.fan_out) });
             unstored.handlers.entry(id_text(event)).or_default().push(candidate.handler.clone());
-            unstored.deliveries.insert(candidate.id, ((*event).clone(), candidate.handler.clone()));
+            unstored.deliveries.insert(candidate.id, ((*event).clone(), candidate.handler.clone(), candidate.key.clone()));
         }
         unstored
     }

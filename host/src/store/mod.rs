@@ -254,6 +254,9 @@ pub struct FanOutReport {
     pub more: bool,
     /// The batch read every unfanned event there was (of any host's lanes).
     pub read_to_the_end: bool,
+    /// The keys (with their handlers) of the keyed deliveries it left to claims: their store
+    /// notes them (see [`Store::followers_may_wait`]).
+    pub(crate) left_to_claims: Vec<(String, String)>,
 }
 
 impl FanOutReport {
@@ -268,6 +271,7 @@ impl FanOutReport {
         self.sent_early += other.sent_early;
         self.more |= other.more;
         self.read_to_the_end |= other.read_to_the_end;
+        self.left_to_claims.extend(other.left_to_claims);
         self
     }
 }
@@ -512,6 +516,13 @@ pub trait Store: Send + Sync + 'static {
     /// lease's epoch (it must not run: the lease is lost). Acknowledged once applied: a
     /// failover may lose it, which costs that start its charge should the host die.
     fn record_starts(&self, leases: &[Lease]) -> impl Future<Output = Result<Vec<bool>, StoreError>> + Send;
+
+    /// Whether deliveries of `handler` and `key` may wait for a claim once one of theirs is
+    /// settled: this instance's fan-outs left some of them to claims, or its claims parked
+    /// some. A completion of a key with none asks for no claim in its lane (its next event is
+    /// not fanned out yet, or is handed out by the fan-out that marks it); what another host
+    /// left there is found by the poll, and whatever stays parked by the unpark sweep.
+    fn followers_may_wait(&self, handler: &str, key: &str) -> bool;
 
     /// Completes a batch in a fixed number of commands; one result per lease, in order.
     fn complete_many(&self, leases: &[Lease], now: DateTime)

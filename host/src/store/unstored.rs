@@ -20,6 +20,8 @@ pub(crate) struct Entry {
     /// none).
     pub fan_out: Option<ObjectId>,
     pub handler: String,
+    /// Its event's ordering key, if it has one: its document goes to the key's lane.
+    pub key: Option<String>,
     /// Listed as started: a takeover's materialization charges it.
     pub started: bool,
 }
@@ -27,7 +29,7 @@ pub(crate) struct Entry {
 impl Entry {
     pub fn of_lease(lease: &Lease, unstored: Unstored) -> Self {
         let HandOutOf { event, fan_out } = unstored.event;
-        Self { delivery: lease.delivery, event, fan_out, handler: unstored.handler, started: false }
+        Self { delivery: lease.delivery, event, fan_out, handler: unstored.handler, key: unstored.key, started: false }
     }
 
     /// The unstored ones among lanes' in-flight entries.
@@ -36,15 +38,32 @@ impl Entry {
             .iter()
             .filter_map(|entry| {
                 let HandOutOf { event, fan_out } = entry.unstored.clone()?;
-                Some(Self { delivery: entry.delivery, event, fan_out, handler: entry.handler.clone(), started: entry.started })
+                Some(Self {
+                    delivery: entry.delivery,
+                    event,
+                    fan_out,
+                    handler: entry.handler.clone(),
+                    key: entry.key.clone(),
+                    started: entry.started,
+                })
             })
             .collect()
     }
 
-    /// The lane its document goes to. It is unkeyed, so its event's id places it, whichever
-    /// lane listed it while it ran.
+    /// The lane its document goes to: its key's, or, unkeyed, the one its event's id places it
+    /// in, whichever lane listed it while it ran.
     pub fn lane(&self) -> LaneId {
-        lane_for_event(&id_text(&self.event), None)
+        lane_for_event(&id_text(&self.event), self.key.as_deref())
+    }
+
+    /// Its document's `sequence`: its event's, an integer (anything else there makes the event
+    /// malformed, and it would not have been handed out).
+    pub fn sequence_of(event: &Document) -> Option<i64> {
+        match event.get(field::SEQUENCE) {
+            Some(Bson::Int32(n)) => Some(i64::from(*n)),
+            Some(Bson::Int64(n)) => Some(*n),
+            _ => None,
+        }
     }
 
     /// Whether `event` (its document) still names this delivery as handed out without a

@@ -338,8 +338,8 @@ struct Tried<'a> {
 /// so a list's length is paid at every write of it.
 const GATHERED_PER_LANE: usize = 64;
 
-/// Moves the `fresh` deliveries without a document ([`Candidate::unstored`]) into lanes this
-/// instance holds and knows the lists of, filling the one listing the fewest unsettled
+/// Moves the unkeyed `fresh` deliveries without a document ([`Candidate::unstored`]) into
+/// lanes this instance holds and knows the lists of, filling the one listing the fewest unsettled
 /// entries (`unsettled`) first, up to [`GATHERED_PER_LANE`] each; those that do not fit keep
 /// their event's lane. Returns how many it moved.
 ///
@@ -359,7 +359,8 @@ fn gather_unstored(held: &BTreeMap<LaneId, Held>, unsettled: impl Fn(&Listed) ->
     let mut lanes = room.into_iter();
     let mut filling = lanes.next();
     let mut gathered = 0;
-    for Fresh { candidate, .. } in fresh.iter_mut().filter(|fresh| fresh.candidate.unstored.is_some()) {
+    // A keyed one stays in its key's lane, where its key's other deliveries are.
+    for Fresh { candidate, .. } in fresh.iter_mut().filter(|fresh| fresh.candidate.unstored.is_some() && fresh.candidate.key.is_none()) {
         let Some((listed, lane)) = filling.as_mut() else { break };
         candidate.lane = *lane;
         gathered += 1;

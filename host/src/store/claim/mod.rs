@@ -98,6 +98,15 @@ pub(crate) struct Claimer {
     unpark_sweep: Periodic,
     /// Heads of keys this instance's claims looked up (see [`Plan::recall_heads`]).
     known_heads: Mutex<HashMap<HandlerKey, DeliveryId>>,
+    /// Keys with deliveries that may wait for a claim once one of theirs settles (see
+    /// [`Claimer::followers_may_wait`]).
+    awaited_keys: Mutex<HashSet<HandlerKey>>,
+    /// Keys whose known head (in [`Claimer::known_heads`], or found by an unparking) may be
+    /// wrong: a delivery of theirs handed out without a document may have got one since (its
+    /// lease settled other than by a completion, or a takeover charged it), a lower sequence
+    /// of the key than the head known. Claims forget their heads (see
+    /// [`Claimer::drop_forgotten_heads`]).
+    forgotten_heads: Mutex<HashSet<HandlerKey>>,
     /// What lanes this instance took over listed in flight, where charging it failed, with
     /// each lane and the epoch of the take: a reconciliation keeps it listed, and the next
     /// claim charges it before anything else (see [`Claimer::take`]).
@@ -177,6 +186,8 @@ struct Issued {
 pub(crate) struct Unstored {
     pub event: HandOutOf,
     pub handler: String,
+    /// Its event's ordering key, if it has one.
+    pub key: Option<String>,
 }
 
 impl Claimer {
@@ -193,6 +204,8 @@ impl Claimer {
             moved_keys: Mutex::new((HashSet::new(), Vec::new())),
             unpark_sweep: Periodic::new(UNPARK_SWEEP_INTERVAL_MS),
             known_heads: Mutex::new(HashMap::new()),
+            awaited_keys: Mutex::new(HashSet::new()),
+            forgotten_heads: Mutex::new(HashSet::new()),
             uncharged: Mutex::new(Vec::new()),
             assignment: Mutex::new(Assignment::everything()),
         }
@@ -280,6 +293,9 @@ impl Claimer {
             }
         }
         drop(issued);
+        if !completed {
+            self.forget_heads(moved.iter().map(|(key, _)| key.clone()));
+        }
         if !moved.is_empty() {
             let (keys, behind) = &mut *self.moved_keys.lock().expect("moved keys");
             for (key, delivery) in moved {
@@ -287,6 +303,58 @@ impl Claimer {
                 behind.push(Settled { delivery, completed });
             }
         }
+    }
+
+    /// Takes out of `idle` (keys of which nothing is pending in the store) the keys of leases
+    /// this instance issued and has not seen settled: a key's head handed out without a
+    /// document is pending only here (its lane's holder is the only one that runs its lane's
+    /// work), and a fan-out must not hand out the key's next delivery beside it.
+    pub fn drop_running_keys(&self, idle: &mut HashSet<HandlerKey>) {
+        if idle.is_empty() {
+            return;
+        }
+        let issued = self.issued.lock().expect("issued leases");
+        for key in issued.values().filter_map(|issued| issued.key.as_ref()) {
+            idle.remove(key);
+        }
+    }
+
+    /// Has claims forget what they know of `keys`' heads (see [`Claimer::forgotten_heads`]).
+    fn forget_heads(&self, keys: impl IntoIterator<Item = HandlerKey>) {
+        self.forgotten_heads.lock().expect("forgotten heads").extend(keys);
+    }
+
+    /// Takes the keys claims are to forget the heads of out of `heads`; with `drain`, the
+    /// keys count as forgotten from then on (a claim writing back what it learned).
+    fn drop_forgotten_heads<T>(&self, heads: &mut HashMap<HandlerKey, T>, drain: bool) {
+        let mut forgotten = self.forgotten_heads.lock().expect("forgotten heads");
+        if !forgotten.is_empty() {
+            heads.retain(|key, _| !forgotten.contains(key));
+        }
+        if drain {
+            forgotten.clear();
+        }
+    }
+
+    /// Notes keys whose deliveries this instance's fan-outs left to claims, or its claims
+    /// parked: they may wait for a claim once one of their key settles. Past
+    /// [`KNOWN_HEADS_MAX`] keys the notes start over; the keys forgotten are left to the
+    /// unpark sweep.
+    pub fn note_awaited(&self, keys: impl IntoIterator<Item = HandlerKey>) {
+        let mut awaited = self.awaited_keys.lock().expect("awaited keys");
+        for key in keys {
+            if awaited.len() >= KNOWN_HEADS_MAX {
+                awaited.clear();
+            }
+            awaited.insert(key);
+        }
+    }
+
+    /// Whether deliveries of `key` may wait for a claim once one of theirs settles (see
+    /// [`Claimer::note_awaited`]). A key's deliveries handed out by its fan-outs, one after
+    /// the other, need none: its completions then ask for no claim.
+    pub fn followers_may_wait(&self, key: &HandlerKey) -> bool {
+        self.awaited_keys.lock().expect("awaited keys").contains(key)
     }
 
     /// Records that the deliveries of `leases`, claimed ahead, start now (see
@@ -459,6 +527,7 @@ impl Claimer {
         // Charge what the previous owner left in flight before reading what to claim,
         // so that a takeover and a completion never both succeed.
         let lost: Vec<InFlight> = taken.iter().flat_map(|lane| lane.in_flight.iter().cloned()).collect();
+        self.forget_heads(lost.iter().filter_map(|entry| Some((entry.handler.clone(), entry.key.clone()?))));
         let charged = if lost.is_empty() { Ok(()) } else { charge(backend, &lost, now, CHARGE_WAIT).await };
         if charged.is_err() {
             let mut uncharged = self.uncharged.lock().expect("uncharged");
@@ -512,7 +581,7 @@ async fn charge<B: ClaimBackend>(backend: &B, entries: &[InFlight], now: DateTim
 fn issue(issued: &mut HashMap<DeliveryId, Issued>, pick: Candidate, epoch: i64, event: EventRecord, now: DateTime) -> ClaimedDelivery {
     let lease = Lease { delivery: pick.id, lane: pick.lane, epoch, claims: pick.claims };
     let key = pick.handler_key();
-    let unstored = pick.unstored.map(|event| Unstored { event, handler: pick.handler.clone() });
+    let unstored = pick.unstored.map(|event| Unstored { event, handler: pick.handler.clone(), key: pick.key.clone() });
     issued.insert(pick.id, Issued { lease, at: now, key, unstored });
     ClaimedDelivery { lease, handler: pick.handler, attempts: pick.attempts, event, started: pick.started, suspect: pick.suspect }
 }

@@ -25,9 +25,11 @@ impl Claimer {
         let until = self.lease_until(now);
         // What runs where: the lanes held, what of theirs still runs, the lanes taken over.
         let waiting = self.finish_failed_charges(backend, now).await;
-        let Running { mut mine, left_over, heads } = self.read_what_runs(backend, held, handlers, &search, &waiting, now).await?;
+        let Running { mut mine, left_over, mut heads } = self.read_what_runs(backend, held, handlers, &search, &waiting, now).await?;
         let taken = self.take(backend, held, &left_over, now, until).await?;
         adopt(held, &mut mine, taken);
+        // A takeover or a settling may have given a lower sequence than a head known a document.
+        self.drop_forgotten_heads(&mut heads, false);
 
         // Pick: due work of the held lanes under the per-key rules, then of free lanes.
         let mut plan = Plan::new(capacity.total, mine.values().flat_map(|lane| lane.running.iter()));
@@ -35,6 +37,7 @@ impl Claimer {
         // Taken for the claim (claims of an instance never overlap) and put back, with what it
         // learned, when it succeeds; a failed claim only costs the next one some lookups.
         plan.known_heads = std::mem::take(&mut *self.known_heads.lock().expect("known heads"));
+        self.drop_forgotten_heads(&mut plan.known_heads, false);
         let lanes: Vec<LaneId> = mine.keys().copied().collect();
         let unread = scan(backend, &mut plan, &lanes, handlers, now).await?;
         if plan.full() && !unread.is_empty() && self.unread_lanes_check.due(now) {
@@ -62,7 +65,9 @@ impl Claimer {
         // Record the picks, sort out what cannot run or must wait, issue the leases.
         let written = self.record(backend, held, &mine, &mut plan, capacity, now, until).await?;
         let runnable = self.sort_out(backend, held, &mine, &mut plan, written, now).await?;
-        *self.known_heads.lock().expect("known heads") = plan.into_known_heads();
+        let mut known = plan.into_known_heads();
+        self.drop_forgotten_heads(&mut known, true);
+        *self.known_heads.lock().expect("known heads") = known;
         let mut issued = self.issued.lock().expect("issued leases");
         Ok(runnable
             .into_iter()
@@ -302,7 +307,15 @@ impl Claimer {
         }
 
         runnable.retain(|(pick, _)| !lost_lanes.contains(&pick.lane));
-        park_and_give_back_overtaken(backend, plan, runnable, now).await
+        // What it parks, and what a requeue overtook, waits for its key's next settling.
+        self.note_awaited(plan.parked_keys());
+        let picked: Vec<(DeliveryId, Option<HandlerKey>)> = runnable.iter().map(|(pick, _)| (pick.id, pick.handler_key())).collect();
+        let kept = park_and_give_back_overtaken(backend, plan, runnable, now).await?;
+        if kept.len() < picked.len() {
+            let kept_ids: HashSet<DeliveryId> = kept.iter().map(|(pick, _)| pick.id).collect();
+            self.note_awaited(picked.into_iter().filter(|(id, _)| !kept_ids.contains(id)).filter_map(|(_, key)| key));
+        }
+        Ok(kept)
     }
 
     /// A takeover whose charge failed is finished first. Charging again changes nothing
@@ -317,6 +330,7 @@ impl Claimer {
             waiting.extend(uncharged.iter().map(|(lane, _, _)| *lane));
         } else if !uncharged.is_empty() {
             let entries: Vec<InFlight> = uncharged.iter().map(|(_, _, entry)| entry.clone()).collect();
+            self.forget_heads(entries.iter().filter_map(|entry| Some((entry.handler.clone(), entry.key.clone()?))));
             match charge(backend, &entries, now, CHARGE_RETRY_WAIT).await {
                 Ok(()) => self.uncharged.lock().expect("uncharged").clear(),
                 Err(error) => {
@@ -376,6 +390,8 @@ impl Claimer {
                     tried.extend(lanes.iter().copied());
                     let taken = self.take(backend, held, &lanes, now, until).await?;
                     let new_lanes = adopt(held, mine, taken);
+                    self.drop_forgotten_heads(&mut plan.heads, false);
+                    self.drop_forgotten_heads(&mut plan.known_heads, false);
                     plan.make_room(older.iter().map(|(_, due)| due).sum::<usize>().min(half));
                     scan(backend, plan, &new_lanes, handlers, before).await?;
                 }
@@ -408,6 +424,8 @@ impl Claimer {
             }
             let taken = self.take(backend, held, &free, now, until).await?;
             let new_lanes = adopt(held, mine, taken);
+            self.drop_forgotten_heads(&mut plan.heads, false);
+            self.drop_forgotten_heads(&mut plan.known_heads, false);
             scan(backend, plan, &new_lanes, handlers, now).await?;
             // The answer named every free lane with due work (fewer lanes than asked for, and
             // fewer rows than any of its reads could return) and all of them were tried: a

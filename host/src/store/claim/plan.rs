@@ -15,7 +15,7 @@ pub(super) struct Plan {
     pub(super) known_heads: HashMap<HandlerKey, DeliveryId>,
     pub(super) picks: Vec<Candidate>,
     /// Seen waiting behind an unfinished predecessor of their key.
-    blocked: Vec<(LaneId, DeliveryId)>,
+    blocked: Vec<(LaneId, DeliveryId, HandlerKey)>,
 }
 
 impl Plan {
@@ -118,7 +118,7 @@ impl Plan {
             self.busy_keys.insert(handler_key);
             self.picks.push(row);
         } else {
-            self.blocked.push((row.lane, row.id));
+            self.blocked.push((row.lane, row.id, handler_key));
         }
     }
 
@@ -127,11 +127,16 @@ impl Plan {
         if lanes.is_empty() {
             return;
         }
-        self.blocked.retain(|(lane, _)| !lanes.contains(lane));
+        self.blocked.retain(|(lane, _, _)| !lanes.contains(lane));
     }
 
     pub(super) fn to_park(&self) -> Vec<DeliveryId> {
-        self.blocked.iter().map(|(_, id)| *id).collect()
+        self.blocked.iter().map(|(_, id, _)| *id).collect()
+    }
+
+    /// The keys of what it parks.
+    pub(super) fn parked_keys(&self) -> impl Iterator<Item = HandlerKey> + '_ {
+        self.blocked.iter().map(|(_, _, key)| key.clone())
     }
 }
 

@@ -51,7 +51,8 @@ impl MemoryStore {
         let mut state = self.state.lock().await;
         let batch = self.read_batch(&state, limit, now);
         let plan = fan_out::plan(&batch, subscriptions);
-        let idle = if hand_out.total == 0 { HashSet::new() } else { state.idle_keys(fan_out::keyed_heads(&plan)) };
+        let mut idle = if hand_out.total == 0 { HashSet::new() } else { state.idle_keys(fan_out::keyed_heads(&plan)) };
+        self.claimer.drop_running_keys(&mut idle);
         let mut fresh = fan_out::fresh(&plan, &batch, hand_out, &idle, now);
         // What is handed out gets no record (see `unstored`), unless every completion is to be
         // recorded, as in MongoDB.
@@ -69,11 +70,12 @@ impl MemoryStore {
                     .deliveries
                     .iter()
                     .filter(|(id, _)| !handed.contains(*id))
-                    .map(|(id, (event, handler))| Entry {
+                    .map(|(id, (event, handler, key))| Entry {
                         delivery: *id,
                         event: event.clone(),
                         fan_out: Some(without.fan_out),
                         handler: handler.clone(),
+                        key: key.clone(),
                         started: false,
                     })
                     .collect();

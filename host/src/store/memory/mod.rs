@@ -224,7 +224,9 @@ impl Store for MemoryStore {
         hand_out: impl Into<Capacity> + Send,
         now: DateTime,
     ) -> Result<FanOutReport, StoreError> {
-        self.fan_out_handing_out(subscriptions, limit, hand_out.into(), now).await
+        let report = self.fan_out_handing_out(subscriptions, limit, hand_out.into(), now).await?;
+        self.claimer.note_awaited(report.left_to_claims.iter().cloned());
+        Ok(report)
     }
 
     async fn fan_out_early(
@@ -236,12 +238,17 @@ impl Store for MemoryStore {
         now: DateTime,
     ) -> Result<FanOutReport, StoreError> {
         let hand_out = hand_out.into();
-        if hand_out.total > 0 && !self.options.completion_history {
-            if let Some(report) = self.fan_out_plainly(subscriptions, limit, hand_out, early, now).await? {
-                return Ok(report);
-            }
-        }
-        self.fan_out_handing_out(subscriptions, limit, hand_out, now).await
+        let plainly = hand_out.total > 0 && !self.options.completion_history;
+        let report = match plainly {
+            true => self.fan_out_plainly(subscriptions, limit, hand_out, early, now).await?,
+            false => None,
+        };
+        let report = match report {
+            Some(report) => report,
+            None => self.fan_out_handing_out(subscriptions, limit, hand_out, now).await?,
+        };
+        self.claimer.note_awaited(report.left_to_claims.iter().cloned());
+        Ok(report)
     }
 
     async fn claim(&self, handlers: &[String], limit: impl Into<Capacity> + Send, now: DateTime) -> Result<Vec<ClaimedDelivery>, StoreError> {
@@ -260,6 +267,10 @@ impl Store for MemoryStore {
 
     async fn record_starts(&self, leases: &[Lease]) -> Result<Vec<bool>, StoreError> {
         self.claimer.record_starts(&Backend(&self.state), leases).await
+    }
+
+    fn followers_may_wait(&self, handler: &str, key: &str) -> bool {
+        self.claimer.followers_may_wait(&(handler.to_string(), key.to_string()))
     }
 
     async fn complete_many(&self, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {

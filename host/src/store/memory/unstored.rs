@@ -82,7 +82,9 @@ impl State {
                 tracing::warn!(delivery = %entry.delivery, handler = %entry.handler, "a delivery handed out without a record is listed twice, or has one already");
                 continue;
             }
-            let event_type = self.events.get(&id_text(&entry.event)).and_then(|e| e.get_str(field::TYPE).ok()).unwrap_or_default();
+            let event = self.events.get(&id_text(&entry.event));
+            let event_type = event.and_then(|e| e.get_str(field::TYPE).ok()).unwrap_or_default();
+            let sequence = event.and_then(Entry::sequence_of);
             let takeover = charge == Charge::Takeover;
             let charged = takeover && entry.started;
             self.deliveries.insert(
@@ -91,8 +93,8 @@ impl State {
                     event_id: entry.event.clone(),
                     event_type: event_type.to_string(),
                     handler: entry.handler.clone(),
-                    key: None,
-                    sequence: None,
+                    key: entry.key.clone(),
+                    sequence,
                     lane_id: entry.lane(),
                     lane: LaneKind::Ready,
                     status: DeliveryStatus::Pending,

@@ -320,6 +320,8 @@ async fn handing_out(
             }
         },
     };
+    let mut idle = idle;
+    store.claimer.drop_running_keys(&mut idle);
     let mut fresh = fan_out::fresh(&plan, &batch, hand_out, &idle, now);
     // What is handed out gets no document (see `super::unstored`), unless every completion is to be
     // recorded: the history copies the delivery's document.
@@ -376,7 +378,7 @@ impl WithoutDocuments {
         without_document: &HashSet<DeliveryId>,
     ) -> Result<(), StoreError> {
         let mut by_handler: BTreeMap<&str, Vec<Bson>> = BTreeMap::new();
-        for (delivery, (event, handler)) in &self.deliveries {
+        for (delivery, (event, handler, _)) in &self.deliveries {
             if !without_document.contains(delivery) {
                 by_handler.entry(handler).or_default().push(event.clone());
             }

@@ -375,7 +375,9 @@ impl Store for MongoStore {
         hand_out: impl Into<Capacity> + Send,
         now: DateTime,
     ) -> Result<FanOutReport, StoreError> {
-        fan_out::run(self, subscriptions, limit, hand_out.into(), None, now).await
+        let report = fan_out::run(self, subscriptions, limit, hand_out.into(), None, now).await?;
+        self.claimer.note_awaited(report.left_to_claims.iter().cloned());
+        Ok(report)
     }
 
     async fn fan_out_early(
@@ -386,7 +388,9 @@ impl Store for MongoStore {
         early: &EarlyHandOuts,
         now: DateTime,
     ) -> Result<FanOutReport, StoreError> {
-        fan_out::run(self, subscriptions, limit, hand_out.into(), Some(early), now).await
+        let report = fan_out::run(self, subscriptions, limit, hand_out.into(), Some(early), now).await?;
+        self.claimer.note_awaited(report.left_to_claims.iter().cloned());
+        Ok(report)
     }
 
     async fn claim(&self, handlers: &[String], limit: impl Into<Capacity> + Send, now: DateTime) -> Result<Vec<ClaimedDelivery>, StoreError> {
@@ -405,6 +409,10 @@ impl Store for MongoStore {
 
     async fn record_starts(&self, leases: &[Lease]) -> Result<Vec<bool>, StoreError> {
         self.claimer.record_starts(&lanes::Backend { store: self }, leases).await
+    }
+
+    fn followers_may_wait(&self, handler: &str, key: &str) -> bool {
+        self.claimer.followers_may_wait(&(handler.to_string(), key.to_string()))
     }
 
     async fn complete_many(&self, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {

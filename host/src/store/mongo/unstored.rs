@@ -82,7 +82,7 @@ pub(super) async fn materialize(
         let session = tx.session();
         let ids: Vec<Bson> = entries.iter().map(|entry| entry.event.clone()).collect();
         let (events, deliveries) = (&store.collections.events, &store.collections.deliveries);
-        let projection = doc! { field::ID: 1, field::TYPE: 1, field::HANDED_OUT: 1, field::FAN_OUT: 1 };
+        let projection = doc! { field::ID: 1, field::TYPE: 1, field::SEQUENCE: 1, field::HANDED_OUT: 1, field::FAN_OUT: 1 };
         let events = read_in(session, events, doc! { field::ID: { "$in": &ids } }, projection, entries.len()).await?;
         let events: HashMap<String, &Document> =
             events.iter().map(|event| (id_text(event.get(field::ID).unwrap_or(&Bson::Null)), event)).collect();
@@ -123,8 +123,8 @@ pub(super) async fn materialize(
                 event_id: entry.event.clone(),
                 event_type: event.get_str(field::TYPE).unwrap_or_default().to_string(),
                 handler: entry.handler.clone(),
-                key: None,
-                sequence: None,
+                key: entry.key.clone(),
+                sequence: Entry::sequence_of(event),
                 lane: entry.lane(),
                 dead_reason: None,
                 behind: None,
