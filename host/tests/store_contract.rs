@@ -739,13 +739,16 @@ async fn a_keys_head_handed_out_without_a_document_holds_its_key_and_leads_it_af
     let mut heads = ids(&report.claimed);
     heads.sort();
     assert_eq!(heads, ["j-1/h", "k-1/h"]);
-    // Neither head has a document: only the follower does.
+    // Neither head has a document: only the follower does. A completion of "k" is to ask for
+    // a claim (its follower waits for one); one of "j" is not.
     let statistics = a.statistics(at(T0)).await.unwrap();
     assert_eq!((statistics[0].pending, statistics[0].parked), (1, 1), "{statistics:?}");
+    assert!(a.followers_may_wait("h", "k") && !a.followers_may_wait("h", "j"));
     // Nothing of "j" is pending in the store, yet its next event is not handed out beside its
     // head: the head runs on this instance.
     publish_all(&a, vec![keyed("j-2", "t", "j")]).await;
     assert!(a.fan_out(&subscriptions, 100, 10, at(T0 + 1)).await.unwrap().claimed.is_empty());
+    assert!(a.followers_may_wait("h", "j"));
     assert!(a.claim(&handlers(&["h"]), 10, at(T0 + 2)).await.unwrap().is_empty(), "both keys run");
 
     // Another instance's claim meanwhile unparks "k"'s follower (its predecessor has no
