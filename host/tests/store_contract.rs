@@ -412,17 +412,27 @@ async fn a_backlog_of_many_keys_is_fanned_out_in_publishing_order_not_a_whole_ke
         (1..=3).flat_map(|round| ["a", "b", "c"].map(|key| keyed(&format!("{round}-{key}"), "t", key))).collect();
     publish_all(store, events).await;
     let subscriptions = subs(&[("h", &["t"])]);
-    // A batch of three takes the three oldest events and, of their keys, only what precedes
-    // them: one round at a time, not the whole of the first key.
-    for round in 1..=3 {
-        let report = store.fan_out(&subscriptions, 3, 0, at(T0)).await.unwrap();
-        assert_eq!((report.events, report.deliveries), (3, 3), "round {round}");
-        let statistics = store.statistics(at(T0)).await.unwrap();
-        assert_eq!(statistics.iter().map(|s| s.pending).sum::<u64>(), 3 * round as u64, "round {round}");
-    }
-    assert_eq!(store.fan_out(&subscriptions, 3, 0, at(T0)).await.unwrap().events, 0);
-    // Each key's events still run in order.
+    // A batch of three that may hand out takes the three oldest events and, of their keys,
+    // only what precedes them: one round at a time, not the whole of the first key. The first
+    // round is handed out (its keys are idle); the later ones wait for their keys.
     let mut order: Vec<String> = Vec::new();
+    let mut running = Vec::new();
+    for round in 1..=3 {
+        let report = store.fan_out(&subscriptions, 3, 3, at(T0)).await.unwrap();
+        assert_eq!((report.events, report.deliveries), (3, 3), "round {round}");
+        assert_eq!(report.claimed.len(), if round == 1 { 3 } else { 0 }, "round {round}");
+        order.extend(report.claimed.iter().map(|c| c.event.id.clone()));
+        running.extend(report.claimed.iter().map(|c| c.lease));
+    }
+    assert_eq!(store.fan_out(&subscriptions, 3, 3, at(T0)).await.unwrap().events, 0);
+    // One that hands nothing out reads each key to its end: its followers are created parked
+    // behind each other.
+    let more: Vec<NewEvent> = (4..=5).map(|round| keyed(&format!("{round}-d"), "t", "d")).collect();
+    publish_all(store, more).await;
+    let report = store.fan_out(&subscriptions, 1, 0, at(T0)).await.unwrap();
+    assert_eq!((report.events, report.deliveries), (2, 2));
+    // Each key's events still run in order.
+    store.complete_many(&running, at(T0)).await.unwrap();
     for step in 0..6 {
         let claimed = store.claim(&handlers(&["h"]), 10, at(T0 + step)).await.unwrap();
         order.extend(claimed.iter().map(|c| c.event.id.clone()));
@@ -433,6 +443,8 @@ async fn a_backlog_of_many_keys_is_fanned_out_in_publishing_order_not_a_whole_ke
         let seen: Vec<&String> = order.iter().filter(|id| id.ends_with(key)).collect();
         assert_eq!(seen, [&format!("1-{key}"), &format!("2-{key}"), &format!("3-{key}")]);
     }
+    let seen: Vec<&String> = order.iter().filter(|id| id.ends_with('d')).collect();
+    assert_eq!(seen, ["4-d", "5-d"]);
 }
 
 async fn concurrent_workers_never_claim_twice_and_keep_key_order<F: Fixture>() {

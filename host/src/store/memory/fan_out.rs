@@ -20,7 +20,7 @@ impl MemoryStore {
     /// The next batch of this host's share of the unfanned events, in `(createdAt, _id)`
     /// order, completed with the lowest unfanned events of every key in it (up to
     /// [`fan_out::prefixes_to_read`]).
-    fn read_batch(&self, state: &State, limit: usize, now: DateTime) -> Vec<Document> {
+    fn read_batch(&self, state: &State, limit: usize, hands_out: bool, now: DateTime) -> Vec<Document> {
         let (assignment, stale_before) = (self.claimer.assignment(), self.claimer.stale_before(now));
         let mut unfanned: Vec<&Document> = state
             .events
@@ -29,7 +29,7 @@ impl MemoryStore {
             .collect();
         unfanned.sort_by_key(|doc| (created_at_of(doc), id_text(doc.get(field::ID).unwrap_or(&Bson::Null))));
         let first: Vec<Document> = unfanned.iter().take(limit).map(|doc| (*doc).clone()).collect();
-        let groups = fan_out::prefixes_to_read(&first);
+        let groups = fan_out::prefixes_to_read(&first, hands_out);
         let read = |doc: &&Document| {
             let Some(key) = string_key(doc) else { return false };
             groups.iter().any(|(keys, bound)| keys.iter().any(|k| k == key) && fan_out::within_prefix_bound(doc, *bound))
@@ -49,7 +49,7 @@ impl MemoryStore {
         now: DateTime,
     ) -> Result<FanOutReport, StoreError> {
         let mut state = self.state.lock().await;
-        let batch = self.read_batch(&state, limit, now);
+        let batch = self.read_batch(&state, limit, hand_out.total > 0, now);
         let plan = fan_out::plan(&batch, subscriptions);
         let mut idle = if hand_out.total == 0 { HashSet::new() } else { state.idle_keys(fan_out::keyed_heads(&plan)) };
         self.claimer.drop_running_keys(&mut idle);
@@ -104,7 +104,7 @@ impl MemoryStore {
     ) -> Result<Option<FanOutReport>, StoreError> {
         let (plan, mut fresh) = {
             let state = self.state.lock().await;
-            let batch = self.read_batch(&state, limit, now);
+            let batch = self.read_batch(&state, limit, true, now);
             let plan = fan_out::plan(&batch, subscriptions);
             // Every delivery of such a batch is unkeyed.
             let fresh = fan_out::fresh(&plan, &batch, hand_out, &HashSet::new(), now);
@@ -184,7 +184,7 @@ mod tests {
         let subscriptions = Subscriptions::new([Subscription::new("h", ["t"])]).unwrap();
         let now = DateTime::from_millis(1_000);
         let mut state = store.state.lock().await;
-        let batch = store.read_batch(&state, 10, now);
+        let batch = store.read_batch(&state, 10, true, now);
         let plan = fan_out::plan(&batch, &subscriptions);
         let mut fresh = fan_out::fresh(&plan, &batch, Capacity::from(10), &HashSet::new(), now);
         let (first, second) = (WithoutDocuments::of(&plan, &mut fresh), WithoutDocuments::of(&plan, &mut fresh));

@@ -138,7 +138,7 @@ async fn read(
         }
     }
     let mut report = transaction!(store, Commit::Applied, |tx| {
-        let Read { batch, reach } = read_batch(store, Some(tx.session()), limit, now).await?;
+        let Read { batch, reach } = read_batch(store, Some(tx.session()), limit, false, now).await?;
         let plan = fan_out::plan(&batch, subscriptions);
         write(store, tx.session(), &plan, now).await?;
         Ok(reach.on(plan.report(Vec::new(), &[])))
@@ -193,7 +193,7 @@ async fn plain(
     early: &EarlyHandOuts,
     now: DateTime,
 ) -> Result<Option<FanOutReport>, StoreError> {
-    let Read { batch, reach } = read_batch(store, None, limit, now).await?;
+    let Read { batch, reach } = read_batch(store, None, limit, true, now).await?;
     let plan = fan_out::plan(&batch, subscriptions);
     // Every delivery of such a batch is unkeyed.
     let mut fresh = fan_out::fresh(&plan, &batch, hand_out, &HashSet::new(), now);
@@ -300,7 +300,7 @@ async fn handing_out(
     let mut tx = store.begin_with(Commit::Applied).await?;
     let (batch, limit, reach) = match batch {
         Batch::Heard(events) => (events, None, Reach::default()),
-        Batch::Read(limit) => match read_batch(store, Some(tx.session()), limit, now).await {
+        Batch::Read(limit) => match read_batch(store, Some(tx.session()), limit, hand_out.total > 0, now).await {
             Ok(Read { batch, reach }) => (batch, Some(limit), reach),
             Err(error) => {
                 let _ = tx.abort().await;

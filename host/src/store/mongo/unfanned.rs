@@ -49,6 +49,7 @@ pub(super) async fn read_batch(
     store: &MongoStore,
     session: Option<&mut ClientSession>,
     limit: usize,
+    hands_out: bool,
     now: DateTime,
 ) -> Result<Read, StoreError> {
     let events = &store.collections.events;
@@ -105,7 +106,7 @@ pub(super) async fn read_batch(
     if first.is_empty() {
         return Ok(Read { reach: reach(false), batch: first });
     }
-    let groups = fan_out::prefixes_to_read(&first);
+    let groups = fan_out::prefixes_to_read(&first, hands_out);
     if groups.is_empty() {
         return Ok(Read { reach: reach(false), batch: fan_out::assemble(first, Vec::new()) });
     }
