@@ -137,8 +137,9 @@ async fn read(
             done => return done,
         }
     }
+    // After a hand-out that failed, the batch read is bounded as that hand-out's was.
     let mut report = transaction!(store, Commit::Applied, |tx| {
-        let Read { batch, reach } = read_batch(store, Some(tx.session()), limit, false, now).await?;
+        let Read { batch, reach } = read_batch(store, Some(tx.session()), limit, hand_out.total > 0, now).await?;
         let plan = fan_out::plan(&batch, subscriptions);
         write(store, tx.session(), &plan, now).await?;
         Ok(reach.on(plan.report(Vec::new(), &[])))
