@@ -1,0 +1,110 @@
+//! What the operator's commands read and get back from a store: statistics per handler,
+//! filtered pages of deliveries, and what a purge deleted. It owns these shapes and their
+//! paging rules; it must never read or write a store itself.
+
+use bson::DateTime;
+use bson::oid::ObjectId;
+
+use super::{DeliveryId, DeliveryStatus, StoreError};
+
+/// What a purge deleted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PurgeReport {
+    pub dead_deliveries: u64,
+    pub history_records: u64,
+    pub events: u64,
+}
+
+/// Counts of one handler's deliveries.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HandlerStatistics {
+    pub handler: String,
+    /// Unfinished and not running (parked ones included).
+    pub pending: u64,
+    /// Listed by a live lease.
+    pub running: u64,
+    /// Waiting in the parked lane behind an unfinished predecessor.
+    pub parked: u64,
+    pub dead: u64,
+    /// Known only with completion history.
+    pub completed: Option<u64>,
+    /// Earliest due time of an unfinished delivery.
+    pub oldest_due_at: Option<DateTime>,
+}
+
+/// Filters for [`Store::list_deliveries`]. Every field is matched as a literal string.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeliveryFilter {
+    pub status: Option<DeliveryStatus>,
+    pub handler: Option<String>,
+    pub event_type: Option<String>,
+    pub event_id: Option<String>,
+    pub key: Option<String>,
+    /// Continue after this delivery id (the `next` of the previous page).
+    pub after: Option<String>,
+    /// Page size; 0 means 100. At most 1,000.
+    pub limit: usize,
+}
+
+/// A delivery as operators see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeliveryView {
+    pub id: String,
+    pub event_id: String,
+    pub event_type: String,
+    pub handler: String,
+    pub key: Option<String>,
+    pub sequence: Option<i64>,
+    pub status: DeliveryStatus,
+    /// `ready`, `parked` or `dead`.
+    pub lane: String,
+    pub lane_id: u8,
+    pub attempts: u32,
+    pub due_at: DateTime,
+    pub created_at: DateTime,
+    pub updated_at: Option<DateTime>,
+    pub last_error: Option<String>,
+}
+
+/// One page of deliveries.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeliveryPage {
+    pub deliveries: Vec<DeliveryView>,
+    /// Pass as `after` to read the next page; `None` at the end.
+    pub next: Option<String>,
+}
+
+impl DeliveryFilter {
+    /// The page size to use: 0 means 100, and at most 1,000.
+    pub(crate) fn page_limit(&self) -> usize {
+        match self.limit {
+            0 => 100,
+            n => n.min(1_000),
+        }
+    }
+
+    /// The parsed `after` cursor; anything but a delivery id is refused.
+    pub(crate) fn after_id(&self) -> Result<Option<DeliveryId>, StoreError> {
+        self.after
+            .as_deref()
+            .map(|after| {
+                ObjectId::parse_str(after)
+                    .map_err(|_| StoreError::InvalidArgument(format!("`after` {after:?} is not a delivery id")))
+            })
+            .transpose()
+    }
+}
+
+impl DeliveryPage {
+    /// A page from up to `limit + 1` deliveries read in id order: the extra one only says that
+    /// there is a next page.
+    pub(crate) fn from_overfetch(mut deliveries: Vec<DeliveryView>, limit: usize) -> Self {
+        let next = if deliveries.len() > limit {
+            deliveries.truncate(limit);
+            deliveries.last().map(|d| d.id.clone())
+        } else {
+            None
+        };
+        Self { deliveries, next }
+    }
+}
