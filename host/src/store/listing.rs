@@ -32,7 +32,7 @@ pub struct HandlerStatistics {
     pub oldest_due_at: Option<DateTime>,
 }
 
-/// Filters for [`Store::list_deliveries`]. Every field is matched as a literal string.
+/// Filters for [`Store::list_deliveries`](super::Store::list_deliveries). Every field is matched as a literal string.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DeliveryFilter {
     pub status: Option<DeliveryStatus>,

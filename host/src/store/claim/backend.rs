@@ -80,8 +80,9 @@ pub(crate) struct Candidate {
     /// Set for a delivery its fan-out handed out without writing a document for it (the
     /// MongoDB store's short way): the id of its event, whose `handedOut` list names the
     /// handler until the delivery is completed or given a document. Every other outcome, a
-    /// takeover, or a check of it gives it its document first, in its event's lane; until
-    /// then it may be listed in any lane its holder holds (see [`gather_unstored`]).
+    /// takeover, or a check of it gives it its document first, in its key's lane or, unkeyed,
+    /// its event's; until then an unkeyed one may be listed in any lane its holder holds (see
+    /// [`gather_unstored`]), a keyed one (its key's head) in its key's lane.
     pub unstored: Option<HandOutOf>,
     /// Once picked: whether it starts at once, or is claimed ahead of a free run slot (see
     /// [`InFlight::started`]).

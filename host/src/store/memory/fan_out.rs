@@ -40,7 +40,8 @@ impl MemoryStore {
         fan_out::assemble(first, prefixes)
     }
 
-    /// A batch written at once, handing out up to `hand_out` of its unkeyed deliveries.
+    /// A batch written at once, handing out up to `hand_out` of its deliveries that nothing can
+    /// be ahead of (unkeyed ones, and the heads of idle keys).
     pub(super) async fn fan_out_handing_out(
         &self,
         subscriptions: &Subscriptions,

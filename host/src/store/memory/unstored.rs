@@ -8,7 +8,8 @@
 //! names the event). A completion takes the handler out of the list and stamps the event;
 //! anything else (a failure, a hand-back, a takeover, the commit stage of a hand-out that did
 //! not hand it out) first *materializes* it: takes the handler out of the list and inserts its
-//! record at claim generation 0 in its event's lane, so that the ordinary fenced outcomes apply;
+//! record at claim generation 0 in its key's or event's lane, so that the ordinary fenced
+//! outcomes apply;
 //! a takeover's entry of an event never fanned out makes the event suspect instead. It must
 //! never make a record for a handler its event no longer lists.
 

@@ -1,9 +1,9 @@
 //! Deliveries a fan-out handed out without writing a document for them (see
-//! [`Candidate::unstored`]): the first attempt of an unkeyed event, the common case of a
-//! drain, then costs the event's mark and its completion's stamp and no delivery document
-//! at all. While it runs, its records are its event's `handedOut` list, which names its
-//! handler, and an entry in the in-flight list of a lane its holder holds (any such lane: it
-//! is unkeyed), which names its event.
+//! [`Candidate::unstored`]): the first attempt of an unkeyed event, or of a key's head, the
+//! common case of a drain, then costs the event's mark and its completion's stamp and no
+//! delivery document at all. While it runs, its records are its event's `handedOut` list,
+//! which names its handler, and an entry in the in-flight list of a lane its holder holds
+//! (its key's, or, unkeyed, any such lane), which names its event.
 //!
 //! This module owns the two ways out of that list. A completion takes the handler out of it
 //! (and stamps the event) in one conditional update. Anything else, a failure, a hand-back, a
