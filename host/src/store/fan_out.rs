@@ -372,10 +372,9 @@ impl WithoutDocuments {
     /// while nothing of its key is pending in the store nor runs on this instance (the only
     /// one that runs its lane's work); its followers in the batch get documents, parked
     /// behind it. One of the plan's [`FanOutPlan::keep_documents`] keeps its document:
-    /// without a document, a delivery's completion is
-    /// its event's `handedOut`, and in a handler's transaction, which lasts as long as its run,
-    /// that write would conflict with any other handler's completion of the same event, and
-    /// run the handler again.
+    /// without a document, a delivery's completion is its event's `handedOut`, and in a
+    /// handler's transaction, which lasts as long as its run, that write would conflict with
+    /// any other handler's completion of the same event, and run the handler again.
     pub fn of(plan: &FanOutPlan, fresh: &mut [Fresh]) -> Self {
         let events: HashMap<DeliveryId, &Bson> = plan.deliveries.iter().map(|d| (d.id, &d.event_id)).collect();
         let mut unstored = Self { fan_out: ObjectId::new(), ..Self::default() };

@@ -37,6 +37,13 @@ impl Claimer {
         }
     }
 
+    /// Takes the keys claims are to forget the heads of out of what `plan` knows: a take in
+    /// the middle of a claim may have charged a delivery of theirs.
+    pub(super) fn forget_heads_in(&self, plan: &mut Plan) {
+        self.drop_forgotten_heads(&mut plan.heads, false);
+        self.drop_forgotten_heads(&mut plan.known_heads, false);
+    }
+
     /// Notes keys whose deliveries this instance's fan-outs left to claims, or its claims
     /// parked: they may wait for a claim once one of their key settles. Past
     /// [`KNOWN_HEADS_MAX`] keys the notes start over; the keys forgotten are left to the

@@ -309,12 +309,8 @@ impl Claimer {
         runnable.retain(|(pick, _)| !lost_lanes.contains(&pick.lane));
         // What it parks, and what a requeue overtook, waits for its key's next settling.
         self.note_awaited(plan.parked_keys());
-        let picked: Vec<(DeliveryId, Option<HandlerKey>)> = runnable.iter().map(|(pick, _)| (pick.id, pick.handler_key())).collect();
-        let kept = park_and_give_back_overtaken(backend, plan, runnable, now).await?;
-        if kept.len() < picked.len() {
-            let kept_ids: HashSet<DeliveryId> = kept.iter().map(|(pick, _)| pick.id).collect();
-            self.note_awaited(picked.into_iter().filter(|(id, _)| !kept_ids.contains(id)).filter_map(|(_, key)| key));
-        }
+        let (kept, overtaken) = park_and_give_back_overtaken(backend, plan, runnable, now).await?;
+        self.note_awaited(overtaken);
         Ok(kept)
     }
 
@@ -390,8 +386,7 @@ impl Claimer {
                     tried.extend(lanes.iter().copied());
                     let taken = self.take(backend, held, &lanes, now, until).await?;
                     let new_lanes = adopt(held, mine, taken);
-                    self.drop_forgotten_heads(&mut plan.heads, false);
-                    self.drop_forgotten_heads(&mut plan.known_heads, false);
+                    self.forget_heads_in(plan);
                     plan.make_room(older.iter().map(|(_, due)| due).sum::<usize>().min(half));
                     scan(backend, plan, &new_lanes, handlers, before).await?;
                 }
@@ -424,8 +419,7 @@ impl Claimer {
             }
             let taken = self.take(backend, held, &free, now, until).await?;
             let new_lanes = adopt(held, mine, taken);
-            self.drop_forgotten_heads(&mut plan.heads, false);
-            self.drop_forgotten_heads(&mut plan.known_heads, false);
+            self.forget_heads_in(plan);
             scan(backend, plan, &new_lanes, handlers, now).await?;
             // The answer named every free lane with due work (fewer lanes than asked for, and
             // fewer rows than any of its reads could return) and all of them were tried: a
@@ -481,13 +475,13 @@ impl Claimer {
 /// At once, the picks a requeue overtook are given back, uncharged: a requeue racing the
 /// claim can have put an earlier delivery of a picked key back in front of it. Requeues are
 /// operator actions, so a window of a minute covers clock skew between hosts at the cost of
-/// rare re-checks. Returns the picks kept.
+/// rare re-checks. Returns the picks kept, and the keys of those given back.
 async fn park_and_give_back_overtaken<B: ClaimBackend>(
     backend: &B,
     plan: &mut Plan,
     mut runnable: Vec<(Candidate, EventRecord)>,
     now: DateTime,
-) -> Result<Vec<(Candidate, EventRecord)>, StoreError> {
+) -> Result<(Vec<(Candidate, EventRecord)>, Vec<HandlerKey>), StoreError> {
     let to_park = plan.to_park();
     let park = async {
         if !to_park.is_empty() {
@@ -503,6 +497,7 @@ async fn park_and_give_back_overtaken<B: ClaimBackend>(
     let window = DateTime::from_millis(now.timestamp_millis() - REQUEUE_RACE_WINDOW_MS);
     let requeued = async { if keyed.is_empty() { Ok(false) } else { backend.requeued_since(window).await } };
     let ((), requeued) = futures::join!(park, requeued);
+    let mut overtaken_keys = Vec::new();
     if requeued? {
         let heads = backend.key_heads(&keyed).await?;
         let (keep, overtaken): (Vec<_>, Vec<_>) = runnable.into_iter().partition(|(pick, _)| match &pick.key {
@@ -512,6 +507,7 @@ async fn park_and_give_back_overtaken<B: ClaimBackend>(
         if !overtaken.is_empty() {
             let back: Vec<(DeliveryId, i64)> = overtaken.iter().map(|(pick, _)| (pick.id, pick.claims)).collect();
             backend.give_back(&back).await?;
+            overtaken_keys.extend(overtaken.iter().filter_map(|(pick, _)| pick.handler_key()));
         }
         runnable = keep;
         for key in keyed {
@@ -519,7 +515,7 @@ async fn park_and_give_back_overtaken<B: ClaimBackend>(
             plan.heads.insert(key, head);
         }
     }
-    Ok(runnable)
+    Ok((runnable, overtaken_keys))
 }
 
 /// What runs in the lanes a claim holds, as [`Claimer::read_what_runs`] found it.
