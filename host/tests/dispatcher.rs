@@ -413,6 +413,10 @@ impl Store for FaultyStore {
     fn followers_may_wait(&self, handler: &str, key: &str) -> bool {
         self.inner.followers_may_wait(handler, key)
     }
+
+    fn unfanned_may_wait(&self, key: &str) -> bool {
+        self.inner.unfanned_may_wait(key)
+    }
     async fn complete_many(&self, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {
         if fails(&self.completions_failing) {
             return Err(StoreError::Corrupt("injected: the completion's reply was lost".into()));
@@ -559,6 +563,26 @@ async fn a_keys_events_follow_each_other_without_the_poll() {
     run_until(store.clone(), runner, options, "the key's five events run", || drained(&*store, &runs, 5)).await;
     let sequences: Vec<Option<i64>> = runs.lock().unwrap().iter().map(|run| run.sequence).collect();
     assert_eq!(sequences, [Some(1), Some(2), Some(3), Some(4), Some(5)]);
+}
+
+/// A key's later events, which a fan-out leaves unfanned while the key's head runs here, are
+/// fanned out once the head's completion is written: the completion asks for a fan-out, with
+/// no poll to wait for (an hour here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keys_events_left_unfanned_while_it_ran_follow_without_the_poll() {
+    let store = Arc::new(memory_store("worker"));
+    // With an unkeyed event beside them, the first batch hands out the key's head and that
+    // event, and leaves the key's two later events unfanned.
+    let mut events: Vec<NewEvent> = (0..3).map(|n| keyed(&format!("k-{n}"), "order.placed", "customer")).collect();
+    events.push(event("unkeyed", "order.placed"));
+    publish_all(&*store, events).await;
+    let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
+    let runner = mailer(Arc::new(|_| AttemptResult::Completed), Duration::ZERO, &runs);
+    let options = DispatcherOptions { poll_interval: Duration::from_secs(3_600), ..options(4) };
+    run_until(store.clone(), runner, options, "the four events run", || drained(&*store, &runs, 4)).await;
+    let runs = runs.lock().unwrap();
+    let sequences: Vec<Option<i64>> = runs.iter().filter(|run| run.key.is_some()).map(|run| run.sequence).collect();
+    assert_eq!(sequences, [Some(1), Some(2), Some(3)]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -58,6 +58,7 @@ contract!(
     a_claim_in_given_lanes_takes_only_those_and_keeps_the_rules,
     a_fan_out_hands_out_unkeyed_deliveries_in_free_or_own_lanes_only,
     a_fan_out_hands_out_a_keys_head_only_while_nothing_of_its_key_is_pending,
+    a_keys_later_events_wait_unfanned_while_its_head_runs_unless_nothing_else_is_there,
     a_keys_head_handed_out_without_a_document_holds_its_key_and_leads_it_after_a_takeover,
     a_fan_out_that_may_hand_out_early_hands_out_each_once_with_word_of_its_commit,
     racing_plain_marks_of_one_backlog_run_every_event_once,
@@ -407,22 +408,21 @@ async fn a_fan_out_creates_the_followers_of_a_key_parked<F: Fixture>() {
 async fn a_backlog_of_many_keys_is_fanned_out_in_publishing_order_not_a_whole_key_at_a_time<F: Fixture>() {
     let fixture = F::new().await;
     let store = fixture.store();
-    // Three keys with three events each, published round after round.
+    let subscriptions = subs(&[("h", &["t"])]);
+    // Each key has a delivery pending (fanned out by a fan-out that hands nothing out), so
+    // none of the keys is idle: nothing of theirs is handed out, nor left for a later fan-out.
+    publish_all(store, ["a", "b", "c"].map(|key| keyed(&format!("0-{key}"), "t", key)).to_vec()).await;
+    assert_eq!(store.fan_out(&subscriptions, 10, 0, at(T0)).await.unwrap().deliveries, 3);
+    // Then three events of each key, published round after round.
     let events: Vec<NewEvent> =
         (1..=3).flat_map(|round| ["a", "b", "c"].map(|key| keyed(&format!("{round}-{key}"), "t", key))).collect();
     publish_all(store, events).await;
-    let subscriptions = subs(&[("h", &["t"])]);
     // A batch of three that may hand out takes the three oldest events and, of their keys,
-    // only what precedes them: one round at a time, not the whole of the first key. The first
-    // round is handed out (its keys are idle); the later ones wait for their keys.
+    // only what precedes them: one round at a time, not the whole of the first key.
     let mut order: Vec<String> = Vec::new();
-    let mut running = Vec::new();
     for round in 1..=3 {
         let report = store.fan_out(&subscriptions, 3, 3, at(T0)).await.unwrap();
-        assert_eq!((report.events, report.deliveries), (3, 3), "round {round}");
-        assert_eq!(report.claimed.len(), if round == 1 { 3 } else { 0 }, "round {round}");
-        order.extend(report.claimed.iter().map(|c| c.event.id.clone()));
-        running.extend(report.claimed.iter().map(|c| c.lease));
+        assert_eq!((report.events, report.deliveries, report.claimed.len()), (3, 3, 0), "round {round}");
     }
     assert_eq!(store.fan_out(&subscriptions, 3, 3, at(T0)).await.unwrap().events, 0);
     // One that hands nothing out reads each key to its end: its followers are created parked
@@ -432,7 +432,6 @@ async fn a_backlog_of_many_keys_is_fanned_out_in_publishing_order_not_a_whole_ke
     let report = store.fan_out(&subscriptions, 1, 0, at(T0)).await.unwrap();
     assert_eq!((report.events, report.deliveries), (2, 2));
     // Each key's events still run in order.
-    store.complete_many(&running, at(T0)).await.unwrap();
     for step in 0..6 {
         let claimed = store.claim(&handlers(&["h"]), 10, at(T0 + step)).await.unwrap();
         order.extend(claimed.iter().map(|c| c.event.id.clone()));
@@ -440,8 +439,8 @@ async fn a_backlog_of_many_keys_is_fanned_out_in_publishing_order_not_a_whole_ke
         store.complete_many(&leases, at(T0 + step)).await.unwrap();
     }
     for key in ["a", "b", "c"] {
-        let seen: Vec<&String> = order.iter().filter(|id| id.ends_with(key)).collect();
-        assert_eq!(seen, [&format!("1-{key}"), &format!("2-{key}"), &format!("3-{key}")]);
+        let seen: Vec<String> = order.iter().filter(|id| id.ends_with(key)).cloned().collect();
+        assert_eq!(seen, (0..=3).map(|round| format!("{round}-{key}")).collect::<Vec<_>>());
     }
     let seen: Vec<&String> = order.iter().filter(|id| id.ends_with('d')).collect();
     assert_eq!(seen, ["4-d", "5-d"]);
@@ -703,6 +702,7 @@ async fn a_fan_out_hands_out_unkeyed_deliveries_in_free_or_own_lanes_only<F: Fix
     let report = c.fan_out(&subscriptions, 100, 10, at(T0 + 6)).await.unwrap();
     assert!(report.claimed.is_empty());
     assert_eq!(report.lanes, [9].into_iter().collect());
+    assert!(report.runnable_left, "nothing holds it back but its lane, which is another's");
     assert_eq!(ids(&b.claim_in(&handlers(&["h"]), &[9], 10, at(T0 + 7)).await.unwrap()), [format!("{also_in_b_lane}/h")]);
 }
 
@@ -714,18 +714,23 @@ async fn a_fan_out_hands_out_a_keys_head_only_while_nothing_of_its_key_is_pendin
     publish_all(&a, vec![keyed("busy-1", "t", "busy")]).await;
     a.fan_out(&subscriptions, 100, 0, at(T0)).await.unwrap();
     publish_all(&a, vec![keyed("idle-1", "t", "idle"), keyed("idle-2", "t", "idle"), keyed("busy-2", "t", "busy")]).await;
-    // Only the head of the idle key: never its follower, nor anything of the busy key.
+    // Only the head of the idle key, whose follower stays unfanned while the head runs here
+    // (its settling is to ask for a fan-out); nothing of the busy key, whose event is created
+    // behind the one pending. What it left waits behind a predecessor: nothing runnable.
     let report = a.fan_out(&subscriptions, 100, 10, at(T0 + 1)).await.unwrap();
     assert_eq!(ids(&report.claimed), ["idle-1/h"]);
     assert_eq!(report.claimed[0].lease.lane, relayhost::lane::lane_of("idle"));
+    assert_eq!((report.events, report.deliveries, report.runnable_left), (2, 2, false));
+    assert!(a.unfanned_may_wait("idle") && !a.unfanned_may_wait("busy"));
+    assert!(!a.unfanned_may_wait("idle"), "asked once per note");
     // A claim meanwhile takes the busy key's head, and nothing of the idle key, which runs.
     let busy = a.claim(&handlers(&["h"]), 10, at(T0 + 2)).await.unwrap();
     assert_eq!(ids(&busy), ["busy-1/h"]);
     let settled: Vec<_> = report.claimed.iter().chain(&busy).map(|c| c.lease).collect();
     assert_eq!(a.complete_many(&settled, at(T0 + 3)).await.unwrap(), [Settlement::Completed; 2]);
-    let mut next = ids(&a.claim(&handlers(&["h"]), 10, at(T0 + 4)).await.unwrap());
-    next.sort();
-    assert_eq!(next, ["busy-2/h", "idle-2/h"]);
+    assert_eq!(ids(&a.claim(&handlers(&["h"]), 10, at(T0 + 4)).await.unwrap()), ["busy-2/h"]);
+    // The idle key's follower is fanned out, and handed out, once its head settled.
+    assert_eq!(ids(&a.fan_out(&subscriptions, 100, 10, at(T0 + 4)).await.unwrap().claimed), ["idle-2/h"]);
 
     // After an operator's requeue, which a fan-out's snapshot may have missed, a key's head
     // waits for a claim (the claim checks what a racing requeue overtook) for a while.
@@ -741,26 +746,60 @@ async fn a_fan_out_hands_out_a_keys_head_only_while_nothing_of_its_key_is_pendin
     assert_eq!(ids(&a.fan_out(&subscriptions, 100, 10, at(T0 + 61_000)).await.unwrap().claimed), ["later-1/h"]);
 }
 
+async fn a_keys_later_events_wait_unfanned_while_its_head_runs_unless_nothing_else_is_there<F: Fixture>() {
+    let fixture = F::new().await;
+    let a = fixture.worker("a");
+    let subscriptions = subs(&[("h", &["t"])]);
+    publish_all(&a, vec![keyed("k-1", "t", "k"), keyed("k-2", "t", "k"), keyed("k-3", "t", "k"), event("u-1", "t")]).await;
+    // The key's head and the unkeyed event are handed out; the key's later events stay
+    // unfanned (not created parked, to wait for a claim), and the key is noted for a fan-out.
+    let report = a.fan_out(&subscriptions, 100, 10, at(T0)).await.unwrap();
+    let mut claimed = ids(&report.claimed);
+    claimed.sort();
+    assert_eq!(claimed, ["k-1/h", "u-1/h"]);
+    assert_eq!((report.events, report.runnable_left), (2, false));
+    assert!(a.unfanned_may_wait("k") && !a.followers_may_wait("h", "k"));
+    let head = report.claimed.iter().find(|c| c.event.id == "k-1").unwrap().lease;
+    // While the head runs, a fan-out that may hand out reads past the key, and names it again
+    // once it read the rest to its end.
+    publish_all(&a, vec![event("u-2", "t")]).await;
+    let report = a.fan_out(&subscriptions, 100, 10, at(T0 + 1)).await.unwrap();
+    assert_eq!((ids(&report.claimed), report.events), (vec!["u-2/h".to_string()], 1));
+    assert!(a.unfanned_may_wait("k"));
+    // Once the head settled, the key's next event is handed out. A batch of nothing but that
+    // key's events is kept whole: the one after is created parked behind, for a claim.
+    assert_eq!(a.complete_many(&[head], at(T0 + 2)).await.unwrap(), [Settlement::Completed]);
+    let report = a.fan_out(&subscriptions, 100, 10, at(T0 + 3)).await.unwrap();
+    assert_eq!(ids(&report.claimed), ["k-2/h"]);
+    assert_eq!((report.events, report.deliveries, report.runnable_left), (2, 2, false));
+    assert!(!a.unfanned_may_wait("k") && a.followers_may_wait("h", "k"));
+    assert_eq!(a.complete_many(&[report.claimed[0].lease], at(T0 + 4)).await.unwrap(), [Settlement::Completed]);
+    assert_eq!(ids(&a.claim(&handlers(&["h"]), 10, at(T0 + 5)).await.unwrap()), ["k-3/h"]);
+}
+
 async fn a_keys_head_handed_out_without_a_document_holds_its_key_and_leads_it_after_a_takeover<F: Fixture>() {
     let fixture = F::new().await;
     let (a, b) = (fixture.worker("a"), fixture.worker("b"));
     let subscriptions = subs(&[("h", &["t"])]);
-    // Two keys' heads handed out, "k" with its follower in the same batch (parked behind it).
-    publish_all(&a, vec![keyed("k-1", "t", "k"), keyed("k-2", "t", "k"), keyed("j-1", "t", "j")]).await;
+    // Two keys' heads handed out, without documents.
+    publish_all(&a, vec![keyed("k-1", "t", "k"), keyed("j-1", "t", "j")]).await;
     let report = a.fan_out(&subscriptions, 100, 10, at(T0)).await.unwrap();
     let mut heads = ids(&report.claimed);
     heads.sort();
     assert_eq!(heads, ["j-1/h", "k-1/h"]);
-    // Neither head has a document: only the follower does. A completion of "k" is to ask for
-    // a claim (its follower waits for one); one of "j" is not.
     let statistics = a.statistics(at(T0)).await.unwrap();
-    assert_eq!((statistics[0].pending, statistics[0].parked), (1, 1), "{statistics:?}");
-    assert!(a.followers_may_wait("h", "k") && !a.followers_may_wait("h", "j"));
-    // Nothing of "j" is pending in the store, yet its next event is not handed out beside its
-    // head: the head runs on this instance.
-    publish_all(&a, vec![keyed("j-2", "t", "j")]).await;
-    assert!(a.fan_out(&subscriptions, 100, 10, at(T0 + 1)).await.unwrap().claimed.is_empty());
-    assert!(a.followers_may_wait("h", "j"));
+    assert_eq!((statistics[0].pending, statistics[0].parked), (0, 0), "{statistics:?}");
+    // Nothing of either key is pending in the store, yet their next events are not handed out
+    // beside their heads, which run on this instance: a fan-out that may hand out leaves them
+    // unfanned, and the heads' completions are to ask for a fan-out.
+    publish_all(&a, vec![keyed("k-2", "t", "k"), keyed("j-2", "t", "j")]).await;
+    let report = a.fan_out(&subscriptions, 100, 10, at(T0 + 1)).await.unwrap();
+    assert_eq!((report.events, report.claimed.len()), (0, 0));
+    assert!(a.unfanned_may_wait("k") && a.unfanned_may_wait("j"));
+    // One that hands nothing out creates them, for a claim: their completions are to ask for
+    // one. The heads run: a claim takes nothing (and parks them).
+    assert_eq!(a.fan_out(&subscriptions, 100, 0, at(T0 + 1)).await.unwrap().deliveries, 2);
+    assert!(a.followers_may_wait("h", "k") && a.followers_may_wait("h", "j"));
     assert!(a.claim(&handlers(&["h"]), 10, at(T0 + 2)).await.unwrap().is_empty(), "both keys run");
 
     // Another instance's claim meanwhile unparks "k"'s follower (its predecessor has no

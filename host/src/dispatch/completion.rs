@@ -23,6 +23,9 @@ pub(super) struct Written {
     /// for a claim ([`Store::followers_may_wait`]): those, in the same lanes, may be
     /// claimable there now.
     pub keyed_lanes: BTreeSet<LaneId>,
+    /// Some of their keys have events a fan-out left unfanned while they ran here
+    /// ([`Store::unfanned_may_wait`]): fan out again.
+    pub fan_out: bool,
 }
 
 /// Leases with their delivery's handler and key, if it has one.
@@ -80,7 +83,10 @@ impl<S: Store> Completions<S> {
             Ok(completed) => {
                 let awaited = |key: &Option<(String, String)>| key.as_ref().is_some_and(|(h, k)| self.store.followers_may_wait(h, k));
                 let keyed_lanes = batch.iter().filter(|(_, key)| awaited(key)).map(|(lease, _)| lease.lane).collect();
-                Ok(Written { completed, keyed_lanes })
+                // Every key is asked (each note is taken once asked).
+                let deferred = batch.iter().filter(|(_, key)| key.as_ref().is_some_and(|(_, k)| self.store.unfanned_may_wait(k)));
+                let fan_out = deferred.count() > 0;
+                Ok(Written { completed, keyed_lanes, fan_out })
             }
             Err(error) => {
                 self.waiting.extend(batch);

@@ -157,6 +157,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 written = flight.completions.ended() => written.map(|written| {
                     DispatcherCounters::add(&self.counters.completed, written.completed);
                     flight.claim_lanes.extend(written.keyed_lanes);
+                    flight.fan_out |= written.fan_out;
                 }),
                 _ = renewal.tick() => self.renew(&flight.running).await,
                 // A new split of the lanes may leave this host events it did not fan out so far.

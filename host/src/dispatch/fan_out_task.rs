@@ -90,10 +90,11 @@ impl<S: Store> FanOutTask<S> {
                     "fan-out batch"
                 );
                 let full = report.events >= batch || report.more;
-                // It handed out all it made: the next batch is to wait for room to do the same.
-                // Otherwise (lanes another host holds, keyed events) the rest of the backlog is
-                // fanned out at once for claims, as a fan-out that hands out nothing does.
-                let whole = hand_out.total > 0 && handed_out > 0 && report.lanes.is_empty();
+                // It handed out all it made that could run (what it left waits behind a
+                // predecessor): the next batch is to wait for room to do the same. Otherwise
+                // (lanes another host holds) the rest of the backlog is fanned out at once for
+                // claims, as a fan-out that hands out nothing does.
+                let whole = hand_out.total > 0 && handed_out > 0 && !report.runnable_left;
                 hands_out.store(false, Ordering::SeqCst);
                 claimed.extend(report.claimed);
                 if !full || whole || stop.load(Ordering::Relaxed) {

@@ -259,6 +259,14 @@ pub struct FanOutReport {
     /// The keys (with their handlers) of the keyed deliveries it left to claims: their store
     /// notes them (see [`Store::followers_may_wait`]).
     pub(crate) left_to_claims: Vec<(String, String)>,
+    /// The ordering keys whose unfanned events a batch that may hand out left unfanned, since a
+    /// delivery of theirs ran on this instance (named only by a read that reached the end of
+    /// the rest): their store notes them (see [`Store::unfanned_may_wait`]).
+    pub(crate) deferred_keys: Vec<String>,
+    /// It left to claims deliveries that nothing holds back (unkeyed ones, heads of idle
+    /// keys): their lanes are another instance's, the lists were a claim's, or its budget ran
+    /// out. What it leaves without this waits behind a predecessor.
+    pub runnable_left: bool,
 }
 
 impl FanOutReport {
@@ -274,6 +282,8 @@ impl FanOutReport {
         self.more |= other.more;
         self.read_to_the_end |= other.read_to_the_end;
         self.left_to_claims.extend(other.left_to_claims);
+        self.deferred_keys.extend(other.deferred_keys);
+        self.runnable_left |= other.runnable_left;
         self
     }
 }
@@ -423,6 +433,13 @@ pub trait Store: Send + Sync + 'static {
     /// not fanned out yet, or is handed out by the fan-out that marks it); what another host
     /// left there is found by the poll, and whatever stays parked by the unpark sweep.
     fn followers_may_wait(&self, handler: &str, key: &str) -> bool;
+
+    /// Whether unfanned events of `key` wait for a fan-out once a delivery of theirs that ran
+    /// on this instance is settled: a fan-out that may hand out leaves the events of keys that
+    /// run here unfanned, instead of creating their deliveries parked for a claim. Asked once
+    /// per settled keyed delivery; `true` once per note. A settle between a fan-out's read and
+    /// its note is found by the next poll.
+    fn unfanned_may_wait(&self, key: &str) -> bool;
 
     /// Completes a batch in a fixed number of commands; one result per lease, in order.
     fn complete_many(&self, leases: &[Lease], now: DateTime)

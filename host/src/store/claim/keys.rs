@@ -1,7 +1,8 @@
 //! What a `Claimer` knows of keys beyond their documents: the keys its unsettled leases run
 //! (a key's head handed out without a document is pending nowhere else), the keys whose
-//! deliveries wait for a claim once one of theirs settles, and the keys whose known heads its
-//! claims must forget. It must never read or write the store.
+//! deliveries wait for a claim, or whose events wait for a fan-out, once one of theirs
+//! settles, and the keys whose known heads its claims must forget. It must never read or
+//! write the store.
 
 use super::*;
 
@@ -18,6 +19,33 @@ impl Claimer {
         for key in issued.values().filter_map(|issued| issued.key.as_ref()) {
             idle.remove(key);
         }
+    }
+
+    /// The ordering keys (of any handler) of the leases this instance issued and has not seen
+    /// settled. A fan-out that may hand out leaves their unfanned events unfanned: none of
+    /// them could run before that lease settles, and a follower created parked would then
+    /// wait for a claim (see [`Claimer::unfanned_may_wait`]).
+    pub fn keys_running_here(&self) -> HashSet<String> {
+        let issued = self.issued.lock().expect("issued leases");
+        issued.values().filter_map(|issued| issued.key.as_ref().map(|(_, key)| key.clone())).collect()
+    }
+
+    /// Notes what a fan-out's report says of keys: the keys of the deliveries it left to
+    /// claims (see [`Claimer::followers_may_wait`]), and those whose events it left unfanned
+    /// (see [`Claimer::unfanned_may_wait`]).
+    pub fn note_fan_out(&self, report: &FanOutReport) {
+        self.note_awaited(report.left_to_claims.iter().cloned());
+        if !report.deferred_keys.is_empty() {
+            self.deferred_keys.lock().expect("deferred keys").extend(report.deferred_keys.iter().cloned());
+        }
+    }
+
+    /// Whether events of `key` were left unfanned because a delivery of theirs ran here (see
+    /// [`Claimer::keys_running_here`]): once it settles, a fan-out is to read them. Asked
+    /// once per settled delivery; the key's note is then taken (a fan-out that leaves its
+    /// events unfanned again notes it again).
+    pub fn unfanned_may_wait(&self, key: &str) -> bool {
+        self.deferred_keys.lock().expect("deferred keys").remove(key)
     }
 
     /// Has claims forget what they know of `keys`' heads (see [`Claimer::forgotten_heads`]).

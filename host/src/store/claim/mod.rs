@@ -28,7 +28,7 @@ use bson::{Bson, DateTime, Document};
 
 use super::answered;
 use super::assignment::Assignment;
-use super::{Capacity, ClaimedDelivery, DeliveryId, EarlyHandOut, EarlyHandOuts, FanOutCommit, Lease, StoreError};
+use super::{Capacity, ClaimedDelivery, DeliveryId, EarlyHandOut, EarlyHandOuts, FanOutCommit, FanOutReport, Lease, StoreError};
 
 mod backend;
 mod hand_out;
@@ -104,6 +104,9 @@ pub(crate) struct Claimer {
     /// Keys with deliveries that may wait for a claim once one of theirs settles (see
     /// [`Claimer::followers_may_wait`]).
     awaited_keys: Mutex<HashSet<HandlerKey>>,
+    /// Ordering keys whose events a fan-out left unfanned because a delivery of theirs ran
+    /// here (see [`Claimer::unfanned_may_wait`]).
+    deferred_keys: Mutex<HashSet<String>>,
     /// Keys whose known head (in [`Claimer::known_heads`], or found by an unparking) may be
     /// wrong: a delivery of theirs handed out without a document may have got one since (its
     /// lease settled other than by a completion, or a takeover charged it), a lower sequence
@@ -208,6 +211,7 @@ impl Claimer {
             unpark_sweep: Periodic::new(UNPARK_SWEEP_INTERVAL_MS),
             known_heads: Mutex::new(HashMap::new()),
             awaited_keys: Mutex::new(HashSet::new()),
+            deferred_keys: Mutex::new(HashSet::new()),
             forgotten_heads: Mutex::new(HashSet::new()),
             uncharged: Mutex::new(Vec::new()),
             assignment: Mutex::new(Assignment::everything()),

@@ -19,14 +19,22 @@ use crate::store::{Capacity, DeliveryId, DeliveryStatus, EarlyHandOuts, FanOutRe
 impl MemoryStore {
     /// The next batch of this host's share of the unfanned events, in `(createdAt, _id)`
     /// order, completed with the lowest unfanned events of every key in it (up to
-    /// [`fan_out::prefixes_to_read`]).
-    fn read_batch(&self, state: &State, limit: usize, hands_out: bool, now: DateTime) -> Vec<Document> {
+    /// [`fan_out::prefixes_to_read`]); given `hands_out`, less the keys that run here, which
+    /// it names when it read the rest to its end (as `mongo/unfanned.rs` does).
+    fn read_batch(&self, state: &State, limit: usize, hands_out: bool, now: DateTime) -> (Vec<Document>, Vec<String>) {
         let (assignment, stale_before) = (self.claimer.assignment(), self.claimer.stale_before(now));
-        let mut unfanned: Vec<&Document> = state
+        let running = if hands_out { self.claimer.keys_running_here() } else { HashSet::new() };
+        let (mut unfanned, held_back): (Vec<&Document>, Vec<&Document>) = state
             .events
             .values()
             .filter(|doc| !doc.contains_key(field::FANNED_OUT_AT) && assignment.fans_out(doc, stale_before))
-            .collect();
+            .partition(|doc| string_key(doc).is_none_or(|key| !running.contains(key)));
+        let mut deferred: Vec<String> = Vec::new();
+        if unfanned.len() < limit {
+            deferred = held_back.iter().filter_map(|doc| string_key(doc).map(str::to_string)).collect();
+            deferred.sort();
+            deferred.dedup();
+        }
         unfanned.sort_by_key(|doc| (created_at_of(doc), id_text(doc.get(field::ID).unwrap_or(&Bson::Null))));
         let first: Vec<Document> = unfanned.iter().take(limit).map(|doc| (*doc).clone()).collect();
         let groups = fan_out::prefixes_to_read(&first, hands_out);
@@ -37,7 +45,7 @@ impl MemoryStore {
         let mut prefixes: Vec<&Document> = unfanned.iter().copied().filter(read).collect();
         prefixes.sort_by_key(|doc| (string_key(doc).map(str::to_string), doc.get_i64(field::SEQUENCE).ok()));
         let prefixes: Vec<Document> = prefixes.into_iter().take(limit.saturating_mul(4)).cloned().collect();
-        fan_out::assemble(first, prefixes)
+        (fan_out::assemble(first, prefixes), deferred)
     }
 
     /// A batch written at once, handing out up to `hand_out` of its deliveries that nothing can
@@ -50,10 +58,14 @@ impl MemoryStore {
         now: DateTime,
     ) -> Result<FanOutReport, StoreError> {
         let mut state = self.state.lock().await;
-        let batch = self.read_batch(&state, limit, hand_out.total > 0, now);
+        let (batch, mut deferred) = self.read_batch(&state, limit, hand_out.total > 0, now);
         let plan = fan_out::plan(&batch, subscriptions);
         let mut idle = if hand_out.total == 0 { HashSet::new() } else { state.idle_keys(fan_out::keyed_heads(&plan)) };
         self.claimer.drop_running_keys(&mut idle);
+        // Of an idle key, only its head: the rest waits unfanned for the head to settle here.
+        let (batch, left_out) = if idle.is_empty() { (batch, Vec::new()) } else { fan_out::heads_of_idle_keys(batch, &plan, &idle) };
+        let plan = if left_out.is_empty() { plan } else { fan_out::plan(&batch, subscriptions) };
+        deferred.extend(left_out);
         let mut fresh = fan_out::fresh(&plan, &batch, hand_out, &idle, now);
         // What is handed out gets no record (see `unstored`), unless every completion is to be
         // recorded, as in MongoDB.
@@ -87,7 +99,10 @@ impl MemoryStore {
             })
         };
         let handed = self.claimer.hand_out(&Backend(&self.state), fresh, write, None, now).await?;
-        Ok(handed.committed.report(handed.claimed, &handed.sent_early))
+        let mut report = handed.committed.report(handed.claimed, &handed.sent_early);
+        report.runnable_left = fan_out::runnable_left(&handed.committed, &idle, report.claimed.len() + report.sent_early);
+        report.deferred_keys = deferred;
+        Ok(report)
     }
 
     /// A backlog batch handed out whole: listed in lanes this instance holds, then marked
@@ -103,16 +118,17 @@ impl MemoryStore {
         early: &EarlyHandOuts,
         now: DateTime,
     ) -> Result<Option<FanOutReport>, StoreError> {
-        let (plan, mut fresh) = {
+        let (plan, mut fresh, deferred) = {
             let state = self.state.lock().await;
-            let batch = self.read_batch(&state, limit, true, now);
+            let (batch, deferred) = self.read_batch(&state, limit, true, now);
             let plan = fan_out::plan(&batch, subscriptions);
             // Every delivery of such a batch is unkeyed.
             let fresh = fan_out::fresh(&plan, &batch, hand_out, &HashSet::new(), now);
-            (plan, fresh)
+            (plan, fresh, deferred)
         };
+        let deferred_report = |report: FanOutReport| FanOutReport { deferred_keys: deferred.clone(), ..report };
         if plan.events.is_empty() {
-            return Ok(Some(plan.report(Vec::new(), &[])));
+            return Ok(Some(deferred_report(plan.report(Vec::new(), &[]))));
         }
         if !plan.handed_out_whole_without_documents(&fresh) {
             return Ok(None);
@@ -124,7 +140,7 @@ impl MemoryStore {
             Ok(written.deliveries.iter().filter(|d| ours.contains(&id_text(&d.event_id))).map(|d| d.id).collect())
         };
         let sent = self.claimer.hand_out_listed_first(&Backend(&self.state), fresh, mark, early, now).await?;
-        Ok(sent.map(|sent| plan.report(Vec::new(), &sent)))
+        Ok(sent.map(|sent| deferred_report(plan.report(Vec::new(), &sent))))
     }
 }
 
@@ -185,7 +201,7 @@ mod tests {
         let subscriptions = Subscriptions::new([Subscription::new("h", ["t"])]).unwrap();
         let now = DateTime::from_millis(1_000);
         let mut state = store.state.lock().await;
-        let batch = store.read_batch(&state, 10, true, now);
+        let (batch, _) = store.read_batch(&state, 10, true, now);
         let plan = fan_out::plan(&batch, &subscriptions);
         let mut fresh = fan_out::fresh(&plan, &batch, Capacity::from(10), &HashSet::new(), now);
         let (first, second) = (WithoutDocuments::of(&plan, &mut fresh), WithoutDocuments::of(&plan, &mut fresh));

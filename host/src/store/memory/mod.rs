@@ -225,7 +225,7 @@ impl Store for MemoryStore {
         now: DateTime,
     ) -> Result<FanOutReport, StoreError> {
         let report = self.fan_out_handing_out(subscriptions, limit, hand_out.into(), now).await?;
-        self.claimer.note_awaited(report.left_to_claims.iter().cloned());
+        self.claimer.note_fan_out(&report);
         Ok(report)
     }
 
@@ -247,7 +247,7 @@ impl Store for MemoryStore {
             Some(report) => report,
             None => self.fan_out_handing_out(subscriptions, limit, hand_out, now).await?,
         };
-        self.claimer.note_awaited(report.left_to_claims.iter().cloned());
+        self.claimer.note_fan_out(&report);
         Ok(report)
     }
 
@@ -271,6 +271,10 @@ impl Store for MemoryStore {
 
     fn followers_may_wait(&self, handler: &str, key: &str) -> bool {
         self.claimer.followers_may_wait(&(handler.to_string(), key.to_string()))
+    }
+
+    fn unfanned_may_wait(&self, key: &str) -> bool {
+        self.claimer.unfanned_may_wait(key)
     }
 
     async fn complete_many(&self, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {

@@ -323,6 +323,13 @@ async fn handing_out(
     };
     let mut idle = idle;
     store.claimer.drop_running_keys(&mut idle);
+    // Of an idle key, only its head: the rest waits unfanned for the head to settle here.
+    let (batch, left_out) = if idle.is_empty() { (batch, Vec::new()) } else { fan_out::heads_of_idle_keys(batch, &plan, &idle) };
+    let plan = if left_out.is_empty() { plan } else { fan_out::plan(&batch, subscriptions) };
+    if !left_out.is_empty() {
+        // Its events are not all fanned out: the change stream's are no longer all there is.
+        store.heard.missed_some();
+    }
     let mut fresh = fan_out::fresh(&plan, &batch, hand_out, &idle, now);
     // What is handed out gets no document (see `super::unstored`), unless every completion is to be
     // recorded: the history copies the delivery's document.
@@ -357,7 +364,13 @@ async fn handing_out(
         }
     };
     let handed = store.claimer.hand_out(&lanes::Backend { store }, fresh, write, early, now).await?;
-    Ok(reach.on(plan.report(handed.claimed, &handed.sent_early)))
+    let mut report = reach.on(plan.report(handed.claimed, &handed.sent_early));
+    report.runnable_left = fan_out::runnable_left(&plan, &idle, report.claimed.len() + report.sent_early);
+    if !left_out.is_empty() {
+        report.read_to_the_end = false;
+        report.deferred_keys.extend(left_out);
+    }
+    Ok(report)
 }
 
 /// Marks the plan's events fanned out and inserts their deliveries; returns how many it

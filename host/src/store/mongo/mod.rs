@@ -376,7 +376,7 @@ impl Store for MongoStore {
         now: DateTime,
     ) -> Result<FanOutReport, StoreError> {
         let report = fan_out::run(self, subscriptions, limit, hand_out.into(), None, now).await?;
-        self.claimer.note_awaited(report.left_to_claims.iter().cloned());
+        self.claimer.note_fan_out(&report);
         Ok(report)
     }
 
@@ -389,7 +389,7 @@ impl Store for MongoStore {
         now: DateTime,
     ) -> Result<FanOutReport, StoreError> {
         let report = fan_out::run(self, subscriptions, limit, hand_out.into(), Some(early), now).await?;
-        self.claimer.note_awaited(report.left_to_claims.iter().cloned());
+        self.claimer.note_fan_out(&report);
         Ok(report)
     }
 
@@ -413,6 +413,10 @@ impl Store for MongoStore {
 
     fn followers_may_wait(&self, handler: &str, key: &str) -> bool {
         self.claimer.followers_may_wait(&(handler.to_string(), key.to_string()))
+    }
+
+    fn unfanned_may_wait(&self, key: &str) -> bool {
+        self.claimer.unfanned_may_wait(key)
     }
 
     async fn complete_many(&self, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {

@@ -1,7 +1,8 @@
 //! Reading unfanned events in MongoDB: a fan-out's batch, the oldest events of this host's
 //! lanes (reading on past other hosts' events, see [`crate::store::assignment`]), completed by
-//! the lowest unfanned events of every key among them (see [`crate::store::fan_out`]). It only
-//! reads; it must never mark or write anything.
+//! the lowest unfanned events of every key among them (see [`crate::store::fan_out`]), less
+//! the events of keys that run on this host when the batch may hand out. It only reads; it
+//! must never mark or write anything.
 
 use std::collections::HashSet;
 
@@ -26,25 +27,31 @@ pub(super) struct Read {
 }
 
 /// Whether unfanned events of this host's may remain beyond a batch (`more`: read again at
-/// once), and whether its read reached the end of the unfanned events (`to_the_end`: the
-/// change stream can be trusted again, see [`super::heard`]).
-#[derive(Debug, Clone, Copy, Default)]
+/// once), whether its read reached the end of the unfanned events (`to_the_end`: the change
+/// stream can be trusted again, see [`super::heard`]), and the keys whose events it left
+/// unfanned because they run here (`deferred`, named only by a read that reached the end of
+/// the rest).
+#[derive(Debug, Clone, Default)]
 pub(super) struct Reach {
     more: bool,
     to_the_end: bool,
+    deferred: Vec<String>,
 }
 
 impl Reach {
     /// `report` (of a fan-out of the batch), saying how far its read went.
     pub fn on(self, report: FanOutReport) -> FanOutReport {
-        FanOutReport { more: self.more, read_to_the_end: self.to_the_end, ..report }
+        FanOutReport { more: self.more, read_to_the_end: self.to_the_end, deferred_keys: self.deferred, ..report }
     }
 }
 
 /// A batch of unfanned events of this host's lanes (or stale ones of any): the oldest,
 /// completed by the lowest unfanned events of every key among them, up to
 /// [`fan_out::prefixes_to_read`] (see [`crate::store::fan_out`]). Where other hosts' events fill the oldest page, it reads on
-/// from where that page ended (an index position, `min`), up to [`PAGES`] pages.
+/// from where that page ended (an index position, `min`), up to [`PAGES`] pages. A batch that
+/// may hand out leaves out the keys that run here ([`Claimer::keys_running_here`]), whole.
+///
+/// [`Claimer::keys_running_here`]: crate::store::claim::Claimer::keys_running_here
 pub(super) async fn read_batch(
     store: &MongoStore,
     session: Option<&mut ClientSession>,
@@ -59,9 +66,14 @@ pub(super) async fn read_batch(
     let mut seen: HashSet<String> = HashSet::new();
     let mut from: Option<Document> = None;
     let mut more = false;
+    let running: Vec<String> = if hands_out { store.claimer.keys_running_here().into_iter().collect() } else { Vec::new() };
+    let mut unfanned = doc! { field::FANNED_OUT_AT: Bson::Null };
+    if !running.is_empty() {
+        unfanned.insert(field::KEY, doc! { "$nin": &running });
+    }
     for _ in 0..PAGES {
         let mut page = events
-            .find(doc! { field::FANNED_OUT_AT: Bson::Null })
+            .find(unfanned.clone())
             .sort(doc! { field::CREATED_AT: 1, field::ID: 1 })
             .hint(Hint::Name(setup::UNFANNED.into()))
             .limit(limit as i64)
@@ -97,11 +109,29 @@ pub(super) async fn read_batch(
     // stream's keyed events are fanned out alone only after such a read, see `Heard`).
     let cut = first.len() > limit;
     first.truncate(limit);
+    // The keys left out that have unfanned events, once the rest is read to its end: their
+    // settling is to start a fan-out. Before that end, fanning out goes on by itself.
+    let deferred: Vec<String> = if running.is_empty() || more || cut {
+        Vec::new()
+    } else {
+        let filter = doc! { field::KEY: { "$in": &running }, field::FANNED_OUT_AT: Bson::Null };
+        // (`distinct` takes no hint before MongoDB 7.1: the filter matches `key_unfanned`'s.)
+        let distinct = events.distinct(field::KEY, filter);
+        let keys = match session.as_deref_mut() {
+            Some(session) => distinct.session(session).await?,
+            None => distinct.await?,
+        };
+        keys.into_iter().filter_map(|key| match key {
+            Bson::String(key) => Some(key),
+            _ => None,
+        }).collect()
+    };
     let reach = |capped: bool| Reach {
         // Read on again at once only while there was something of this host's to read: a
         // backlog of other hosts' events is theirs to drain.
         more: (more || cut || capped) && !first.is_empty(),
-        to_the_end: !(more || cut || capped),
+        to_the_end: !(more || cut || capped) && deferred.is_empty(),
+        deferred: deferred.clone(),
     };
     if first.is_empty() {
         return Ok(Read { reach: reach(false), batch: first });
