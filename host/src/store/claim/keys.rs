@@ -36,7 +36,13 @@ impl Claimer {
     pub fn note_fan_out(&self, report: &FanOutReport) {
         self.note_awaited(report.left_to_claims.iter().cloned());
         if !report.deferred_keys.is_empty() {
-            self.deferred_keys.lock().expect("deferred keys").extend(report.deferred_keys.iter().cloned());
+            // Past as many keys as heads are known, the notes start over (a key's events are
+            // then fanned out by the next backlog batch or poll).
+            let mut deferred = self.deferred_keys.lock().expect("deferred keys");
+            if deferred.len() >= KNOWN_HEADS_MAX {
+                deferred.clear();
+            }
+            deferred.extend(report.deferred_keys.iter().cloned());
         }
     }
 

@@ -112,6 +112,9 @@ struct Drained {
 }
 
 pub async fn run(args: BenchArgs) -> Result<()> {
+    if args.latency_events == 0 || args.rate == 0 {
+        bail!("--latency-events and --rate must be at least 1: the latency measurement times events published at that rate");
+    }
     let noop = args.plugins.join("noop.wasm");
     if !noop.is_file() {
         bail!("{} does not exist: run scripts/build-plugins.sh, or pass --plugins", noop.display());
