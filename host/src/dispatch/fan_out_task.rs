@@ -1,6 +1,6 @@
 //! The dispatcher's background fan-out: batches one after the other until a short one says
-//! nothing is left, or the first, which may hand out, handed out all it made; the loop is
-//! woken after each full batch. It owns when a fan-out ends and what it reports back; it must
+//! nothing is left, or the first, which may hand out, handed out all it made that could run;
+//! the loop is woken after each full batch. It owns when a fan-out ends and what it reports back; it must
 //! never start a run (the loop starts what it hands out).
 
 use std::collections::BTreeSet;
@@ -26,7 +26,7 @@ pub(super) struct FannedOut {
     pub(super) claimed: Vec<ClaimedDelivery>,
     /// Its last batch was full (it stopped early to hand out, or for a stop): more may wait.
     pub(super) more: bool,
-    /// Its batch was full and it handed out what it made.
+    /// Its batch was full and it handed out what it made that could run.
     pub(super) handed_out_full: bool,
 }
 
@@ -65,9 +65,9 @@ impl<S: Store> FanOutTask<S> {
     /// Fans out until a short batch says nothing is left, waking the loop after every full
     /// batch so that claims take the new deliveries while the rest is still being fanned out.
     /// Given a `hand_out` budget, its first batch is of at most that many events, and hands out
-    /// up to that many of their deliveries; if it handed out all it made, the fan-out ends
-    /// there, so that they run at once (the loop fans out again if the batch was full, once
-    /// there is room).
+    /// up to that many of their deliveries; if it handed out all it made that could run (the
+    /// rest waits behind a predecessor), the fan-out ends there, so that they run at once (the
+    /// loop fans out again if the batch was full, once there is room).
     pub(super) fn spawn(self, hand_out: Capacity) -> JoinHandle<Result<FannedOut, StoreError>> {
         let Self { store, batch, subscriptions, fanned, early, hands_out, stop } = self;
         tokio::spawn(async move {
