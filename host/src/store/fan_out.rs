@@ -513,6 +513,28 @@ mod tests {
     }
 
     #[test]
+    fn of_an_idle_key_only_its_head_is_fanned_out_while_anything_else_is() {
+        let subscriptions = Subscriptions::new([Subscription::new("h", ["t"]), Subscription::new("g", ["t"])]).unwrap();
+        let unkeyed = NewEvent::new("u", "t", doc! {}).to_document(None, DateTime::now());
+        let mut malformed = keyed("m1", "m", 1);
+        malformed.remove("type");
+        let batch = vec![unkeyed, keyed("k1", "k", 1), keyed("k2", "k", 2), malformed, keyed("m2", "m", 2), keyed("j1", "j", 1), keyed("j2", "j", 2)];
+        let ids = |batch: &[Document]| batch.iter().map(|d| d.get_str("_id").unwrap().to_string()).collect::<Vec<_>>();
+        let plan = plan(&batch, &subscriptions);
+        let heads = |keys: &[(&str, &str)]| keys.iter().map(|(h, k)| (h.to_string(), k.to_string())).collect::<HashSet<_>>();
+        // "k" is idle for both its handlers: only its head. "m"'s first event is malformed
+        // (dead at once, it runs nothing): its next is kept. "j" is idle for one handler only.
+        let idle = heads(&[("h", "k"), ("g", "k"), ("h", "m"), ("g", "m"), ("h", "j")]);
+        let (kept, left_out) = heads_of_idle_keys(batch.clone(), &plan, &idle);
+        assert_eq!(ids(&kept), ["u", "k1", "m1", "m2", "j1", "j2"]);
+        assert_eq!(left_out, ["k"]);
+        // A batch of nothing but such heads is kept whole.
+        let alone = vec![keyed("k1", "k", 1), keyed("k2", "k", 2)];
+        let (kept, left_out) = heads_of_idle_keys(alone.clone(), &super::plan(&alone, &subscriptions), &idle);
+        assert_eq!((ids(&kept), left_out.len()), (vec!["k1".to_string(), "k2".to_string()], 0));
+    }
+
+    #[test]
     fn listed_handlers_are_skipped_and_malformed_events_are_dead_letters() {
         let subscriptions =
             Subscriptions::new([Subscription::new("h1", ["t"]), Subscription::new("h2", ["t"])]).unwrap();
