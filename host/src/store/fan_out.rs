@@ -416,9 +416,9 @@ fn may_run(d: &NewDelivery, idle: &HashSet<HandlerKey>) -> bool {
     d.dead_reason.is_none() && !d.suspect && ready
 }
 
-/// How many deliveries of `plan` may run as soon as they are created (see [`fresh`]), budget
-/// or not: those a hand-out of `handed_out` of them did not hand out are left to claims with
-/// nothing ahead of them (see [`super::FanOutReport::runnable_left`]).
+/// Whether `plan` made more deliveries that may run as soon as they are created (see
+/// [`fresh`], budget or not) than a hand-out of `handed_out` of them took: the rest are left to
+/// claims with nothing ahead of them (see [`super::FanOutReport::runnable_left`]).
 pub(crate) fn runnable_left(plan: &FanOutPlan, idle: &HashSet<HandlerKey>, handed_out: usize) -> bool {
     plan.deliveries.iter().filter(|d| may_run(d, idle)).count() > handed_out
 }
