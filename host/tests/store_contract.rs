@@ -766,15 +766,27 @@ async fn a_keys_later_events_wait_unfanned_while_its_head_runs_unless_nothing_el
     let report = a.fan_out(&subscriptions, 100, 10, at(T0 + 1)).await.unwrap();
     assert_eq!((ids(&report.claimed), report.events), (vec!["u-2/h".to_string()], 1));
     assert!(a.unfanned_may_wait("k"));
-    // Once the head settled, the key's next event is handed out. A batch of nothing but that
-    // key's events is kept whole: the one after is created parked behind, for a claim.
+    // Once the head settled, the key's next event is handed out. The key is read apart, up to
+    // its next event: its left-out events, the oldest of all, never fill a batch (of two here)
+    // and hold back younger events.
     assert_eq!(a.complete_many(&[head], at(T0 + 2)).await.unwrap(), [Settlement::Completed]);
-    let report = a.fan_out(&subscriptions, 100, 10, at(T0 + 3)).await.unwrap();
-    assert_eq!(ids(&report.claimed), ["k-2/h"]);
+    publish_all(&a, vec![event("u-3", "t")]).await;
+    let report = a.fan_out(&subscriptions, 2, 10, at(T0 + 3)).await.unwrap();
+    let mut claimed = ids(&report.claimed);
+    claimed.sort();
+    assert_eq!(claimed, ["k-2/h", "u-3/h"]);
+    assert_eq!((report.events, report.runnable_left), (2, false));
+    assert!(a.unfanned_may_wait("k"));
+    // A batch of nothing but that key's events is kept whole: the one after its head is
+    // created parked behind it, for a claim.
+    publish_all(&a, vec![keyed("k-4", "t", "k")]).await;
+    assert_eq!(a.complete_many(&[report.claimed.iter().find(|c| c.event.id == "k-2").unwrap().lease], at(T0 + 4)).await.unwrap(), [Settlement::Completed]);
+    let report = a.fan_out(&subscriptions, 100, 10, at(T0 + 5)).await.unwrap();
+    assert_eq!(ids(&report.claimed), ["k-3/h"]);
     assert_eq!((report.events, report.deliveries, report.runnable_left), (2, 2, false));
-    assert!(!a.unfanned_may_wait("k") && a.followers_may_wait("h", "k"));
-    assert_eq!(a.complete_many(&[report.claimed[0].lease], at(T0 + 4)).await.unwrap(), [Settlement::Completed]);
-    assert_eq!(ids(&a.claim(&handlers(&["h"]), 10, at(T0 + 5)).await.unwrap()), ["k-3/h"]);
+    assert!(a.followers_may_wait("h", "k"));
+    assert_eq!(a.complete_many(&[report.claimed[0].lease], at(T0 + 6)).await.unwrap(), [Settlement::Completed]);
+    assert_eq!(ids(&a.claim(&handlers(&["h"]), 10, at(T0 + 7)).await.unwrap()), ["k-4/h"]);
 }
 
 async fn a_keys_head_handed_out_without_a_document_holds_its_key_and_leads_it_after_a_takeover<F: Fixture>() {

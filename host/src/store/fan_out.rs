@@ -7,7 +7,7 @@
 //! publishers' clocks said (a lower sequence always committed first, so it is visible).
 //! This module is pure: it decides, the stores write.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use bson::oid::ObjectId;
 use bson::{Bson, DateTime, Document};
@@ -123,8 +123,18 @@ const PREFIX_GROUPS_MAX: usize = 8;
 /// behind the other, where met one batch at a time each would be read and parked by a claim
 /// (four hosts' keyed drain, which hands out nothing, wrote 6.0 documents per delivery bounded
 /// against 5.5 not, measured).
-pub(crate) fn prefixes_to_read(first: &[Document], hands_out: bool) -> Vec<(Vec<String>, Option<i64>)> {
+///
+/// `asked` are keys read apart, each up to its own bound (see [`Claimer::keys_left_out`]), or,
+/// when nothing else is read (`first` is empty), to its end: a batch of nothing but a few keys
+/// is kept whole (see [`heads_of_idle_keys`]), and the read among the oldest, which must step
+/// over every event of a key read apart, is not made again for each of its events.
+///
+/// [`Claimer::keys_left_out`]: super::claim::Claimer::keys_left_out
+pub(crate) fn prefixes_to_read(first: &[Document], hands_out: bool, asked: &[(String, i64)]) -> Vec<(Vec<String>, Option<i64>)> {
     let mut bounds: BTreeMap<&str, Option<i64>> = BTreeMap::new();
+    for (key, bound) in asked {
+        bounds.insert(key, (!first.is_empty()).then_some(*bound));
+    }
     for doc in first {
         let Some(key) = string_key(doc) else { continue };
         let bound = bounds.entry(key).or_insert(if hands_out { Some(i64::MIN) } else { None });
@@ -150,6 +160,27 @@ pub(crate) fn prefixes_to_read(first: &[Document], hands_out: bool) -> Vec<(Vec<
             (keys, (!unbounded).then_some(bound))
         })
         .collect()
+}
+
+/// The keys a batch of `limit` events reads apart (see [`Claimer::keys_left_out`]): those of
+/// `left_out` that do not run here (`runs_here`), at most half the batch (the rest are read among the
+/// oldest, as any key), each with the sequence it is read up to.
+///
+/// [`Claimer::keys_left_out`]: super::claim::Claimer::keys_left_out
+pub(crate) fn keys_to_ask(left_out: HashMap<String, i64>, runs_here: impl Fn(&str) -> bool, limit: usize) -> Vec<(String, i64)> {
+    let mut asked: Vec<(String, i64)> = left_out.into_iter().filter(|(key, _)| !runs_here(key)).collect();
+    asked.sort();
+    asked.truncate(limit / 2);
+    asked
+}
+
+/// `doc`'s sequence, if it is an integer.
+fn integer_sequence(doc: &Document) -> Option<i64> {
+    match doc.get(field::SEQUENCE) {
+        Some(Bson::Int32(n)) => Some(i64::from(*n)),
+        Some(Bson::Int64(n)) => Some(*n),
+        _ => None,
+    }
 }
 
 /// Whether a prefix read under `bound` (see [`prefixes_to_read`]) takes `doc`, one of its
@@ -317,12 +348,17 @@ pub(crate) fn keyed_heads(plan: &FanOutPlan) -> Vec<HandlerKey> {
 /// store nor running here), only that event. Its later events stay unfanned until the head
 /// settles, instead of being created parked behind it, each to wait for a claim: that
 /// settling asks for a fan-out (see [`super::Store::unfanned_may_wait`]), which finds the key
-/// idle again. Returns the batch and the keys whose later events it left out.
+/// idle again. Returns the batch and the keys whose later events it left out, each with the
+/// lowest sequence it left out (`None` if that is not an integer).
 ///
 /// A batch of nothing but such heads is kept whole: a backlog of a few keys alone runs faster
 /// behind each head, each next one taken by the claim its predecessor's completion asks for,
 /// than one fan-out per event (one hot key's 2,000 events alone: half the rate, measured).
-pub(crate) fn heads_of_idle_keys(batch: Vec<Document>, plan: &FanOutPlan, idle: &HashSet<HandlerKey>) -> (Vec<Document>, Vec<String>) {
+pub(crate) fn heads_of_idle_keys(
+    batch: Vec<Document>,
+    plan: &FanOutPlan,
+    idle: &HashSet<HandlerKey>,
+) -> (Vec<Document>, Vec<(String, Option<i64>)>) {
     let mut by_event: HashMap<String, Vec<&NewDelivery>> = HashMap::new();
     for delivery in &plan.deliveries {
         by_event.entry(id_text(&delivery.event_id)).or_default().push(delivery);
@@ -335,14 +371,14 @@ pub(crate) fn heads_of_idle_keys(batch: Vec<Document>, plan: &FanOutPlan, idle: 
     };
     // Each key's first event decides; the batch holds a key's events in sequence order.
     let mut firsts: HashMap<&str, bool> = HashMap::new();
-    let mut left_out: BTreeSet<String> = BTreeSet::new();
+    let mut left_out: BTreeMap<String, Option<i64>> = BTreeMap::new();
     let mut leave: Vec<bool> = Vec::with_capacity(batch.len());
     for doc in &batch {
         let left = match string_key(doc) {
             None => false,
             Some(key) => match firsts.get(key) {
                 Some(true) => {
-                    left_out.insert(key.to_string());
+                    left_out.entry(key.to_string()).or_insert_with(|| integer_sequence(doc));
                     true
                 }
                 Some(false) => false,
@@ -470,8 +506,8 @@ mod tests {
     #[test]
     fn keyed_events_come_only_from_their_key_prefix() {
         let first = vec![keyed("b", "k", 2), NewEvent::new("u", "t", doc! {}).to_document(None, DateTime::now())];
-        assert_eq!(prefixes_to_read(&first, true), [(vec!["k".to_string()], Some(2))]);
-        assert_eq!(prefixes_to_read(&first, false), [(vec!["k".to_string()], None)]);
+        assert_eq!(prefixes_to_read(&first, true, &[]), [(vec!["k".to_string()], Some(2))]);
+        assert_eq!(prefixes_to_read(&first, false, &[]), [(vec!["k".to_string()], None)]);
         let batch = assemble(first, vec![keyed("a", "k", 1), keyed("b", "k", 2)]);
         let ids: Vec<&str> = batch.iter().map(|d| d.get_str("_id").unwrap()).collect();
         assert_eq!(ids, ["u", "a", "b"]);
@@ -485,18 +521,18 @@ mod tests {
         let mut odd = keyed("o", "x", 1);
         odd.insert("sequence", 1.5);
         let first = [keyed("a", "k", 2), unkeyed, keyed("b", "j", 5), no_sequence.clone(), keyed("c", "m", 2), odd.clone()];
-        let groups = prefixes_to_read(&first, true);
+        let groups = prefixes_to_read(&first, true, &[]);
         let named = |keys: &[&str]| keys.iter().map(|k| k.to_string()).collect::<Vec<_>>();
         assert_eq!(groups, [(named(&["k", "m"]), Some(2)), (named(&["j"]), Some(5)), (named(&["x"]), None)]);
         // A key with no sequence among them has only its missing sequences below its bound.
-        let groups = prefixes_to_read(&[no_sequence.clone()], true);
+        let groups = prefixes_to_read(&[no_sequence.clone()], true, &[]);
         assert_eq!(groups, [(named(&["j"]), Some(i64::MIN))]);
         assert!(within_prefix_bound(&no_sequence, Some(i64::MIN)), "the key's index orders a missing sequence first");
         assert!(within_prefix_bound(&keyed("d", "k", 2), Some(2)) && !within_prefix_bound(&keyed("e", "k", 3), Some(2)));
         assert!(within_prefix_bound(&odd, Some(0)));
         // Past eight bounds, neighbours share a group under the highest of them.
         let many: Vec<Document> = (1..=20).map(|n| keyed(&format!("e{n}"), &format!("k{n:02}"), n)).collect();
-        let groups = prefixes_to_read(&many, true);
+        let groups = prefixes_to_read(&many, true, &[]);
         assert_eq!(groups.len(), 7);
         assert_eq!(groups[0], (named(&["k01", "k02", "k03"]), Some(3)));
         assert_eq!(groups.iter().map(|(keys, _)| keys.len()).sum::<usize>(), 20);
@@ -527,7 +563,7 @@ mod tests {
         let idle = heads(&[("h", "k"), ("g", "k"), ("h", "m"), ("g", "m"), ("h", "j")]);
         let (kept, left_out) = heads_of_idle_keys(batch.clone(), &plan, &idle);
         assert_eq!(ids(&kept), ["u", "k1", "m1", "m2", "j1", "j2"]);
-        assert_eq!(left_out, ["k"]);
+        assert_eq!(left_out, [("k".to_string(), Some(2))]);
         // A batch of nothing but such heads is kept whole.
         let alone = vec![keyed("k1", "k", 1), keyed("k2", "k", 2)];
         let (kept, left_out) = heads_of_idle_keys(alone.clone(), &super::plan(&alone, &subscriptions), &idle);

@@ -54,6 +54,55 @@ impl Claimer {
         self.deferred_keys.lock().expect("deferred keys").remove(key)
     }
 
+    /// Keys whose later events a fan-out that hands out left unfanned (see
+    /// [`crate::store::fan_out::heads_of_idle_keys`]), each with the sequence the next such
+    /// fan-out reads it up to. That fan-out reads them apart: never among its oldest events,
+    /// where a busy key's events would pile up at the front and fill its batches, but each up
+    /// to its sequence, by its key's prefix read (which also takes any lower event of the key
+    /// still unfanned, so a sequence noted too high skips nothing). A key whose read finds
+    /// nothing is dropped, and its events are read among the oldest again.
+    pub fn keys_left_out(&self) -> HashMap<String, i64> {
+        self.left_out.lock().expect("left-out keys").clone()
+    }
+
+    /// Notes what a fan-out that hands out did with the keys it read apart (`asked`, see
+    /// [`Claimer::keys_left_out`]) and those whose later events it left unfanned (`left`,
+    /// with their lowest left out): a key of `asked` whose events are in `fanned` is read up to
+    /// the next sequence after them next time, one with none is dropped. Returns the keys
+    /// noted, whose next events wait for a fan-out once what runs of them settles. Past
+    /// [`LEFT_OUT_MAX`] keys the notes start over.
+    pub fn note_left_out(&self, asked: &[String], fanned: &[Document], left: &[(String, Option<i64>)]) -> Vec<String> {
+        let mut notes = self.left_out.lock().expect("left-out keys");
+        for key in asked {
+            notes.remove(key);
+        }
+        let mut noted = Vec::new();
+        for doc in fanned {
+            let Some(key) = crate::event::string_key(doc) else { continue };
+            if !asked.iter().any(|asked| asked == key) {
+                continue;
+            }
+            let next = match doc.get(crate::event::field::SEQUENCE) {
+                Some(Bson::Int64(n)) => n.saturating_add(1),
+                Some(Bson::Int32(n)) => i64::from(*n) + 1,
+                _ => continue,
+            };
+            let at = notes.entry(key.to_string()).or_insert(next);
+            *at = (*at).max(next);
+            noted.push(key.to_string());
+        }
+        for (key, lowest) in left {
+            if let Some(lowest) = lowest {
+                notes.insert(key.clone(), *lowest);
+                noted.push(key.clone());
+            }
+        }
+        if notes.len() > LEFT_OUT_MAX {
+            notes.clear();
+        }
+        noted
+    }
+
     /// Has claims forget what they know of `keys`' heads (see [`Claimer::forgotten_heads`]).
     pub(super) fn forget_heads(&self, keys: impl IntoIterator<Item = HandlerKey>) {
         self.forgotten_heads.lock().expect("forgotten heads").extend(keys);
@@ -99,3 +148,7 @@ impl Claimer {
         self.awaited_keys.lock().expect("awaited keys").contains(key)
     }
 }
+
+/// How many keys a claimer notes as left out at most (see [`Claimer::keys_left_out`]): each
+/// is one more condition in every batch's read.
+const LEFT_OUT_MAX: usize = 1_000;

@@ -107,6 +107,9 @@ pub(crate) struct Claimer {
     /// Ordering keys whose events a fan-out left unfanned because a delivery of theirs ran
     /// here (see [`Claimer::unfanned_may_wait`]).
     deferred_keys: Mutex<HashSet<String>>,
+    /// Keys whose later events a fan-out left unfanned, with the sequence its next batch reads
+    /// up to (see [`Claimer::keys_left_out`]).
+    left_out: Mutex<HashMap<String, i64>>,
     /// Keys whose known head (in [`Claimer::known_heads`], or found by an unparking) may be
     /// wrong: a delivery of theirs handed out without a document may have got one since (its
     /// lease settled other than by a completion, or a takeover charged it), a lower sequence
@@ -212,6 +215,7 @@ impl Claimer {
             known_heads: Mutex::new(HashMap::new()),
             awaited_keys: Mutex::new(HashSet::new()),
             deferred_keys: Mutex::new(HashSet::new()),
+            left_out: Mutex::new(HashMap::new()),
             forgotten_heads: Mutex::new(HashSet::new()),
             uncharged: Mutex::new(Vec::new()),
             assignment: Mutex::new(Assignment::everything()),

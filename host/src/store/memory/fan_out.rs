@@ -20,24 +20,30 @@ impl MemoryStore {
     /// The next batch of this host's share of the unfanned events, in `(createdAt, _id)`
     /// order, completed with the lowest unfanned events of every key in it (up to
     /// [`fan_out::prefixes_to_read`]); given `hands_out`, less the keys that run here, which
-    /// it names when it read the rest to its end (as `mongo/unfanned.rs` does).
-    fn read_batch(&self, state: &State, limit: usize, hands_out: bool, now: DateTime) -> (Vec<Document>, Vec<String>) {
+    /// it names when it read the rest to its end, and with the keys left out before read apart
+    /// (as `mongo/unfanned.rs` does). Returns the batch, those keys, and the keys read apart.
+    fn read_batch(&self, state: &State, limit: usize, hands_out: bool, now: DateTime) -> (Vec<Document>, Vec<String>, Vec<String>) {
         let (assignment, stale_before) = (self.claimer.assignment(), self.claimer.stale_before(now));
         let running = if hands_out { self.claimer.keys_running_here() } else { HashSet::new() };
-        let (mut unfanned, held_back): (Vec<&Document>, Vec<&Document>) = state
+        let asked = if hands_out { fan_out::keys_to_ask(self.claimer.keys_left_out(), |key| running.contains(key), limit) } else { Vec::new() };
+        // The oldest events leave room in the batch for one event of each key asked.
+        let limit = limit - asked.len();
+        let unfanned: Vec<&Document> = state
             .events
             .values()
             .filter(|doc| !doc.contains_key(field::FANNED_OUT_AT) && assignment.fans_out(doc, stale_before))
-            .partition(|doc| string_key(doc).is_none_or(|key| !running.contains(key)));
+            .collect();
+        let apart = |doc: &&Document| string_key(doc).is_some_and(|key| running.contains(key) || asked.iter().any(|(k, _)| k == key));
+        let mut oldest: Vec<&Document> = unfanned.iter().copied().filter(|doc| !apart(doc)).collect();
         let mut deferred: Vec<String> = Vec::new();
-        if unfanned.len() < limit {
-            deferred = held_back.iter().filter_map(|doc| string_key(doc).map(str::to_string)).collect();
+        if oldest.len() < limit {
+            deferred = unfanned.iter().filter_map(|doc| string_key(doc).filter(|key| running.contains(*key)).map(str::to_string)).collect();
             deferred.sort();
             deferred.dedup();
         }
-        unfanned.sort_by_key(|doc| (created_at_of(doc), id_text(doc.get(field::ID).unwrap_or(&Bson::Null))));
-        let first: Vec<Document> = unfanned.iter().take(limit).map(|doc| (*doc).clone()).collect();
-        let groups = fan_out::prefixes_to_read(&first, hands_out);
+        oldest.sort_by_key(|doc| (created_at_of(doc), id_text(doc.get(field::ID).unwrap_or(&Bson::Null))));
+        let first: Vec<Document> = oldest.iter().take(limit).map(|doc| (*doc).clone()).collect();
+        let groups = fan_out::prefixes_to_read(&first, hands_out, &asked);
         let read = |doc: &&Document| {
             let Some(key) = string_key(doc) else { return false };
             groups.iter().any(|(keys, bound)| keys.iter().any(|k| k == key) && fan_out::within_prefix_bound(doc, *bound))
@@ -45,7 +51,7 @@ impl MemoryStore {
         let mut prefixes: Vec<&Document> = unfanned.iter().copied().filter(read).collect();
         prefixes.sort_by_key(|doc| (string_key(doc).map(str::to_string), doc.get_i64(field::SEQUENCE).ok()));
         let prefixes: Vec<Document> = prefixes.into_iter().take(limit.saturating_mul(4)).cloned().collect();
-        (fan_out::assemble(first, prefixes), deferred)
+        (fan_out::assemble(first, prefixes), deferred, asked.into_iter().map(|(key, _)| key).collect())
     }
 
     /// A batch written at once, handing out up to `hand_out` of its deliveries that nothing can
@@ -58,14 +64,15 @@ impl MemoryStore {
         now: DateTime,
     ) -> Result<FanOutReport, StoreError> {
         let mut state = self.state.lock().await;
-        let (batch, mut deferred) = self.read_batch(&state, limit, hand_out.total > 0, now);
+        let (batch, mut deferred, asked) = self.read_batch(&state, limit, hand_out.total > 0, now);
         let plan = fan_out::plan(&batch, subscriptions);
         let mut idle = if hand_out.total == 0 { HashSet::new() } else { state.idle_keys(fan_out::keyed_heads(&plan)) };
         self.claimer.drop_running_keys(&mut idle);
         // Of an idle key, only its head: the rest waits unfanned for the head to settle here.
         let (batch, left_out) = if idle.is_empty() { (batch, Vec::new()) } else { fan_out::heads_of_idle_keys(batch, &plan, &idle) };
         let plan = if left_out.is_empty() { plan } else { fan_out::plan(&batch, subscriptions) };
-        deferred.extend(left_out);
+        let noted = if hand_out.total > 0 { self.claimer.note_left_out(&asked, &batch, &left_out) } else { Vec::new() };
+        deferred.extend(left_out.into_iter().map(|(key, _)| key).chain(noted));
         let mut fresh = fan_out::fresh(&plan, &batch, hand_out, &idle, now);
         // What is handed out gets no record (see `unstored`), unless every completion is to be
         // recorded, as in MongoDB.
@@ -120,7 +127,7 @@ impl MemoryStore {
     ) -> Result<Option<FanOutReport>, StoreError> {
         let (plan, mut fresh, deferred) = {
             let state = self.state.lock().await;
-            let (batch, deferred) = self.read_batch(&state, limit, true, now);
+            let (batch, deferred, _) = self.read_batch(&state, limit, true, now);
             let plan = fan_out::plan(&batch, subscriptions);
             // Every delivery of such a batch is unkeyed.
             let fresh = fan_out::fresh(&plan, &batch, hand_out, &HashSet::new(), now);
@@ -201,7 +208,7 @@ mod tests {
         let subscriptions = Subscriptions::new([Subscription::new("h", ["t"])]).unwrap();
         let now = DateTime::from_millis(1_000);
         let mut state = store.state.lock().await;
-        let (batch, _) = store.read_batch(&state, 10, true, now);
+        let (batch, ..) = store.read_batch(&state, 10, true, now);
         let plan = fan_out::plan(&batch, &subscriptions);
         let mut fresh = fan_out::fresh(&plan, &batch, Capacity::from(10), &HashSet::new(), now);
         let (first, second) = (WithoutDocuments::of(&plan, &mut fresh), WithoutDocuments::of(&plan, &mut fresh));

@@ -139,7 +139,7 @@ async fn read(
     }
     // After a hand-out that failed, the batch read is bounded as that hand-out's was.
     let mut report = transaction!(store, Commit::Applied, |tx| {
-        let Read { batch, reach } = read_batch(store, Some(tx.session()), limit, hand_out.total > 0, now).await?;
+        let Read { batch, reach, .. } = read_batch(store, Some(tx.session()), limit, hand_out.total > 0, now).await?;
         let plan = fan_out::plan(&batch, subscriptions);
         write(store, tx.session(), &plan, now).await?;
         Ok(reach.on(plan.report(Vec::new(), &[])))
@@ -194,7 +194,7 @@ async fn plain(
     early: &EarlyHandOuts,
     now: DateTime,
 ) -> Result<Option<FanOutReport>, StoreError> {
-    let Read { batch, reach } = read_batch(store, None, limit, true, now).await?;
+    let Read { batch, reach, .. } = read_batch(store, None, limit, true, now).await?;
     let plan = fan_out::plan(&batch, subscriptions);
     // Every delivery of such a batch is unkeyed.
     let mut fresh = fan_out::fresh(&plan, &batch, hand_out, &HashSet::new(), now);
@@ -299,10 +299,10 @@ async fn handing_out(
     now: DateTime,
 ) -> Result<FanOutReport, StoreError> {
     let mut tx = store.begin_with(Commit::Applied).await?;
-    let (batch, limit, reach) = match batch {
-        Batch::Heard(events) => (events, None, Reach::default()),
+    let (batch, limit, reach, asked) = match batch {
+        Batch::Heard(events) => (events, None, Reach::default(), Vec::new()),
         Batch::Read(limit) => match read_batch(store, Some(tx.session()), limit, hand_out.total > 0, now).await {
-            Ok(Read { batch, reach }) => (batch, Some(limit), reach),
+            Ok(Read { batch, reach, asked }) => (batch, Some(limit), reach, asked),
             Err(error) => {
                 let _ = tx.abort().await;
                 return Err(error);
@@ -330,6 +330,7 @@ async fn handing_out(
         // Its events are not all fanned out: the change stream's are no longer all there is.
         store.heard.missed_some();
     }
+    let noted = if hand_out.total > 0 { store.claimer.note_left_out(&asked, &batch, &left_out) } else { Vec::new() };
     let mut fresh = fan_out::fresh(&plan, &batch, hand_out, &idle, now);
     // What is handed out gets no document (see `super::unstored`), unless every completion is to be
     // recorded: the history copies the delivery's document.
@@ -368,8 +369,8 @@ async fn handing_out(
     report.runnable_left = fan_out::runnable_left(&plan, &idle, report.claimed.len() + report.sent_early);
     if !left_out.is_empty() {
         report.read_to_the_end = false;
-        report.deferred_keys.extend(left_out);
     }
+    report.deferred_keys.extend(left_out.into_iter().map(|(key, _)| key).chain(noted));
     Ok(report)
 }
 

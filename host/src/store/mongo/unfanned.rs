@@ -20,10 +20,14 @@ use crate::store::fan_out::{self, id_text};
 /// hosts' (see [`crate::store::assignment`]).
 const PAGES: usize = 4;
 
-/// A batch read, and how far the read went ([`Reach`]).
+/// A batch read, how far the read went ([`Reach`]), and the keys it read apart (see
+/// [`Claimer::keys_left_out`]).
+///
+/// [`Claimer::keys_left_out`]: crate::store::claim::Claimer::keys_left_out
 pub(super) struct Read {
     pub batch: Vec<Document>,
     pub reach: Reach,
+    pub asked: Vec<String>,
 }
 
 /// Whether unfanned events of this host's may remain beyond a batch (`more`: read again at
@@ -49,9 +53,11 @@ impl Reach {
 /// completed by the lowest unfanned events of every key among them, up to
 /// [`fan_out::prefixes_to_read`] (see [`crate::store::fan_out`]). Where other hosts' events fill the oldest page, it reads on
 /// from where that page ended (an index position, `min`), up to [`PAGES`] pages. A batch that
-/// may hand out leaves out the keys that run here ([`Claimer::keys_running_here`]), whole.
+/// may hand out leaves out the keys that run here ([`Claimer::keys_running_here`]), whole,
+/// and reads those left out before apart ([`Claimer::keys_left_out`]).
 ///
 /// [`Claimer::keys_running_here`]: crate::store::claim::Claimer::keys_running_here
+/// [`Claimer::keys_left_out`]: crate::store::claim::Claimer::keys_left_out
 pub(super) async fn read_batch(
     store: &MongoStore,
     session: Option<&mut ClientSession>,
@@ -67,9 +73,13 @@ pub(super) async fn read_batch(
     let mut from: Option<Document> = None;
     let mut more = false;
     let running: Vec<String> = if hands_out { store.claimer.keys_running_here().into_iter().collect() } else { Vec::new() };
+    let asked = if hands_out { fan_out::keys_to_ask(store.claimer.keys_left_out(), |key| running.iter().any(|r| r == key), limit) } else { Vec::new() };
+    // The oldest events leave room in the batch for one event of each key asked.
+    let limit = limit - asked.len();
     let mut unfanned = doc! { field::FANNED_OUT_AT: Bson::Null };
-    if !running.is_empty() {
-        unfanned.insert(field::KEY, doc! { "$nin": &running });
+    if !running.is_empty() || !asked.is_empty() {
+        let apart: Vec<&String> = running.iter().chain(asked.iter().map(|(key, _)| key)).collect();
+        unfanned.insert(field::KEY, doc! { "$nin": apart });
     }
     for _ in 0..PAGES {
         let mut page = events
@@ -130,15 +140,17 @@ pub(super) async fn read_batch(
         // Read on again at once only while there was something of this host's to read: a
         // backlog of other hosts' events is theirs to drain.
         more: (more || cut || capped) && !first.is_empty(),
-        to_the_end: !(more || cut || capped) && deferred.is_empty(),
+        // Keys read apart may have events beyond their bound.
+        to_the_end: !(more || cut || capped) && deferred.is_empty() && asked.is_empty(),
         deferred: deferred.clone(),
     };
-    if first.is_empty() {
-        return Ok(Read { reach: reach(false), batch: first });
+    let asked_keys: Vec<String> = asked.iter().map(|(key, _)| key.clone()).collect();
+    if first.is_empty() && asked.is_empty() {
+        return Ok(Read { reach: reach(false), batch: first, asked: asked_keys });
     }
-    let groups = fan_out::prefixes_to_read(&first, hands_out);
+    let groups = fan_out::prefixes_to_read(&first, hands_out, &asked);
     if groups.is_empty() {
-        return Ok(Read { reach: reach(false), batch: fan_out::assemble(first, Vec::new()) });
+        return Ok(Read { reach: reach(false), batch: fan_out::assemble(first, Vec::new()), asked: asked_keys });
     }
     let cap = limit.saturating_mul(PAGES);
     // Each group's keys up to its bound: every sequence but the integers above it, as
@@ -158,11 +170,14 @@ pub(super) async fn read_batch(
         .hint(Hint::Name(setup::KEY_UNFANNED.into()))
         .limit(cap as i64)
         .batch_size(super::documents::one_batch(cap));
-    let prefixes: Vec<Document> = match session {
+    let mut prefixes: Vec<Document> = match session {
         Some(session) => prefixes.session(&mut *session).await?.stream(&mut *session).try_collect().await?,
         None => prefixes.await?.try_collect().await?,
     };
     // Capped only when events were committed between the two reads (a read to the end saw
     // fewer than four pages of unfanned events in all), outside a transaction's snapshot.
-    Ok(Read { reach: reach(prefixes.len() >= cap), batch: fan_out::assemble(first, prefixes) })
+    let capped = prefixes.len() >= cap;
+    // A key read apart may be another host's since it was noted (a new split of the lanes).
+    prefixes.retain(|doc| assignment.fans_out(doc, stale_before));
+    Ok(Read { reach: reach(capped), batch: fan_out::assemble(first, prefixes), asked: asked_keys })
 }
