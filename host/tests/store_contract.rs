@@ -573,6 +573,16 @@ async fn live_hosts_split_the_lanes_and_leave_each_other_their_events_until_stal
         announce_both(&a, &b, now).await;
     }
     assert_eq!(a.fan_out(&subscriptions, 1_000, 0, at(t2)).await.unwrap().events, 100 - fresh.events);
+    // A stale event brings its key's lower events along, though they are fresh and of the
+    // other host's lanes: a key's events are fanned out in sequence order, whoever's they are.
+    let late: Vec<NewEvent> = (0..20)
+        .flat_map(|k| {
+            let key = format!("late-key-{k}");
+            [1, 2].map(|n| keyed(&format!("late-k{k}-{n}"), "t", &key).with_created_at(common::at(if n == 1 { t2 } else { t2 - 600_000 })))
+        })
+        .collect();
+    publish_all(fixture.store(), late).await;
+    assert_eq!(a.fan_out(&subscriptions, 1_000, 0, at(t2 + 1)).await.unwrap().events, 40);
 
     // A host whose announcement lapsed (a third of the lease) leaves its share to the others at once; so
     // does one that withdrew (a graceful stop).

@@ -28,11 +28,9 @@ impl MemoryStore {
         let asked = if hands_out { fan_out::keys_to_ask(self.claimer.keys_left_out(), |key| running.contains(key), limit) } else { Vec::new() };
         // The oldest events leave room in the batch for one event of each key asked.
         let limit = limit - asked.len();
-        let unfanned: Vec<&Document> = state
-            .events
-            .values()
-            .filter(|doc| !doc.contains_key(field::FANNED_OUT_AT) && assignment.fans_out(doc, stale_before))
-            .collect();
+        // A key's lower events come along whoever's they are (as in MongoDB's prefix read).
+        let every_unfanned: Vec<&Document> = state.events.values().filter(|doc| !doc.contains_key(field::FANNED_OUT_AT)).collect();
+        let unfanned: Vec<&Document> = every_unfanned.iter().copied().filter(|doc| assignment.fans_out(doc, stale_before)).collect();
         let apart = |doc: &&Document| string_key(doc).is_some_and(|key| running.contains(key) || asked.iter().any(|(k, _)| k == key));
         let mut oldest: Vec<&Document> = unfanned.iter().copied().filter(|doc| !apart(doc)).collect();
         let mut deferred: Vec<String> = Vec::new();
@@ -48,7 +46,10 @@ impl MemoryStore {
             let Some(key) = string_key(doc) else { return false };
             groups.iter().any(|(keys, bound)| keys.iter().any(|k| k == key) && fan_out::within_prefix_bound(doc, *bound))
         };
-        let mut prefixes: Vec<&Document> = unfanned.iter().copied().filter(read).collect();
+        let mut prefixes: Vec<&Document> = every_unfanned.iter().copied().filter(read).collect();
+        // A key read apart is kept only if one of its events is this host's to fan out.
+        let ours: HashSet<&str> = prefixes.iter().filter(|doc| assignment.fans_out(doc, stale_before)).filter_map(|doc| string_key(doc)).collect();
+        prefixes.retain(|doc| string_key(doc).is_none_or(|key| ours.contains(key) || !asked.iter().any(|(k, _)| k == key)));
         prefixes.sort_by_key(|doc| (string_key(doc).map(str::to_string), doc.get_i64(field::SEQUENCE).ok()));
         let prefixes: Vec<Document> = prefixes.into_iter().take(limit.saturating_mul(4)).cloned().collect();
         (fan_out::assemble(first, prefixes), deferred, asked.into_iter().map(|(key, _)| key).collect())
