@@ -175,7 +175,7 @@ pub(crate) fn keys_to_ask(left_out: HashMap<String, i64>, runs_here: impl Fn(&st
 }
 
 /// `doc`'s sequence, if it is an integer.
-fn integer_sequence(doc: &Document) -> Option<i64> {
+pub(crate) fn integer_sequence(doc: &Document) -> Option<i64> {
     match doc.get(field::SEQUENCE) {
         Some(Bson::Int32(n)) => Some(i64::from(*n)),
         Some(Bson::Int64(n)) => Some(*n),
@@ -187,11 +187,7 @@ fn integer_sequence(doc: &Document) -> Option<i64> {
 /// keys' unfanned events: it is not an integer sequence above the bound.
 pub(crate) fn within_prefix_bound(doc: &Document, bound: Option<i64>) -> bool {
     let Some(bound) = bound else { return true };
-    match doc.get(field::SEQUENCE) {
-        Some(Bson::Int32(n)) => i64::from(*n) <= bound,
-        Some(Bson::Int64(n)) => *n <= bound,
-        _ => true,
-    }
+    integer_sequence(doc).is_none_or(|n| n <= bound)
 }
 
 /// The batch to fan out: the unkeyed events of `first` and every per-key prefix read. Keyed

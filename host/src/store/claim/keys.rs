@@ -82,11 +82,7 @@ impl Claimer {
             if !asked.iter().any(|asked| asked == key) {
                 continue;
             }
-            let next = match doc.get(crate::event::field::SEQUENCE) {
-                Some(Bson::Int64(n)) => n.saturating_add(1),
-                Some(Bson::Int32(n)) => i64::from(*n) + 1,
-                _ => continue,
-            };
+            let Some(next) = crate::store::fan_out::integer_sequence(doc).map(|n| n.saturating_add(1)) else { continue };
             let at = notes.entry(key.to_string()).or_insert(next);
             *at = (*at).max(next);
             noted.push(key.to_string());
