@@ -125,15 +125,18 @@ const PREFIX_GROUPS_MAX: usize = 8;
 /// against 5.5 not, measured).
 ///
 /// `asked` are keys read apart, each up to its own bound (see [`Claimer::keys_left_out`]), or,
-/// when nothing else is read (`first` is empty), to its end: a batch of nothing but a few keys
-/// is kept whole (see [`heads_of_idle_keys`]), and the read among the oldest, which must step
-/// over every event of a key read apart, is not made again for each of its events.
+/// when it is one key and nothing else is read (`first` is empty), to its end: a batch of
+/// nothing but one key is kept whole (see [`heads_of_idle_keys`]), and the read among the
+/// oldest, which must step over every event of a key read apart, is not made again for each
+/// of its events. Several keys are read up to their bounds all the same: read to their ends
+/// they would fill a batch with followers parked for claims (four hosts' keyed drain did).
 ///
 /// [`Claimer::keys_left_out`]: super::claim::Claimer::keys_left_out
 pub(crate) fn prefixes_to_read(first: &[Document], hands_out: bool, asked: &[(String, i64)]) -> Vec<(Vec<String>, Option<i64>)> {
     let mut bounds: BTreeMap<&str, Option<i64>> = BTreeMap::new();
+    let to_the_end = first.is_empty() && asked.len() == 1;
     for (key, bound) in asked {
-        bounds.insert(key, (!first.is_empty()).then_some(*bound));
+        bounds.insert(key, (!to_the_end).then_some(*bound));
     }
     for doc in first {
         let Some(key) = string_key(doc) else { continue };
