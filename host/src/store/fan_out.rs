@@ -177,6 +177,19 @@ pub(crate) fn keys_to_ask(left_out: HashMap<String, i64>, runs_here: impl Fn(&st
     asked
 }
 
+/// Takes out of `prefixes` (a batch's prefix read) the keys read apart (`asked`) none of whose
+/// events is this host's to fan out (`ours`): such a key may be another host's since it was
+/// noted (a new split of the lanes). A key kept is kept whole: its lower events come along,
+/// whoever's they are, as for any key.
+pub(crate) fn drop_asked_keys_not_ours<D: std::borrow::Borrow<Document>>(prefixes: &mut Vec<D>, asked: &[String], ours: impl Fn(&Document) -> bool) {
+    if asked.is_empty() {
+        return;
+    }
+    let kept: HashSet<String> =
+        prefixes.iter().map(|doc| doc.borrow()).filter(|doc| ours(doc)).filter_map(|doc| string_key(doc).map(str::to_string)).collect();
+    prefixes.retain(|doc| string_key(doc.borrow()).is_none_or(|key| kept.contains(key) || !asked.iter().any(|asked| asked == key)));
+}
+
 /// `doc`'s sequence, if it is an integer.
 pub(crate) fn integer_sequence(doc: &Document) -> Option<i64> {
     match doc.get(field::SEQUENCE) {

@@ -69,7 +69,9 @@ impl Claimer {
     /// [`Claimer::keys_left_out`]) and those whose later events it left unfanned (`left`,
     /// with their lowest left out): a key of `asked` whose events are in `fanned` is read up to
     /// the next sequence after them next time, one with none is dropped. Returns the keys
-    /// noted, whose next events wait for a fan-out once what runs of them settles. Past
+    /// whose next events wait for a fan-out once what runs of them settles: those noted, and
+    /// every key of `left` (one left out at a sequence that is not an integer is read among
+    /// the oldest again, not apart). Past
     /// [`LEFT_OUT_MAX`] keys the notes start over.
     pub fn note_left_out(&self, asked: &[String], fanned: &[Document], left: &[(String, Option<i64>)]) -> Vec<String> {
         let mut notes = self.left_out.lock().expect("left-out keys");
@@ -90,8 +92,8 @@ impl Claimer {
         for (key, lowest) in left {
             if let Some(lowest) = lowest {
                 notes.insert(key.clone(), *lowest);
-                noted.push(key.clone());
             }
+            noted.push(key.clone());
         }
         if notes.len() > LEFT_OUT_MAX {
             notes.clear();

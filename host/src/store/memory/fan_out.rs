@@ -47,12 +47,11 @@ impl MemoryStore {
             groups.iter().any(|(keys, bound)| keys.iter().any(|k| k == key) && fan_out::within_prefix_bound(doc, *bound))
         };
         let mut prefixes: Vec<&Document> = every_unfanned.iter().copied().filter(read).collect();
-        // A key read apart is kept only if one of its events is this host's to fan out.
-        let ours: HashSet<&str> = prefixes.iter().filter(|doc| assignment.fans_out(doc, stale_before)).filter_map(|doc| string_key(doc)).collect();
-        prefixes.retain(|doc| string_key(doc).is_none_or(|key| ours.contains(key) || !asked.iter().any(|(k, _)| k == key)));
+        let asked: Vec<String> = asked.into_iter().map(|(key, _)| key).collect();
+        fan_out::drop_asked_keys_not_ours(&mut prefixes, &asked, |doc| assignment.fans_out(doc, stale_before));
         prefixes.sort_by_key(|doc| (string_key(doc).map(str::to_string), doc.get_i64(field::SEQUENCE).ok()));
         let prefixes: Vec<Document> = prefixes.into_iter().take(limit.saturating_mul(4)).cloned().collect();
-        (fan_out::assemble(first, prefixes), deferred, asked.into_iter().map(|(key, _)| key).collect())
+        (fan_out::assemble(first, prefixes), deferred, asked)
     }
 
     /// A batch written at once, handing out up to `hand_out` of its deliveries that nothing can
@@ -72,8 +71,7 @@ impl MemoryStore {
         // Of an idle key, only its head: the rest waits unfanned for the head to settle here.
         let (batch, left_out) = if idle.is_empty() { (batch, Vec::new()) } else { fan_out::heads_of_idle_keys(batch, &plan, &idle) };
         let plan = if left_out.is_empty() { plan } else { fan_out::plan(&batch, subscriptions) };
-        let noted = if hand_out.total > 0 { self.claimer.note_left_out(&asked, &batch, &left_out) } else { Vec::new() };
-        deferred.extend(left_out.into_iter().map(|(key, _)| key).chain(noted));
+        deferred.extend(self.claimer.note_left_out(&asked, &batch, &left_out));
         let mut fresh = fan_out::fresh(&plan, &batch, hand_out, &idle, now);
         // What is handed out gets no record (see `unstored`), unless every completion is to be
         // recorded, as in MongoDB.

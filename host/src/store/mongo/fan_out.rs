@@ -330,7 +330,7 @@ async fn handing_out(
         // Its events are not all fanned out: the change stream's are no longer all there is.
         store.heard.missed_some();
     }
-    let noted = if hand_out.total > 0 { store.claimer.note_left_out(&asked, &batch, &left_out) } else { Vec::new() };
+    let noted = store.claimer.note_left_out(&asked, &batch, &left_out);
     let mut fresh = fan_out::fresh(&plan, &batch, hand_out, &idle, now);
     // What is handed out gets no document (see `super::unstored`), unless every completion is to be
     // recorded: the history copies the delivery's document.
@@ -370,7 +370,7 @@ async fn handing_out(
     if !left_out.is_empty() {
         report.read_to_the_end = false;
     }
-    report.deferred_keys.extend(left_out.into_iter().map(|(key, _)| key).chain(noted));
+    report.deferred_keys.extend(noted);
     Ok(report)
 }
 

@@ -177,15 +177,6 @@ pub(super) async fn read_batch(
     // Capped only when events were committed between the two reads (a read to the end saw
     // fewer than four pages of unfanned events in all), outside a transaction's snapshot.
     let capped = prefixes.len() >= cap;
-    // A key read apart may be another host's since it was noted (a new split of the lanes):
-    // it is kept only if one of its events is this host's to fan out, and then whole, as a
-    // key met among the oldest events brings its lower events along, whoever's they are.
-    let ours: HashSet<&str> = prefixes
-        .iter()
-        .filter(|doc| assignment.fans_out(doc, stale_before))
-        .filter_map(|doc| fan_out::string_key(doc))
-        .collect();
-    let ours: HashSet<String> = ours.into_iter().map(str::to_string).collect();
-    prefixes.retain(|doc| fan_out::string_key(doc).is_none_or(|key| ours.contains(key) || !asked_keys.iter().any(|asked| asked == key)));
+    fan_out::drop_asked_keys_not_ours(&mut prefixes, &asked_keys, |doc| assignment.fans_out(doc, stale_before));
     Ok(Read { reach: reach(capped), batch: fan_out::assemble(first, prefixes), asked: asked_keys })
 }
