@@ -59,6 +59,7 @@ contract!(
     a_fan_out_hands_out_unkeyed_deliveries_in_free_or_own_lanes_only,
     a_fan_out_hands_out_a_keys_head_only_while_nothing_of_its_key_is_pending,
     a_keys_later_events_wait_unfanned_while_its_head_runs_unless_nothing_else_is_there,
+    a_key_read_apart_that_a_new_split_gave_another_host_is_left_to_it,
     a_keys_head_handed_out_without_a_document_holds_its_key_and_leads_it_after_a_takeover,
     a_fan_out_that_may_hand_out_early_hands_out_each_once_with_word_of_its_commit,
     racing_plain_marks_of_one_backlog_run_every_event_once,
@@ -797,6 +798,30 @@ async fn a_keys_later_events_wait_unfanned_while_its_head_runs_unless_nothing_el
     assert!(a.followers_may_wait("h", "k"));
     assert_eq!(a.complete_many(&[report.claimed[0].lease], at(T0 + 6)).await.unwrap(), [Settlement::Completed]);
     assert_eq!(ids(&a.claim(&handlers(&["h"]), 10, at(T0 + 7)).await.unwrap()), ["k-4/h"]);
+}
+
+async fn a_key_read_apart_that_a_new_split_gave_another_host_is_left_to_it<F: Fixture>() {
+    let fixture = F::new().await;
+    let (a, b) = (fixture.worker("a"), fixture.worker("b"));
+    let subscriptions = subs(&[("h", &["t"])]);
+    // Alone, a hands out the heads of twenty keys and leaves their second events unfanned,
+    // noted to be read apart.
+    assert_eq!(a.announce(at(T0)).await.unwrap(), 1);
+    let mut events: Vec<NewEvent> = (0..20).flat_map(|k| [1, 2].map(|n| keyed(&format!("k{k}-{n}"), "t", &format!("key-{k}")))).collect();
+    events.push(event("u", "t"));
+    let events = events.into_iter().map(|event| event.with_created_at(common::at(T0))).collect();
+    publish_all(&a, events).await;
+    let report = a.fan_out(&subscriptions, 100, 100, at(T0 + 1)).await.unwrap();
+    assert_eq!((report.events, report.claimed.len()), (21, 21));
+    let leases: Vec<_> = report.claimed.iter().map(|c| c.lease).collect();
+    a.complete_many(&leases, at(T0 + 1)).await.unwrap();
+    // Then b comes: the keys of its share are its to fan out, though a noted them.
+    assert_eq!(b.announce(at(T0 + 2)).await.unwrap(), 2);
+    assert_eq!(a.announce(at(T0 + 2)).await.unwrap(), 2);
+    let by_a = a.fan_out(&subscriptions, 100, 100, at(T0 + 3)).await.unwrap().events;
+    let by_b = b.fan_out(&subscriptions, 100, 0, at(T0 + 3)).await.unwrap().events;
+    assert!(by_b > 0, "b's keys were left to b ({by_a} fanned out by a)");
+    assert_eq!(by_a + by_b, 20);
 }
 
 async fn a_keys_head_handed_out_without_a_document_holds_its_key_and_leads_it_after_a_takeover<F: Fixture>() {
