@@ -27,8 +27,6 @@ use crate::lane::{LANE_COUNT, LaneId, lane_for_event};
 pub(crate) struct Assignment {
     mine: Vec<bool>,
     hosts: usize,
-    /// Whether it came from an announcement (see [`Assignment::among`]).
-    announced: bool,
 }
 
 impl Default for Assignment {
@@ -40,7 +38,7 @@ impl Default for Assignment {
 impl Assignment {
     /// Every lane: a host alone, or one that has not announced itself.
     pub fn everything() -> Self {
-        Self { mine: vec![true; usize::from(LANE_COUNT)], hosts: 1, announced: false }
+        Self { mine: vec![true; usize::from(LANE_COUNT)], hosts: 1 }
     }
 
     /// The share of `me` among `hosts` (live host ids; `me` counts whether listed or not).
@@ -58,18 +56,11 @@ impl Assignment {
                 *winner == me
             })
             .collect();
-        Self { mine, hosts: all.len(), announced: true }
+        Self { mine, hosts: all.len() }
     }
 
     pub fn is_mine(&self, lane: LaneId) -> bool {
         self.mine[usize::from(lane)]
-    }
-
-    /// Whether `lane` is this host's alone to take: of its share, as its announcement split
-    /// the lanes. Every lane is the share of each instance that never announced itself, so
-    /// none is that instance's alone.
-    pub fn is_mine_alone(&self, lane: LaneId) -> bool {
-        self.announced && self.is_mine(lane)
     }
 
     /// How many live hosts share the lanes.

@@ -545,14 +545,14 @@ struct Written {
 }
 
 /// Which held lanes that run nothing a claim keeps instead of handing them back: while other
-/// lanes of this instance run something, those of its announced share
-/// ([`Assignment::is_mine_alone`]) whose lease has more than half to run. Its fan-out would otherwise take them again for its next batches, a durable write each
+/// lanes of this instance run something, those of its share alone ([`Claimer::share_alone`])
+/// whose lease has more than half to run. Its fan-out would otherwise take them again for its next batches, a durable write each
 /// (measured: a keyed drain handed back about 240 lanes at every poll and took each back by
 /// one `findAndModify`). An idle host still hands back every lane at once, and lanes of
 /// another host's share are handed back as soon as they run nothing.
 struct KeptIdle {
     busy: bool,
-    assignment: Assignment,
+    share: Option<Assignment>,
     refresh_before: DateTime,
 }
 
@@ -561,12 +561,13 @@ impl KeptIdle {
         let lease_ms = i64::try_from(claimer.lease_duration.as_millis()).unwrap_or(i64::MAX);
         Self {
             busy: !plan.picks.is_empty() || mine.values().any(|lane| !lane.running.is_empty()),
-            assignment: claimer.assignment(),
+            share: claimer.share_alone(),
             refresh_before: DateTime::from_millis(now.timestamp_millis().saturating_add(lease_ms / 2)),
         }
     }
 
     fn keeps(&self, id: LaneId, lane: &HeldLane) -> bool {
-        self.busy && lane.takes_free_at.is_none() && self.assignment.is_mine_alone(id) && lane.lease_until > self.refresh_before
+        let alone = self.share.as_ref().is_some_and(|share| share.is_mine(id));
+        self.busy && alone && lane.takes_free_at.is_none() && lane.lease_until > self.refresh_before
     }
 }
