@@ -561,7 +561,7 @@ fn adopt(held: &mut BTreeMap<LaneId, Held>, mine: &mut BTreeMap<LaneId, HeldLane
     for lane in taken {
         held.insert(lane.id, Held { epoch: lane.epoch, known: None });
         let lease_until = lane.lease_expires_at;
-        mine.insert(lane.id, HeldLane { epoch: lane.epoch, running: Vec::new(), takes_free_at: None, lease_until });
+        mine.insert(lane.id, HeldLane { epoch: lane.epoch, running: Vec::new(), takes_free_at: None, lease_until, kept_idle: false });
     }
     ids
 }
@@ -573,4 +573,6 @@ struct HeldLane {
     takes_free_at: Option<DateTime>,
     /// When its lease ends as last written.
     lease_until: DateTime,
+    /// Kept by the last claim though it ran nothing (see `KeptIdle`), and listed nothing since.
+    kept_idle: bool,
 }
