@@ -3,7 +3,8 @@
 //! whose holder died, charging what had started; scan the held lanes into a [`Plan`] (the
 //! lanes it did not reach get their turn once a second); take free lanes with due work (other
 //! hosts' once stale), oldest work first once a second, while the held lanes left idle are
-//! handed back; record the picks in their lanes, hand back the lanes left idle since and read
+//! handed back (a busy host keeps those of its share, see [`KeptIdle`]); record the picks in
+//! their lanes, hand back the lanes left idle since and read
 //! the picks' events at once; bury picks whose event is gone; park what waits behind a busy
 //! key and give back what a requeue overtook; issue the leases.
 //! It must never decide backoff or attempt limits.
