@@ -233,8 +233,7 @@ impl Claimer {
         // A lane that runs something and picked nothing new keeps its list and lease as
         // written (entries settled since are harmless there: a takeover charges only those
         // still at their listed generation), unless its lease is running out.
-        let lease_ms = i64::try_from(self.lease_duration.as_millis()).unwrap_or(i64::MAX);
-        let refresh_before = DateTime::from_millis(now.timestamp_millis().saturating_add(lease_ms / 2));
+        let refresh_before = keeping.refresh_before;
         for (lane_id, lane) in mine {
             let mut in_flight = lane.running.clone();
             let before = in_flight.len();
@@ -549,13 +548,15 @@ struct Written {
 
 /// Which held lanes that run nothing a claim keeps instead of handing them back: while other
 /// lanes of this instance run something, those of its share alone ([`Claimer::share_alone`])
-/// whose lease has more than half to run. Its fan-out would otherwise take them again for its next batches, a durable write each
-/// (measured: a keyed drain handed back about 240 lanes at every poll and took each back by
-/// one `findAndModify`). An idle host still hands back every lane at once, and lanes of
-/// another host's share are handed back as soon as they run nothing.
+/// whose lease has more than half to run. Its fan-out would otherwise take them again for its
+/// next batches, a durable write each (measured: a keyed drain handed back about 240 lanes at
+/// every poll and took each back by one `findAndModify`). An idle host still hands back every
+/// lane at once, and lanes of another host's share are handed back as soon as they run nothing.
 struct KeptIdle {
     busy: bool,
     share: Option<Assignment>,
+    /// A lease ending before this is past half: such a lane's list is written again (which
+    /// extends it), or the lane handed back.
     refresh_before: DateTime,
 }
 
