@@ -7,18 +7,19 @@
 use super::*;
 
 impl Claimer {
-    /// Takes out of `idle` (keys of which nothing is pending in the store) the keys of leases
-    /// this instance issued and has not seen settled: a key's head handed out without a
-    /// document is pending only here (its lane's holder is the only one that runs its lane's
-    /// work), and a fan-out must not hand out the key's next delivery beside it.
-    pub fn drop_running_keys(&self, idle: &mut HashSet<HandlerKey>) {
-        if idle.is_empty() {
-            return;
-        }
+    /// The keys of leases this instance issued and has not seen settled, which a fan-out takes
+    /// out of the keys it found with nothing pending in the store: a key's head handed out
+    /// without a document is pending only here (its lane's holder is the only one that runs
+    /// its lane's work), and a fan-out must not hand out the key's next delivery beside it.
+    ///
+    /// Taken *before* the store is read for what is pending: a settling writes a head's
+    /// record before it counts the lease as settled, so a key taken to run here then, or
+    /// found pending in the store after, is never missed by both. Taken after, a head whose
+    /// record landed past the read's snapshot and whose lease settled before this would be
+    /// neither.
+    pub fn running_keys(&self) -> HashSet<HandlerKey> {
         let issued = self.issued.lock().expect("issued leases");
-        for key in issued.values().filter_map(|issued| issued.key.as_ref()) {
-            idle.remove(key);
-        }
+        issued.values().filter_map(|issued| issued.key.clone()).collect()
     }
 
     /// The ordering keys (of any handler) of the leases this instance issued and has not seen

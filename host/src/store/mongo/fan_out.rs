@@ -311,6 +311,8 @@ async fn handing_out(
     };
     let plan = fan_out::plan(&batch, subscriptions);
     let heads = if hand_out.total == 0 { Vec::new() } else { fan_out::keyed_heads(&plan) };
+    // Before the read of what is pending (see `Claimer::running_keys`).
+    let running = store.claimer.running_keys();
     let idle = match heads.is_empty() {
         true => HashSet::new(),
         false => match heads::idle_keys(store, tx.session(), heads).await {
@@ -322,7 +324,7 @@ async fn handing_out(
         },
     };
     let mut idle = idle;
-    store.claimer.drop_running_keys(&mut idle);
+    idle.retain(|key| !running.contains(key));
     // Of an idle key, only its head: the rest waits unfanned for the head to settle here.
     let (batch, left_out) = if idle.is_empty() { (batch, Vec::new()) } else { fan_out::heads_of_idle_keys(batch, &plan, &idle) };
     let plan = if left_out.is_empty() { plan } else { fan_out::plan(&batch, subscriptions) };
