@@ -557,6 +557,20 @@ mod tests {
     }
 
     #[test]
+    fn keys_read_apart_are_read_up_to_their_bounds_and_one_alone_to_its_end() {
+        let named = |keys: &[&str]| keys.iter().map(|k| k.to_string()).collect::<Vec<_>>();
+        let asked = |keys: &[(&str, i64)]| keys.iter().map(|(k, n)| (k.to_string(), *n)).collect::<Vec<_>>();
+        // One key read apart and nothing else: to its end.
+        assert_eq!(prefixes_to_read(&[], true, &asked(&[("h", 7)])), [(named(&["h"]), None)]);
+        // Beside the oldest events, or beside another key read apart: each up to its bound.
+        let first = [keyed("a", "k", 2)];
+        assert_eq!(prefixes_to_read(&first, true, &asked(&[("h", 7)])), [(named(&["k"]), Some(2)), (named(&["h"]), Some(7))]);
+        assert_eq!(prefixes_to_read(&[], true, &asked(&[("h", 7), ("j", 3)])), [(named(&["j"]), Some(3)), (named(&["h"]), Some(7))]);
+        // A key read apart that is among the oldest too: up to the higher of the two.
+        assert_eq!(prefixes_to_read(&[keyed("b", "h", 9)], true, &asked(&[("h", 7)])), [(named(&["h"]), Some(9))]);
+    }
+
+    #[test]
     fn heard_batches_hold_each_keys_events_in_sequence_order_after_the_unkeyed_ones() {
         let unkeyed = NewEvent::new("u", "t", doc! {}).to_document(None, DateTime::now());
         let mut no_sequence = keyed("n", "k", 1);
