@@ -6,14 +6,13 @@
 
 mod common;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bson::doc;
 use common::*;
 use relayhost::event::{EventError, NewEvent};
-use relayhost::lane::LaneId;
 use relayhost::store::{
     DeliveryFilter, DeliveryStatus, PurgeOptions, Published, Settlement, Store, StoreError, StoreOptions,
     StoreTransaction, Subscription, Subscriptions, MALFORMED_EVENT_HANDLER, run_in_transaction,
@@ -56,7 +55,6 @@ contract!(
     concurrent_workers_never_claim_twice_and_keep_key_order,
     lanes_are_exclusive_under_a_live_lease,
     live_hosts_split_the_lanes_and_leave_each_other_their_events_until_stale,
-    a_busy_host_keeps_the_idle_lanes_of_its_share_and_hands_back_the_others,
     a_claim_in_given_lanes_takes_only_those_and_keeps_the_rules,
     a_fan_out_hands_out_unkeyed_deliveries_in_free_or_own_lanes_only,
     a_fan_out_hands_out_a_keys_head_only_while_nothing_of_its_key_is_pending,
@@ -596,64 +594,6 @@ async fn live_hosts_split_the_lanes_and_leave_each_other_their_events_until_stal
     assert_eq!(a.announce(at(t3)).await.unwrap(), 1, "b withdrew");
     publish_all(fixture.store(), events("third", t3)).await;
     assert_eq!(a.fan_out(&subscriptions, 1_000, 0, at(t3 + 1)).await.unwrap().events, 100);
-}
-
-/// While a host runs something, its claims keep the lanes of its share that run nothing (its
-/// fan-out would take each back by a durable write), and hand back the others at once; idle,
-/// it hands back every lane.
-async fn a_busy_host_keeps_the_idle_lanes_of_its_share_and_hands_back_the_others<F: Fixture>() {
-    let fixture = F::new().await;
-    // c never announces itself: every lane is its share, so it takes any lane that is free.
-    let (a, b, c) = (fixture.worker("a"), fixture.worker("b"), fixture.worker("c"));
-    let subscriptions = subs(&[("h", &["t"])]);
-    let h = handlers(&["h"]);
-    let key_in = |lane: u8| (0..).map(|n| format!("k-{n}")).find(|key| relayhost::lane::lane_of(key) == lane).unwrap();
-    let lanes: Vec<u8> = (0..32).map(|n| n * 8).collect();
-    // Created at `now`: the split leaves an event to its lane's host until it is stale.
-    let one_in_each = |round: &str, now: i64| {
-        lanes.iter().map(|lane| keyed(&format!("{round}-{lane}"), "t", &key_in(*lane)).with_created_at(at(now))).collect()
-    };
-    // a, alone, runs one event in each of 32 lanes.
-    assert_eq!(a.announce(at(T0)).await.unwrap(), 1);
-    publish_all(fixture.store(), one_in_each("first", T0)).await;
-    fan_out_all(fixture.store(), &subscriptions, at(T0)).await;
-    let first = a.claim(&h, 100, at(T0 + 1)).await.unwrap();
-    assert_eq!(first.len(), 32);
-    // b joins; a completes all but one and claims again, still busy with that one.
-    announce_both(&a, &b, T0 + 2).await;
-    let (running, done) = first.split_at(1);
-    a.complete_many(&done.iter().map(|d| d.lease).collect::<Vec<_>>(), at(T0 + 3)).await.unwrap();
-    assert!(a.claim(&h, 100, at(T0 + 4)).await.unwrap().is_empty());
-    // Work in every one of those lanes: which are a's share says a's fan-out, b's the rest.
-    publish_all(fixture.store(), one_in_each("second", T0 + 4)).await;
-    let by_a = a.fan_out(&subscriptions, 1_000, 0, at(T0 + 5)).await.unwrap();
-    let by_b = b.fan_out(&subscriptions, 1_000, 0, at(T0 + 5)).await.unwrap();
-    assert_eq!(by_a.events + by_b.events, 32);
-    assert!(by_a.events > 0 && by_b.events > 0, "a split in two: {} and {}", by_a.events, by_b.events);
-    // c takes the lanes of b's share that a handed back, and none of a's share that a kept.
-    let running_lane = running[0].lease.lane;
-    let taken: BTreeSet<LaneId> = c.claim(&h, 100, at(T0 + 6)).await.unwrap().iter().map(|d| d.lease.lane).collect();
-    let handed_back: BTreeSet<LaneId> = by_b.lanes.iter().copied().filter(|lane| *lane != running_lane).collect();
-    assert_eq!(taken, handed_back, "of a's share, kept: {:?}", by_a.lanes);
-    // Idle, a hands back every lane: it runs what its kept lanes hold, then c takes them all.
-    a.complete_many(&[running[0].lease], at(T0 + 7)).await.unwrap();
-    let kept = a.claim(&h, 100, at(T0 + 8)).await.unwrap();
-    assert!(kept.iter().all(|d| by_a.lanes.contains(&d.lease.lane) || d.lease.lane == running_lane) && !kept.is_empty());
-    a.complete_many(&kept.iter().map(|d| d.lease).collect::<Vec<_>>(), at(T0 + 9)).await.unwrap();
-    assert!(a.claim(&h, 100, at(T0 + 10)).await.unwrap().is_empty());
-    publish_all(fixture.store(), one_in_each("third", T0 + 10)).await;
-    fan_out_all(fixture.store(), &subscriptions, at(T0 + 11)).await;
-    let mut every: Vec<LaneId> = Vec::new();
-    loop {
-        let claimed = c.claim(&h, 100, at(T0 + 12)).await.unwrap();
-        if claimed.is_empty() {
-            break;
-        }
-        every.extend(claimed.iter().map(|d| d.lease.lane));
-        c.complete_many(&claimed.iter().map(|d| d.lease).collect::<Vec<_>>(), at(T0 + 12)).await.unwrap();
-    }
-    let by_a_lanes: BTreeSet<LaneId> = by_a.lanes.iter().copied().collect();
-    assert!(by_a_lanes.iter().all(|lane| every.contains(lane)), "c took {every:?}, a's lanes were {by_a_lanes:?}");
 }
 
 /// Announces `a`, then `b`, then `a` again at `now`, each seeing both live.

@@ -52,14 +52,12 @@ struct Faulty<'s, B, S> {
     /// How often the claim searched free lanes, and handed lanes back.
     searches: AtomicUsize,
     hand_backs: AtomicUsize,
-    /// How many lanes the claim's scans read for due work, all scans together.
-    scanned: AtomicUsize,
 }
 
 impl<'s, B, S> Faulty<'s, B, S> {
     fn new(inner: B, fault: Fault, store: &'s S) -> Self {
         let count = || AtomicUsize::new(0);
-        Self { inner, fault, store, current_reads: count(), charges: count(), searches: count(), hand_backs: count(), scanned: count() }
+        Self { inner, fault, store, current_reads: count(), charges: count(), searches: count(), hand_backs: count() }
     }
 }
 
@@ -129,7 +127,6 @@ impl<B: ClaimBackend + Send, S: Store> ClaimBackend for Faulty<'_, B, S> {
         running: &HashSet<DeliveryId>,
         limit: usize,
     ) -> Result<Vec<Candidate>, StoreError> {
-        self.scanned.fetch_add(lanes.len(), Ordering::SeqCst);
         self.inner.candidates(lanes, handlers, now, after, running, limit).await
     }
     async fn key_heads(&self, keys: &[HandlerKey]) -> Result<HashMap<HandlerKey, DeliveryId>, StoreError> {
@@ -264,51 +261,6 @@ both_stores!(a_charge_kept_waiting_is_tried_again_once_a_second_and_holds_no_cla
 both_stores!(a_stop_before_a_failed_charge_was_made_leaves_it_to_the_next_taker, stop_after_failed_charge);
 both_stores!(a_death_before_a_failed_charge_was_made_leaves_it_to_the_next_taker, death_before_failed_charge_was_made);
 both_stores!(an_idle_hosts_claim_searches_the_free_lanes_once_and_hands_its_idle_lane_back, idle_claim);
-both_stores!(a_claim_in_given_lanes_leaves_out_the_idle_lanes_a_busy_host_keeps, kept_idle_lanes);
-
-/// A busy host keeps the idle lanes of its share (see `KeptIdle`). A claim in given lanes,
-/// asked for at every settling of a key's chain, scans those and the lanes that run
-/// something, not every lane kept; the poll's claim scans them all.
-async fn kept_idle_lanes<S: Store + Parts>(a: &S, _b: &S, _c: &S) {
-    let handlers = vec!["h".to_string()];
-    assert_eq!(a.announce(DateTime::from_millis(T0)).await.unwrap(), 1, "alone, every lane is its share");
-    let mut keys = Vec::new();
-    let mut lanes = HashSet::new();
-    for n in 0.. {
-        let key = format!("k-{n}");
-        if lanes.insert(crate::lane::lane_of(&key)) {
-            keys.push(key);
-        }
-        if keys.len() == 20 {
-            break;
-        }
-    }
-    run_in_transaction(a, async |tx| {
-        for key in &keys {
-            a.publish(tx, &NewEvent::new(format!("e-{key}"), "t", doc! {}).with_key(key.clone())).await?;
-        }
-        Ok(())
-    })
-    .await
-    .unwrap();
-    let subscriptions = Subscriptions::new([Subscription::new("h", ["t"])]).unwrap();
-    a.fan_out(&subscriptions, 100, 0, DateTime::from_millis(T0)).await.unwrap();
-    let claimed = a.claim(&handlers, 20, DateTime::from_millis(T0 + 1)).await.unwrap();
-    assert_eq!(claimed.len(), 20);
-    // All but one settle; the next claim keeps their lanes, since one still runs.
-    let (running, settled) = claimed.split_at(1);
-    a.complete_many(&settled.iter().map(|c| c.lease).collect::<Vec<_>>(), DateTime::from_millis(T0 + 2)).await.unwrap();
-    assert!(a.claim(&handlers, 20, DateTime::from_millis(T0 + 3)).await.unwrap().is_empty());
-    let (backend, claimer) = a.parts();
-    let faulty = Faulty::new(backend, Fault::Nothing, a);
-    let named = [settled[0].lease.lane];
-    let in_named = claimer.claim(&faulty, &handlers, LaneSearch::Only(&named), 10, DateTime::from_millis(T0 + 4)).await.unwrap();
-    assert!(in_named.is_empty());
-    assert_eq!(faulty.scanned.swap(0, Ordering::SeqCst), 2, "the named lane and the one of {:?}", running[0].lease);
-    let polled = claimer.claim(&faulty, &handlers, LaneSearch::FreeWithDueWork, 10, DateTime::from_millis(T0 + 5)).await.unwrap();
-    assert!(polled.is_empty());
-    assert_eq!(faulty.scanned.load(Ordering::SeqCst), 20, "every lane held: the kept ones too");
-}
 
 /// The poll of an idle host is a claim that finds nothing: it costs few round trips, or every
 /// event fanned out meanwhile waits for it (a hand-out waits for a claim of its host).

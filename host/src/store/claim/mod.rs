@@ -20,7 +20,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::future::Future;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use bson::oid::ObjectId;
@@ -123,8 +123,6 @@ pub(crate) struct Claimer {
     /// The lanes whose events this instance fans out, as its last announcement found the
     /// live hosts (every lane until it announced itself).
     assignment: Mutex<Assignment>,
-    /// Whether it announced itself: until then every lane is the share of each such instance.
-    announced: AtomicBool,
 }
 
 /// How many known heads a claimer keeps at most; beyond that it forgets them all and looks
@@ -221,7 +219,6 @@ impl Claimer {
             forgotten_heads: Mutex::new(HashSet::new()),
             uncharged: Mutex::new(Vec::new()),
             assignment: Mutex::new(Assignment::everything()),
-            announced: AtomicBool::new(false),
         }
     }
 
@@ -242,12 +239,6 @@ impl Claimer {
         self.assignment.lock().expect("assignment").clone()
     }
 
-    /// Its share alone: the lanes no other instance takes while they are free, as its last
-    /// announcement split them; none before it announced itself.
-    pub(super) fn share_alone(&self) -> Option<Assignment> {
-        self.announced.load(Ordering::SeqCst).then(|| self.assignment())
-    }
-
     /// Takes the live hosts an announcement found as the new split of the lanes; returns
     /// whether this instance gained lanes (whose unfanned events it left to others so far).
     pub fn assign(&self, hosts: &[String]) -> bool {
@@ -258,7 +249,6 @@ impl Claimer {
             tracing::info!(hosts = new.hosts(), lanes = new.lanes(), "live hosts changed; this host now fans out its share of the lanes");
         }
         *assignment = new;
-        self.announced.store(true, Ordering::SeqCst);
         gained
     }
 
@@ -561,7 +551,7 @@ fn adopt(held: &mut BTreeMap<LaneId, Held>, mine: &mut BTreeMap<LaneId, HeldLane
     for lane in taken {
         held.insert(lane.id, Held { epoch: lane.epoch, known: None });
         let lease_until = lane.lease_expires_at;
-        mine.insert(lane.id, HeldLane { epoch: lane.epoch, running: Vec::new(), takes_free_at: None, lease_until, kept_idle: false });
+        mine.insert(lane.id, HeldLane { epoch: lane.epoch, running: Vec::new(), takes_free_at: None, lease_until });
     }
     ids
 }
@@ -573,6 +563,4 @@ struct HeldLane {
     takes_free_at: Option<DateTime>,
     /// When its lease ends as last written.
     lease_until: DateTime,
-    /// Kept by the last claim though it ran nothing (see `KeptIdle`), and listed nothing since.
-    kept_idle: bool,
 }

@@ -3,8 +3,7 @@
 //! whose holder died, charging what had started; scan the held lanes into a [`Plan`] (the
 //! lanes it did not reach get their turn once a second); take free lanes with due work (other
 //! hosts' once stale), oldest work first once a second, while the held lanes left idle are
-//! handed back (a busy host keeps those of its share, see [`KeptIdle`]); record the picks in
-//! their lanes, hand back the lanes left idle since and read
+//! handed back; record the picks in their lanes, hand back the lanes left idle since and read
 //! the picks' events at once; bury picks whose event is gone; park what waits behind a busy
 //! key and give back what a requeue overtook; issue the leases.
 //! It must never decide backoff or attempt limits.
@@ -39,7 +38,7 @@ impl Claimer {
         // learned, when it succeeds; a failed claim only costs the next one some lookups.
         plan.known_heads = std::mem::take(&mut *self.known_heads.lock().expect("known heads"));
         self.drop_forgotten_heads(&mut plan.known_heads, false);
-        let lanes: Vec<LaneId> = mine.iter().filter(|(id, lane)| scans(&search, **id, lane)).map(|(id, _)| *id).collect();
+        let lanes: Vec<LaneId> = mine.keys().copied().collect();
         let unread = scan(backend, &mut plan, &lanes, handlers, now).await?;
         if plan.full() && !unread.is_empty() && self.unread_lanes_check.due(now) {
             older_work_of_unread_lanes(backend, &mut plan, unread, handlers).await?;
@@ -47,12 +46,10 @@ impl Claimer {
         let tried: BTreeSet<LaneId> = mine.keys().chain(&waiting).copied().collect();
         // Held lanes that run nothing and where the scan picked nothing are handed back while
         // free lanes are searched (the search leaves them alone): an idle host's poll then
-        // waits for one round trip less. A busy host keeps those of its share a while.
-        let keeping = KeptIdle::at(self, &mine, &plan, now);
+        // waits for one round trip less.
         let idle: Vec<(LaneId, i64)> = mine
             .iter()
             .filter(|(id, lane)| lane.takes_free_at.is_none() && lane.running.is_empty() && !plan.picks.iter().any(|p| p.lane == **id))
-            .filter(|(id, lane)| !keeping.keeps(**id, lane))
             .map(|(id, lane)| (*id, lane.epoch))
             .collect();
         mine.retain(|id, _| !idle.iter().any(|(lane, _)| lane == id));
@@ -105,8 +102,7 @@ impl Claimer {
             .iter_mut()
             .filter_map(|(id, lane)| {
                 let Listed { in_flight, lease_until } = lane.known.take()?;
-                let kept_idle = in_flight.is_empty();
-                Some((*id, HeldLane { epoch: lane.epoch, running: in_flight, takes_free_at: None, lease_until, kept_idle }))
+                Some((*id, HeldLane { epoch: lane.epoch, running: in_flight, takes_free_at: None, lease_until }))
             })
             .collect();
         let unknown = held.keys().filter(|id| !known.contains_key(id)).copied();
@@ -126,13 +122,12 @@ impl Claimer {
                         running: state.in_flight,
                         takes_free_at: None,
                         lease_until: state.lease_expires_at,
-                        kept_idle: false,
                     };
                     mine.insert(state.id, lane);
                 } else if named.contains(&state.id) && (state.owner.is_none() || state.lease_expires_at < now) {
                     if state.in_flight.is_empty() {
                         let lane =
-                            HeldLane { epoch: state.epoch + 1, running: Vec::new(), takes_free_at: Some(now), lease_until: now, kept_idle: false };
+                            HeldLane { epoch: state.epoch + 1, running: Vec::new(), takes_free_at: Some(now), lease_until: now };
                         mine.insert(state.id, lane);
                     } else {
                         // A takeover: what its owner left in flight is charged before anything
@@ -225,7 +220,6 @@ impl Claimer {
     ) -> Result<Written, StoreError> {
         let mut records = Vec::new();
         let mut idle = Vec::new();
-        let keeping = KeptIdle::at(self, mine, plan, now);
         // The first picks take the free run slots; the others are listed as claimed ahead.
         for (at, pick) in plan.picks.iter_mut().enumerate() {
             pick.started = at < capacity.run_now;
@@ -233,7 +227,8 @@ impl Claimer {
         // A lane that runs something and picked nothing new keeps its list and lease as
         // written (entries settled since are harmless there: a takeover charges only those
         // still at their listed generation), unless its lease is running out.
-        let refresh_before = keeping.refresh_before;
+        let lease_ms = i64::try_from(self.lease_duration.as_millis()).unwrap_or(i64::MAX);
+        let refresh_before = DateTime::from_millis(now.timestamp_millis().saturating_add(lease_ms / 2));
         for (lane_id, lane) in mine {
             let mut in_flight = lane.running.clone();
             let before = in_flight.len();
@@ -242,11 +237,6 @@ impl Claimer {
             match (in_flight.is_empty(), lane.takes_free_at) {
                 // Never taken, so nothing to hand back.
                 (true, Some(_)) => {}
-                (true, None) if keeping.keeps(*lane_id, lane) => {
-                    if let Some(held) = held.get_mut(lane_id) {
-                        held.known = Some(Listed { in_flight, lease_until: lane.lease_until });
-                    }
-                }
                 (true, None) => idle.push((*lane_id, lane.epoch)),
                 (false, None) if !picked && lane.lease_until > refresh_before => {
                     if let Some(held) = held.get_mut(lane_id) {
@@ -544,46 +534,4 @@ struct Written {
     recorded: Vec<bool>,
     idle: Vec<(LaneId, i64)>,
     events: HashMap<String, Document>,
-}
-
-/// Which held lanes that run nothing a claim keeps instead of handing them back: while other
-/// lanes of this instance run something, those of its share alone ([`Claimer::share_alone`])
-/// whose lease has more than half to run. Its fan-out would otherwise take them again for its
-/// next batches, a durable write each (measured: a keyed drain handed back about 240 lanes at
-/// every poll and took each back by one `findAndModify`). An idle host still hands back every
-/// lane at once, and lanes of another host's share are handed back as soon as they run nothing.
-struct KeptIdle {
-    busy: bool,
-    share: Option<Assignment>,
-    /// A lease ending before this is past half: such a lane's list is written again (which
-    /// extends it), or the lane handed back.
-    refresh_before: DateTime,
-}
-
-impl KeptIdle {
-    fn at(claimer: &Claimer, mine: &BTreeMap<LaneId, HeldLane>, plan: &Plan, now: DateTime) -> Self {
-        let lease_ms = i64::try_from(claimer.lease_duration.as_millis()).unwrap_or(i64::MAX);
-        Self {
-            busy: !plan.picks.is_empty() || mine.values().any(|lane| !lane.running.is_empty()),
-            share: claimer.share_alone(),
-            refresh_before: DateTime::from_millis(now.timestamp_millis().saturating_add(lease_ms / 2)),
-        }
-    }
-
-    fn keeps(&self, id: LaneId, lane: &HeldLane) -> bool {
-        let alone = self.share.as_ref().is_some_and(|share| share.is_mine(id));
-        self.busy && alone && lane.takes_free_at.is_none() && lane.lease_until > self.refresh_before
-    }
-}
-
-/// Whether a claim scans held lane `id` for due work. A claim in given lanes leaves out a
-/// lane kept idle that it was not given: such a lane gets work from a fan-out or a settling,
-/// which name it, or from a retry or the poll, whose claims scan every held lane. Scanned by
-/// every claim, the lanes a busy host keeps made each claim of a hot key's chain read them
-/// all (measured: the hot key's drain at half its rate).
-fn scans(search: &LaneSearch<'_>, id: LaneId, lane: &HeldLane) -> bool {
-    match search {
-        LaneSearch::FreeWithDueWork => true,
-        LaneSearch::Only(named) => !lane.kept_idle || named.contains(&id),
-    }
 }
