@@ -72,8 +72,8 @@ pub(super) async fn read_batch(
     let mut seen: HashSet<String> = HashSet::new();
     let mut from: Option<Document> = None;
     let mut more = false;
-    let running: Vec<String> = if hands_out { store.claimer.keys_running_here().into_iter().collect() } else { Vec::new() };
-    let asked = if hands_out { fan_out::keys_to_ask(store.claimer.keys_left_out(), |key| running.iter().any(|r| r == key), limit) } else { Vec::new() };
+    let running: HashSet<String> = if hands_out { store.claimer.keys_running_here() } else { HashSet::new() };
+    let asked = if hands_out { fan_out::keys_to_ask(store.claimer.keys_left_out(), |key| running.contains(key), limit) } else { Vec::new() };
     // The oldest events leave room in the batch for one event of each key asked.
     let limit = limit - asked.len();
     let mut unfanned = doc! { field::FANNED_OUT_AT: Bson::Null };
@@ -124,7 +124,8 @@ pub(super) async fn read_batch(
     let deferred: Vec<String> = if running.is_empty() || more || cut {
         Vec::new()
     } else {
-        let filter = doc! { field::KEY: { "$in": &running }, field::FANNED_OUT_AT: Bson::Null };
+        let running: Vec<&String> = running.iter().collect();
+        let filter = doc! { field::KEY: { "$in": running }, field::FANNED_OUT_AT: Bson::Null };
         // (`distinct` takes no hint before MongoDB 7.1: the filter matches `key_unfanned`'s.)
         let distinct = events.distinct(field::KEY, filter);
         let keys = match session.as_deref_mut() {
