@@ -66,9 +66,13 @@ impl MemoryStore {
         let mut state = self.state.lock().await;
         let (batch, mut deferred, asked) = self.read_batch(&state, limit, hand_out.total > 0, now);
         let plan = fan_out::plan(&batch, subscriptions);
-        let running = self.claimer.running_keys();
-        let mut idle = if hand_out.total == 0 { HashSet::new() } else { state.idle_keys(fan_out::keyed_heads(&plan)) };
-        idle.retain(|key| !running.contains(key));
+        let mut idle = HashSet::new();
+        if hand_out.total > 0 {
+            // Before the read of what is pending (see `Claimer::running_keys`).
+            let running = self.claimer.running_keys();
+            idle = state.idle_keys(fan_out::keyed_heads(&plan));
+            idle.retain(|key| !running.contains(key));
+        }
         // Of an idle key, only its head: the rest waits unfanned for the head to settle here.
         let (batch, left_out) = if idle.is_empty() { (batch, Vec::new()) } else { fan_out::heads_of_idle_keys(batch, &plan, &idle) };
         let plan = if left_out.is_empty() { plan } else { fan_out::plan(&batch, subscriptions) };

@@ -312,7 +312,7 @@ async fn handing_out(
     let plan = fan_out::plan(&batch, subscriptions);
     let heads = if hand_out.total == 0 { Vec::new() } else { fan_out::keyed_heads(&plan) };
     // Before the read of what is pending (see `Claimer::running_keys`).
-    let running = store.claimer.running_keys();
+    let running = if heads.is_empty() { HashSet::new() } else { store.claimer.running_keys() };
     let idle = match heads.is_empty() {
         true => HashSet::new(),
         false => match heads::idle_keys(store, tx.session(), heads).await {
