@@ -236,15 +236,24 @@ pub(super) use both_stores;
 
 pub(super) trait Parts {
     fn parts(&self) -> (impl ClaimBackend + Send + '_, &super::claim::Claimer);
+    /// The plain mark of the fan-out `fan_out`, which listed `event`'s delivery to `handler`
+    /// and handed it out, landing only now; whether it marked the event.
+    fn mark_late(&self, event: &str, handler: &str, fan_out: bson::oid::ObjectId, now: DateTime) -> impl Future<Output = bool>;
 }
 impl Parts for MemoryStore {
     fn parts(&self) -> (impl ClaimBackend + Send + '_, &super::claim::Claimer) {
         self.claim_parts()
     }
+    fn mark_late(&self, event: &str, handler: &str, fan_out: bson::oid::ObjectId, now: DateTime) -> impl Future<Output = bool> {
+        MemoryStore::mark_late(self, event, handler, fan_out, now)
+    }
 }
 impl Parts for MongoStore {
     fn parts(&self) -> (impl ClaimBackend + Send + '_, &super::claim::Claimer) {
         self.claim_parts()
+    }
+    fn mark_late(&self, event: &str, handler: &str, fan_out: bson::oid::ObjectId, _now: DateTime) -> impl Future<Output = bool> {
+        MongoStore::mark_late(self, event, handler, fan_out, false)
     }
 }
 

@@ -30,6 +30,7 @@ both_stores!(two_holders_dying_after_a_racing_fan_out_charge_only_the_delivery_t
 both_stores!(a_death_with_a_full_claim_ahead_charges_only_what_had_started, full_claim_ahead);
 both_stores!(a_run_its_host_died_in_before_its_fan_out_committed_is_recorded_before_it_runs_again, died_before_the_fan_out_committed);
 both_stores!(a_keyed_run_its_host_died_in_before_its_fan_out_committed_is_recorded_before_it_runs_again, keyed_died_before_the_fan_out_committed);
+both_stores!(a_plain_mark_landing_after_a_takeover_of_its_lane_hands_nothing_out, mark_after_takeover);
 
 fn handlers() -> Vec<String> {
     vec!["h".to_string()]
@@ -240,27 +241,118 @@ async fn hand_out_started<S: Store + Parts>(a: &S, key: Option<&str>) -> crate::
     lane
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dead_fan_outs_transaction_still_holding_its_event_does_not_hold_the_takeover_up() {
-    // In MongoDB the dead host's fan-out transaction holds the event it marked until its
-    // session is ended (see `mongo/hosts.rs`): the takeover does not wait for it, and the
-    // event is named suspect once it is free.
+/// A fan-out listed two runs without a document (one started, one claimed ahead) in a lane it
+/// took, and was held up before its mark (a failover, say) until its lease lapsed: another
+/// instance took the lane over first, and found both events unfanned. The mark that lands
+/// then hands nothing out (had it, nothing would list those runs, and they would be lost):
+/// the events are fanned out again, and their deliveries run.
+async fn mark_after_takeover<S: Store + Parts>(a: &S, b: &S, _c: &S) {
+    publish(a, ["e-1".to_string(), "e-2".to_string()]).await;
+    let fan_out = ObjectId::new();
+    let lane = list_without_documents(a, &[("e-1", true), ("e-2", false)], fan_out).await;
+
+    assert!(b.claim_in(&handlers(), &[lane], 10, at(LATER)).await.unwrap().is_empty());
+    for event in ["e-1", "e-2"] {
+        assert!(!a.mark_late(event, "h", fan_out, at(LATER)).await, "{event}: the late mark hands nothing out");
+    }
+    let fanned = b.fan_out(&subscriptions(), 10, 10, at(LATER)).await.unwrap();
+    assert_eq!((fanned.events, fanned.claimed.len()), (2, 0), "fanned out again, for a claim");
+    let claimed = b.claim(&handlers(), 10, at(LATER)).await.unwrap();
+    assert_eq!(claimed.len(), 2, "{claimed:?}");
+    assert!(claimed.iter().all(|c| c.suspect && c.attempts == 0), "{claimed:?}");
+    let leases: Vec<_> = claimed.iter().map(|c| c.lease).collect();
+    b.complete_many(&leases, at(LATER)).await.unwrap();
+    drain(b, LATER + 1).await;
+}
+
+/// Lists `events`' runs to `h` without a document (each started or not), as the fan-out
+/// `fan_out` of `a` does before its mark, in a lane `a` takes (the first event's); returns
+/// the lane.
+async fn list_without_documents<S: Store + Parts>(a: &S, events: &[(&str, bool)], fan_out: ObjectId) -> LaneId {
+    let (backend_a, claimer_a) = a.parts();
+    let entries: Vec<InFlight> = events
+        .iter()
+        .map(|(event, started)| InFlight {
+            delivery: ObjectId::new(),
+            claims: 0,
+            handler: "h".to_string(),
+            key: None,
+            unstored: Some(HandOutOf { event: Bson::String(event.to_string()), fan_out: Some(fan_out) }),
+            started: *started,
+            before_commit: None,
+        })
+        .collect();
+    let lane = crate::lane::lane_for_event(events[0].0, None);
+    let lists = [(lane, entries)];
+    let listed = backend_a.take_listing(&lists, &claimer_a.holder, at(T0), at(T0 + 30_000), LaneWrite::Applied);
+    assert_eq!(listed.await.unwrap().len(), 1);
+    lane
+}
+
+/// In MongoDB a fan-out transaction holds the event it marked until it ends: a fan-out still
+/// on its way from a holder held up past its lease (or dead, until the live hosts end its
+/// session, see `mongo/hosts.rs`). A takeover waits for it (its charge is tried again while
+/// the claims go on), then materializes the run the fan-out committed, or names the event
+/// suspect if it did not commit.
+async fn takeover_meeting_an_open_fan_out(commits: bool) {
     let a = mongo_store().await;
     let b = a.instance("b");
     publish(&a, ["e-1".to_string()]).await;
+    let fan_out = ObjectId::new();
     let events = a.events_collection();
-    let mut dead = events.client().start_session().await.unwrap();
-    dead.start_transaction().await.unwrap();
-    let mark = doc! { "$set": { "fannedOutAt": at(T0), "handedOut": ["h"], "handlers": ["h"] } };
-    events.update_one(doc! { "_id": "e-1" }, mark).session(&mut dead).await.unwrap();
-    let lane = hand_out_started(&a, None).await;
+    let mut open = events.client().start_session().await.unwrap();
+    open.start_transaction().await.unwrap();
+    let mark = doc! { "$set": { "fannedOutAt": at(T0), "handedOut": ["h"], "handlers": ["h"], "fanOut": fan_out } };
+    events.update_one(doc! { "_id": "e-1" }, mark).session(&mut open).await.unwrap();
+    let lane = list_without_documents(&a, &[("e-1", true)], fan_out).await;
 
     assert!(b.claim_in(&handlers(), &[lane], 10, at(LATER)).await.unwrap().is_empty());
-    assert_eq!(b.parts().1.lanes_waiting_for_charge(), 0, "the charge did not wait for the transaction");
-    dead.abort_transaction().await.unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while events.find_one(doc! { "_id": "e-1", "suspects": "h" }).await.unwrap().is_none() {
-        assert!(std::time::Instant::now() < deadline, "the event is named suspect once the transaction ended");
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    assert_eq!(b.parts().1.lanes_waiting_for_charge(), 1, "the charge waits for the fan-out's transaction");
+    if commits {
+        open.commit_transaction().await.unwrap();
+    } else {
+        open.abort_transaction().await.unwrap();
     }
+    // The next claim charges first (a charge kept waiting is tried again once a second).
+    let claimed = b.claim(&handlers(), 10, at(LATER + 1_000)).await.unwrap();
+    assert_eq!(b.parts().1.lanes_waiting_for_charge(), 0, "charged once the transaction ended");
+    if commits {
+        assert_eq!(claimed.iter().map(|c| (c.event.id.as_str(), c.attempts)).collect::<Vec<_>>(), [("e-1", 1)], "charged, run again");
+        b.complete_many(&[claimed[0].lease], at(LATER + 1_000)).await.unwrap();
+    } else {
+        assert!(claimed.is_empty(), "{claimed:?}");
+        assert!(events.find_one(doc! { "_id": "e-1", "suspects": "h" }).await.unwrap().is_some(), "named suspect");
+        let fanned = b.fan_out(&subscriptions(), 10, 10, at(LATER + 1_000)).await.unwrap();
+        assert_eq!((fanned.events, fanned.claimed.len()), (1, 0), "fanned out again, for a claim");
+        let claimed = b.claim(&handlers(), 10, at(LATER + 1_000)).await.unwrap();
+        assert!(claimed.len() == 1 && claimed[0].suspect, "{claimed:?}");
+        b.complete_many(&[claimed[0].lease], at(LATER + 1_000)).await.unwrap();
+    }
+    drain(&b, LATER + 1_001).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_waits_for_a_fan_out_transaction_holding_its_event_and_runs_what_it_committed() {
+    takeover_meeting_an_open_fan_out(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_waits_for_a_fan_out_transaction_holding_its_event_and_names_what_it_did_not_commit_suspect() {
+    takeover_meeting_an_open_fan_out(false).await;
+}
+
+/// A heard batch's fan-out reads nothing before its mark, so its transaction may begin after
+/// a takeover of the lane it listed in: its mark hands nothing out either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heard_batchs_mark_landing_after_a_takeover_of_its_lane_hands_nothing_out() {
+    let a = mongo_store().await;
+    let b = a.instance("b");
+    publish(&a, ["e-1".to_string()]).await;
+    let fan_out = ObjectId::new();
+    let lane = list_without_documents(&a, &[("e-1", true)], fan_out).await;
+    assert!(b.claim_in(&handlers(), &[lane], 10, at(LATER)).await.unwrap().is_empty());
+    assert!(!a.mark_late("e-1", "h", fan_out, true).await, "the late mark hands nothing out");
+    let fanned = b.fan_out(&subscriptions(), 10, 10, at(LATER)).await.unwrap();
+    assert_eq!((fanned.events, fanned.claimed.len()), (1, 0), "fanned out again, for a claim");
+    drain(&b, LATER).await;
 }

@@ -12,7 +12,7 @@ use bson::{Bson, DateTime, Document};
 use super::unstored::{Charge, Entry};
 use super::{Backend, MemoryStore, State};
 use crate::event::field;
-use crate::store::fan_out::{self, FanOutPlan, WithoutDocuments, id_text, string_key};
+use crate::store::fan_out::{self, FannedEvent, WithoutDocuments, id_text, string_key};
 use crate::store::claim::HandlerKey;
 use crate::store::{Capacity, DeliveryId, DeliveryStatus, EarlyHandOuts, FanOutReport, StoreError, Subscriptions};
 
@@ -147,11 +147,21 @@ impl MemoryStore {
         let without = WithoutDocuments::of(&plan, &mut fresh);
         let (written, without) = (&plan, &without);
         let mark = || async move {
-            let ours = self.state.lock().await.mark_plainly(written, without, now);
+            let ours = self.state.lock().await.mark_plainly(&written.events, without, now);
             Ok(written.deliveries.iter().filter(|d| ours.contains(&id_text(&d.event_id))).map(|d| d.id).collect())
         };
         let sent = self.claimer.hand_out_listed_first(&Backend(&self.state), fresh, mark, early, now).await?;
         Ok(sent.map(|sent| deferred_report(plan.report(Vec::new(), &sent))))
+    }
+
+    /// The plain mark of the fan-out `fan_out`, which listed `event`'s delivery to `handler`
+    /// in a lane and handed it out, landing only now; whether it marked the event.
+    #[cfg(test)]
+    pub(crate) async fn mark_late(&self, event: &str, handler: &str, fan_out: bson::oid::ObjectId, now: DateTime) -> bool {
+        let handlers = vec![handler.to_string()];
+        let fanned = FannedEvent { id: Bson::String(event.to_string()), new_handlers: handlers.clone(), handlers: handlers.clone() };
+        let without = WithoutDocuments { fan_out, handlers: [(event.to_string(), handlers)].into(), ..Default::default() };
+        self.state.lock().await.mark_plainly(&[fanned], &without, now).contains(event)
     }
 }
 
@@ -170,12 +180,16 @@ impl State {
     /// Marks the plan's events fanned out by the fan-out `without` names, listing its handed
     /// out deliveries' handlers; an event another fan-out marked is left as it is. Returns the
     /// events (as [`id_text`] prints them) marked by this fan-out.
-    fn mark_plainly(&mut self, plan: &FanOutPlan, without: &WithoutDocuments, now: DateTime) -> HashSet<String> {
+    fn mark_plainly(&mut self, events: &[FannedEvent], without: &WithoutDocuments, now: DateTime) -> HashSet<String> {
         let mut ours = HashSet::new();
-        for fanned in &plan.events {
+        for fanned in events {
             let id = id_text(&fanned.id);
             let Some(event) = self.events.get_mut(&id) else { continue };
-            let unfanned = !event.contains_key(field::FANNED_OUT_AT);
+            let handed_out = without.handlers.get(&id);
+            // A takeover that named a handler suspect dropped this fan-out's lane entry of it.
+            let suspect = |handler: &Bson| handed_out.is_some_and(|handed| handed.iter().any(|h| Some(h.as_str()) == handler.as_str()));
+            let named_suspect = matches!(event.get(field::SUSPECTS), Some(Bson::Array(suspects)) if suspects.iter().any(suspect));
+            let unfanned = !event.contains_key(field::FANNED_OUT_AT) && !named_suspect;
             let marked_by_us = event.get_object_id(field::FAN_OUT).ok() == Some(without.fan_out);
             if !(unfanned || marked_by_us) {
                 continue;
@@ -183,7 +197,7 @@ impl State {
             event.insert(field::FANNED_OUT_AT, now);
             event.insert(field::HANDLERS, fanned.handlers.clone());
             event.insert(field::FAN_OUT, without.fan_out);
-            match without.handlers.get(&id) {
+            match handed_out {
                 Some(handlers) => event.insert(field::HANDED_OUT, handlers.clone()),
                 None => event.remove(field::HANDED_OUT),
             };
@@ -216,11 +230,11 @@ mod tests {
         let plan = fan_out::plan(&batch, &subscriptions);
         let mut fresh = fan_out::fresh(&plan, &batch, Capacity::from(10), &HashSet::new(), now);
         let (first, second) = (WithoutDocuments::of(&plan, &mut fresh), WithoutDocuments::of(&plan, &mut fresh));
-        assert_eq!(state.mark_plainly(&plan, &first, now), HashSet::from(["e-1".to_string()]));
+        assert_eq!(state.mark_plainly(&plan.events, &first, now), HashSet::from(["e-1".to_string()]));
         // Another fan-out of the same batch marks nothing; the first may mark again (a mark
         // sent again after an error), changing nothing.
-        assert!(state.mark_plainly(&plan, &second, now).is_empty());
-        assert_eq!(state.mark_plainly(&plan, &first, now).len(), 1);
+        assert!(state.mark_plainly(&plan.events, &second, now).is_empty());
+        assert_eq!(state.mark_plainly(&plan.events, &first, now).len(), 1);
         assert_eq!(state.events["e-1"].get_object_id(field::FAN_OUT).unwrap(), first.fan_out);
     }
 }

@@ -10,8 +10,9 @@
 //! not hand it out) first *materializes* it: takes the handler out of the list and inserts its
 //! record at claim generation 0 in its key's or event's lane, so that the ordinary fenced
 //! outcomes apply;
-//! a takeover's entry of an event never fanned out makes the event suspect instead. It must
-//! never make a record for a handler its event no longer lists.
+//! a takeover's entry of an event never fanned out makes the event suspect for its handler
+//! instead, which a late mark of that fan-out respects. It must never make a record for a
+//! handler its event no longer lists.
 
 use bson::{Bson, DateTime};
 
@@ -72,7 +73,9 @@ impl State {
     pub(super) fn materialize(&mut self, entries: &[Entry], charge: Charge, now: DateTime) {
         for entry in entries {
             if !self.names(entry) {
-                if charge == Charge::Takeover && entry.started {
+                // Its fan-out has not committed, and may still (as in MongoDB): named, its
+                // handler is never handed out by that fan-out's mark (see `fan_out`).
+                if charge == Charge::Takeover {
                     self.suspect(&entry.event, &entry.handler);
                 }
                 continue;

@@ -265,6 +265,26 @@ async fn mark_plainly(
     Ok(ours.iter().map(|event| id_text(event.get(field::ID).unwrap_or(&Bson::Null))).collect())
 }
 
+/// The mark of the fan-out `fan_out`, which listed `event`'s delivery to `handler` in a lane
+/// and handed it out, landing only now: plain, or in a transaction (as a heard batch's, which
+/// reads nothing first); whether it marked the event.
+#[cfg(test)]
+pub(super) async fn mark_late(store: &MongoStore, event: &str, handler: &str, fan_out: ObjectId, in_transaction: bool) -> bool {
+    let handlers = vec![handler.to_string()];
+    let fanned = FannedEvent { id: Bson::String(event.to_string()), new_handlers: handlers.clone(), handlers: handlers.clone() };
+    let handed_out = HashMap::from([(event.to_string(), handlers)]);
+    let now = DateTime::now();
+    if !in_transaction {
+        return mark_plainly(store, &[fanned], &handed_out, fan_out, now).await.unwrap().contains(event);
+    }
+    let mut tx = store.begin_with(Commit::Applied).await.unwrap();
+    let statements = mark_statements(&[fanned], &handed_out, Some(Stamp::InTransaction(fan_out)), now);
+    let marked = generations::update_each(store, store.collections.events.name(), statements, WriteIn::Transaction(tx.session()));
+    let marked = marked.await.unwrap();
+    tx.commit().await.unwrap();
+    marked == 1
+}
+
 /// How often a plain mark is sent again after an error before the fan-out gives up (and
 /// hands what it listed back as not run).
 const PLAIN_MARK_ATTEMPTS: u32 = 4;
@@ -497,14 +517,20 @@ fn mark_statements(
                 set.insert(field::HANDED_OUT, handed_out);
             }
             let mut filter = doc! { field::ID: { "$in": ids } };
+            // Never handed out to a handler a takeover named suspect: that takeover dropped
+            // this fan-out's lane entry of it (see `unstored::materialize`).
+            let mut unfanned = doc! { field::FANNED_OUT_AT: Bson::Null };
+            if !handed_out.is_empty() {
+                unfanned.insert(field::SUSPECTS, doc! { "$nin": handed_out });
+            }
             match stamp {
                 Some(Stamp::Plain(fan_out)) => {
                     set.insert(field::FAN_OUT, fan_out);
-                    filter.insert("$or", vec![doc! { field::FANNED_OUT_AT: Bson::Null }, doc! { field::FAN_OUT: fan_out }]);
+                    filter.insert("$or", vec![unfanned, doc! { field::FAN_OUT: fan_out }]);
                 }
                 Some(Stamp::InTransaction(fan_out)) => {
                     set.insert(field::FAN_OUT, fan_out);
-                    filter.insert(field::FANNED_OUT_AT, Bson::Null);
+                    filter.extend(unfanned);
                 }
                 None => {
                     filter.insert(field::FANNED_OUT_AT, Bson::Null);

@@ -299,17 +299,16 @@ impl ClaimBackend for Backend<'_> {
 
     async fn charge_lost(&self, entries: &[InFlight], now: DateTime) -> Result<(), StoreError> {
         // A delivery its fan-out handed out without a document gets one, charged as the
-        // others are, in the transaction that writes it.
-        let mut lost_uncommitted =
-            unstored::materialize(self.store, &unstored::Entry::listed(entries), unstored::Charge::Takeover, now).await?;
-        // Runs handed out before their fan-out committed, which it never did: the unkeyed ones
-        // the materialization found unlisted, and keyed ones. Named in one go, beside the charge.
-        lost_uncommitted.extend(
-            entries
-                .iter()
-                .filter(|entry| entry.unstored.is_none() && entry.started)
-                .filter_map(|entry| Some((entry.before_commit.clone()?.0, entry.handler.clone()))),
-        );
+        // others are, in the transaction that writes it (or, its fan-out not committed, its
+        // event is named suspect there, see `unstored::materialize`).
+        unstored::materialize(self.store, &unstored::Entry::listed(entries), unstored::Charge::Takeover, now).await?;
+        // Keyed runs handed out before their fan-out committed, which brings their document:
+        // named beside the charge, once their event is free (see `suspects`).
+        let lost_uncommitted = entries
+            .iter()
+            .filter(|entry| entry.unstored.is_none() && entry.started)
+            .filter_map(|entry| Some((entry.before_commit.clone()?.0, entry.handler.clone())))
+            .collect();
         let (started, waiting): (Vec<&InFlight>, Vec<&InFlight>) =
             entries.iter().filter(|entry| entry.unstored.is_none()).partition(|entry| entry.started);
         let charged = doc! {

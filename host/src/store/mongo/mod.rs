@@ -256,6 +256,12 @@ impl MongoStore {
     pub(crate) fn claim_parts(&self) -> (impl super::claim::ClaimBackend + '_, &Claimer) {
         (lanes::Backend { store: self }, &self.claimer)
     }
+
+    /// See `fan_out::mark_late`.
+    #[cfg(test)]
+    pub(crate) async fn mark_late(&self, event: &str, handler: &str, fan_out: bson::oid::ObjectId, in_transaction: bool) -> bool {
+        fan_out::mark_late(self, event, handler, fan_out, in_transaction).await
+    }
 }
 
 /// The `_id` index, for lookups by id that also filter on a field another index leads with:

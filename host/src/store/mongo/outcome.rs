@@ -210,7 +210,7 @@ async fn materialize(store: &MongoStore, leases: &[Lease], now: DateTime) -> Res
 
 async fn materialize_entries(store: &MongoStore, entries: Vec<(Lease, unstored::Entry)>, now: DateTime) -> Result<(), StoreError> {
     let entries: Vec<unstored::Entry> = entries.into_iter().map(|(_, entry)| entry).collect();
-    unstored::materialize(store, &entries, unstored::Charge::Nothing, now).await.map(|_| ())
+    unstored::materialize(store, &entries, unstored::Charge::Nothing, now).await
 }
 
 pub(super) async fn complete_many(store: &MongoStore, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {

@@ -1,10 +1,12 @@
 //! Events named suspect for a handler (`suspects`, see [`field::SUSPECTS`]): a takeover found
-//! its run listed as started in a lane of a dead host and the event still unfanned, so the run
-//! was handed out before its fan-out committed, which it never did, and the host may have died
-//! of it. Nothing names that run to charge; the event's next fan-out gives the delivery a
-//! document, suspect, for a claim, which records its start before it runs, so that a crash loop
-//! is charged from its next death. This module only writes the names; it never names a fanned
-//! out event.
+//! a keyed run listed as started in a lane of a dead host and the event still unfanned, so the
+//! run was handed out before its fan-out committed (which brings its document), which it never
+//! did, and the host may have died of it. Nothing names that run to charge; the event's next
+//! fan-out gives the delivery a document, suspect, for a claim, which records its start before
+//! it runs, so that a crash loop is charged from its next death. This module only writes the
+//! names, once the event is free; it never names a fanned out event. (A run without a
+//! document is named in the takeover's own transaction instead, see `unstored::materialize`:
+//! there the name is what keeps a late fan-out from listing it nowhere.)
 
 use std::collections::BTreeMap;
 use std::time::Duration;

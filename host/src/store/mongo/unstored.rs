@@ -12,9 +12,9 @@
 //! so that the ordinary fenced outcomes apply from there. Both conditions are on the event
 //! document, so of a completion and a materialization only the first changes anything. It
 //! must never write a document for a handler the list no longer names (that delivery was
-//! completed, or has its document already). A takeover's started entry that its event no
-//! longer names goes back to the takeover, which makes the event suspect if it was never
-//! fanned out (its fan-out's transaction died with its host; see `suspects`).
+//! completed, or has its document already). A takeover's entry whose event was never fanned
+//! out names the event suspect for its handler in the same transaction, which a fan-out of
+//! it still on its way conflicts with (see [`materialize`]).
 //!
 //! [`Candidate::unstored`]: crate::store::claim::Candidate::unstored
 
@@ -66,23 +66,25 @@ pub(super) enum Charge {
 /// one that has a document already (the unique `(eventId, handler)` index would refuse the
 /// batch, for good) only leaves the list.
 ///
-/// Returns, for a takeover, the runs listed as started whose event no longer names them, as
-/// `(event, handler)`: one that started before its fan-out committed, which it never did, is
-/// for [`super::suspects::name`] (which names only unfanned events).
-pub(super) async fn materialize(
-    store: &MongoStore,
-    entries: &[Entry],
-    charge: Charge,
-    now: DateTime,
-) -> Result<Vec<(Bson, String)>, StoreError> {
+/// A takeover's entry whose event is still unfanned was handed out by a fan-out that has not
+/// committed: dead with its host, or still on its way, from a holder whose lease lapsed while
+/// it was held up (a failover, say). Dropped from its lane unmaterialized, it would be lost
+/// should that fan-out commit after all. So the takeover names the event suspect for the
+/// entry's handler ([`fence`]) in its transaction: a fan-out transaction that marked the event
+/// makes this one conflict, and it is tried again until that one ended (a dead host's is
+/// ended by the live hosts, see `hosts`), then finds the event marked, or not; a fan-out
+/// that marks it later conflicts with this write, or, if it starts after it, finds the
+/// handler named (a mark never hands out to a suspect handler, see `fan_out::mark_statements`).
+pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], charge: Charge, now: DateTime) -> Result<(), StoreError> {
     if entries.is_empty() {
-        return Ok(Vec::new());
+        return Ok(());
     }
-    let unlisted = transaction!(store, |tx| {
+    transaction!(store, |tx| {
         let session = tx.session();
         let ids: Vec<Bson> = entries.iter().map(|entry| entry.event.clone()).collect();
         let (events, deliveries) = (&store.collections.events, &store.collections.deliveries);
-        let projection = doc! { field::ID: 1, field::TYPE: 1, field::SEQUENCE: 1, field::HANDED_OUT: 1, field::FAN_OUT: 1 };
+        let projection =
+            doc! { field::ID: 1, field::TYPE: 1, field::SEQUENCE: 1, field::HANDED_OUT: 1, field::FAN_OUT: 1, field::FANNED_OUT_AT: 1 };
         let events = read_in(session, events, doc! { field::ID: { "$in": &ids } }, projection, entries.len()).await?;
         let events: HashMap<String, &Document> =
             events.iter().map(|event| (id_text(event.get(field::ID).unwrap_or(&Bson::Null)), event)).collect();
@@ -100,8 +102,12 @@ pub(super) async fn materialize(
         let mut documents = Vec::new();
         let mut unlisted = Vec::new();
         for entry in entries {
-            let listed = events.get(&id_text(&entry.event)).filter(|event| entry.named_by(event));
-            let Some(event) = listed else {
+            let found = events.get(&id_text(&entry.event));
+            let Some(event) = found.filter(|event| entry.named_by(event)) else {
+                if charge == Charge::Takeover && found.is_some_and(|event| unfanned(event)) {
+                    // Its fan-out has not committed, and may still: this write is what stops it.
+                    statements.push(fence(entry));
+                }
                 unlisted.push(entry.clone());
                 continue;
             };
@@ -154,12 +160,22 @@ pub(super) async fn materialize(
         if !documents.is_empty() {
             store.collections.deliveries.insert_many(documents).session(&mut *session).await?;
         }
-        Ok(unlisted)
-    })?;
-    if charge != Charge::Takeover {
-        return Ok(Vec::new());
+        Ok(())
+    })
+}
+
+/// Whether `event` (its document) is not fanned out.
+fn unfanned(event: &Document) -> bool {
+    matches!(event.get(field::FANNED_OUT_AT), None | Some(Bson::Null))
+}
+
+/// The statement that names the entry's handler among its event's suspects while the event
+/// is unfanned (see [`materialize`]).
+fn fence(entry: &Entry) -> Document {
+    doc! {
+        "q": { field::ID: entry.event.clone(), field::FANNED_OUT_AT: Bson::Null },
+        "u": { "$addToSet": { field::SUSPECTS: &entry.handler } },
     }
-    Ok(unlisted.into_iter().filter(|entry| entry.started).map(|entry| (entry.event, entry.handler)).collect())
 }
 
 /// The documents `filter` matches in `collection`, read in `session`'s transaction (about
