@@ -148,6 +148,15 @@ async fn read(
     Ok(report)
 }
 
+/// The time a hand-out's leases run from, once its batch is read: the fan-out's `now`, or the
+/// clock if that moved on. A read held up (by a failover, say) would otherwise list what it
+/// hands out under a lease that lapsed, or nearly, as it was written, and another host would
+/// take the lane over from a live holder (which loses nothing, see `unstored::materialize`,
+/// but charges runs that did not fail).
+fn after_read(now: DateTime) -> DateTime {
+    now.max(DateTime::now())
+}
+
 /// Whether a fan-out tries its batch the plain way first ([`plain`]). A batch that cannot be
 /// handed out whole is read twice, so after one whose events do not allow it (keyed events,
 /// several handlers, too few run slots, malformed events) the next [`PLAIN_SKIPS`] go
@@ -195,6 +204,7 @@ async fn plain(
     now: DateTime,
 ) -> Result<Option<FanOutReport>, StoreError> {
     let Read { batch, reach, .. } = read_batch(store, None, limit, true, now).await?;
+    let now = after_read(now);
     let plan = fan_out::plan(&batch, subscriptions);
     // Every delivery of such a batch is unkeyed.
     let mut fresh = fan_out::fresh(&plan, &batch, hand_out, &HashSet::new(), now);
@@ -329,6 +339,7 @@ async fn handing_out(
             }
         },
     };
+    let now = after_read(now);
     let plan = fan_out::plan(&batch, subscriptions);
     let heads = if hand_out.total == 0 { Vec::new() } else { fan_out::keyed_heads(&plan) };
     // Before the read of what is pending (see `Claimer::running_keys`).
