@@ -37,6 +37,9 @@ enum Fault {
     FailCharge,
     /// A takeover's charge never finishes (a dead host's transaction holds what it writes).
     HoldCharge,
+    /// The first record is acknowledged, then lost: a failover rolled it back, the lanes'
+    /// lists as they were before it.
+    LoseFirstRecord,
     /// Nothing goes wrong in the claim itself.
     Nothing,
 }
@@ -52,12 +55,14 @@ struct Faulty<'s, B, S> {
     /// How often the claim searched free lanes, and handed lanes back.
     searches: AtomicUsize,
     hand_backs: AtomicUsize,
+    /// How often the claim wrote lane records.
+    records: AtomicUsize,
 }
 
 impl<'s, B, S> Faulty<'s, B, S> {
     fn new(inner: B, fault: Fault, store: &'s S) -> Self {
         let count = || AtomicUsize::new(0);
-        Self { inner, fault, store, current_reads: count(), charges: count(), searches: count(), hand_backs: count() }
+        Self { inner, fault, store, current_reads: count(), charges: count(), searches: count(), hand_backs: count(), records: count() }
     }
 }
 
@@ -136,7 +141,25 @@ impl<B: ClaimBackend + Send, S: Store> ClaimBackend for Faulty<'_, B, S> {
         self.inner.park(ids).await
     }
     async fn record(&self, holder: &Holder, records: &[LaneRecord], write: LaneWrite) -> Result<Vec<bool>, StoreError> {
+        let first = self.records.fetch_add(1, Ordering::SeqCst) == 0;
         match &self.fault {
+            Fault::LoseFirstRecord if first => {
+                let ids: Vec<LaneId> = records.iter().map(|record| record.lane).collect();
+                let before = self.inner.lanes(&ids).await?;
+                let flags = self.inner.record(holder, records, write).await?;
+                let restored: Vec<LaneRecord> = before
+                    .into_iter()
+                    .map(|lane| LaneRecord {
+                        lane: lane.id,
+                        epoch: lane.epoch,
+                        in_flight: lane.in_flight,
+                        lease_until: lane.lease_expires_at,
+                        takes_free_at: None,
+                    })
+                    .collect();
+                self.inner.record(holder, &restored, LaneWrite::Applied).await?;
+                Ok(flags)
+            }
             Fault::DieBeforeRecord => Err(injected()),
             Fault::FailAfterRecord => {
                 self.inner.record(holder, records, write).await?;
@@ -146,7 +169,9 @@ impl<B: ClaimBackend + Send, S: Store> ClaimBackend for Faulty<'_, B, S> {
                 self.store.requeue(id, DateTime::from_millis(T0 + 1)).await?;
                 self.inner.record(holder, records, write).await
             }
-            Fault::Nothing | Fault::FailAfterTake | Fault::FailCharge | Fault::HoldCharge => self.inner.record(holder, records, write).await,
+            Fault::Nothing | Fault::FailAfterTake | Fault::FailCharge | Fault::HoldCharge | Fault::LoseFirstRecord => {
+                self.inner.record(holder, records, write).await
+            }
         }
     }
     async fn hand_back(&self, holder: &Holder, lanes: &[(LaneId, i64)], now: DateTime) -> Result<(), StoreError> {
@@ -270,6 +295,7 @@ both_stores!(a_charge_kept_waiting_is_tried_again_once_a_second_and_holds_no_cla
 both_stores!(a_stop_before_a_failed_charge_was_made_leaves_it_to_the_next_taker, stop_after_failed_charge);
 both_stores!(a_death_before_a_failed_charge_was_made_leaves_it_to_the_next_taker, death_before_failed_charge_was_made);
 both_stores!(an_idle_hosts_claim_searches_the_free_lanes_once_and_hands_its_idle_lane_back, idle_claim);
+both_stores!(a_plain_hand_out_whose_lists_a_failover_lost_before_its_mark_writes_them_again, lists_lost_before_the_mark);
 
 /// The poll of an idle host is a claim that finds nothing: it costs few round trips, or every
 /// event fanned out meanwhile waits for it (a hand-out waits for a claim of its host).
@@ -468,6 +494,63 @@ async fn fresh<B: ClaimBackend>(backend: &B, now: DateTime) -> super::claim::Fre
     let candidate = backend.candidates(&[lane], &handlers, now, None, &HashSet::new(), 10).await.unwrap().remove(0);
     let event = crate::event::EventRecord::from_document(&backend.events(&["e-1".to_string()]).await.unwrap()["e-1"]).unwrap();
     super::claim::Fresh { candidate, event }
+}
+
+/// A plain fan-out listed its run in a lane it held, and the list was acknowledged; then a
+/// failover lost the list, while the mark landed on the next primary. The hand-out writes the
+/// list again before it runs anything, so a takeover after its host's death finds the run
+/// and charges it.
+async fn lists_lost_before_the_mark<S: Store + Parts>(a: &S, _b: &S, c: &S) {
+    let handlers = vec!["h".to_string()];
+    run_in_transaction(a, async |tx| {
+        for id in ["e-0", "e-1"] {
+            a.publish(tx, &NewEvent::new(id, "t", doc! {})).await?;
+        }
+        Ok(())
+    })
+    .await
+    .unwrap();
+    let now = DateTime::from_millis(T0);
+    // a holds e-0's lane, and knows its list: it claimed e-0 there.
+    let subscriptions = Subscriptions::new([Subscription::new("h", ["t"])]).unwrap();
+    a.fan_out(&subscriptions, 1, 0, now).await.unwrap();
+    let held = a.claim(&handlers, 1, now).await.unwrap();
+    assert_eq!(held.iter().map(|c| c.event.id.as_str()).collect::<Vec<_>>(), ["e-0"]);
+    let (backend, claimer) = a.parts();
+    let fan_out = bson::oid::ObjectId::new();
+    let event = crate::event::EventRecord::from_document(&backend.events(&["e-1".to_string()]).await.unwrap()["e-1"]).unwrap();
+    let candidate = Candidate {
+        id: bson::oid::ObjectId::new(),
+        event_id: "e-1".to_string(),
+        handler: "h".to_string(),
+        key: None,
+        lane: crate::lane::lane_for_event("e-1", None),
+        due_at: now,
+        claims: 0,
+        attempts: 0,
+        unstored: Some(super::claim::HandOutOf { event: bson::Bson::String("e-1".to_string()), fan_out: Some(fan_out) }),
+        started: true,
+        suspect: false,
+        before_commit: None,
+    };
+    let run = candidate.id;
+    let faulty = Faulty::new(backend, Fault::LoseFirstRecord, a);
+    let (early, mut sent) = tokio::sync::mpsc::unbounded_channel();
+    let mark = || async move { Ok(if a.mark_late("e-1", "h", fan_out, now).await { HashSet::from([run]) } else { HashSet::new() }) };
+    let fresh = vec![super::claim::Fresh { candidate, event }];
+    assert_eq!(claimer.hand_out_listed_first(&faulty, fresh, mark, &early, now).await.unwrap(), Some(vec![run]));
+    assert!(sent.try_recv().unwrap().commit.committed().await, "handed out");
+    let lane = held[0].lease.lane;
+    let listed = faulty.lanes(&[lane]).await.unwrap().remove(0).in_flight;
+    assert!(listed.iter().any(|entry| entry.delivery == run), "listed again: {listed:?}");
+    // a dies: its lane's next holder charges both runs (e-1's gets its document in its own
+    // event's lane, which the next claim takes), and runs them again.
+    let later = DateTime::from_millis(T0 + 31_000);
+    let mut again = c.claim(&handlers, 10, later).await.unwrap();
+    again.extend(c.claim(&handlers, 10, later).await.unwrap());
+    let mut runs: Vec<(&str, u32)> = again.iter().map(|c| (c.event.id.as_str(), c.attempts)).collect();
+    runs.sort();
+    assert_eq!(runs, [("e-0", 1), ("e-1", 1)]);
 }
 
 async fn early_hand_outs<S: Store + Parts>(a: &S, _b: &S, c: &S) {

@@ -210,7 +210,10 @@ impl Claimer {
                 return Ok(None);
             }
         }
-        let marked = mark().await;
+        let marked = match mark().await {
+            Ok(ours) => self.lists_kept(backend, &records).await.map(|()| ours),
+            Err(error) => Err(error),
+        };
         // After a failed mark every one is issued, to be handed back as not run. Entries of
         // events another fan-out marked stay listed, unissued: they run nowhere, and the next
         // write of their list leaves them out.
@@ -227,6 +230,36 @@ impl Claimer {
             tracing::debug!(deliveries = sent.len(), "a hand-out found the dispatcher gone");
         }
         marked.map(|_| Some(sent))
+    }
+
+    /// After a mark that landed, makes sure the lists written before it still name what it
+    /// hands out. They were acknowledged once applied: a failover between them and the mark
+    /// (a primary killed, a partition) may have lost them while the mark landed on the next
+    /// primary, and nothing would name those runs once this instance stopped rewriting its
+    /// lists. So they are read back, and one that lost its entries is written again, durably
+    /// (the mark, earlier on the same primary, is then durable too). One read per batch;
+    /// where they are kept (always, but for a failover), nothing else. An error means a list
+    /// could be neither confirmed nor written again: the caller hands every run back.
+    async fn lists_kept<B: ClaimBackend>(&self, backend: &B, records: &[LaneRecord]) -> Result<(), StoreError> {
+        let ids: Vec<LaneId> = records.iter().map(|record| record.lane).collect();
+        let states = backend.lanes(&ids).await?;
+        let kept = |record: &&LaneRecord| {
+            states.iter().any(|state| {
+                state.id == record.lane
+                    && state.epoch == record.epoch
+                    && state.held_by(&self.holder)
+                    && record.in_flight.iter().all(|entry| state.in_flight.iter().any(|listed| listed.delivery == entry.delivery))
+            })
+        };
+        let lost: Vec<LaneRecord> = records.iter().filter(|record| !kept(record)).cloned().collect();
+        if lost.is_empty() {
+            return Ok(());
+        }
+        tracing::warn!(lanes = lost.len(), "a hand-out's lane lists were lost after their write (a failover?); writing them again");
+        match backend.record(&self.holder, &lost, LaneWrite::Durable).await? {
+            flags if flags.iter().all(|ok| *ok) => Ok(()),
+            _ => Err(StoreError::Raced("a lane whose hand-out list was lost was taken meanwhile".into())),
+        }
     }
 
     /// Issues the leases of those of `fresh` that `issued_for` admits, in the lanes of `listed`
