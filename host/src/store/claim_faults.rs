@@ -497,8 +497,8 @@ async fn fresh<B: ClaimBackend>(backend: &B, now: DateTime) -> super::claim::Fre
 }
 
 /// A plain fan-out listed its run in a lane it held, and the list was acknowledged; then a
-/// failover lost the list, while the mark landed on the next primary. The hand-out writes the
-/// list again before it runs anything, so a takeover after its host's death finds the run
+/// failover lost the list, while the mark landed on the next primary, late. The hand-out writes
+/// the list again before it runs anything, so a takeover after its host's death finds the run
 /// and charges it.
 async fn lists_lost_before_the_mark<S: Store + Parts>(a: &S, _b: &S, c: &S) {
     let handlers = vec!["h".to_string()];
@@ -536,7 +536,11 @@ async fn lists_lost_before_the_mark<S: Store + Parts>(a: &S, _b: &S, c: &S) {
     let run = candidate.id;
     let faulty = Faulty::new(backend, Fault::LoseFirstRecord, a);
     let (early, mut sent) = tokio::sync::mpsc::unbounded_channel();
-    let mark = || async move { Ok(if a.mark_late("e-1", "h", fan_out, now).await { HashSet::from([run]) } else { HashSet::new() }) };
+    // The mark lands late, as one held up by a failover does.
+    let mark = || async move {
+        tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+        Ok(if a.mark_late("e-1", "h", fan_out, now).await { HashSet::from([run]) } else { HashSet::new() })
+    };
     let fresh = vec![super::claim::Fresh { candidate, event }];
     assert_eq!(claimer.hand_out_listed_first(&faulty, fresh, mark, &early, now).await.unwrap(), Some(vec![run]));
     assert!(sent.try_recv().unwrap().commit.committed().await, "handed out");
