@@ -177,9 +177,11 @@ impl Claimer {
     /// instance is under way (it owns the lists), or when a list could not be written (the
     /// next claim reads those lanes). Otherwise `mark` runs, and resolves to the deliveries
     /// whose events it marked (another fan-out may have marked some first); their leases are
-    /// issued and sent to `early`, with word that their fan-out is done. Should `mark` fail, it may have marked any of them: all are sent as not run,
-    /// and the dispatcher hands them back, which gives each whose event was marked its
-    /// document (see [`Candidate::unstored`]).
+    /// issued and sent to `early`, with word that their fan-out is done. Should `mark` fail, it
+    /// may have marked any of them: all are sent as not run, and the dispatcher hands them
+    /// back, which gives each whose event was marked its document (see
+    /// [`Candidate::unstored`]). So too when a mark that landed late finds a list lost and
+    /// cannot write it again ([`Claimer::lists_kept`]).
     pub async fn hand_out_listed_first<B: ClaimBackend, F>(
         &self,
         backend: &B,
