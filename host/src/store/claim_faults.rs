@@ -319,18 +319,22 @@ async fn idle_claim<S: Store + Parts>(a: &S, b: &S, _c: &S) {
     assert!(lane.owner.is_none() && lane.in_flight.is_empty(), "the idle lane is free again: {lane:?}");
 }
 
-async fn requeue_during_claim<S: Store + Parts>(a: &S, _b: &S, _c: &S) {
+async fn requeue_during_claim<S: Store + Parts>(a: &S, b: &S, _c: &S) {
     let handlers = vec!["h".to_string()];
     two_of_one_key(a).await;
     let first = a.claim(&handlers, 1, DateTime::from_millis(T0)).await.unwrap().remove(0);
     assert_eq!(first.event.sequence, Some(1));
     a.bury(&first.lease, "poison", true, DateTime::from_millis(T0)).await.unwrap();
-    // The claim picks sequence 2; the operator requeues sequence 1 before it is recorded.
-    let (backend, claimer) = a.parts();
-    let faulty = Faulty::new(backend, Fault::RequeueBeforeRecord(first.lease.delivery.to_hex()), a);
-    let claimed = claimer.claim(&faulty, &handlers, LaneSearch::FreeWithDueWork, 10, DateTime::from_millis(T0 + 2)).await.unwrap();
+    // Once a's lease ran out, b's claim picks sequence 2; the operator requeues sequence 1
+    // before it is recorded.
+    let later = |ms: i64| DateTime::from_millis(T0 + 31_000 + ms);
+    let (backend, claimer) = b.parts();
+    let faulty = Faulty::new(backend, Fault::RequeueBeforeRecord(first.lease.delivery.to_hex()), b);
+    let claimed = claimer.claim(&faulty, &handlers, LaneSearch::FreeWithDueWork, 10, later(0)).await.unwrap();
     assert!(claimed.is_empty(), "sequence 2 was overtaken by the requeued sequence 1");
-    let next = a.claim(&handlers, 10, DateTime::from_millis(T0 + 3)).await.unwrap();
+    // Its key waits for a claim once sequence 1 settles: that settling asks for one.
+    assert!(claimer.followers_may_wait(&("h".to_string(), "k".to_string())), "the overtaken key is awaited");
+    let next = b.claim(&handlers, 10, later(1)).await.unwrap();
     assert_eq!(next.iter().map(|c| c.event.sequence).collect::<Vec<_>>(), [Some(1)]);
     assert_eq!(next[0].attempts, 0);
 }
