@@ -1,6 +1,6 @@
 //! Finding the heads of keys in MongoDB (a key's head: its lowest pending delivery, the only
-//! one of it a claim may run): by lookup, one `ordering` index probe per key in one command per
-//! handler, and by name, the followers created parked behind a delivery that is gone; and which
+//! one of it a claim may run): by lookup, the keys' pending deliveries read from the `ordering`
+//! index and grouped by key in one command per handler, and by name, the followers created parked behind a delivery that is gone; and which
 //! keys have nothing pending at all (a fan-out may hand out their heads). It reads and unparks;
 //! it must never decide what runs (the shared claim does).
 
@@ -149,36 +149,37 @@ pub(super) async fn key_head(
     Ok(heads_of(store, handler, &[key], session).await?.pop().map(|(_, id, lane)| (id, lane)))
 }
 
-/// The heads of `keys` of one handler, `(key, id, claim lane)`, read in `session` if given.
-/// The keys go in as literal documents, and each one is joined with its lowest pending
-/// delivery: one `ordering` index probe per key, all in one round trip.
+/// The heads of `keys` of one handler, `(key, id, claim lane)`, read in `session` if given:
+/// the pending deliveries of those keys in `ordering` order, grouped by key, the first of
+/// each kept, in one round trip. `mongod` 6.0 plans no skip scan for it on this partial index:
+/// it reads every pending delivery of the keys (a few each in a drain, whose keys' later
+/// events wait unfanned). A `$lookup` of each key's lowest from literal documents read one
+/// index entry per key but cost about 100 µs a key in sub-pipelines, 35-44 ms a call in a
+/// four-host keyed drain, 15 % of `mongod`'s time there (measured, `docs/performance.md`);
+/// this form costs a key with thousands of deliveries pending that many index entries, and
+/// only a key whose head its claimer does not know is looked up.
 pub(super) async fn heads_of(
     store: &MongoStore,
     handler: &str,
     keys: &[&str],
     session: Option<&mut ClientSession>,
 ) -> Result<Vec<(String, DeliveryId, String)>, StoreError> {
-    // `$literal`: `$documents` evaluates expressions, and a key is data, whatever it says.
-    let literals: Vec<Document> = keys.iter().map(|key| doc! { "k": { "$literal": *key } }).collect();
     let pipeline = vec![
-        doc! { "$documents": literals },
-        doc! { "$lookup": {
-            "from": store.collections.deliveries.name(),
-            "localField": "k",
-            "foreignField": delivery::KEY,
-            "pipeline": [
-                { "$match": { delivery::HANDLER: handler, delivery::STATUS: delivery::PENDING } },
-                { "$sort": { delivery::SEQUENCE: 1 } },
-                { "$limit": 1 },
-                { "$project": { delivery::ID: 1, delivery::LANE: 1 } },
-            ],
-            "as": "head",
+        doc! { "$match": {
+            delivery::HANDLER: handler,
+            delivery::KEY: { "$in": keys },
+            delivery::STATUS: delivery::PENDING,
         } },
-        doc! { "$unwind": "$head" },
+        doc! { "$sort": { delivery::HANDLER: 1, delivery::KEY: 1, delivery::SEQUENCE: 1 } },
+        doc! { "$group": {
+            "_id": format!("${}", delivery::KEY),
+            "id": { "$first": format!("${}", delivery::ID) },
+            "lane": { "$first": format!("${}", delivery::LANE) },
+        } },
     ];
-    let database = store.database();
+    let deliveries = &store.collections.deliveries;
     // At most a row per key, in one batch (past 101, a `getMore` would cost a round trip).
-    let aggregate = database.aggregate(pipeline).batch_size(super::documents::one_batch(keys.len()));
+    let aggregate = deliveries.aggregate(pipeline).hint(Hint::Name(setup::ORDERING.into())).batch_size(super::documents::one_batch(keys.len()));
     let found: Vec<Document> = match session {
         // A transaction reads from its primary already.
         Some(session) => aggregate.session(&mut *session).await?.stream(&mut *session).try_collect().await?,
@@ -195,10 +196,9 @@ pub(super) async fn heads_of(
     Ok(found
         .iter()
         .filter_map(|row| {
-            let head = row.get_document("head").ok()?;
-            let id = head.get_object_id(delivery::ID).ok()?;
-            let lane = head.get_str(delivery::LANE).unwrap_or_default().to_string();
-            Some((row.get_str("k").ok()?.to_string(), id, lane))
+            let id = row.get_object_id("id").ok()?;
+            let lane = row.get_str("lane").unwrap_or_default().to_string();
+            Some((row.get_str("_id").ok()?.to_string(), id, lane))
         })
         .collect())
 }

@@ -24,6 +24,8 @@ const SUPERSEDED_DELIVERY_INDEXES: &[&str] = &["due", "status_updated", "by_stat
 /// The events' indexes the fan-out reads by (by name: a hint, so that the planner never walks
 /// `created`, which has the same keys, through every event ever fanned out).
 pub(super) const UNFANNED: &str = "unfanned";
+/// The index of each key's pending deliveries in sequence order (see `delivery_indexes`).
+pub(super) const ORDERING: &str = "ordering";
 pub(super) const PARKED_BEHIND: &str = "parked_behind";
 pub(super) const KEY_UNFANNED: &str = "key_unfanned";
 /// Every event in creation order: the purge's walk (by name, for the same reason).
@@ -115,7 +117,7 @@ fn delivery_indexes() -> Vec<IndexModel> {
         // The head of each key: its lowest unfinished sequence.
         index(
             doc! { delivery::HANDLER: 1, delivery::KEY: 1, delivery::SEQUENCE: 1 },
-            "ordering",
+            ORDERING,
             Some(doc! { delivery::STATUS: delivery::PENDING, delivery::KEY: { "$exists": true } }),
             false,
         ),
