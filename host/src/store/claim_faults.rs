@@ -3,8 +3,12 @@
 //! reply did not (also when that record took the lane), a requeue racing a claim, and a
 //! settling write whose reply was lost (the claim trusts its own unsettled leases only for a
 //! while), a claim's or a hand-out's lane take that reached the database while its reply
-//! did not, a hand-out sent before its commit, which then failed, and a takeover whose
-//! charge failed (then a stop, or a death, before it is made).
+//! did not, a hand-out sent before its commit, which then failed, a takeover whose charge
+//! failed (then a stop, or a death, before it is made), and a hand-out's lists lost in a
+//! failover after they were acknowledged.
+//!
+//! One file past 600 lines, test code only: every test drives the one fault-injecting
+//! backend ([`Faulty`]) and shares its setups, and `takeover_states` reuses its helpers.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
