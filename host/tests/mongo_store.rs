@@ -775,7 +775,12 @@ async fn a_claim_looks_up_the_heads_of_many_keys_with_one_command_per_handler() 
     let explained = client
         .database(&database)
         .run_command(doc! {
-            "explain": { "aggregate": deliveries, "pipeline": lookups[0].get_array("pipeline").unwrap().clone(), "hint": "ordering", "cursor": {} },
+            "explain": {
+                "aggregate": deliveries,
+                "pipeline": lookups[0].get_array("pipeline").unwrap().clone(),
+                "hint": "ordering",
+                "cursor": {},
+            },
             "verbosity": "executionStats",
         })
         .await

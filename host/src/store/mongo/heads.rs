@@ -1,8 +1,9 @@
 //! Finding the heads of keys in MongoDB (a key's head: its lowest pending delivery, the only
 //! one of it a claim may run): by lookup, the keys' pending deliveries read from the `ordering`
-//! index and grouped by key in one command per handler, and by name, the followers created parked behind a delivery that is gone; and which
-//! keys have nothing pending at all (a fan-out may hand out their heads). It reads and unparks;
-//! it must never decide what runs (the shared claim does).
+//! index and grouped by key in one command per handler, and by name, the followers created
+//! parked behind a delivery that is gone; and which keys have nothing pending at all (a
+//! fan-out may hand out their heads). It reads and unparks; it must never decide what runs
+//! (the shared claim does).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -179,7 +180,8 @@ pub(super) async fn heads_of(
     ];
     let deliveries = &store.collections.deliveries;
     // At most a row per key, in one batch (past 101, a `getMore` would cost a round trip).
-    let aggregate = deliveries.aggregate(pipeline).hint(Hint::Name(setup::ORDERING.into())).batch_size(super::documents::one_batch(keys.len()));
+    let aggregate =
+        deliveries.aggregate(pipeline).hint(Hint::Name(setup::ORDERING.into())).batch_size(super::documents::one_batch(keys.len()));
     let found: Vec<Document> = match session {
         // A transaction reads from its primary already.
         Some(session) => aggregate.session(&mut *session).await?.stream(&mut *session).try_collect().await?,
