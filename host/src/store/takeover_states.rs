@@ -356,3 +356,18 @@ async fn a_heard_batchs_mark_landing_after_a_takeover_of_its_lane_hands_nothing_
     assert_eq!((fanned.events, fanned.claimed.len()), (1, 0), "fanned out again, for a claim");
     drain(&b, LATER).await;
 }
+
+/// A fan-out held up before its read (a failover, say) lists what it hands out under a lease
+/// from the clock after the read, not from the `now` it was given: otherwise the lane would
+/// lapse as it was written, and another host would take it over from a live holder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fan_out_held_up_before_its_read_leases_from_the_clock_after_it() {
+    let a = mongo_store().await;
+    publish(&a, ["e-1".to_string()]).await;
+    let held_up = DateTime::from_millis(DateTime::now().timestamp_millis() - 60_000);
+    let handed = a.fan_out(&subscriptions(), 10, 10, held_up).await.unwrap().claimed;
+    assert_eq!(handed.len(), 1, "handed out");
+    let read_at = DateTime::now();
+    let lane = a.parts().0.lanes(&[handed[0].lease.lane]).await.unwrap().remove(0);
+    assert!(lane.lease_expires_at > read_at, "the lease ran from the stale now: {:?} against {read_at:?}", lane.lease_expires_at);
+}
