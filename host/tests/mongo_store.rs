@@ -770,19 +770,19 @@ async fn a_claim_looks_up_the_heads_of_many_keys_with_one_command_per_handler() 
     let lookups: Vec<&Document> = commands.iter().filter(|c| c.contains_key("aggregate")).collect();
     assert_eq!(lookups.len(), 2, "one head lookup per handler: {lookups:?}");
 
-    // It reads the keys' pending deliveries from the `ordering` index, nothing else.
-    let deliveries = lookups[0].get_str("aggregate").unwrap();
+    // It reads the keys' pending deliveries from the `ordering` index, nothing else: the
+    // command as the store sent it, explained.
+    let mut sent = doc! {
+        "aggregate": lookups[0].get_str("aggregate").unwrap(),
+        "pipeline": lookups[0].get_array("pipeline").unwrap().clone(),
+        "cursor": {},
+    };
+    if let Some(hint) = lookups[0].get("hint") {
+        sent.insert("hint", hint.clone());
+    }
     let explained = client
         .database(&database)
-        .run_command(doc! {
-            "explain": {
-                "aggregate": deliveries,
-                "pipeline": lookups[0].get_array("pipeline").unwrap().clone(),
-                "hint": "ordering",
-                "cursor": {},
-            },
-            "verbosity": "executionStats",
-        })
+        .run_command(doc! { "explain": sent, "verbosity": "executionStats" })
         .await
         .unwrap();
     let text = explained.to_string();
