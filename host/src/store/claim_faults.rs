@@ -390,7 +390,7 @@ async fn failure_after_hand_out_take<S: Store + Parts>(a: &S, _b: &S, c: &S) {
     let faulty = Faulty::new(backend, Fault::FailAfterRecord, a);
     // The take that lists the delivery reached the database; its reply did not.
     let write = async { Ok(|_: &HashSet<DeliveryId>| std::future::ready(Ok(()))) };
-    assert!(claimer.hand_out(&faulty, fresh, write, None, now).await.is_err());
+    assert!(claimer.hand_out(&faulty, fresh, &claimer.before_idle_read().await, write, None, now).await.is_err());
     only_its_holder_claims_it_again_uncharged(a, c, lane).await;
 }
 
@@ -572,7 +572,7 @@ async fn early_hand_outs<S: Store + Parts>(a: &S, _b: &S, c: &S) {
     // The fan-out's first stage and the lane list were written, and then the commit failed.
     let now = DateTime::from_millis(T0);
     let failing = async { Ok(|_: &HashSet<DeliveryId>| async { Err::<(), _>(injected()) }) };
-    assert!(claimer.hand_out(&backend, vec![fresh(&backend, now).await], failing, Some(&early), now).await.is_err());
+    assert!(claimer.hand_out(&backend, vec![fresh(&backend, now).await], &claimer.before_idle_read().await, failing, Some(&early), now).await.is_err());
     let handed = sent.try_recv().expect("handed out before the commit");
     assert_eq!(handed.claimed.len(), 1);
     assert!(!handed.commit.committed().await, "its runs hear that the commit failed");
@@ -580,7 +580,7 @@ async fn early_hand_outs<S: Store + Parts>(a: &S, _b: &S, c: &S) {
     assert_eq!(a.release(&[handed.claimed[0].lease], DateTime::from_millis(T0 + 1)).await.unwrap(), 1);
     let now = DateTime::from_millis(T0 + 2);
     let committing = async { Ok(|_: &HashSet<DeliveryId>| async { Ok(()) }) };
-    let done = claimer.hand_out(&backend, vec![fresh(&backend, now).await], committing, Some(&early), now).await.unwrap();
+    let done = claimer.hand_out(&backend, vec![fresh(&backend, now).await], &claimer.before_idle_read().await, committing, Some(&early), now).await.unwrap();
     let handed = sent.try_recv().expect("handed out before the commit");
     assert!(done.claimed.is_empty());
     assert_eq!(done.sent_early, [handed.claimed[0].lease.delivery]);

@@ -9,11 +9,11 @@
 use bson::oid::ObjectId;
 use bson::{Bson, DateTime, doc};
 
-use super::claim::{ClaimBackend, EventOf, HandOutOf, InFlight, LaneRecord, LaneWrite};
+use super::claim::{ClaimBackend, EventOf, HandOutOf, HoldUp, InFlight, LaneRecord, LaneWrite};
 use super::claim_faults::{Parts, T0, both_stores, mongo_store, options};
 use super::memory::MemoryStore;
 use super::{
-    Capacity, DeliveryFilter, DeliveryStatus, DeliveryView, Store, Subscription, Subscriptions, run_in_transaction,
+    Capacity, ClaimedDelivery, DeliveryFilter, DeliveryStatus, DeliveryView, Store, Subscription, Subscriptions, run_in_transaction,
 };
 use crate::event::NewEvent;
 use crate::lane::LaneId;
@@ -31,6 +31,7 @@ both_stores!(a_death_with_a_full_claim_ahead_charges_only_what_had_started, full
 both_stores!(a_run_its_host_died_in_before_its_fan_out_committed_is_recorded_before_it_runs_again, died_before_the_fan_out_committed);
 both_stores!(a_keyed_run_its_host_died_in_before_its_fan_out_committed_is_recorded_before_it_runs_again, keyed_died_before_the_fan_out_committed);
 both_stores!(a_plain_mark_landing_after_a_takeover_of_its_lane_hands_nothing_out, mark_after_takeover);
+both_stores!(a_keys_head_retried_as_a_fan_out_starts_holds_the_keys_next_event_back, head_retried_as_a_fan_out_starts);
 
 fn handlers() -> Vec<String> {
     vec!["h".to_string()]
@@ -370,4 +371,91 @@ async fn a_fan_out_held_up_before_its_read_leases_from_the_clock_after_it() {
     let read_at = DateTime::now();
     let lane = a.parts().0.lanes(&[handed[0].lease.lane]).await.unwrap().remove(0);
     assert!(lane.lease_expires_at > read_at, "the lease ran from the stale now: {:?} against {read_at:?}", lane.lease_expires_at);
+}
+
+/// The events of `claimed`, in order.
+fn events_of(claimed: &[ClaimedDelivery]) -> Vec<&str> {
+    claimed.iter().map(|c| c.event.id.as_str()).collect()
+}
+
+/// Waits for `both` at most 20 s: a fan-out held up where nothing can come in between would
+/// wait for ever.
+async fn within_seconds<T>(both: impl Future<Output = T>) -> T {
+    tokio::time::timeout(std::time::Duration::from_secs(20), both).await.expect("what the fan-out was held up for came in between")
+}
+
+/// Publishes `k-1` and `k-2` of key `k`; `a`'s fan-out hands out the key's head (without a
+/// document) and leaves `k-2` unfanned behind it. Returns the head's run.
+async fn hand_out_a_keys_head<S: Store>(a: &S) -> ClaimedDelivery {
+    let events: Vec<NewEvent> = ["k-1", "k-2"].iter().map(|id| NewEvent::new(*id, "t", doc! {}).with_key("k")).collect();
+    run_in_transaction(a, async |tx| {
+        for event in &events {
+            a.publish(tx, event).await?;
+        }
+        Ok(())
+    })
+    .await
+    .unwrap();
+    let mut handed = a.fan_out(&subscriptions(), 10, 10, at(T0)).await.unwrap().claimed;
+    assert_eq!(events_of(&handed), ["k-1"], "only the key's head goes out");
+    handed.remove(0)
+}
+
+/// A key's head that ran without a document is retried (it gets its document, then its
+/// lease counts as settled) as a fan-out of its instance starts. Whether the retry lands
+/// before or after the fan-out's read (in MongoDB, its snapshot), the fan-out finds the
+/// head pending or running and hands nothing of its key out: the next event would run
+/// before the retried head.
+async fn head_retried_as_a_fan_out_starts<S: Store + Parts>(a: &S, _b: &S, _c: &S) {
+    let head = hand_out_a_keys_head(a).await;
+    let (arrived, proceed) = a.parts().1.hold_up(HoldUp::KeysRead);
+    let subscriptions = subscriptions();
+    let fan_out = a.fan_out(&subscriptions, 10, 10, at(T0 + 1));
+    let retry = async {
+        arrived.notified().await;
+        a.reschedule(&head.lease, at(T0 + 2), "failed", at(T0 + 1)).await.unwrap();
+        proceed.notify_one();
+    };
+    let (fanned, ()) = within_seconds(async { futures::join!(fan_out, retry) }).await;
+    assert!(fanned.unwrap().claimed.is_empty(), "k-2 waits for k-1's retry");
+    in_order(a, &["k-1", "k-2"], T0 + 2).await;
+}
+
+/// Runs what is left of key `k` from `now` on, one event at a time, and checks it is `left`
+/// in that order.
+async fn in_order<S: Store>(a: &S, left: &[&str], now: i64) {
+    for (event, now) in left.iter().zip(now..) {
+        a.fan_out(&subscriptions(), 10, 0, at(now)).await.unwrap();
+        let claimed = a.claim(&handlers(), 10, at(now)).await.unwrap();
+        assert_eq!(events_of(&claimed), [*event], "the key runs in order");
+        a.complete_many(&[claimed[0].lease], at(now)).await.unwrap();
+    }
+    drain(a, now + left.len() as i64).await;
+}
+
+/// A takeover charged between a fan-out's read of idle keys and its hand-out: the lane it took
+/// over listed a key's head without a document, which the charge gives its document (and the
+/// same claim runs again) after the read. The hand-out hands nothing of that key out: its
+/// next event would run beside its head. MongoDB only: the memory store's fan-out holds its
+/// state from its read to its first stage, so a takeover cannot come in between.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_charged_between_a_fan_outs_read_and_its_hand_out_holds_the_keys_next_event_back() {
+    let a = mongo_store().await;
+    let b = a.instance("b");
+    hand_out_a_keys_head(&a).await;
+    // a dies with it.
+    let (arrived, proceed) = b.parts().1.hold_up(HoldUp::HandOut);
+    let subscriptions = subscriptions();
+    let fan_out = b.fan_out(&subscriptions, 10, 10, at(LATER));
+    let takeover = async {
+        arrived.notified().await;
+        let claimed = b.claim(&handlers(), 10, at(LATER)).await.unwrap();
+        proceed.notify_one();
+        claimed
+    };
+    let (fanned, taken) = within_seconds(async { futures::join!(fan_out, takeover) }).await;
+    assert_eq!(events_of(&taken), ["k-1"], "the takeover runs the head again");
+    assert!(fanned.unwrap().claimed.is_empty(), "k-2 waits for k-1");
+    b.complete_many(&[taken[0].lease], at(LATER)).await.unwrap();
+    in_order(&b, &["k-2"], LATER + 1).await;
 }

@@ -53,14 +53,16 @@ impl Claimer {
     ///
     /// Returns what the commit returned and the deliveries handed out (not those sent early).
     /// Fresh deliveries it does not hand out (their lane is another instance's, or its list is
-    /// unknown here, or a claim of this instance is under way and owns the lists) are left to
-    /// a claim. A list written for a commit that then failed names deliveries that may not
+    /// unknown here, or a claim of this instance is under way and owns the lists, or, for keys'
+    /// heads, a takeover was charged since the fan-out's `keys` were taken, see
+    /// [`KeysBeforeRead`]) are left to a claim. A list written for a commit that then failed names deliveries that may not
     /// exist: harmless, since only issued leases count as running here, and the lanes are read
     /// again by the next claim.
     pub async fn hand_out<B: ClaimBackend, C, F, T>(
         &self,
         backend: &B,
         fresh: Vec<Fresh>,
+        keys: &KeysBeforeRead,
         write: impl Future<Output = Result<C, StoreError>>,
         early: Option<&EarlyHandOuts>,
         now: DateTime,
@@ -69,6 +71,8 @@ impl Claimer {
         C: FnOnce(&HashSet<DeliveryId>) -> F,
         F: Future<Output = Result<T, StoreError>>,
     {
+        #[cfg(test)]
+        self.held_up(HoldUp::HandOut).await;
         let none = HashSet::new();
         let mut held = match self.held.try_lock() {
             Ok(held) if !fresh.is_empty() => held,
@@ -76,6 +80,10 @@ impl Claimer {
         };
         let until = self.lease_until(now);
         let mut fresh = fresh;
+        // Claims charge takeovers holding the lanes' lock, which this holds now.
+        if self.charged_since(keys) {
+            fresh.retain(|fresh| fresh.candidate.key.is_none());
+        }
         let FreshLists { by_lane, records, to_take, events_lanes, .. } = self.list_fresh(&held, &mut fresh, until);
         // A key's head runs while its lane lists it: that list must survive a failover, or
         // another holder could run the key beside it (an unkeyed delivery run twice is what

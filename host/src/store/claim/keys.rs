@@ -6,20 +6,69 @@
 
 use super::*;
 
+/// What a fan-out knew of this instance's keys before it read which keys have nothing
+/// pending ([`Claimer::before_idle_read`]). A key's head handed out without a document is
+/// pending only here, so the fan-out takes the keys running here out of those it found idle;
+/// taken before the read, since a settling writes a head's record before it counts its lease
+/// settled, a key taken to run here then, or found pending after, is never missed by both
+/// (taken after, a head whose record landed past the read's snapshot and whose lease settled
+/// before this would be neither). A takeover's charge gives a head that ran without a
+/// document its document without a lease of this instance in between: a hand-out after a
+/// charge made since then hands out no key's head ([`Claimer::hand_out`]).
+pub struct KeysBeforeRead {
+    /// The keys of leases this instance issued and has not seen settled.
+    pub running: HashSet<HandlerKey>,
+    takeovers_charged: u64,
+}
+
+/// Where a test holds a fan-out up, to let something happen in between.
+#[cfg(test)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HoldUp {
+    /// As it takes what it knows of keys before its read ([`Claimer::before_idle_read`]).
+    KeysRead,
+    /// As its hand-out starts, before it takes the lanes' lock ([`Claimer::hand_out`]).
+    HandOut,
+}
+
 impl Claimer {
-    /// The keys of leases this instance issued and has not seen settled, which a fan-out takes
-    /// out of the keys it found with nothing pending in the store: a key's head handed out
-    /// without a document is pending only here (its lane's holder is the only one that runs
-    /// its lane's work), and a fan-out must not hand out the key's next delivery beside it.
-    ///
-    /// Taken *before* the store is read for what is pending: a settling writes a head's
-    /// record before it counts the lease as settled, so a key taken to run here then, or
-    /// found pending in the store after, is never missed by both. Taken after, a head whose
-    /// record landed past the read's snapshot and whose lease settled before this would be
-    /// neither.
-    pub fn running_keys(&self) -> HashSet<HandlerKey> {
+    /// What a fan-out that may hand out keys' heads must know of this instance before it
+    /// reads the store for what is pending: the keys running here, and the takeover charges
+    /// made so far (see [`KeysBeforeRead`]). In MongoDB, taken before the fan-out's
+    /// transaction begins: it reads from a snapshot of its first read.
+    pub async fn before_idle_read(&self) -> KeysBeforeRead {
+        #[cfg(test)]
+        self.held_up(HoldUp::KeysRead).await;
+        let takeovers_charged = self.takeovers_charged.load(Ordering::SeqCst);
         let issued = self.issued.lock().expect("issued leases");
-        issued.values().filter_map(|issued| issued.key.clone()).collect()
+        KeysBeforeRead { running: issued.values().filter_map(|issued| issued.key.clone()).collect(), takeovers_charged }
+    }
+
+    /// Whether a takeover charge was made since `keys` were taken: its charge may have given
+    /// a key's head that ran without a document its document, after the fan-out's read.
+    pub(super) fn charged_since(&self, keys: &KeysBeforeRead) -> bool {
+        self.takeovers_charged.load(Ordering::SeqCst) != keys.takeovers_charged
+    }
+
+    /// Holds up this instance's next fan-out at `at` until the second `Notify` is notified;
+    /// the first is notified when it gets there.
+    #[cfg(test)]
+    pub(crate) fn hold_up(&self, at: HoldUp) -> (std::sync::Arc<tokio::sync::Notify>, std::sync::Arc<tokio::sync::Notify>) {
+        let gate = (std::sync::Arc::new(tokio::sync::Notify::new()), std::sync::Arc::new(tokio::sync::Notify::new()));
+        self.hold_ups.lock().expect("hold-ups").push((at, gate.0.clone(), gate.1.clone()));
+        gate
+    }
+
+    #[cfg(test)]
+    pub(super) async fn held_up(&self, at: HoldUp) {
+        let gate = {
+            let mut hold_ups = self.hold_ups.lock().expect("hold-ups");
+            hold_ups.iter().position(|(step, _, _)| *step == at).map(|i| hold_ups.remove(i))
+        };
+        if let Some((_, arrived, proceed)) = gate {
+            arrived.notify_one();
+            proceed.notified().await;
+        }
     }
 
     /// The ordering keys (of any handler) of the leases this instance issued and has not seen

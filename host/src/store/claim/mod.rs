@@ -20,7 +20,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::future::Future;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bson::oid::ObjectId;
@@ -37,6 +37,9 @@ mod picking;
 mod plan;
 
 pub(crate) use backend::*;
+#[cfg(test)]
+pub(crate) use keys::HoldUp;
+pub(crate) use keys::KeysBeforeRead;
 use plan::{Plan, older_work_of_unread_lanes, scan};
 use crate::event::EventRecord;
 use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
@@ -120,6 +123,13 @@ pub(crate) struct Claimer {
     /// each lane and the epoch of the take: a reconciliation keeps it listed, and the next
     /// claim charges it before anything else (see [`Claimer::take`]).
     uncharged: Mutex<Vec<(LaneId, i64, InFlight)>>,
+    /// How many takeover charges this instance made: each may give a key's head that ran
+    /// without a document its document, which a fan-out's read of idle keys from before it
+    /// does not see (see [`KeysBeforeRead`]).
+    takeovers_charged: AtomicU64,
+    /// Where a test holds this instance's fan-outs up (see [`HoldUp`]).
+    #[cfg(test)]
+    hold_ups: Mutex<Vec<(HoldUp, std::sync::Arc<tokio::sync::Notify>, std::sync::Arc<tokio::sync::Notify>)>>,
     /// The lanes whose events this instance fans out, as its last announcement found the
     /// live hosts (every lane until it announced itself).
     assignment: Mutex<Assignment>,
@@ -218,6 +228,9 @@ impl Claimer {
             left_out: Mutex::new(HashMap::new()),
             forgotten_heads: Mutex::new(HashSet::new()),
             uncharged: Mutex::new(Vec::new()),
+            takeovers_charged: AtomicU64::new(0),
+            #[cfg(test)]
+            hold_ups: Mutex::new(Vec::new()),
             assignment: Mutex::new(Assignment::everything()),
         }
     }
@@ -487,7 +500,7 @@ impl Claimer {
         // so that a takeover and a completion never both succeed.
         let lost: Vec<InFlight> = taken.iter().flat_map(|lane| lane.in_flight.iter().cloned()).collect();
         self.forget_heads(lost.iter().filter_map(|entry| Some((entry.handler.clone(), entry.key.clone()?))));
-        let charged = if lost.is_empty() { Ok(()) } else { charge(backend, &lost, now, CHARGE_WAIT).await };
+        let charged = if lost.is_empty() { Ok(()) } else { self.charge(backend, &lost, now, CHARGE_WAIT).await };
         if charged.is_err() {
             let mut uncharged = self.uncharged.lock().expect("uncharged");
             uncharged.extend(taken.iter().flat_map(|lane| lane.in_flight.iter().map(|entry| (lane.id, lane.epoch, entry.clone()))));
@@ -515,24 +528,31 @@ impl Claimer {
     }
 }
 
-/// Charges `entries` (see [`ClaimBackend::charge_lost`]), waiting at most `wait`. A charge cut
-/// short is made again in full later: each of its writes applies once.
-///
-/// A delivery listed twice (in two lanes, or twice in one: racing fan-outs and failures can
-/// leave that behind) is charged once, as started if any of its entries says so.
-async fn charge<B: ClaimBackend>(backend: &B, entries: &[InFlight], now: DateTime, wait: Duration) -> Result<(), StoreError> {
-    let mut unique: Vec<InFlight> = Vec::with_capacity(entries.len());
-    let mut at: HashMap<(DeliveryId, i64), usize> = HashMap::new();
-    for entry in entries {
-        match at.get(&(entry.delivery, entry.claims)) {
-            Some(seen) => unique[*seen].started |= entry.started,
-            None => {
-                at.insert((entry.delivery, entry.claims), unique.len());
-                unique.push(entry.clone());
+impl Claimer {
+    /// Charges `entries` (see [`ClaimBackend::charge_lost`]), waiting at most `wait`, and
+    /// counts the charge, made or not ([`Claimer::takeovers_charged`]; a charge cut short may
+    /// still land). A charge cut short is made again in full later: each of its writes applies
+    /// once. Called by claims, which hold the lanes' lock, so a hand-out (which takes it) sees
+    /// every charge made before.
+    ///
+    /// A delivery listed twice (in two lanes, or twice in one: racing fan-outs and failures can
+    /// leave that behind) is charged once, as started if any of its entries says so.
+    async fn charge<B: ClaimBackend>(&self, backend: &B, entries: &[InFlight], now: DateTime, wait: Duration) -> Result<(), StoreError> {
+        let mut unique: Vec<InFlight> = Vec::with_capacity(entries.len());
+        let mut at: HashMap<(DeliveryId, i64), usize> = HashMap::new();
+        for entry in entries {
+            match at.get(&(entry.delivery, entry.claims)) {
+                Some(seen) => unique[*seen].started |= entry.started,
+                None => {
+                    at.insert((entry.delivery, entry.claims), unique.len());
+                    unique.push(entry.clone());
+                }
             }
         }
+        let charged = tokio::time::timeout(wait, backend.charge_lost(&unique, now)).await.unwrap_or(Err(StoreError::ChargeWaiting(wait)));
+        self.takeovers_charged.fetch_add(1, Ordering::SeqCst);
+        charged
     }
-    tokio::time::timeout(wait, backend.charge_lost(&unique, now)).await.unwrap_or(Err(StoreError::ChargeWaiting(wait)))
 }
 
 /// The lease of `pick` in its lane at `epoch`, counted as issued at `now`, handed out with

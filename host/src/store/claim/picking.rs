@@ -327,7 +327,7 @@ impl Claimer {
         } else if !uncharged.is_empty() {
             let entries: Vec<InFlight> = uncharged.iter().map(|(_, _, entry)| entry.clone()).collect();
             self.forget_heads(entries.iter().filter_map(|entry| Some((entry.handler.clone(), entry.key.clone()?))));
-            match charge(backend, &entries, now, CHARGE_RETRY_WAIT).await {
+            match self.charge(backend, &entries, now, CHARGE_RETRY_WAIT).await {
                 Ok(()) => self.uncharged.lock().expect("uncharged").clear(),
                 Err(error) => {
                     waiting.extend(uncharged.iter().map(|(lane, _, _)| *lane));

@@ -63,15 +63,15 @@ impl MemoryStore {
         hand_out: Capacity,
         now: DateTime,
     ) -> Result<FanOutReport, StoreError> {
+        // Before the state is read (see `KeysBeforeRead`).
+        let keys = self.claimer.before_idle_read().await;
         let mut state = self.state.lock().await;
         let (batch, mut deferred, asked) = self.read_batch(&state, limit, hand_out.total > 0, now);
         let plan = fan_out::plan(&batch, subscriptions);
         let mut idle = HashSet::new();
         if hand_out.total > 0 {
-            // Before the read of what is pending (see `Claimer::running_keys`).
-            let running = self.claimer.running_keys();
             idle = state.idle_keys(fan_out::keyed_heads(&plan));
-            idle.retain(|key| !running.contains(key));
+            idle.retain(|key| !keys.running.contains(key));
         }
         // Of an idle key, only its head: the rest waits unfanned for the head to settle here.
         let (batch, left_out) = if idle.is_empty() { (batch, Vec::new()) } else { fan_out::heads_of_idle_keys(batch, &plan, &idle) };
@@ -109,7 +109,7 @@ impl MemoryStore {
                 }
             })
         };
-        let handed = self.claimer.hand_out(&Backend(&self.state), fresh, write, None, now).await?;
+        let handed = self.claimer.hand_out(&Backend(&self.state), fresh, &keys, write, None, now).await?;
         let mut report = handed.committed.report(handed.claimed, &handed.sent_early);
         report.runnable_left = fan_out::runnable_left(&handed.committed, &idle, report.claimed.len() + report.sent_early);
         report.deferred_keys = deferred;

@@ -328,6 +328,8 @@ async fn handing_out(
     early: Option<&EarlyHandOuts>,
     now: DateTime,
 ) -> Result<FanOutReport, StoreError> {
+    // Before the transaction's first read, which takes its snapshot (see `KeysBeforeRead`).
+    let keys = store.claimer.before_idle_read().await;
     let mut tx = store.begin_with(Commit::Applied).await?;
     let (batch, limit, reach, asked) = match batch {
         Batch::Heard(events) => (events, None, Reach::default(), Vec::new()),
@@ -342,8 +344,6 @@ async fn handing_out(
     let now = after_read(now);
     let plan = fan_out::plan(&batch, subscriptions);
     let heads = if hand_out.total == 0 { Vec::new() } else { fan_out::keyed_heads(&plan) };
-    // Before the read of what is pending (see `Claimer::running_keys`).
-    let running = if heads.is_empty() { HashSet::new() } else { store.claimer.running_keys() };
     let idle = match heads.is_empty() {
         true => HashSet::new(),
         false => match heads::idle_keys(store, tx.session(), heads).await {
@@ -355,7 +355,7 @@ async fn handing_out(
         },
     };
     let mut idle = idle;
-    idle.retain(|key| !running.contains(key));
+    idle.retain(|key| !keys.running.contains(key));
     // Of an idle key, only its head: the rest waits unfanned for the head to settle here.
     let (batch, left_out) = if idle.is_empty() { (batch, Vec::new()) } else { fan_out::heads_of_idle_keys(batch, &plan, &idle) };
     let plan = if left_out.is_empty() { plan } else { fan_out::plan(&batch, subscriptions) };
@@ -397,7 +397,7 @@ async fn handing_out(
             }
         }
     };
-    let handed = store.claimer.hand_out(&lanes::Backend { store }, fresh, write, early, now).await?;
+    let handed = store.claimer.hand_out(&lanes::Backend { store }, fresh, &keys, write, early, now).await?;
     let mut report = reach.on(plan.report(handed.claimed, &handed.sent_early));
     report.runnable_left = fan_out::runnable_left(&plan, &idle, report.claimed.len() + report.sent_early);
     if !left_out.is_empty() {
