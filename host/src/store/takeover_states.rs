@@ -384,10 +384,12 @@ async fn within_seconds<T>(both: impl Future<Output = T>) -> T {
     tokio::time::timeout(std::time::Duration::from_secs(20), both).await.expect("what the fan-out was held up for came in between")
 }
 
-/// Publishes `k-1` and `k-2` of key `k`; `a`'s fan-out hands out the key's head (without a
-/// document) and leaves `k-2` unfanned behind it. Returns the head's run.
+/// Publishes `k-1` and `k-2` of key `k`, and an unkeyed event; `a`'s fan-out hands out the
+/// key's head (without a document) and leaves `k-2` unfanned behind it (a batch of one key
+/// alone would fan it out parked). Returns the head's run.
 async fn hand_out_a_keys_head<S: Store>(a: &S) -> ClaimedDelivery {
-    let events: Vec<NewEvent> = ["k-1", "k-2"].iter().map(|id| NewEvent::new(*id, "t", doc! {}).with_key("k")).collect();
+    let mut events: Vec<NewEvent> = ["k-1", "k-2"].iter().map(|id| NewEvent::new(*id, "t", doc! {}).with_key("k")).collect();
+    events.push(NewEvent::new("e-1", "t", doc! {}));
     run_in_transaction(a, async |tx| {
         for event in &events {
             a.publish(tx, event).await?;
@@ -397,8 +399,11 @@ async fn hand_out_a_keys_head<S: Store>(a: &S) -> ClaimedDelivery {
     .await
     .unwrap();
     let mut handed = a.fan_out(&subscriptions(), 10, 10, at(T0)).await.unwrap().claimed;
-    assert_eq!(events_of(&handed), ["k-1"], "only the key's head goes out");
-    handed.remove(0)
+    handed.sort_by(|x, y| x.event.id.cmp(&y.event.id));
+    assert_eq!(events_of(&handed), ["e-1", "k-1"], "only the key's head goes out");
+    assert_eq!(a.unfanned_events().await.unwrap(), 1, "k-2 waits unfanned");
+    a.complete_many(&[handed[0].lease], at(T0)).await.unwrap();
+    handed.remove(1)
 }
 
 /// A key's head that ran without a document is retried (it gets its document, then its
