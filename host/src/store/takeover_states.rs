@@ -407,10 +407,9 @@ async fn hand_out_a_keys_head<S: Store>(a: &S) -> ClaimedDelivery {
 }
 
 /// A key's head that ran without a document is retried (it gets its document, then its
-/// lease counts as settled) as a fan-out of its instance starts. Whether the retry lands
-/// before or after the fan-out's read (in MongoDB, its snapshot), the fan-out finds the
-/// head pending or running and hands nothing of its key out: the next event would run
-/// before the retried head.
+/// lease counts as settled) as a fan-out of its instance starts, after it took what it knows
+/// of the keys running here and before its read: the read finds the head pending, and the
+/// fan-out hands nothing of its key out (the next event would run before the retried head).
 async fn head_retried_as_a_fan_out_starts<S: Store + Parts>(a: &S, _b: &S, _c: &S) {
     let head = hand_out_a_keys_head(a).await;
     let (arrived, proceed) = a.parts().1.hold_up(HoldUp::KeysRead);

@@ -55,9 +55,9 @@ impl Claimer {
     /// Fresh deliveries it does not hand out (their lane is another instance's, or its list is
     /// unknown here, or a claim of this instance is under way and owns the lists, or, for keys'
     /// heads, a takeover was charged since the fan-out's `keys` were taken, see
-    /// [`KeysBeforeRead`]) are left to a claim. A list written for a commit that then failed names deliveries that may not
-    /// exist: harmless, since only issued leases count as running here, and the lanes are read
-    /// again by the next claim.
+    /// [`KeysBeforeRead`]) are left to a claim. A list written for a commit that then failed
+    /// names deliveries that may not exist: harmless, since only issued leases count as running
+    /// here, and the lanes are read again by the next claim.
     pub async fn hand_out<B: ClaimBackend, C, F, T>(
         &self,
         backend: &B,

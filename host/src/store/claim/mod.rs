@@ -526,9 +526,7 @@ impl Claimer {
             }
         }
     }
-}
 
-impl Claimer {
     /// Charges `entries` (see [`ClaimBackend::charge_lost`]), waiting at most `wait`, and
     /// counts the charge, made or not ([`Claimer::takeovers_charged`]; a charge cut short may
     /// still land). A charge cut short is made again in full later: each of its writes applies
