@@ -42,7 +42,10 @@ fn subscriptions() -> Subscriptions {
 }
 
 async fn publish<S: Store>(store: &S, ids: impl IntoIterator<Item = String>) {
-    let events: Vec<NewEvent> = ids.into_iter().map(|id| NewEvent::new(id, "t", doc! {})).collect();
+    publish_events(store, ids.into_iter().map(|id| NewEvent::new(id, "t", doc! {})).collect()).await;
+}
+
+async fn publish_events<S: Store>(store: &S, events: Vec<NewEvent>) {
     run_in_transaction(store, async |tx| {
         for event in &events {
             store.publish(tx, event).await?;
@@ -390,14 +393,7 @@ async fn within_seconds<T>(both: impl Future<Output = T>) -> T {
 async fn hand_out_a_keys_head<S: Store>(a: &S) -> ClaimedDelivery {
     let mut events: Vec<NewEvent> = ["k-1", "k-2"].iter().map(|id| NewEvent::new(*id, "t", doc! {}).with_key("k")).collect();
     events.push(NewEvent::new("e-1", "t", doc! {}));
-    run_in_transaction(a, async |tx| {
-        for event in &events {
-            a.publish(tx, event).await?;
-        }
-        Ok(())
-    })
-    .await
-    .unwrap();
+    publish_events(a, events).await;
     let mut handed = a.fan_out(&subscriptions(), 10, 10, at(T0)).await.unwrap().claimed;
     handed.sort_by(|x, y| x.event.id.cmp(&y.event.id));
     assert_eq!(events_of(&handed), ["e-1", "k-1"], "only the key's head goes out");
