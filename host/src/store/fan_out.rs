@@ -103,8 +103,6 @@ impl FanOutPlan {
             more: false,
             read_to_the_end: false,
             deferred_keys: Vec::new(),
-            // Whatever it left, unless its store knows better (see [`runnable_left`]).
-            runnable_left: self.deliveries.iter().any(|d| left(&d)),
         }
     }
 }
@@ -468,13 +466,6 @@ fn may_run(d: &NewDelivery, idle: &HashSet<HandlerKey>) -> bool {
         Some(key) => d.behind.is_none() && idle.contains(&(d.handler.clone(), key.clone())),
     };
     d.dead_reason.is_none() && !d.suspect && ready
-}
-
-/// Whether `plan` made more deliveries that may run as soon as they are created (see
-/// [`fresh`], budget or not) than a hand-out of `handed_out` of them took: the rest are left to
-/// claims with nothing ahead of them (see [`super::FanOutReport::runnable_left`]).
-pub(crate) fn runnable_left(plan: &FanOutPlan, idle: &HashSet<HandlerKey>, handed_out: usize) -> bool {
-    plan.deliveries.iter().filter(|d| may_run(d, idle)).count() > handed_out
 }
 
 /// The fresh deliveries of a hand-out that are to have no document (see [`Candidate::unstored`]).

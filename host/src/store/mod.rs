@@ -263,10 +263,6 @@ pub struct FanOutReport {
     /// delivery of theirs ran on this instance (named only by a read that reached the end of
     /// the rest): their store notes them (see [`Store::unfanned_may_wait`]).
     pub(crate) deferred_keys: Vec<String>,
-    /// It left to claims deliveries that nothing holds back (unkeyed ones, heads of idle
-    /// keys): their lanes are another instance's, the lists were a claim's, or its budget ran
-    /// out. What it leaves without this waits behind a predecessor.
-    pub runnable_left: bool,
 }
 
 impl FanOutReport {
@@ -283,7 +279,6 @@ impl FanOutReport {
         self.read_to_the_end |= other.read_to_the_end;
         self.left_to_claims.extend(other.left_to_claims);
         self.deferred_keys.extend(other.deferred_keys);
-        self.runnable_left |= other.runnable_left;
         self
     }
 }

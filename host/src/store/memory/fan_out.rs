@@ -111,7 +111,6 @@ impl MemoryStore {
         };
         let handed = self.claimer.hand_out(&Backend(&self.state), fresh, &keys, write, None, now).await?;
         let mut report = handed.committed.report(handed.claimed, &handed.sent_early);
-        report.runnable_left = fan_out::runnable_left(&handed.committed, &idle, report.claimed.len() + report.sent_early);
         report.deferred_keys = deferred;
         Ok(report)
     }

@@ -399,7 +399,6 @@ async fn handing_out(
     };
     let handed = store.claimer.hand_out(&lanes::Backend { store }, fresh, &keys, write, early, now).await?;
     let mut report = reach.on(plan.report(handed.claimed, &handed.sent_early));
-    report.runnable_left = fan_out::runnable_left(&plan, &idle, report.claimed.len() + report.sent_early);
     if !left_out.is_empty() {
         report.read_to_the_end = false;
     }
