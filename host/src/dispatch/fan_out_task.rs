@@ -1,7 +1,7 @@
 //! The dispatcher's background fan-out: batches one after the other until a short one says
-//! nothing is left, or the first, which may hand out, handed out all it made that could run;
-//! the loop is woken after each full batch. It owns when a fan-out ends and what it reports back; it must
-//! never start a run (the loop starts what it hands out).
+//! nothing is left, or the first, which may hand out, handed out any of what it made; the
+//! loop is woken after each full batch. It owns when a fan-out ends and what it reports back;
+//! it must never start a run (the loop starts what it hands out).
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -65,9 +65,10 @@ impl<S: Store> FanOutTask<S> {
     /// Fans out until a short batch says nothing is left, waking the loop after every full
     /// batch so that claims take the new deliveries while the rest is still being fanned out.
     /// Given a `hand_out` budget, its first batch is of at most that many events, and hands out
-    /// up to that many of their deliveries; if it handed out all it made that could run (the
-    /// rest waits behind a predecessor), the fan-out ends there, so that they run at once (the
-    /// loop fans out again if the batch was full, once there is room).
+    /// up to that many of their deliveries; if it handed out any (the rest waits behind a
+    /// predecessor, or in a lane another host holds, for its claims), the fan-out ends there,
+    /// so that they run at once (the loop fans out again if the batch was full, once there is
+    /// room).
     pub(super) fn spawn(self, hand_out: Capacity) -> JoinHandle<Result<FannedOut, StoreError>> {
         let Self { store, batch, subscriptions, fanned, early, hands_out, stop } = self;
         tokio::spawn(async move {
