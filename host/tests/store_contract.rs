@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -60,6 +60,7 @@ contract!(
     a_fan_out_hands_out_a_keys_head_only_while_nothing_of_its_key_is_pending,
     a_keys_later_events_wait_unfanned_while_its_head_runs_unless_nothing_else_is_there,
     a_key_read_apart_that_a_new_split_gave_another_host_is_left_to_it,
+    a_held_lane_a_new_split_gave_another_host_takes_no_new_work_and_goes_back_to_it,
     a_keys_head_handed_out_without_a_document_holds_its_key_and_leads_it_after_a_takeover,
     a_fan_out_that_may_hand_out_early_hands_out_each_once_with_word_of_its_commit,
     racing_plain_marks_of_one_backlog_run_every_event_once,
@@ -676,7 +677,7 @@ async fn a_fan_out_hands_out_unkeyed_deliveries_in_free_or_own_lanes_only<F: Fix
     let handed_lanes: HashSet<u8> = report.claimed.iter().map(|c| c.lease.lane).collect();
     // The lanes left to a claim are those of everything not handed out.
     let not_handed = free.iter().find(|id| !handed_out.contains(&format!("{id}/h"))).unwrap();
-    let expected: std::collections::BTreeSet<u8> =
+    let expected: BTreeSet<u8> =
         [9, key_lane, relayhost::lane::lane_for_event(not_handed, None)].into_iter().collect();
     assert_eq!(report.lanes, expected);
     assert!(handed_lanes.is_disjoint(&report.lanes.iter().copied().collect()));
@@ -821,6 +822,58 @@ async fn a_key_read_apart_that_a_new_split_gave_another_host_is_left_to_it<F: Fi
     let by_b = b.fan_out(&subscriptions, 100, 0, at(T0 + 3)).await.unwrap().events;
     assert!(by_b > 0, "b's keys were left to b ({by_a} fanned out by a)");
     assert_eq!(by_a + by_b, 20);
+}
+
+/// A lane that a new split gives another host (it joined) while this one holds it takes no new
+/// work from this one (nor its hand-outs) but what waited past stale, as a free lane of that
+/// host's would not: it runs empty, goes back at this one's next claim, and the other host
+/// takes it there. Kept, it took that host's deliveries and kept it from handing out its own
+/// (a drain that a second host joined wrote 5.3 documents per delivery).
+async fn a_held_lane_a_new_split_gave_another_host_takes_no_new_work_and_goes_back_to_it<F: Fixture>() {
+    let fixture = F::new().await;
+    let (a, b) = (fixture.worker("a"), fixture.worker("b"));
+    let subscriptions = subs(&[("h", &["t"])]);
+    let h = handlers(&["h"]);
+    // Alone, a runs sixty events, one in each of their lanes.
+    assert_eq!(a.announce(at(T0)).await.unwrap(), 1);
+    let events = |prefix: &str, count: usize, created: i64| -> Vec<NewEvent> {
+        (0..count).map(|n| event(&format!("{prefix}-{n}"), "t").with_created_at(common::at(created))).collect()
+    };
+    publish_all(fixture.store(), events("first", 60, T0)).await;
+    a.fan_out(&subscriptions, 1_000, 0, at(T0 + 1)).await.unwrap();
+    let running = a.claim(&h, 1_000, at(T0 + 2)).await.unwrap();
+    assert_eq!(running.len(), 60);
+    let held: BTreeSet<_> = running.iter().map(|c| c.lease.lane).collect();
+    // b joins. Its share's new events get documents in their lanes, some of which a holds.
+    announce_both(&a, &b, T0 + 3).await;
+    publish_all(fixture.store(), events("second", 200, T0 + 3)).await;
+    let by_b = b.fan_out(&subscriptions, 1_000, 0, at(T0 + 4)).await.unwrap();
+    let theirs: BTreeSet<_> = by_b.lanes.intersection(&held).copied().collect();
+    assert!(!theirs.is_empty(), "some of b's lanes are held by a: {held:?} {:?}", by_b.lanes);
+    // a hands its share's out into lanes it holds of its own share, or takes free ones.
+    let by_a = a.fan_out(&subscriptions, 1_000, 1_000, at(T0 + 4)).await.unwrap();
+    assert_eq!(by_a.events + by_b.events, 200);
+    assert!(!by_a.claimed.is_empty());
+    assert!(by_a.claimed.iter().all(|c| !by_b.lanes.contains(&c.lease.lane)), "a handed out into b's lanes");
+    // Its claim takes what is left of its own share's work, none in the lanes it holds of b's.
+    let claimed = a.claim(&h, 1_000, at(T0 + 5)).await.unwrap();
+    assert_eq!(claimed.len() + by_a.claimed.len(), by_a.deliveries);
+    assert!(claimed.iter().all(|c| !theirs.contains(&c.lease.lane)), "a took new work in b's lanes");
+    // Its runs there end; its next claim hands those lanes back, and b's claims take every
+    // delivery of its share.
+    let leases: Vec<_> = running.iter().chain(&by_a.claimed).chain(&claimed).map(|c| c.lease).collect();
+    a.complete_many(&leases, at(T0 + 6)).await.unwrap();
+    assert!(a.claim(&h, 1_000, at(T0 + 7)).await.unwrap().is_empty());
+    let mut by_b_claimed = Vec::new();
+    loop {
+        let claimed = b.claim(&h, 1_000, at(T0 + 8)).await.unwrap();
+        if claimed.is_empty() {
+            break;
+        }
+        by_b_claimed.extend(claimed);
+    }
+    assert_eq!(by_b_claimed.len(), by_b.deliveries, "b claims its share, in the lanes a gave back too");
+    assert!(theirs.iter().all(|lane| by_b_claimed.iter().any(|c| c.lease.lane == *lane)));
 }
 
 async fn a_keys_head_handed_out_without_a_document_holds_its_key_and_leads_it_after_a_takeover<F: Fixture>() {

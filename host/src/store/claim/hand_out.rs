@@ -15,7 +15,10 @@ impl Claimer {
         let issued = self.issued.lock().expect("issued leases");
         let unsettled = |entry: &&InFlight| issued.get(&entry.delivery).is_some_and(|i| i.lease.claims == entry.claims);
         let events_lanes = fresh.iter().map(|fresh| fresh.candidate.lane).collect();
-        let gathered = gather_unstored(held, |listed| listed.in_flight.iter().filter(unsettled).count(), fresh);
+        // Only into lanes of this host's share: those of another's run empty and go back.
+        let assignment = self.assignment();
+        let room = |lane: LaneId, listed: &Listed| assignment.is_mine(lane).then(|| listed.in_flight.iter().filter(unsettled).count());
+        let gathered = gather_unstored(held, room, fresh);
         let mut by_lane: BTreeMap<LaneId, Vec<InFlight>> = BTreeMap::new();
         for Fresh { candidate, .. } in fresh.iter() {
             by_lane.entry(candidate.lane).or_default().push(candidate.in_flight());
@@ -392,8 +395,8 @@ const GATHERED_PER_LANE: usize = 64;
 
 /// Moves the unkeyed `fresh` deliveries without a document ([`Candidate::unstored`]) into
 /// lanes this instance holds and knows the lists of, filling the one listing the fewest unsettled
-/// entries (`unsettled`) first, up to [`GATHERED_PER_LANE`] each; those that do not fit keep
-/// their event's lane. Returns how many it moved.
+/// entries (`unsettled`, `None` for a lane not to fill) first, up to [`GATHERED_PER_LANE`]
+/// each; those that do not fit keep their event's lane. Returns how many it moved.
 ///
 /// Such a delivery is bound to no lane: it is unkeyed, so no order binds it, and no document
 /// says where it is; its lane entry only records that it runs, for a takeover or a check
@@ -401,10 +404,10 @@ const GATHERED_PER_LANE: usize = 64;
 /// the lanes its events hash to, a hand-out wrote about one lane document for every
 /// delivery, a quarter of `mongod`'s work in a drain; gathered, it writes one per
 /// [`GATHERED_PER_LANE`] deliveries, and lanes another instance holds stop it less.
-fn gather_unstored(held: &BTreeMap<LaneId, Held>, unsettled: impl Fn(&Listed) -> usize, fresh: &mut [Fresh]) -> usize {
+fn gather_unstored(held: &BTreeMap<LaneId, Held>, unsettled: impl Fn(LaneId, &Listed) -> Option<usize>, fresh: &mut [Fresh]) -> usize {
     let mut room: Vec<(usize, LaneId)> = held
         .iter()
-        .filter_map(|(id, lane)| Some((unsettled(lane.known.as_ref()?), *id)))
+        .filter_map(|(id, lane)| Some((unsettled(*id, lane.known.as_ref()?)?, *id)))
         .filter(|(listed, _)| *listed < GATHERED_PER_LANE)
         .collect();
     room.sort_unstable();

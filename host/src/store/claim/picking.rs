@@ -38,10 +38,17 @@ impl Claimer {
         // learned, when it succeeds; a failed claim only costs the next one some lookups.
         plan.known_heads = std::mem::take(&mut *self.known_heads.lock().expect("known heads"));
         self.drop_forgotten_heads(&mut plan.known_heads, false);
-        let lanes: Vec<LaneId> = mine.keys().copied().collect();
+        // Held lanes of another live host's share (the split moved them, see
+        // `crate::store::assignment`) get no new work but what waited there past stale, as
+        // their free lanes: so they run empty and go back, and their host takes them.
+        let assignment = self.assignment();
+        let (lanes, theirs): (Vec<LaneId>, Vec<LaneId>) = mine.keys().copied().partition(|lane| assignment.is_mine(*lane));
         let unread = scan(backend, &mut plan, &lanes, handlers, now).await?;
         if plan.full() && !unread.is_empty() && self.unread_lanes_check.due(now) {
             older_work_of_unread_lanes(backend, &mut plan, unread, handlers).await?;
+        }
+        if !theirs.is_empty() && !plan.full() {
+            scan(backend, &mut plan, &theirs, handlers, self.stale_before(now)).await?;
         }
         let tried: BTreeSet<LaneId> = mine.keys().chain(&waiting).copied().collect();
         // Held lanes that run nothing and where the scan picked nothing are handed back while
