@@ -66,6 +66,10 @@ pub struct BenchArgs {
     /// processes would on this machine. They split the lanes, as separate hosts do.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16))]
     hosts: u16,
+    /// Start every host but the first this many milliseconds into the drain: hosts joining a
+    /// running drain, which the lanes' split then moves (0, the default: all at once).
+    #[arg(long, default_value_t = 0)]
+    join_after: u64,
     /// Give up on a drain that completes nothing for this many seconds.
     #[arg(long, default_value_t = 60)]
     stall_after: u64,
@@ -152,10 +156,15 @@ async fn measure(args: &BenchArgs, server: &Server, plugins: &std::path::Path) -
     println!("raw floor    {floor_after:>8.0} documents/s  (again, after the drain; the ratio uses the faster: {floor:.0})");
     let ratio = drain / floor;
     let on_hosts = if args.hosts > 1 { format!(" on {} hosts", args.hosts) } else { String::new() };
+    let drained_on = match args.join_after {
+        0 => on_hosts.clone(),
+        _ if args.hosts == 1 => String::new(),
+        joins => format!("{on_hosts}, all but one joining {joins} ms into it"),
+    };
     let hot = if args.hot_every > 0 { format!(", every {}th on one hot key", args.hot_every) } else { String::new() };
     let events = match args.keys {
-        0 => format!("{} unkeyed events{hot}{on_hosts}", args.events),
-        keys => format!("{} events over {keys} keys{hot}{on_hosts}", args.events),
+        0 => format!("{} unkeyed events{hot}{drained_on}", args.events),
+        keys => format!("{} events over {keys} keys{hot}{drained_on}", args.events),
     };
     // The goals (#24): half the floor unkeyed, a third keyed.
     let goal = if args.keys == 0 { 0.50 } else { 0.35 };
@@ -340,11 +349,16 @@ async fn drain(args: &BenchArgs, workload: &Workload, server: &Server, registry:
         }
         let _ = finish.send(true);
     };
-    let runs = futures::future::try_join_all(dispatchers.iter().map(|dispatcher| {
+    let runs = futures::future::try_join_all(dispatchers.iter().enumerate().map(|(n, dispatcher)| {
         let mut finished = finished.clone();
-        dispatcher.run(async move {
-            let _ = finished.wait_for(|done| *done).await;
-        })
+        let joins = Duration::from_millis(if n == 0 { 0 } else { args.join_after });
+        async move {
+            tokio::time::sleep(joins).await;
+            dispatcher.run(async move {
+                let _ = finished.wait_for(|done| *done).await;
+            })
+            .await
+        }
     }));
     let ((), ran) = tokio::join!(monitor, runs);
     ran?;
