@@ -450,6 +450,9 @@ impl Store for FaultyStore {
     async fn announce(&self, now: DateTime) -> Result<usize, StoreError> {
         self.inner.announce(now).await
     }
+    async fn look(&self, now: DateTime) -> Result<usize, StoreError> {
+        self.inner.look(now).await
+    }
     async fn requeue(&self, delivery_id: &str, now: DateTime) -> Result<(), StoreError> {
         self.inner.requeue(delivery_id, now).await
     }

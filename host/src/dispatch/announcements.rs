@@ -1,6 +1,6 @@
-//! A host's announcements to the others, beside the claim loop (see [`Store::announce`]): the
-//! live hosts split the lanes. It must never hold back the loop: it only wakes it when the
-//! number of live hosts changed.
+//! A host's announcements to the others, beside the claim loop (see [`Store::announce`]), and
+//! its looks at theirs between them (see [`Store::look`]): the live hosts split the lanes. It
+//! must never hold back the loop: it only wakes it when the number of live hosts changed.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -8,26 +8,44 @@ use std::time::Duration;
 use bson::DateTime;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
 use crate::store::{ANNOUNCE_EVERY, Store};
 
+/// Looks at the live hosts between two announcements.
+const LOOKS_PER_ANNOUNCEMENT: u32 = 10;
+
 /// Announces this host to the others (see [`Store::announce`]) every [`ANNOUNCE_EVERY`]
-/// (or tenth of a lease, if shorter), and more often just after it started ([`waits`]),
-/// beside the claim loop so that its ticks never hold back the loop's poll; wakes the loop
-/// when the number of live hosts changed.
+/// (or tenth of a lease, if shorter), and more often just after it started ([`waits`]), and
+/// looks at the live hosts every tenth of that between ([`Store::look`], a read): a host that
+/// joins is learned of within a tenth of the interval, not at the next announcement, so that
+/// the others leave it its share's lanes before its fan-outs meet them held. Runs beside the
+/// claim loop so that its ticks never hold back the loop's poll; wakes the loop when the
+/// number of live hosts changed.
 pub(super) fn spawn<S: Store>(store: Arc<S>, lease_duration: Duration, hosts: usize, hosts_changed: Arc<Notify>) -> JoinHandle<()> {
     let every = ANNOUNCE_EVERY.min(lease_duration / 10);
+    let look_every = every / LOOKS_PER_ANNOUNCEMENT;
     tokio::spawn(async move {
         let mut hosts = hosts;
-        for wait in waits(every) {
-            tokio::time::sleep(wait).await;
-            match store.announce(DateTime::now()).await {
-                Ok(live) if live != hosts => {
-                    hosts = live;
-                    hosts_changed.notify_one();
-                }
-                Ok(_) => {}
-                Err(error) => tracing::warn!(%error, "announcing this host failed; trying again"),
+        let mut waits = waits(every);
+        let mut announce_at = Instant::now() + waits.next().unwrap_or(every);
+        loop {
+            let look_at = Instant::now() + look_every;
+            let announcing = announce_at <= look_at;
+            tokio::time::sleep_until(if announcing { announce_at } else { look_at }).await;
+            let live = if announcing {
+                let announced = store.announce(DateTime::now()).await;
+                announce_at = Instant::now() + waits.next().unwrap_or(every);
+                announced.inspect_err(|error| tracing::warn!(%error, "announcing this host failed; trying again"))
+            } else {
+                // A look that fails is followed by another a tenth of the interval later.
+                store.look(DateTime::now()).await.inspect_err(|error| tracing::debug!(%error, "looking at the live hosts failed"))
+            };
+            if let Ok(live) = live
+                && live != hosts
+            {
+                hosts = live;
+                hosts_changed.notify_one();
             }
         }
     })
@@ -71,5 +89,25 @@ mod tests {
         let learned = tokio::time::timeout(every / 10, changed.notified()).await;
         announcing.abort();
         assert!(learned.is_ok(), "the first host learned of the second only after {:?} or later", every / 10);
+    }
+
+    /// A host that has run for a while (announcing once an interval) learns of one that joins
+    /// within a tenth of the interval, by looking between its announcements (in paused time).
+    #[tokio::test(start_paused = true)]
+    async fn a_running_host_learns_of_one_that_joins_within_a_tenth_of_the_interval() {
+        let first = Arc::new(MemoryStore::new(StoreOptions::default()));
+        let second = first.instance("second");
+        let lease = Duration::from_secs(30);
+        let every = ANNOUNCE_EVERY.min(lease / 10);
+        let hosts = first.announce(DateTime::now()).await.unwrap();
+        let changed = Arc::new(Notify::new());
+        let announcing = spawn(first.clone(), lease, hosts, changed.clone());
+        // Its announcements come at 50, 150, 350, 750, 1,550 ms and every interval after: the
+        // next after ten intervals is half an interval away.
+        tokio::time::sleep(every * 10).await;
+        assert_eq!(second.announce(DateTime::now()).await.unwrap(), 2);
+        let learned = tokio::time::timeout(every / 5, changed.notified()).await;
+        announcing.abort();
+        assert!(learned.is_ok(), "the running host learned of the one that joined only after {:?} or later", every / 5);
     }
 }

@@ -478,6 +478,12 @@ pub trait Store: Send + Sync + 'static {
     /// announces every [`ANNOUNCE_EVERY`] (or tenth of its lease, if shorter).
     fn announce(&self, now: DateTime) -> impl Future<Output = Result<usize, StoreError>> + Send;
 
+    /// Reads which hosts are live and takes this instance's share of the lanes among them, as
+    /// [`Store::announce`] does, without announcing anything (it writes nothing). A host's
+    /// dispatcher looks every tenth of the announcement interval, so that it learns of a host
+    /// that joined long before its own next announcement.
+    fn look(&self, now: DateTime) -> impl Future<Output = Result<usize, StoreError>> + Send;
+
     /// Operator action: makes a dead delivery pending and due now, with its attempts reset.
     fn requeue(&self, delivery_id: &str, now: DateTime) -> impl Future<Output = Result<(), StoreError>> + Send;
 

@@ -409,6 +409,13 @@ impl Store for MemoryStore {
         Ok(live.len())
     }
 
+    async fn look(&self, now: DateTime) -> Result<usize, StoreError> {
+        let state = self.state.lock().await;
+        let live: Vec<String> = state.hosts.iter().filter(|(_, until)| **until > now).map(|(host, _)| host.clone()).collect();
+        self.claimer.assign(&live);
+        Ok(live.len().max(1))
+    }
+
     async fn requeue(&self, delivery_id: &str, now: DateTime) -> Result<(), StoreError> {
         let not_found = || StoreError::DeliveryNotFound(delivery_id.to_string());
         let id = ObjectId::parse_str(delivery_id).map_err(|_| not_found())?;

@@ -70,6 +70,18 @@ pub(super) async fn announce(store: &MongoStore, now: DateTime) -> Result<usize,
     Ok(live.len().max(1))
 }
 
+/// Reads the live hosts and takes this instance's share of the lanes among them (see
+/// [`announce`]); writes nothing.
+pub(super) async fn look(store: &MongoStore, now: DateTime) -> Result<usize, StoreError> {
+    let announced: Vec<Document> =
+        store.collections.hosts.find(doc! { EXPIRES_AT: { "$gt": now } }).projection(doc! { ID: 1 }).await?.try_collect().await?;
+    let live: Vec<String> = announced.iter().filter_map(|host| host.get_str(ID).ok().map(str::to_string)).collect();
+    if store.claimer.assign(&live) {
+        store.heard.missed_some();
+    }
+    Ok(live.len().max(1))
+}
+
 /// A host whose announcement lapsed, and the name its client gave MongoDB.
 struct Lapsed {
     id: String,

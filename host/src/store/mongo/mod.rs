@@ -462,6 +462,10 @@ impl Store for MongoStore {
         hosts::announce(self, now).await
     }
 
+    async fn look(&self, now: DateTime) -> Result<usize, StoreError> {
+        hosts::look(self, now).await
+    }
+
     async fn requeue(&self, delivery_id: &str, now: DateTime) -> Result<(), StoreError> {
         outcome::requeue(self, delivery_id, now).await
     }
