@@ -61,6 +61,7 @@ contract!(
     a_keys_later_events_wait_unfanned_while_its_head_runs_unless_nothing_else_is_there,
     a_key_read_apart_that_a_new_split_gave_another_host_is_left_to_it,
     a_held_lane_a_new_split_gave_another_host_takes_no_new_work_and_goes_back_to_it,
+    a_look_takes_the_share_among_the_live_hosts_and_announces_nothing,
     a_keys_head_handed_out_without_a_document_holds_its_key_and_leads_it_after_a_takeover,
     a_fan_out_that_may_hand_out_early_hands_out_each_once_with_word_of_its_commit,
     racing_plain_marks_of_one_backlog_run_every_event_once,
@@ -874,6 +875,25 @@ async fn a_held_lane_a_new_split_gave_another_host_takes_no_new_work_and_goes_ba
     }
     assert_eq!(by_b_claimed.len(), by_b.deliveries, "b claims its share, in the lanes a gave back too");
     assert!(theirs.iter().all(|lane| by_b_claimed.iter().any(|c| c.lease.lane == *lane)));
+}
+
+/// A look at the live hosts (between announcements) takes the share among them as an
+/// announcement does, and announces nothing itself.
+async fn a_look_takes_the_share_among_the_live_hosts_and_announces_nothing<F: Fixture>() {
+    let fixture = F::new().await;
+    let (a, b, c) = (fixture.worker("a"), fixture.worker("b"), fixture.worker("c"));
+    let subscriptions = subs(&[("h", &["t"])]);
+    assert_eq!(a.announce(at(T0)).await.unwrap(), 1);
+    assert_eq!(b.announce(at(T0)).await.unwrap(), 2);
+    // a learns of b by looking: its fan-out leaves b's share to b.
+    assert_eq!(a.look(at(T0 + 1)).await.unwrap(), 2);
+    let events = (0..100).map(|n| event(&format!("e-{n}"), "t").with_created_at(common::at(T0 + 1))).collect();
+    publish_all(fixture.store(), events).await;
+    let by_a = a.fan_out(&subscriptions, 1_000, 0, at(T0 + 2)).await.unwrap();
+    assert!(by_a.events > 0 && by_a.events < 100, "a's share only: {}", by_a.events);
+    // c only looked: it is not among the live hosts.
+    assert_eq!(c.look(at(T0 + 2)).await.unwrap(), 2);
+    assert_eq!(b.look(at(T0 + 2)).await.unwrap(), 2);
 }
 
 async fn a_keys_head_handed_out_without_a_document_holds_its_key_and_leads_it_after_a_takeover<F: Fixture>() {
