@@ -466,7 +466,7 @@ pub trait Store: Send + Sync + 'static {
     -> impl Future<Output = Result<Vec<bool>, StoreError>> + Send;
 
     /// Hands every lane this instance holds back at once, and withdraws its announcement
-    /// (graceful stop): the other hosts take its share of the lanes at their next one.
+    /// (graceful stop): the other hosts take its share of the lanes at their next look.
     fn relinquish(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Announces this instance as a live host for a third of its lease from `now` (so one
