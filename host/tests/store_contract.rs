@@ -550,14 +550,7 @@ async fn live_hosts_split_the_lanes_and_leave_each_other_their_events_until_stal
     assert_eq!(a.announce(at(T0 + 70_000)).await.unwrap(), 1, "both lapsed meanwhile");
     announce_both(&a, &b, T0 + 70_000).await;
     // (A claim takes a bounded number of such lanes: claim until none is left.)
-    let mut stale_of_b = Vec::new();
-    loop {
-        let claimed = a.claim(&h, 1_000, at(T0 + 70_000)).await.unwrap();
-        if claimed.is_empty() {
-            break;
-        }
-        stale_of_b.extend(claimed);
-    }
+    let stale_of_b = claim_until_none_is_left(&a, &h, T0 + 70_000).await;
     assert!(!stale_of_b.is_empty() && stale_of_b.iter().all(|c| by_b.lanes.contains(&c.lease.lane)));
     // 60 unkeyed and the heads of the 20 keys, each once.
     let mut every: Vec<String> = ids(&claimed_a).into_iter().chain(ids(&stale_of_b)).collect();
@@ -596,6 +589,18 @@ async fn live_hosts_split_the_lanes_and_leave_each_other_their_events_until_stal
     assert_eq!(a.announce(at(t3)).await.unwrap(), 1, "b withdrew");
     publish_all(fixture.store(), events("third", t3)).await;
     assert_eq!(a.fan_out(&subscriptions, 1_000, 0, at(t3 + 1)).await.unwrap().events, 100);
+}
+
+/// Everything `store` claims at `now`, claim after claim, until a claim takes nothing.
+async fn claim_until_none_is_left<S: Store>(store: &S, handlers: &[String], now: i64) -> Vec<relayhost::store::ClaimedDelivery> {
+    let mut every = Vec::new();
+    loop {
+        let claimed = store.claim(handlers, 1_000, at(now)).await.unwrap();
+        if claimed.is_empty() {
+            return every;
+        }
+        every.extend(claimed);
+    }
 }
 
 /// Announces `a`, then `b`, then `a` again at `now`, each seeing both live.
@@ -865,14 +870,7 @@ async fn a_held_lane_a_new_split_gave_another_host_takes_no_new_work_and_goes_ba
     let leases: Vec<_> = running.iter().chain(&by_a.claimed).chain(&claimed).map(|c| c.lease).collect();
     a.complete_many(&leases, at(T0 + 6)).await.unwrap();
     assert!(a.claim(&h, 1_000, at(T0 + 7)).await.unwrap().is_empty());
-    let mut by_b_claimed = Vec::new();
-    loop {
-        let claimed = b.claim(&h, 1_000, at(T0 + 8)).await.unwrap();
-        if claimed.is_empty() {
-            break;
-        }
-        by_b_claimed.extend(claimed);
-    }
+    let by_b_claimed = claim_until_none_is_left(&b, &h, T0 + 8).await;
     assert_eq!(by_b_claimed.len(), by_b.deliveries, "b claims its share, in the lanes a gave back too");
     assert!(theirs.iter().all(|lane| by_b_claimed.iter().any(|c| c.lease.lane == *lane)));
 }
