@@ -61,6 +61,7 @@ contract!(
     a_keys_later_events_wait_unfanned_while_its_head_runs_unless_nothing_else_is_there,
     a_key_read_apart_that_a_new_split_gave_another_host_is_left_to_it,
     a_held_lane_a_new_split_gave_another_host_takes_no_new_work_and_goes_back_to_it,
+    a_held_lane_of_another_hosts_share_still_gives_its_holder_what_waited_past_stale,
     a_look_takes_the_share_among_the_live_hosts_and_announces_nothing,
     a_keys_head_handed_out_without_a_document_holds_its_key_and_leads_it_after_a_takeover,
     a_fan_out_that_may_hand_out_early_hands_out_each_once_with_word_of_its_commit,
@@ -873,6 +874,33 @@ async fn a_held_lane_a_new_split_gave_another_host_takes_no_new_work_and_goes_ba
     let by_b_claimed = claim_until_none_is_left(&b, &h, T0 + 8).await;
     assert_eq!(by_b_claimed.len(), by_b.deliveries, "b claims its share, in the lanes a gave back too");
     assert!(theirs.iter().all(|lane| by_b_claimed.iter().any(|c| c.lease.lane == *lane)));
+}
+
+/// What waited past stale (twice the lease) in a lane of another host's share that this one
+/// holds is still this one's to take, as in that host's free lanes: a lane its holder keeps
+/// with a long run never strands the rest of its work.
+async fn a_held_lane_of_another_hosts_share_still_gives_its_holder_what_waited_past_stale<F: Fixture>() {
+    let fixture = F::new().await;
+    let (a, b) = (fixture.worker("a"), fixture.worker("b"));
+    let subscriptions = subs(&[("h", &["t"])]);
+    let h = handlers(&["h"]);
+    assert_eq!(a.announce(at(T0)).await.unwrap(), 1);
+    let events = |prefix: &str, count: usize| -> Vec<NewEvent> {
+        (0..count).map(|n| event(&format!("{prefix}-{n}"), "t").with_created_at(common::at(T0))).collect()
+    };
+    publish_all(fixture.store(), events("first", 60)).await;
+    a.fan_out(&subscriptions, 1_000, 0, at(T0 + 1)).await.unwrap();
+    let running = a.claim(&h, 1_000, at(T0 + 2)).await.unwrap();
+    let held: BTreeSet<_> = running.iter().map(|c| c.lease.lane).collect();
+    announce_both(&a, &b, T0 + 3).await;
+    publish_all(fixture.store(), events("second", 200)).await;
+    // b's share, due long ago (its fan-out's time): waited past stale by a's claim below.
+    let by_b = b.fan_out(&subscriptions, 1_000, 0, at(T0 - 100_000)).await.unwrap();
+    let theirs: BTreeSet<_> = by_b.lanes.intersection(&held).copied().collect();
+    assert!(!theirs.is_empty(), "some of b's lanes are held by a");
+    let claimed = a.claim(&h, 1_000, at(T0 + 4)).await.unwrap();
+    let taken: BTreeSet<_> = claimed.iter().map(|c| c.lease.lane).filter(|lane| theirs.contains(lane)).collect();
+    assert_eq!(taken, theirs, "a took what waited past stale in the lanes it holds of b's");
 }
 
 /// A look at the live hosts (between announcements) takes the share among them as an
