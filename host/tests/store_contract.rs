@@ -831,6 +831,33 @@ async fn a_key_read_apart_that_a_new_split_gave_another_host_is_left_to_it<F: Fi
     assert_eq!(by_a + by_b, 20);
 }
 
+/// Alone, `a` runs sixty events, one in each of their lanes; then `b` joins, and its share of
+/// 200 new events gets documents in their lanes (due at `b_fans_out_at`), some of which `a`
+/// holds. Returns what `a` runs, `b`'s fan-out, and those lanes.
+async fn a_joiners_lanes_held<S: Store>(
+    store: &S,
+    a: &S,
+    b: &S,
+    b_fans_out_at: i64,
+) -> (Vec<relayhost::store::ClaimedDelivery>, relayhost::store::FanOutReport, BTreeSet<relayhost::lane::LaneId>) {
+    let subscriptions = subs(&[("h", &["t"])]);
+    assert_eq!(a.announce(at(T0)).await.unwrap(), 1);
+    let events = |prefix: &str, count: usize, created: i64| -> Vec<NewEvent> {
+        (0..count).map(|n| event(&format!("{prefix}-{n}"), "t").with_created_at(common::at(created))).collect()
+    };
+    publish_all(store, events("first", 60, T0)).await;
+    a.fan_out(&subscriptions, 1_000, 0, at(T0 + 1)).await.unwrap();
+    let running = a.claim(&handlers(&["h"]), 1_000, at(T0 + 2)).await.unwrap();
+    assert_eq!(running.len(), 60);
+    let held: BTreeSet<_> = running.iter().map(|c| c.lease.lane).collect();
+    announce_both(a, b, T0 + 3).await;
+    publish_all(store, events("second", 200, T0 + 3)).await;
+    let by_b = b.fan_out(&subscriptions, 1_000, 0, at(b_fans_out_at)).await.unwrap();
+    let theirs: BTreeSet<_> = by_b.lanes.intersection(&held).copied().collect();
+    assert!(!theirs.is_empty(), "some of b's lanes are held by a: {held:?} {:?}", by_b.lanes);
+    (running, by_b, theirs)
+}
+
 /// A lane that a new split gives another host (it joined) while this one holds it takes no new
 /// work from this one (nor its hand-outs) but what waited past stale, as a free lane of that
 /// host's would not: it runs empty, goes back at this one's next claim, and the other host
@@ -841,22 +868,7 @@ async fn a_held_lane_a_new_split_gave_another_host_takes_no_new_work_and_goes_ba
     let (a, b) = (fixture.worker("a"), fixture.worker("b"));
     let subscriptions = subs(&[("h", &["t"])]);
     let h = handlers(&["h"]);
-    // Alone, a runs sixty events, one in each of their lanes.
-    assert_eq!(a.announce(at(T0)).await.unwrap(), 1);
-    let events = |prefix: &str, count: usize, created: i64| -> Vec<NewEvent> {
-        (0..count).map(|n| event(&format!("{prefix}-{n}"), "t").with_created_at(common::at(created))).collect()
-    };
-    publish_all(fixture.store(), events("first", 60, T0)).await;
-    a.fan_out(&subscriptions, 1_000, 0, at(T0 + 1)).await.unwrap();
-    let running = a.claim(&h, 1_000, at(T0 + 2)).await.unwrap();
-    assert_eq!(running.len(), 60);
-    let held: BTreeSet<_> = running.iter().map(|c| c.lease.lane).collect();
-    // b joins. Its share's new events get documents in their lanes, some of which a holds.
-    announce_both(&a, &b, T0 + 3).await;
-    publish_all(fixture.store(), events("second", 200, T0 + 3)).await;
-    let by_b = b.fan_out(&subscriptions, 1_000, 0, at(T0 + 4)).await.unwrap();
-    let theirs: BTreeSet<_> = by_b.lanes.intersection(&held).copied().collect();
-    assert!(!theirs.is_empty(), "some of b's lanes are held by a: {held:?} {:?}", by_b.lanes);
+    let (running, by_b, theirs) = a_joiners_lanes_held(fixture.store(), &a, &b, T0 + 4).await;
     // a hands its share's out into lanes it holds of its own share, or takes free ones.
     let by_a = a.fan_out(&subscriptions, 1_000, 1_000, at(T0 + 4)).await.unwrap();
     assert_eq!(by_a.events + by_b.events, 200);
@@ -882,23 +894,9 @@ async fn a_held_lane_a_new_split_gave_another_host_takes_no_new_work_and_goes_ba
 async fn a_held_lane_of_another_hosts_share_still_gives_its_holder_what_waited_past_stale<F: Fixture>() {
     let fixture = F::new().await;
     let (a, b) = (fixture.worker("a"), fixture.worker("b"));
-    let subscriptions = subs(&[("h", &["t"])]);
-    let h = handlers(&["h"]);
-    assert_eq!(a.announce(at(T0)).await.unwrap(), 1);
-    let events = |prefix: &str, count: usize| -> Vec<NewEvent> {
-        (0..count).map(|n| event(&format!("{prefix}-{n}"), "t").with_created_at(common::at(T0))).collect()
-    };
-    publish_all(fixture.store(), events("first", 60)).await;
-    a.fan_out(&subscriptions, 1_000, 0, at(T0 + 1)).await.unwrap();
-    let running = a.claim(&h, 1_000, at(T0 + 2)).await.unwrap();
-    let held: BTreeSet<_> = running.iter().map(|c| c.lease.lane).collect();
-    announce_both(&a, &b, T0 + 3).await;
-    publish_all(fixture.store(), events("second", 200)).await;
     // b's share, due long ago (its fan-out's time): waited past stale by a's claim below.
-    let by_b = b.fan_out(&subscriptions, 1_000, 0, at(T0 - 100_000)).await.unwrap();
-    let theirs: BTreeSet<_> = by_b.lanes.intersection(&held).copied().collect();
-    assert!(!theirs.is_empty(), "some of b's lanes are held by a");
-    let claimed = a.claim(&h, 1_000, at(T0 + 4)).await.unwrap();
+    let (_, _, theirs) = a_joiners_lanes_held(fixture.store(), &a, &b, T0 - 100_000).await;
+    let claimed = a.claim(&handlers(&["h"]), 1_000, at(T0 + 4)).await.unwrap();
     let taken: BTreeSet<_> = claimed.iter().map(|c| c.lease.lane).filter(|lane| theirs.contains(lane)).collect();
     assert_eq!(taken, theirs, "a took what waited past stale in the lanes it holds of b's");
 }
