@@ -59,6 +59,7 @@ contract!(
     a_fan_out_hands_out_unkeyed_deliveries_in_free_or_own_lanes_only,
     a_fan_out_hands_out_a_keys_head_only_while_nothing_of_its_key_is_pending,
     a_keys_later_events_wait_unfanned_while_its_head_runs_unless_nothing_else_is_there,
+    a_key_that_waited_for_claims_once_is_awaited_no_more_once_its_head_is_handed_out,
     a_key_read_apart_that_a_new_split_gave_another_host_is_left_to_it,
     a_held_lane_a_new_split_gave_another_host_takes_no_new_work_and_goes_back_to_it,
     a_held_lane_of_another_hosts_share_still_gives_its_holder_what_waited_past_stale,
@@ -805,6 +806,35 @@ async fn a_keys_later_events_wait_unfanned_while_its_head_runs_unless_nothing_el
     assert!(a.followers_may_wait("h", "k"));
     assert_eq!(a.complete_many(&[report.claimed[0].lease], at(T0 + 6)).await.unwrap(), [Settlement::Completed]);
     assert_eq!(ids(&a.claim(&handlers(&["h"]), 10, at(T0 + 7)).await.unwrap()), ["k-4/h"]);
+}
+
+/// A key whose deliveries a fan-out left to claims is awaited: its completions ask for a
+/// claim in its lane. Once a fan-out hands its head out (nothing of it pending), it is awaited
+/// no more, so its later completions ask for no claim that would find nothing; a fan-out that
+/// leaves some of it to claims again notes it again.
+async fn a_key_that_waited_for_claims_once_is_awaited_no_more_once_its_head_is_handed_out<F: Fixture>() {
+    let fixture = F::new().await;
+    let a = fixture.worker("a");
+    let subscriptions = subs(&[("h", &["t"])]);
+    // With no room to hand out, the key's first event is left to claims.
+    publish_all(&a, vec![keyed("k-1", "t", "k")]).await;
+    let report = a.fan_out(&subscriptions, 100, 0, at(T0)).await.unwrap();
+    assert_eq!((report.deliveries, report.claimed.len()), (1, 0));
+    assert!(a.followers_may_wait("h", "k"));
+    let claimed = a.claim(&handlers(&["h"]), 10, at(T0 + 1)).await.unwrap();
+    assert_eq!(ids(&claimed), ["k-1/h"]);
+    assert_eq!(a.complete_many(&[claimed[0].lease], at(T0 + 2)).await.unwrap(), [Settlement::Completed]);
+    // Its next event finds it idle and is handed out: the key is awaited no more.
+    publish_all(&a, vec![keyed("k-2", "t", "k")]).await;
+    let report = a.fan_out(&subscriptions, 100, 10, at(T0 + 3)).await.unwrap();
+    assert_eq!(ids(&report.claimed), ["k-2/h"]);
+    assert!(!a.followers_may_wait("h", "k"), "a key handed out with nothing pending waits for no claim");
+    // A fan-out that hands out its head and leaves its follower to claims notes it again.
+    assert_eq!(a.complete_many(&[report.claimed[0].lease], at(T0 + 4)).await.unwrap(), [Settlement::Completed]);
+    publish_all(&a, vec![keyed("k-3", "t", "k"), keyed("k-4", "t", "k")]).await;
+    let report = a.fan_out(&subscriptions, 100, 10, at(T0 + 5)).await.unwrap();
+    assert_eq!((ids(&report.claimed), report.deliveries), (vec!["k-3/h".to_string()], 2));
+    assert!(a.followers_may_wait("h", "k"), "its follower waits for a claim");
 }
 
 async fn a_key_read_apart_that_a_new_split_gave_another_host_is_left_to_it<F: Fixture>() {

@@ -98,6 +98,12 @@ impl FanOutPlan {
             malformed_events: self.malformed_events.clone(),
             lanes: self.deliveries.iter().filter(left).map(|d| d.lane).collect(),
             left_to_claims: self.deliveries.iter().filter(left).filter_map(|d| Some((d.handler.clone(), d.key.clone()?))).collect(),
+            handed_out_keys: self
+                .deliveries
+                .iter()
+                .filter(|d| handed_out.contains(&d.id))
+                .filter_map(|d| Some((d.handler.clone(), d.key.clone()?)))
+                .collect(),
             claimed,
             sent_early: sent_early.len(),
             more: false,

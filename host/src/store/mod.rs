@@ -259,6 +259,10 @@ pub struct FanOutReport {
     /// The keys (with their handlers) of the keyed deliveries it left to claims: their store
     /// notes them (see [`Store::followers_may_wait`]).
     pub(crate) left_to_claims: Vec<(String, String)>,
+    /// The keys (with their handlers) whose heads it handed out: nothing of theirs was pending
+    /// in the store, so none of their deliveries waits for a claim but those it left to
+    /// claims itself (see [`Store::followers_may_wait`]).
+    pub(crate) handed_out_keys: Vec<(String, String)>,
     /// The ordering keys whose unfanned events a batch that may hand out left unfanned, since a
     /// delivery of theirs ran on this instance (named only by a read that reached the end of
     /// the rest): their store notes them (see [`Store::unfanned_may_wait`]).
@@ -278,6 +282,7 @@ impl FanOutReport {
         self.more |= other.more;
         self.read_to_the_end |= other.read_to_the_end;
         self.left_to_claims.extend(other.left_to_claims);
+        self.handed_out_keys.extend(other.handed_out_keys);
         self.deferred_keys.extend(other.deferred_keys);
         self
     }

@@ -82,8 +82,18 @@ impl Claimer {
 
     /// Notes what a fan-out's report says of keys: the keys of the deliveries it left to
     /// claims (see [`Claimer::followers_may_wait`]), and those whose events it left unfanned
-    /// (see [`Claimer::unfanned_may_wait`]).
+    /// (see [`Claimer::unfanned_may_wait`]). A key whose head it handed out had nothing
+    /// pending in the store: it is awaited no more, unless the same fan-out left some of its
+    /// deliveries to claims. (Noted for good, a key that waited for claims once, while hosts
+    /// split the lanes say, had each later completion ask for a claim that found nothing,
+    /// and a claim holds the next hand-out back.)
     pub fn note_fan_out(&self, report: &FanOutReport) {
+        if !report.handed_out_keys.is_empty() {
+            let mut awaited = self.awaited_keys.lock().expect("awaited keys");
+            for key in &report.handed_out_keys {
+                awaited.remove(key);
+            }
+        }
         self.note_awaited(report.left_to_claims.iter().cloned());
         if !report.deferred_keys.is_empty() {
             // Past as many keys as heads are known, the notes start over (a key's events are
