@@ -429,7 +429,8 @@ pub trait Store: Send + Sync + 'static {
 
     /// Whether deliveries of `handler` and `key` may wait for a claim once one of theirs is
     /// settled: this instance's fan-outs left some of them to claims, or its claims parked
-    /// some. A completion of a key with none asks for no claim in its lane (its next event is
+    /// some, since a fan-out last handed the key's head out (nothing of it pending then). A
+    /// completion of a key with none asks for no claim in its lane (its next event is
     /// not fanned out yet, or is handed out by the fan-out that marks it); what another host
     /// left there is found by the poll, and whatever stays parked by the unpark sweep.
     fn followers_may_wait(&self, handler: &str, key: &str) -> bool;
