@@ -158,6 +158,9 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                     DispatcherCounters::add(&self.counters.completed, written.completed);
                     flight.claim_lanes.extend(written.keyed_lanes);
                     flight.fan_out |= written.fan_out;
+                    // Lanes a new split gave another host go back once they ran empty: a claim
+                    // hands them back, so that their host can hand out there.
+                    flight.claim |= self.store.holds_lanes_of_another_host();
                 }),
                 _ = renewal.tick() => self.renew(&flight.running).await,
                 // A new split of the lanes may leave this host events it did not fan out so far.

@@ -442,6 +442,11 @@ pub trait Store: Send + Sync + 'static {
     /// its note is found by the next poll.
     fn unfanned_may_wait(&self, key: &str) -> bool;
 
+    /// Whether this instance holds lanes a new split gave another live host: they take no new
+    /// work here, and the next claim hands back those that ran empty (see
+    /// [`crate::store::assignment`]). False while a claim runs: that one hands them back.
+    fn holds_lanes_of_another_host(&self) -> bool;
+
     /// Completes a batch in a fixed number of commands; one result per lease, in order.
     fn complete_many(&self, leases: &[Lease], now: DateTime)
     -> impl Future<Output = Result<Vec<Settlement>, StoreError>> + Send;

@@ -247,6 +247,15 @@ impl Claimer {
         DateTime::from_millis(now.timestamp_millis().saturating_add(self.lease_duration.as_millis() as i64 / 3))
     }
 
+    /// Whether this instance holds lanes of another live host's share (see
+    /// [`Store::holds_lanes_of_another_host`]); false while a claim holds the lanes' lock.
+    ///
+    /// [`Store::holds_lanes_of_another_host`]: crate::store::Store::holds_lanes_of_another_host
+    pub fn holds_lanes_of_another_host(&self) -> bool {
+        let assignment = self.assignment();
+        self.held.try_lock().is_ok_and(|held| held.keys().any(|lane| !assignment.is_mine(*lane)))
+    }
+
     /// The lanes whose events this instance fans out.
     pub fn assignment(&self) -> Assignment {
         self.assignment.lock().expect("assignment").clone()

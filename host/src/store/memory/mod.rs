@@ -277,6 +277,10 @@ impl Store for MemoryStore {
         self.claimer.unfanned_may_wait(key)
     }
 
+    fn holds_lanes_of_another_host(&self) -> bool {
+        self.claimer.holds_lanes_of_another_host()
+    }
+
     async fn complete_many(&self, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {
         let mut state = self.state.lock().await;
         let results: Vec<Settlement> = leases

@@ -425,6 +425,10 @@ impl Store for MongoStore {
         self.claimer.unfanned_may_wait(key)
     }
 
+    fn holds_lanes_of_another_host(&self) -> bool {
+        self.claimer.holds_lanes_of_another_host()
+    }
+
     async fn complete_many(&self, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {
         outcome::complete_many(self, leases, now).await
     }
