@@ -899,6 +899,7 @@ async fn a_held_lane_a_new_split_gave_another_host_takes_no_new_work_and_goes_ba
     let subscriptions = subs(&[("h", &["t"])]);
     let h = handlers(&["h"]);
     let (running, by_b, theirs) = a_joiners_lanes_held(fixture.store(), &a, &b, T0 + 4).await;
+    assert!(a.holds_lanes_of_another_host() && !b.holds_lanes_of_another_host());
     // a hands its share's out into lanes it holds of its own share, or takes free ones.
     let by_a = a.fan_out(&subscriptions, 1_000, 1_000, at(T0 + 4)).await.unwrap();
     assert_eq!(by_a.events + by_b.events, 200);
@@ -912,7 +913,9 @@ async fn a_held_lane_a_new_split_gave_another_host_takes_no_new_work_and_goes_ba
     // delivery of its share.
     let leases: Vec<_> = running.iter().chain(&by_a.claimed).chain(&claimed).map(|c| c.lease).collect();
     a.complete_many(&leases, at(T0 + 6)).await.unwrap();
+    assert!(a.holds_lanes_of_another_host(), "until its next claim");
     assert!(a.claim(&h, 1_000, at(T0 + 7)).await.unwrap().is_empty());
+    assert!(!a.holds_lanes_of_another_host());
     let by_b_claimed = claim_until_none_is_left(&b, &h, T0 + 8).await;
     assert_eq!(by_b_claimed.len(), by_b.deliveries, "b claims its share, in the lanes a gave back too");
     assert!(theirs.iter().all(|lane| by_b_claimed.iter().any(|c| c.lease.lane == *lane)));
