@@ -2,7 +2,8 @@
 //! nothing of WebAssembly): delivery to every handler once, per-key order across two
 //! dispatchers, retries with backoff, dead letters, graceful stop (also while a fan-out
 //! hangs or finishes a batch it handed out), completions and reschedulings that failed,
-//! claims batched under a backlog, runs handed out before their fan-out's commit.
+//! claims batched under a backlog, runs handed out before their fan-out's commit, lanes a new
+//! split gave another host handed back as their runs end.
 
 mod common;
 
