@@ -596,7 +596,7 @@ async fn a_keys_events_left_unfanned_while_it_ran_follow_without_the_poll() {
 /// soon as those runs end: their completions ask for a claim, which hands it back, with no
 /// poll to wait for (an hour here). Kept until this host's next claim, it kept the other host
 /// from handing out or claiming there (two hosts' keyed drain, one joining 300 ms in, ran at
-/// 0.75x the rate of two started together).
+/// 0.7-0.9x the rate of two started together).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lane_a_new_split_gave_another_host_goes_back_once_its_runs_end_without_the_poll() {
     let first = Arc::new(memory_store("first"));
