@@ -157,9 +157,8 @@ async fn measure(args: &BenchArgs, server: &Server, plugins: &std::path::Path) -
     let ratio = drain / floor;
     let on_hosts = if args.hosts > 1 { format!(" on {} hosts", args.hosts) } else { String::new() };
     let drained_on = match args.join_after {
-        0 => on_hosts.clone(),
-        _ if args.hosts == 1 => String::new(),
-        joins => format!("{on_hosts}, all but one joining {joins} ms into it"),
+        joins if joins > 0 && args.hosts > 1 => format!("{on_hosts}, all but one joining {joins} ms into it"),
+        _ => on_hosts.clone(),
     };
     let hot = if args.hot_every > 0 { format!(", every {}th on one hot key", args.hot_every) } else { String::new() };
     let events = match args.keys {
