@@ -444,7 +444,8 @@ pub trait Store: Send + Sync + 'static {
 
     /// Whether this instance holds lanes a new split gave another live host: they take no new
     /// work here, and the next claim hands back those that ran empty (see
-    /// [`crate::store::assignment`]). False while a claim runs: that one hands them back.
+    /// [`crate::store::assignment`]). False while a claim runs: that claim hands back those
+    /// that ran empty, and the completion of a run in one of the rest asks again.
     fn holds_lanes_of_another_host(&self) -> bool;
 
     /// Completes a batch in a fixed number of commands; one result per lease, in order.

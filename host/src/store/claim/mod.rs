@@ -248,7 +248,8 @@ impl Claimer {
     }
 
     /// Whether this instance holds lanes of another live host's share (see
-    /// [`Store::holds_lanes_of_another_host`]); false while a claim holds the lanes' lock.
+    /// [`Store::holds_lanes_of_another_host`]); false while a claim holds the lanes' lock
+    /// (that claim hands back those that ran empty).
     ///
     /// [`Store::holds_lanes_of_another_host`]: crate::store::Store::holds_lanes_of_another_host
     pub fn holds_lanes_of_another_host(&self) -> bool {
