@@ -751,6 +751,19 @@ fn bench_measures_the_floor_the_drain_the_latency_and_mongods_work() {
     };
     assert!(number_before(" documents written") >= 2.0, "{work}");
     assert!(number_before(" µs of mongod's CPU") > 0.0 && number_before(" µs of this process's") > 0.0, "{work}");
+    // Every delivery of the drain ran the plugin (once each: one host races nobody).
+    assert!(text.contains("\n             400 plugin runs\n"), "{text}");
+}
+
+/// `--store-only` drains the same backlog with each delivery completed at once: the plugin
+/// runs not once (so what it costs shows against the same drain with it), and the drain still
+/// completes every delivery (the bench fails otherwise).
+#[test]
+fn bench_store_only_drains_without_running_the_plugin() {
+    let text = bench_output(&["--events", "400", "--store-only", "--latency-events", "5", "--rate", "100"]);
+    let drain = line_of(&text, "drain");
+    assert!(drain.contains("(400 unkeyed events each completed at once, no plugin run)"), "{drain}");
+    assert!(text.contains("\n             0 plugin runs\n"), "{text}");
 }
 
 /// Two hosts share the drain and the latency events (the bench fails if a delivery died or
@@ -804,12 +817,26 @@ fn bench_matrix_prints_every_workload_against_its_goal() {
     // Each several-host drain runs between two one-host drains of its workload, which it is
     // divided by.
     let order: Vec<&str> = text.lines().filter_map(|line| line.strip_prefix("  ")?.split(':').next()).collect();
-    let interleaved = ["1", "2", "1", "4", "1"];
-    let expected: Vec<String> = [("unkeyed", &interleaved[..]), ("1,000 keys", &interleaved[..]), ("hot key + 1,000 keys", &["1"][..])]
-        .iter()
-        .flat_map(|(name, hosts)| hosts.iter().map(move |count| format!("{name} on {count} host(s)")))
-        .collect();
+    // Then, for the unkeyed and the keyed workload, one drain without plugin runs.
+    let mut expected = Vec::new();
+    for name in ["unkeyed", "1,000 keys"] {
+        expected.extend(["1", "2", "1", "4", "1"].map(|count| format!("{name} on {count} host(s)")));
+        expected.push(format!("{name}, store only, on 1 host(s)"));
+    }
+    expected.push("hot key + 1,000 keys on 1 host(s)".to_string());
     assert_eq!(order, expected, "{text}");
+    // Those two are a table of their own, each beside its workload's one-host drains.
+    let alone: Vec<Vec<&str>> = text
+        .lines()
+        .skip_while(|line| !line.starts_with("| the store alone, 1 host"))
+        .skip(2)
+        .take_while(|line| line.starts_with("| "))
+        .map(|row| row.split('|').map(str::trim).collect())
+        .collect();
+    assert_eq!(alone.iter().map(|cells| cells[1]).collect::<Vec<_>>(), ["unkeyed", "1,000 keys"], "{text}");
+    for cells in &alone {
+        assert!(cells[2..8].iter().all(|cell| cell.trim_end_matches(" %").parse::<f64>().is_ok_and(|n| n > 0.0)), "{cells:?}");
+    }
 }
 
 /// A drain whose deliveries never complete fails, naming how far it got, instead of waiting

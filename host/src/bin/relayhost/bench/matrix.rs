@@ -7,7 +7,12 @@
 //! on a machine whose speed drifts within a run, a one-host figure measured minutes earlier
 //! would move the ratio more than the hosts do. The one-host row is the mean of all of them.
 //!
-//! It owns the choice of workloads and goals and the table; the measuring is the bench's
+//! After its one-host and several-host drains, the unkeyed and the keyed workload each drain
+//! once more on one host with every delivery completed at once, no plugin run
+//! (`--store-only`): a second table sets what the store and the dispatcher alone reach beside
+//! the same workload with the plugin, so that the sandbox's share of each row shows.
+//!
+//! It owns the choice of workloads and goals and the tables; the measuring is the bench's
 //! (`drain`, `latency`, `raw_floor`), the same as a single run's.
 
 use std::path::Path;
@@ -60,6 +65,11 @@ impl Row {
         self.work.mongod_cpu.as_secs_f64() * 1e6 / self.deliveries.max(1) as f64
     }
 
+    /// The host's (this process's) CPU time per delivery, in microseconds.
+    fn host_cpu_per_delivery(&self) -> f64 {
+        self.work.host_cpu.as_secs_f64() * 1e6 / self.deliveries.max(1) as f64
+    }
+
     /// This row's rate and `mongod` CPU per delivery as multiples of its one-host figures.
     fn against_one_host(&self) -> (f64, f64) {
         match &self.one_host {
@@ -77,23 +87,26 @@ pub(super) async fn run(args: &BenchArgs, server: &Server, plugins: &Path) -> Re
     println!("raw floor {floor_before:.0} documents/s; draining {} events per workload...", args.events);
 
     let mut rows = Vec::new();
+    // Each workload's drain without plugin runs, with its one-host row with them.
+    let mut store_only: Vec<(Row, Row)> = Vec::new();
     let workloads = [("unkeyed", 0, 0), ("1,000 keys", KEYS, 0), ("hot key + 1,000 keys", KEYS, HOT_EVERY)];
     for (workload_number, (name, keys, hot_every)) in workloads.into_iter().enumerate() {
         let several: &[u16] = if hot_every > 0 { &[] } else { &[2, 4] };
         let mut drains = 0;
-        let mut run = async |hosts: u16| -> Result<Drained> {
+        let mut run = async |hosts: u16, store_only: bool| -> Result<Drained> {
             let database = format!("bench_matrix_{workload_number}_{drains}");
-            let workload = Workload { events: args.events, keys, hot_every, hosts, database };
+            let workload = Workload { events: args.events, keys, hot_every, hosts, store_only, database };
             drains += 1;
             let drained = drain(args, &workload, server, &registry).await?;
-            println!("  {name} on {hosts} host(s): {:.0} deliveries/s", drained.rate);
+            let alone = if store_only { ", store only," } else { "" };
+            println!("  {name}{alone} on {hosts} host(s): {:.0} deliveries/s", drained.rate);
             Ok(drained)
         };
-        let mut one_host = vec![run(1).await?];
+        let mut one_host = vec![run(1, false).await?];
         let mut more = Vec::new();
         for &hosts in several {
-            let drained = run(hosts).await?;
-            one_host.push(run(1).await?);
+            let drained = run(hosts, false).await?;
+            one_host.push(run(1, false).await?);
             let around = &one_host[one_host.len() - 2..];
             let mut row = Row::of(name, hosts, &[&drained], args.events);
             row.one_host = Some(Box::new(Row::of(name, 1, &around.iter().collect::<Vec<_>>(), args.events)));
@@ -101,6 +114,11 @@ pub(super) async fn run(args: &BenchArgs, server: &Server, plugins: &Path) -> Re
         }
         rows.push(Row::of(name, 1, &one_host.iter().collect::<Vec<_>>(), args.events));
         rows.extend(more);
+        if hot_every == 0 {
+            let alone = run(1, true).await?;
+            let with_plugin = Row::of(name, 1, &one_host.iter().collect::<Vec<_>>(), args.events);
+            store_only.push((Row::of(name, 1, &[&alone], args.events), with_plugin));
+        }
     }
     let (floor_after, _) = raw_floor(server, args.events).await?;
     let floor = floor_before.max(floor_after);
@@ -136,6 +154,21 @@ pub(super) async fn run(args: &BenchArgs, server: &Server, plugins: &Path) -> Re
             per(row.work.written),
             per(row.work.commands),
             verdict(met)
+        );
+    }
+    println!();
+    println!("| the store alone, 1 host: each delivery completed at once, no plugin run | deliveries/s | of the floor | × with the plugin | mongod µs / delivery | host µs / delivery | host µs with the plugin |");
+    println!("|---|---|---|---|---|---|---|");
+    for (alone, with_plugin) in &store_only {
+        println!(
+            "| {} | {:.0} | {:.0} % | {:.2} | {:.0} | {:.0} | {:.0} |",
+            alone.name,
+            alone.rate,
+            alone.rate / floor * 100.0,
+            alone.rate / with_plugin.rate,
+            alone.cpu_per_delivery(),
+            alone.host_cpu_per_delivery(),
+            with_plugin.host_cpu_per_delivery()
         );
     }
     println!();
