@@ -336,8 +336,12 @@ async fn drain(args: &BenchArgs, workload: &Workload, server: &Server, registry:
         .into_iter()
         .map(|store| {
             let runner = PluginRunner::new(registry.clone(), store.clone(), Arc::new(|_: &str| RetryPolicy::default()));
-            let runner = PluginRuns { inner: runner, skipped: workload.store_only, runs: plugin_runs.clone() };
-            let runner = OffHotKey { inner: runner, completed: off_hot_key.clone() };
+            let runner = DrainRunner {
+                plugin: runner,
+                store_only: workload.store_only,
+                plugin_runs: plugin_runs.clone(),
+                off_hot_key: off_hot_key.clone(),
+            };
             Dispatcher::new(store, Arc::new(runner), dispatcher_options(args))
         })
         .collect();
@@ -403,44 +407,34 @@ async fn drain(args: &BenchArgs, workload: &Workload, server: &Server, registry:
     Ok(Drained { rate: workload.events as f64 / elapsed.as_secs_f64(), work, others_rate, plugin_runs })
 }
 
-/// Runs the plugin and counts its runs, or (`skipped`, the bench's `--store-only`) completes
-/// each delivery at once without it: the store's and the dispatcher's work is all that is left.
-struct PluginRuns<R: Runner> {
-    inner: R,
-    skipped: bool,
-    runs: Arc<AtomicU64>,
+/// The drain's runner: runs the plugin and counts its runs, or (`store_only`, the bench's
+/// `--store-only`) completes each delivery at once without it, so that the store's and the
+/// dispatcher's work is all that is left; and counts the deliveries off the hot key that ran
+/// to their end.
+struct DrainRunner<R: Runner> {
+    plugin: R,
+    store_only: bool,
+    plugin_runs: Arc<AtomicU64>,
+    off_hot_key: Arc<AtomicU64>,
 }
 
-impl<R: Runner> Runner for PluginRuns<R> {
+impl<R: Runner> Runner for DrainRunner<R> {
     fn handlers(&self) -> Vec<HandlerSpec> {
-        self.inner.handlers()
-    }
-
-    fn run(&self, delivery: ClaimedDelivery) -> Pin<Box<dyn Future<Output = RunResult> + Send>> {
-        if self.skipped {
-            return Box::pin(std::future::ready(RunResult::Attempt(AttemptResult::Completed)));
-        }
-        self.runs.fetch_add(1, Ordering::Relaxed);
-        self.inner.run(delivery)
-    }
-}
-
-/// Counts the deliveries off the hot key that ran to their end, then passes them on.
-struct OffHotKey<R: Runner> {
-    inner: R,
-    completed: Arc<AtomicU64>,
-}
-
-impl<R: Runner> Runner for OffHotKey<R> {
-    fn handlers(&self) -> Vec<HandlerSpec> {
-        self.inner.handlers()
+        self.plugin.handlers()
     }
 
     fn run(&self, delivery: ClaimedDelivery) -> Pin<Box<dyn Future<Output = RunResult> + Send>> {
         let off_hot_key = delivery.event.key.as_deref() != Some(HOT_KEY);
-        let (run, completed) = (self.inner.run(delivery), self.completed.clone());
+        let run = (!self.store_only).then(|| {
+            self.plugin_runs.fetch_add(1, Ordering::Relaxed);
+            self.plugin.run(delivery)
+        });
+        let completed = self.off_hot_key.clone();
         Box::pin(async move {
-            let result = run.await;
+            let result = match run {
+                Some(run) => run.await,
+                None => RunResult::Attempt(AttemptResult::Completed),
+            };
             if off_hot_key {
                 completed.fetch_add(1, Ordering::Relaxed);
             }
