@@ -7,7 +7,7 @@
 //! publishers' clocks said (a lower sequence always committed first, so it is visible).
 //! This module is pure: it decides, the stores write.
 //!
-//! It is one file past 600 lines (about 510 without its unit tests) because every decision
+//! It is one file past 600 lines (about 515 without its unit tests) because every decision
 //! here is over the same batch, in the order a fan-out takes them: what to read
 //! (`prefixes_to_read`, `keys_to_ask`), which deliveries (`plan`), which of a key's events to
 //! leave for later (`heads_of_idle_keys`), and what may be handed out (`fresh`). Split apart,
@@ -73,6 +73,8 @@ pub(crate) struct FanOutPlan {
     /// Deliveries that keep their document when handed out (see [`WithoutDocuments::of`]): a
     /// handler's that completes in its own transaction, of an event other handlers get too.
     pub keep_documents: HashSet<DeliveryId>,
+    /// Handlers whose deliveries are never handed out ([`Subscriptions::claims_only`]).
+    pub claims_only: HashSet<String>,
 }
 
 impl FanOutPlan {
@@ -255,6 +257,7 @@ pub(crate) fn in_key_order(heard: Vec<Document>) -> Vec<Document> {
 /// are skipped, so a handler that completed an event never gets it again.
 pub(crate) fn plan(batch: &[Document], subscriptions: &Subscriptions) -> FanOutPlan {
     let mut plan = FanOutPlan::default();
+    plan.claims_only = subscriptions.handlers().into_iter().filter(|h| subscriptions.claims_only(h)).collect();
     // The last live keyed delivery created so far of each (handler, key): the batch holds
     // each key's events in sequence order, so the next one of a pair is its follower.
     let mut keys_created: HashMap<(String, String), DeliveryId> = HashMap::new();
@@ -352,12 +355,13 @@ pub(crate) fn plan(batch: &[Document], subscriptions: &Subscriptions) -> FanOutP
 
 /// The keys (with their handlers) whose first delivery in `plan` is ready: each may be
 /// handed out with its fan-out if nothing of its key is pending in the store already (see
-/// [`fresh`]), which the store checks in the fan-out's own snapshot.
+/// [`fresh`]), which the store checks in the fan-out's own snapshot. A claims-only handler's
+/// keys are never among them.
 pub(crate) fn keyed_heads(plan: &FanOutPlan) -> Vec<HandlerKey> {
     let mut heads: Vec<HandlerKey> = plan
         .deliveries
         .iter()
-        .filter(|d| d.dead_reason.is_none() && d.behind.is_none())
+        .filter(|d| d.dead_reason.is_none() && d.behind.is_none() && !plan.claims_only.contains(&d.handler))
         .filter_map(|d| Some((d.handler.clone(), d.key.clone()?)))
         .collect();
     heads.sort();
@@ -425,7 +429,8 @@ pub(crate) fn heads_of_idle_keys(
 /// with the events of `batch` they are for: live unkeyed ones, and the heads of the keys in
 /// `idle` (keys of [`keyed_heads`] of which nothing is pending in the store: nothing runs
 /// there and nothing precedes them; their followers in the batch are created parked behind
-/// them). The first `budget.run_now` of them start at once, the others are claimed ahead.
+/// them); never a claims-only handler's. The first `budget.run_now` of them start at once,
+/// the others are claimed ahead.
 pub(crate) fn fresh(plan: &FanOutPlan, batch: &[Document], budget: Capacity, idle: &HashSet<HandlerKey>, now: DateTime) -> Vec<Fresh> {
     if budget.total == 0 {
         return Vec::new();
@@ -435,7 +440,7 @@ pub(crate) fn fresh(plan: &FanOutPlan, batch: &[Document], budget: Capacity, idl
         batch.iter().filter_map(|doc| Some((id_text(doc.get(field::ID)?), doc))).collect();
     plan.deliveries
         .iter()
-        .filter(|d| may_run(d, idle))
+        .filter(|d| may_run(d, idle) && !plan.claims_only.contains(&d.handler))
         .filter_map(|d| {
             let event_id = id_text(&d.event_id);
             let event = EventRecord::from_document(events.get(&event_id)?).ok()?;
@@ -597,6 +602,20 @@ mod tests {
         let alone = vec![keyed("k1", "k", 1), keyed("k2", "k", 2)];
         let (kept, left_out) = heads_of_idle_keys(alone.clone(), &super::plan(&alone, &subscriptions), &idle);
         assert_eq!((ids(&kept), left_out.len()), (vec!["k1".to_string(), "k2".to_string()], 0));
+    }
+
+    #[test]
+    fn a_claims_only_handlers_deliveries_are_never_handed_out() {
+        let subscriptions =
+            Subscriptions::new([Subscription::new("h", ["t"]), Subscription::new("slow", ["t"]).claimed_only(true)]).unwrap();
+        let batch = vec![NewEvent::new("u", "t", doc! {}).to_document(None, DateTime::now()), keyed("k1", "k", 1)];
+        let plan = plan(&batch, &subscriptions);
+        assert_eq!(plan.deliveries.len(), 4, "both handlers get a delivery of each event");
+        assert_eq!(keyed_heads(&plan), [("h".to_string(), "k".to_string())]);
+        let idle: HashSet<HandlerKey> = [("h", "k"), ("slow", "k")].iter().map(|(h, k)| (h.to_string(), k.to_string())).collect();
+        let fresh = fresh(&plan, &batch, Capacity::from(10), &idle, DateTime::now());
+        let handed: Vec<(String, &str)> = fresh.iter().map(|f| (f.candidate.event_id.clone(), f.candidate.handler.as_str())).collect();
+        assert_eq!(handed, [("u".to_string(), "h"), ("k1".to_string(), "h")]);
     }
 
     #[test]

@@ -107,6 +107,10 @@ pub struct Subscription {
     pub event_types: BTreeSet<String>,
     /// Its deliveries complete in its own transaction ([`Store::complete_in`]).
     pub in_transaction: bool,
+    /// Its deliveries are only ever claimed, never handed out by their fan-out: its host
+    /// limits how many of them it takes (see `dispatch::Throttle`), which a claim is told and
+    /// a hand-out is not.
+    pub claims_only: bool,
 }
 
 impl Subscription {
@@ -115,12 +119,22 @@ impl Subscription {
         I: IntoIterator<Item = T>,
         T: Into<String>,
     {
-        Self { handler: handler.into(), event_types: event_types.into_iter().map(Into::into).collect(), in_transaction: false }
+        Self {
+            handler: handler.into(),
+            event_types: event_types.into_iter().map(Into::into).collect(),
+            in_transaction: false,
+            claims_only: false,
+        }
     }
 
     /// The same, its deliveries completing in its own transaction if `in_transaction`.
     pub fn completing_in_transaction(self, in_transaction: bool) -> Self {
         Self { in_transaction, ..self }
+    }
+
+    /// The same, its deliveries only ever claimed if `claims_only`.
+    pub fn claimed_only(self, claims_only: bool) -> Self {
+        Self { claims_only, ..self }
     }
 }
 
@@ -130,6 +144,7 @@ pub struct Subscriptions {
     by_type: BTreeMap<String, BTreeSet<String>>,
     handlers: BTreeSet<String>,
     in_transaction: BTreeSet<String>,
+    claims_only: BTreeSet<String>,
 }
 
 impl Subscriptions {
@@ -153,6 +168,9 @@ impl Subscriptions {
             if subscription.in_transaction {
                 result.in_transaction.insert(handler.clone());
             }
+            if subscription.claims_only {
+                result.claims_only.insert(handler.clone());
+            }
             for event_type in subscription.event_types {
                 result.by_type.entry(event_type).or_default().insert(handler.clone());
             }
@@ -173,6 +191,11 @@ impl Subscriptions {
     /// Whether `handler`'s deliveries complete in its own transaction.
     pub fn completes_in_transaction(&self, handler: &str) -> bool {
         self.in_transaction.contains(handler)
+    }
+
+    /// Whether `handler`'s deliveries are only ever claimed, never handed out.
+    pub fn claims_only(&self, handler: &str) -> bool {
+        self.claims_only.contains(handler)
     }
 }
 
