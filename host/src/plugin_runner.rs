@@ -18,7 +18,7 @@ use tokio::sync::Mutex;
 
 use bson::DateTime;
 
-use crate::dispatch::{AttemptResult, HandlerSpec, RetryPolicy, RunResult, Runner};
+use crate::dispatch::{AttemptResult, HandlerSpec, RetryPolicy, RunResult, Runner, Throttle};
 use crate::handler_transaction::{FollowUps, MongoHandlerTransaction, SharedTrouble, Trouble, publish_follow_ups};
 use crate::plugin::{DeliveryInfo, LoadedPlugin, Outcome, PluginRegistry};
 use crate::store::mongo::MongoStore;
@@ -27,17 +27,26 @@ use crate::store::{ClaimedDelivery, Retrying, Store, StoreError};
 /// The retry policy of a plugin, by its name.
 pub type RetryPolicies = dyn Fn(&str) -> RetryPolicy + Send + Sync;
 
+/// The throttle of a plugin's handlers, by its name.
+pub type Throttles = dyn Fn(&str) -> Throttle + Send + Sync;
+
 pub struct PluginRunner {
     registry: Arc<PluginRegistry>,
     store: Arc<MongoStore>,
     retry_for: Arc<RetryPolicies>,
+    throttle_for: Arc<Throttles>,
     /// The collections granted to transactional plugins that are known to exist.
     created: Arc<Mutex<HashSet<String>>>,
 }
 
 impl PluginRunner {
     pub fn new(registry: Arc<PluginRegistry>, store: Arc<MongoStore>, retry_for: Arc<RetryPolicies>) -> Self {
-        Self { registry, store, retry_for, created: Arc::default() }
+        Self { registry, store, retry_for, throttle_for: Arc::new(|_: &str| Throttle::default()), created: Arc::default() }
+    }
+
+    /// The same, each plugin's handlers throttled as `throttle_for` says (none by default).
+    pub fn throttled_by(self, throttle_for: Arc<Throttles>) -> Self {
+        Self { throttle_for, ..self }
     }
 
     /// Creates the collections the loaded transactional plugins are granted, if missing: at
@@ -104,6 +113,7 @@ impl Runner for PluginRunner {
                 handler: subscription.handler,
                 event_types: subscription.event_types,
                 retry: (self.retry_for)(&plugin.name),
+                throttle: (self.throttle_for)(&plugin.name),
                 transactional: subscription.transactional,
             });
         }

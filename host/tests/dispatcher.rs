@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use relayhost::dispatch::{
     AttemptResult, DEAD_LETTER_EVENT_TYPE, Dispatcher, DispatcherOptions, HandlerSpec, RetryPolicy, RunResult, Runner,
+    Throttle,
 };
 use relayhost::store::memory::MemoryStore;
 use bson::DateTime;
@@ -78,7 +79,13 @@ impl Runner for NativeRunner {
 }
 
 fn spec(handler: &str, types: &[&str], retry: RetryPolicy) -> HandlerSpec {
-    HandlerSpec { handler: handler.into(), event_types: types.iter().map(|t| t.to_string()).collect(), retry, transactional: false }
+    HandlerSpec {
+        handler: handler.into(),
+        event_types: types.iter().map(|t| t.to_string()).collect(),
+        retry,
+        throttle: Throttle::default(),
+        transactional: false,
+    }
 }
 
 fn quick_retry(max_attempts: u32) -> RetryPolicy {

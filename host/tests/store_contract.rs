@@ -14,7 +14,7 @@ use bson::doc;
 use common::*;
 use relayhost::event::{EventError, NewEvent};
 use relayhost::store::{
-    DeliveryFilter, DeliveryStatus, PurgeOptions, Published, Settlement, Store, StoreError, StoreOptions,
+    Capacity, ClaimedDelivery, DeliveryFilter, Room, Rooms, DeliveryStatus, PurgeOptions, Published, Settlement, Store, StoreError, StoreOptions,
     StoreTransaction, Subscription, Subscriptions, MALFORMED_EVENT_HANDLER, run_in_transaction,
 };
 
@@ -49,6 +49,7 @@ contract!(
     malformed_event_documents_are_dead_lettered_and_block_nothing,
     skewed_clocks_and_split_batches_keep_sequence_order,
     per_key_rules_hold_within_one_claim,
+    a_claim_keeps_to_each_handlers_room_and_leaves_the_rest_as_it_was,
     keyed_deliveries_run_one_at_a_time_in_sequence_order,
     a_fan_out_creates_the_followers_of_a_key_parked,
     a_backlog_of_many_keys_is_fanned_out_in_publishing_order_not_a_whole_key_at_a_time,
@@ -342,6 +343,42 @@ async fn per_key_rules_hold_within_one_claim<F: Fixture>() {
     assert_eq!(ids(&claimed), ["a-0/g", "a-0/h", "b-0/g", "b-0/h", "u-1/g", "u-1/h"]);
     // Nothing more of those keys while their heads run, even for another claim.
     assert!(store.claim(&handlers(&["h", "g"]), 50, at(T0 + 1)).await.unwrap().is_empty());
+}
+
+async fn a_claim_keeps_to_each_handlers_room_and_leaves_the_rest_as_it_was<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    let mut events: Vec<NewEvent> = (0..6).map(|n| event(&format!("u-{n}"), "t")).collect();
+    events.extend((0..3).map(|n| keyed(&format!("k-{n}"), "t", "k")));
+    publish_all(store, events).await;
+    fan_out_all(store, &subs(&[("h", &["t"]), ("g", &["t"])]), at(T0)).await;
+    let room = |most: usize, start_now: bool| Rooms::new([("h".to_string(), Room { most, start_now })]);
+    let of = |claimed: &[ClaimedDelivery], handler: &str| claimed.iter().filter(|c| c.handler == handler).count();
+
+    // No room for `h`: only `g`'s deliveries, its own and those of its key's head.
+    let claimed = store.claim(&handlers(&["h", "g"]), Capacity::new(20, 20).within(room(0, false)), at(T0)).await.unwrap();
+    assert_eq!((of(&claimed, "h"), of(&claimed, "g")), (0, 7), "{:?}", ids(&claimed));
+    // Two places for `h`, which must start now: of three run slots, they take two.
+    let claimed = store.claim(&handlers(&["h", "g"]), Capacity::new(20, 3).within(room(2, true)), at(T0 + 1)).await.unwrap();
+    assert_eq!(of(&claimed, "h"), 2, "{:?}", ids(&claimed));
+    assert!(claimed.iter().all(|c| c.started), "both start in the first run slots");
+    // A claim with a room of `h` reads past what it may not take: its key's head is taken
+    // the moment there is room, nothing of it having been parked or passed over.
+    let mut seen = ids(&claimed);
+    loop {
+        let claimed = store.claim(&handlers(&["h", "g"]), Capacity::new(20, 20).within(room(1, false)), at(T0 + 2)).await.unwrap();
+        assert!(of(&claimed, "h") <= 1, "{:?}", ids(&claimed));
+        if claimed.is_empty() {
+            break;
+        }
+        seen.extend(ids(&claimed));
+    }
+    let of_h: Vec<&String> = seen.iter().filter(|id| id.ends_with("/h")).collect();
+    assert_eq!(of_h.len(), 7, "every unkeyed one and the key's head: {seen:?}");
+    assert!(of_h.iter().any(|id| id.as_str() == "k-0/h"), "{seen:?}");
+    let statistics = store.statistics(at(T0 + 2)).await.unwrap();
+    let h = statistics.iter().find(|s| s.handler == "h").unwrap();
+    assert_eq!((h.running, h.pending, h.parked), (7, 2, 2), "the key's followers wait parked behind its head, nothing else");
 }
 
 async fn keyed_deliveries_run_one_at_a_time_in_sequence_order<F: Fixture>() {

@@ -10,11 +10,11 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::dispatch::DispatcherOptions;
+use crate::dispatch::{DispatcherOptions, RateLimit, Throttle};
 
 mod plugin;
 
-pub use plugin::{GrantsConfig, PluginConfig, RetryConfig};
+pub use plugin::{GrantsConfig, PluginConfig, RateConfig, RetryConfig};
 use plugin::validate_plugin;
 use crate::plugin::capability::{http, log, transaction};
 use crate::plugin::{Grants, Limits, PluginPolicy};
@@ -350,6 +350,17 @@ impl Config {
         self.plugin.values().filter_map(|p| p.wall_time.map(|s| s.0)).fold(default, Duration::max)
     }
 
+    /// The effective throttle of a plugin's handlers: each field its own, or from
+    /// `[defaults]`.
+    pub fn throttle_for(&self, plugin: &str) -> Throttle {
+        let own = self.plugin.get(plugin);
+        let rate = own.and_then(|p| p.rate_per_host).or(self.defaults.rate_per_host);
+        Throttle {
+            concurrency: own.and_then(|p| p.concurrency_per_host).or(self.defaults.concurrency_per_host),
+            rate: rate.map(|rate| RateLimit { max: rate.max, per: rate.per.0 }),
+        }
+    }
+
     /// The effective retry policy of a plugin.
     pub fn retry_for(&self, plugin: &str) -> RetryConfig {
         self.plugin
@@ -422,6 +433,18 @@ mod tests {
         assert_eq!(stranger.limits.wall_time, Duration::from_secs(10));
         assert_eq!(config.retry_for("stranger").max_attempts, 8);
         assert_eq!(Config::default().retry_for("x"), RetryConfig::default());
+        // Throttles: each field the plugin's own, or from [defaults]; none unless set.
+        assert_eq!(config.throttle_for("webhook"), Throttle::default());
+        let throttled = load(
+            "[defaults]\nconcurrency_per_host = 4\n[plugin.mailer]\nrate_per_host = { max = 10, per = \"1m\" }\n\
+             [plugin.hook]\nconcurrency_per_host = 1",
+            &[],
+        )
+        .unwrap();
+        let ten_a_minute = Some(RateLimit { max: 10, per: Duration::from_secs(60) });
+        assert_eq!(throttled.throttle_for("mailer"), Throttle { concurrency: Some(4), rate: ten_a_minute });
+        assert_eq!(throttled.throttle_for("hook"), Throttle { concurrency: Some(1), rate: None });
+        assert_eq!(throttled.throttle_for("stranger"), Throttle { concurrency: Some(4), rate: None });
     }
 
     #[test]
@@ -473,6 +496,13 @@ mod tests {
             ("[plugin.x]\nreruns = 1000", "plugin.x.reruns"),
             ("[plugin.x]\ngrants = { publish_types = [\"relayhost.delivery.dead\"] }", "relayhost.* event types are the host's"),
             ("[plugin.x]\ngrants = { publish_types = [\"a*b\"] }", "plugin.x.grants.publish_types"),
+            ("[plugin.x]\nconcurrency_per_host = 0", "plugin.x.concurrency_per_host"),
+            ("[defaults]\nconcurrency_per_host = 20000", "defaults.concurrency_per_host"),
+            ("[plugin.x]\nrate_per_host = { max = 0, per = \"1s\" }", "plugin.x.rate_per_host.max"),
+            ("[plugin.x]\nrate_per_host = { max = 5, per = \"0s\" }", "plugin.x.rate_per_host.per"),
+            ("[plugin.x]\nrate_per_host = { max = 5, per = \"2days\" }", "plugin.x.rate_per_host.per"),
+            ("[plugin.x]\nrate_per_host = { max = 5 }", "per"),
+            ("[plugin.x]\nrate_per_host = { max = 5, per = \"1s\", burst = 2 }", "burst"),
         ];
         for (text, field) in cases {
             let error = load(text, &[]).unwrap_err().to_string();

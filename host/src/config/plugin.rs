@@ -1,5 +1,5 @@
-//! The `[defaults]` and `[plugin.<name>]` sections: a plugin's limits, grants and retry
-//! policy as the operator writes them, and their validation (every error names the field). It
+//! The `[defaults]` and `[plugin.<name>]` sections: a plugin's limits, grants, retry policy
+//! and throttle as the operator writes them, and their validation (every error names the field). It
 //! must never resolve a plugin's effective policy: [`super::Config::policy_for`] does, with the
 //! defaults.
 
@@ -25,6 +25,14 @@ impl Default for RetryConfig {
     fn default() -> Self {
         Self { max_attempts: 5, initial_backoff: Span(Duration::from_secs(1)), max_backoff: Span(Duration::from_secs(60)) }
     }
+}
+
+/// At most `max` starts in any window of `per`, on each host.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RateConfig {
+    pub max: usize,
+    pub per: Span,
 }
 
 /// What the operator grants one plugin.
@@ -68,6 +76,11 @@ pub struct PluginConfig {
     /// Re-runs of a transactional handler in one attempt after transient errors.
     pub reruns: Option<u32>,
     pub retry: Option<RetryConfig>,
+    /// The most deliveries of each of its handlers one host holds at once (running or
+    /// claimed ahead of a run slot).
+    pub concurrency_per_host: Option<usize>,
+    /// The most deliveries of each of its handlers one host starts in a window.
+    pub rate_per_host: Option<RateConfig>,
     pub grants: GrantsConfig,
 }
 
@@ -106,6 +119,13 @@ pub(super) fn validate_plugin(section: &str, plugin: &PluginConfig) -> Result<()
     range("chain_depth", plugin.chain_depth.map(u64::from), 0, 64, "between 0 and 64")?;
     range("returned", plugin.returned.map(|s| s.0 as u64), 1024, MAX_MEMORY_BYTES as u64, "between 1KiB and 1GiB")?;
     range("reruns", plugin.reruns.map(u64::from), 0, 100, "between 0 and 100")?;
+    range("concurrency_per_host", plugin.concurrency_per_host.map(|n| n as u64), 1, 10_000, "between 1 and 10000")?;
+    if let Some(rate) = &plugin.rate_per_host {
+        range("rate_per_host.max", Some(rate.max as u64), 1, 100_000, "between 1 and 100000")?;
+        if rate.per.0 < Duration::from_millis(1) || rate.per.0 > Duration::from_secs(24 * 3600) {
+            return Err(invalid(format!("{section}.rate_per_host.per"), "must be between 1ms and 24h"));
+        }
+    }
     if let Some(retry) = &plugin.retry {
         if retry.max_attempts == 0 {
             return Err(invalid(format!("{section}.retry.max_attempts"), "must be at least 1"));

@@ -57,8 +57,8 @@ use super::starts::StartRecorder;
 use super::{Settle, bury_with_dead_letter, decide};
 use crate::lane::LaneId;
 use crate::store::{
-    Capacity, ClaimedDelivery, DeliveryId, EarlyHandOut, EarlyHandOuts, FanOutCommit, Lease, Store, StoreError, Subscription,
-    Subscriptions,
+    Capacity, ClaimedDelivery, DeliveryId, EarlyHandOut, EarlyHandOuts, FanOutCommit, Lease, Room, Rooms, Store, StoreError,
+    Subscription, Subscriptions,
 };
 
 /// The claim loop of one store instance.
@@ -109,7 +109,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         let hosts_changed = Arc::new(Notify::new());
         let announcing = announcements::spawn(self.store.clone(), self.options.lease_duration, hosts, hosts_changed.clone());
         loop {
-            let next_retry = flight.retry_timers.peek().map(|Reverse(at)| *at);
+            let next_claim = flight.claim_timers.peek().map(|Reverse(at)| *at);
             // New events appear only with a wakeup or by the poll; a finished delivery brings
             // none, and makes a claim worth it only when it may have unblocked something.
             let step = tokio::select! {
@@ -124,10 +124,10 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                     self.settle(again, &mut flight).await
                 }
                 () = fanned.notified() => { flight.claim = true; Ok(()) }
-                () = sleep_until_some(next_retry) => {
+                () = sleep_until_some(next_claim) => {
                     let now = Instant::now();
-                    while flight.retry_timers.peek().is_some_and(|Reverse(at)| *at <= now) {
-                        flight.retry_timers.pop();
+                    while flight.claim_timers.peek().is_some_and(|Reverse(at)| *at <= now) {
+                        flight.claim_timers.pop();
                     }
                     flight.claim = true;
                     Ok(())
@@ -251,7 +251,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         let (free, worth_it) = self.free_capacity(flight);
         if flight.fan_out && flight.fanning.is_none() && (worth_it || !flight.fan_out_waits) {
             let subscriptions = Subscriptions::new(
-                specs.iter().map(|s| Subscription::new(s.handler.clone(), s.event_types.iter().cloned()).completing_in_transaction(s.transactional)),
+                specs.iter().map(|s| Subscription::new(s.handler.clone(), s.event_types.iter().cloned()).completing_in_transaction(s.transactional).claimed_only(s.throttle.limits())),
             )?;
             flight.fan_out = false;
             // What it hands out runs at once or waits for a run slot, like a claim's picks.
@@ -272,7 +272,9 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         Ok(())
     }
 
-    /// Claims up to the free capacity when a claim is wanted and worth it, and starts the runs.
+    /// Claims up to the free capacity when a claim is wanted and worth it, and starts the runs;
+    /// of a throttled handler, no more than the room its throttle leaves (see
+    /// [`super::throttle`]).
     async fn claim(
         &self,
         specs: &[HandlerSpec],
@@ -289,8 +291,10 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         flight.claim = false;
         let lanes: Vec<LaneId> = std::mem::take(&mut flight.claim_lanes).into_iter().collect();
         let handlers: Vec<String> = specs.iter().map(|s| s.handler.clone()).collect();
-        let started = Instant::now();
         let capacity = self.capacity(flight);
+        let rooms = self.rooms(specs, &capacity, flight);
+        let started = Instant::now();
+        let capacity = capacity.within(rooms.clone());
         let claimed = if search_all {
             self.store.claim(&handlers, capacity, DateTime::now()).await?
         } else {
@@ -298,7 +302,46 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         };
         tracing::trace!(elapsed_us = started.elapsed().as_micros() as u64, count = claimed.len(), "claimed");
         flight.backlog = claimed.len() >= free;
+        let now = Instant::now();
+        for spec in specs.iter().filter(|s| s.throttle.rate.is_some()) {
+            let Some(room) = rooms.of(&spec.handler) else { continue };
+            let count = claimed.iter().filter(|c| c.handler == spec.handler).count();
+            flight.start_windows.started(&spec.handler, &spec.throttle, count, now);
+            // Its room was filled: more may wait, to claim once the window lets one start (a
+            // run that ends asks for a claim anyway).
+            if count >= room.most {
+                if let Some(opens) = flight.start_windows.opening(&spec.handler, &spec.throttle, now) {
+                    flight.claim_timers.push(Reverse(opens));
+                }
+            }
+        }
         self.start(claimed, None, specs, permits, finished_tx, flight).await
+    }
+
+    /// What a claim may take of each throttled handler: what its throttle leaves, and of a
+    /// rate-limited one no more than the free run slots the others left (each is counted as
+    /// it starts, which must be now). One that could start but finds no free run slot has
+    /// the next run that ends ask for a claim.
+    fn rooms(&self, specs: &[HandlerSpec], capacity: &Capacity, flight: &mut Flight<S>) -> Rooms {
+        let now = Instant::now();
+        let mut run_slots = capacity.run_now;
+        flight.throttled_wait_for_slots = false;
+        let rooms: Vec<(String, Room)> = specs
+            .iter()
+            .filter(|spec| spec.throttle.limits())
+            .map(|spec| {
+                let held = flight.running.values().filter(|r| r.handler == spec.handler).count();
+                let mut most = flight.start_windows.room(&spec.handler, &spec.throttle, held, now).unwrap_or(0);
+                let start_now = spec.throttle.rate.is_some();
+                if start_now {
+                    flight.throttled_wait_for_slots |= most > run_slots;
+                    most = most.min(run_slots);
+                    run_slots -= most;
+                }
+                (spec.handler.clone(), Room { most, start_now })
+            })
+            .collect();
+        Rooms::new(rooms)
     }
 
     /// Starts what fan-outs handed out, before their commit (each with its word) or after.
@@ -342,7 +385,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 continue;
             }
             let (runner, finished_tx, permits) = (self.runner.clone(), finished_tx.clone(), permits.clone());
-            let lease = delivery.lease;
+            let (lease, delivery_handler) = (delivery.lease, delivery.handler.clone());
             let (commit, transactional) = (commit.clone(), spec.transactional);
             if flight.sequences.starts(&delivery) {
                 DispatcherCounters::add(&self.counters.out_of_order, 1);
@@ -373,7 +416,8 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 };
                 let _ = finished_tx.send((delivery, result));
             });
-            flight.running.insert(lease.delivery, Running { lease, renew: !spec.transactional, task: task.abort_handle() });
+            let handler = delivery_handler;
+            flight.running.insert(lease.delivery, Running { lease, handler, renew: !spec.transactional, task: task.abort_handle() });
         }
         Ok(())
     }
@@ -390,6 +434,9 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         let mut not_run = Vec::new();
         let mut first_error = None;
         for (delivery, result) in batch {
+            // A throttled handler's run that ended leaves room for its next delivery, and a
+            // run slot for one that waited for a slot.
+            flight.claim |= flight.throttled_wait_for_slots || specs.iter().any(|s| s.handler == delivery.handler && s.throttle.limits());
             // A keyed delivery that ended may let its key's next one go: at once, or (for a
             // completion written in the background) once that is written.
             let keyed = delivery.event.key.is_some();
@@ -423,7 +470,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                         flight.claim |= keyed;
                         DispatcherCounters::add(&self.counters.retried, 1);
                         let wait = Duration::from_millis(due_at.timestamp_millis().saturating_sub(now.timestamp_millis()).max(0) as u64);
-                        flight.retry_timers.push(Reverse(Instant::now() + wait));
+                        flight.claim_timers.push(Reverse(Instant::now() + wait));
                     })
                 }
                 Settle::Bury { reason } => bury_with_dead_letter(&*self.store, &delivery, &reason, true, now).await.map(|_| {

@@ -81,7 +81,7 @@ impl<S: Store> FanOutTask<S> {
                 // A batch that may hand out is no bigger than what it may hand out: the rest
                 // would be left to claims.
                 let batch = if hand_out.total > 0 { batch.min(hand_out.total) } else { batch };
-                let report = store.fan_out_early(&subscriptions, batch, hand_out, &early, DateTime::now()).await?;
+                let report = store.fan_out_early(&subscriptions, batch, hand_out.clone(), &early, DateTime::now()).await?;
                 let handed_out = report.claimed.len() + report.sent_early;
                 log_malformed(&report.malformed_events);
                 tracing::trace!(

@@ -14,12 +14,14 @@ use super::fan_out_task::FannedOut;
 use super::runner::RunResult;
 use super::sequence_watch::SequenceWatch;
 use super::starts::StartRecorder;
+use super::throttle::StartWindows;
 use crate::lane::LaneId;
 use crate::store::{ClaimedDelivery, DeliveryId, FanOutCommit, Lease, Store, StoreError};
 
 /// A claimed delivery, running or waiting for a run slot.
 pub(super) struct Running {
     pub(super) lease: Lease,
+    pub(super) handler: String,
     pub(super) renew: bool,
     pub(super) task: AbortHandle,
 }
@@ -28,8 +30,14 @@ pub(super) struct Running {
 pub(super) struct Flight<S: Store> {
     /// Claimed deliveries, running or waiting for a run slot.
     pub(super) running: HashMap<DeliveryId, Running>,
-    /// Due times of retries this dispatcher scheduled, earliest first.
-    pub(super) retry_timers: BinaryHeap<Reverse<Instant>>,
+    /// When a claim may find work it could not take before, earliest first: the due times of
+    /// retries this dispatcher scheduled, and when a throttled handler's rate window opens.
+    pub(super) claim_timers: BinaryHeap<Reverse<Instant>>,
+    /// The starts of each rate-limited handler in its window.
+    pub(super) start_windows: StartWindows,
+    /// A rate-limited handler found fewer free run slots than its window left it at the last
+    /// claim: a run that ends asks for the next.
+    pub(super) throttled_wait_for_slots: bool,
     /// What the next step should look for. A claim costs several round trips, so the loop
     /// claims only when something may have become claimable.
     pub(super) fan_out: bool,
@@ -66,7 +74,9 @@ impl<S: Store> Flight<S> {
     pub(super) fn new(completions: Completions<S>, starts: StartRecorder) -> Self {
         Self {
             running: HashMap::new(),
-            retry_timers: BinaryHeap::new(),
+            claim_timers: BinaryHeap::new(),
+            start_windows: StartWindows::default(),
+            throttled_wait_for_slots: false,
             fan_out: true,
             claim: true,
             backlog: false,

@@ -16,9 +16,11 @@ mod runner;
 mod sequence_watch;
 mod settle;
 mod starts;
+mod throttle;
 
 pub use dispatcher::Dispatcher;
 pub use options::{DispatcherCounters, DispatcherOptions};
 pub use runner::{HandlerSpec, RunResult, Runner};
 pub use dead_letter::{DEAD_LETTER_EVENT_TYPE, bury_by_operator, bury_with_dead_letter, dead_letter_event};
 pub use settle::{AttemptResult, RetryPolicy, Settle, decide};
+pub use throttle::{RateLimit, Throttle};

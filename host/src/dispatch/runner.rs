@@ -5,15 +5,16 @@
 use std::future::Future;
 use std::pin::Pin;
 
-use super::{AttemptResult, RetryPolicy};
+use super::{AttemptResult, RetryPolicy, Throttle};
 use crate::store::ClaimedDelivery;
 
-/// A handler the runner offers, with its retry policy.
+/// A handler the runner offers, with its retry policy and throttle.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HandlerSpec {
     pub handler: String,
     pub event_types: Vec<String>,
     pub retry: RetryPolicy,
+    pub throttle: Throttle,
     /// Completes inside its own transaction: its lease is not renewed (a renewal would
     /// conflict with that completion), so the lease must outlast it.
     pub transactional: bool,

@@ -107,7 +107,10 @@ async fn serve(
     );
     let _watch = registry.watch()?;
 
-    let runner = Arc::new(PluginRunner::new(registry.clone(), store.clone(), retry_policies(config)));
+    let throttles = config.clone();
+    let runner = PluginRunner::new(registry.clone(), store.clone(), retry_policies(config))
+        .throttled_by(Arc::new(move |plugin: &str| throttles.throttle_for(plugin)));
+    let runner = Arc::new(runner);
     runner.create_granted_collections().await;
     let options = DispatcherOptions {
         concurrency: config.host.concurrency,

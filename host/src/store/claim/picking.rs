@@ -32,7 +32,7 @@ impl Claimer {
         self.drop_forgotten_heads(&mut heads, false);
 
         // Pick: due work of the held lanes under the per-key rules, then of free lanes.
-        let mut plan = Plan::new(capacity.total, mine.values().flat_map(|lane| lane.running.iter()));
+        let mut plan = Plan::new(capacity.total, &capacity.rooms, mine.values().flat_map(|lane| lane.running.iter()));
         plan.heads.extend(heads.into_iter().map(|(key, head)| (key, Some(head))));
         // Taken for the claim (claims of an instance never overlap) and put back, with what it
         // learned, when it succeeds; a failed claim only costs the next one some lookups.
@@ -227,9 +227,15 @@ impl Claimer {
     ) -> Result<Written, StoreError> {
         let mut records = Vec::new();
         let mut idle = Vec::new();
-        // The first picks take the free run slots; the others are listed as claimed ahead.
-        for (at, pick) in plan.picks.iter_mut().enumerate() {
-            pick.started = at < capacity.run_now;
+        // The first picks take the free run slots, those that must start now before them;
+        // the others are listed as claimed ahead.
+        let mut slots = capacity.run_now;
+        let start_now = |pick: &Candidate| capacity.rooms.of(&pick.handler).is_some_and(|room| room.start_now);
+        for must in [true, false] {
+            for pick in plan.picks.iter_mut().filter(|pick| start_now(pick) == must) {
+                pick.started = slots > 0;
+                slots = slots.saturating_sub(1);
+            }
         }
         // A lane that runs something and picked nothing new keeps its list and lease as
         // written (entries settled since are harmless there: a takeover charges only those
@@ -387,7 +393,7 @@ impl Claimer {
                 let before = DateTime::from_millis(youngest.timestamp_millis() - 1);
                 let half = (plan.limit / 2).max(1);
                 let due = DueWork { exclude: &tried, before, others: &others, others_before };
-                let older = backend.free_lanes_with_due_work(handlers, due, FAIRNESS_LANES, half).await?;
+                let older = backend.free_lanes_with_due_work(&plan.open_handlers(handlers), due, FAIRNESS_LANES, half).await?;
                 if !older.is_empty() {
                     let lanes: Vec<LaneId> = older.iter().map(|(lane, _)| *lane).collect();
                     tried.extend(lanes.iter().copied());
@@ -403,9 +409,15 @@ impl Claimer {
         // says the batch still needs, if more), while the batch is not full.
         let mut round = 4;
         while !plan.full() {
-            let missing = plan.limit - plan.picks.len();
+            // Only for what it may still pick: lanes with work of handlers out of room alone
+            // are left free.
+            let open = plan.open_handlers(handlers);
+            let missing = plan.missing(&open);
+            if missing == 0 {
+                break;
+            }
             let due = DueWork { exclude: &tried, before: now, others: &others, others_before };
-            let found = backend.free_lanes_with_due_work(handlers, due, MAX_LANES_PER_QUERY, missing).await?;
+            let found = backend.free_lanes_with_due_work(&open, due, MAX_LANES_PER_QUERY, missing).await?;
             if found.is_empty() {
                 break;
             }

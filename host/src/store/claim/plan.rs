@@ -16,10 +16,12 @@ pub(super) struct Plan {
     pub(super) picks: Vec<Candidate>,
     /// Seen waiting behind an unfinished predecessor of their key.
     blocked: Vec<(LaneId, DeliveryId, HandlerKey)>,
+    /// What it may still pick of the handlers the claim's [`Rooms`] name.
+    rooms: HashMap<String, usize>,
 }
 
 impl Plan {
-    pub(super) fn new<'a>(limit: usize, running: impl Iterator<Item = &'a InFlight>) -> Self {
+    pub(super) fn new<'a>(limit: usize, rooms: &Rooms, running: impl Iterator<Item = &'a InFlight>) -> Self {
         let mut running_ids = HashSet::new();
         let mut busy_keys = HashSet::new();
         for entry in running {
@@ -36,7 +38,33 @@ impl Plan {
             known_heads: HashMap::new(),
             picks: Vec::new(),
             blocked: Vec::new(),
+            rooms: rooms.iter().map(|(handler, room)| (handler.clone(), room.most)).collect(),
         }
+    }
+
+    /// Of `handlers`, those it may still pick (all but those whose room is used up).
+    pub(super) fn open_handlers(&self, handlers: &[String]) -> Vec<String> {
+        handlers.iter().filter(|h| self.rooms.get(*h) != Some(&0)).cloned().collect()
+    }
+
+    /// How many more it may pick of `open`'s deliveries: up to its limit, or what their rooms
+    /// leave when each of them has one.
+    pub(super) fn missing(&self, open: &[String]) -> usize {
+        let left = self.limit.saturating_sub(self.picks.len());
+        let roomed: Option<usize> = open.iter().map(|h| self.rooms.get(h).copied()).sum();
+        roomed.map_or(left, |rooms| rooms.min(left))
+    }
+
+    /// Whether it may pick more of `handler`'s deliveries.
+    fn has_room_for(&self, handler: &str) -> bool {
+        self.rooms.get(handler) != Some(&0)
+    }
+
+    fn pick(&mut self, row: Candidate) {
+        if let Some(room) = self.rooms.get_mut(&row.handler) {
+            *room -= 1;
+        }
+        self.picks.push(row);
     }
 
     pub(super) fn full(&self) -> bool {
@@ -52,6 +80,9 @@ impl Plan {
         self.picks.sort_by_key(|pick| (pick.due_at, pick.id));
         let keep = self.picks.len().saturating_sub(n);
         for pick in self.picks.drain(keep..) {
+            if let Some(room) = self.rooms.get_mut(&pick.handler) {
+                *room += 1;
+            }
             if let Some(key) = pick.key {
                 self.busy_keys.remove(&(pick.handler, key));
             }
@@ -105,18 +136,19 @@ impl Plan {
     }
 
     fn consider(&mut self, row: Candidate) {
-        if self.full() || self.running_ids.contains(&row.id) {
+        // One of a handler without room is left as it is: not blocked, only not taken now.
+        if self.full() || self.running_ids.contains(&row.id) || !self.has_room_for(&row.handler) {
             return;
         }
         let Some(key) = &row.key else {
-            self.picks.push(row);
+            self.pick(row);
             return;
         };
         let handler_key = (row.handler.clone(), key.clone());
         let is_head = self.heads.get(&handler_key).copied().flatten() == Some(row.id);
         if is_head && !self.busy_keys.contains(&handler_key) {
             self.busy_keys.insert(handler_key);
-            self.picks.push(row);
+            self.pick(row);
         } else {
             self.blocked.push((row.lane, row.id, handler_key));
         }
@@ -158,8 +190,12 @@ pub(super) async fn scan<'l, B: ClaimBackend>(
         }
         let mut after = None;
         while !plan.full() {
+            let open = plan.open_handlers(handlers);
+            if open.is_empty() {
+                return Ok(&[]);
+            }
             let page = ((plan.limit - plan.picks.len()) * 2).clamp(64, 1_000);
-            let rows = backend.candidates(chunk, handlers, now, after, &plan.running_ids, page).await?;
+            let rows = backend.candidates(chunk, &open, now, after, &plan.running_ids, page).await?;
             plan.recall_heads(&rows);
             let unknown = plan.unknown_keys(&rows);
             if !unknown.is_empty() {
@@ -198,11 +234,12 @@ pub(super) async fn older_work_of_unread_lanes<B: ClaimBackend>(
     let before = DateTime::from_millis(youngest.timestamp_millis() - 1);
     let half = (plan.limit / 2).max(1);
     let mut older = 0;
+    let open = plan.open_handlers(handlers);
     for chunk in unread.chunks(MAX_LANES_PER_QUERY) {
-        if older >= half {
+        if older >= half || open.is_empty() {
             break;
         }
-        older += backend.candidates(chunk, handlers, before, None, &plan.running_ids, half - older).await?.len();
+        older += backend.candidates(chunk, &open, before, None, &plan.running_ids, half - older).await?.len();
     }
     if older > 0 {
         plan.make_room(older);
@@ -222,14 +259,14 @@ mod tests {
     #[test]
     fn known_heads_are_forgotten_past_their_cap_but_what_a_claim_learned_is_kept() {
         // Under the cap: what the claim looked up replaces what was known of those keys.
-        let mut plan = Plan::new(1, std::iter::empty());
+        let mut plan = Plan::new(1, &Rooms::default(), std::iter::empty());
         let (old, new) = (ObjectId::new(), ObjectId::new());
         plan.known_heads = HashMap::from([(key("a"), old), (key("b"), old)]);
         plan.heads = HashMap::from([(key("a"), Some(new)), (key("b"), None)]);
         assert_eq!(plan.into_known_heads(), HashMap::from([(key("a"), new)]));
 
         // Past it: everything known before is forgotten, and only this claim's heads stay.
-        let mut plan = Plan::new(1, std::iter::empty());
+        let mut plan = Plan::new(1, &Rooms::default(), std::iter::empty());
         plan.known_heads = (0..KNOWN_HEADS_MAX).map(|n| (key(&format!("k{n}")), old)).collect();
         plan.heads = HashMap::from([(key("fresh"), Some(new))]);
         assert_eq!(plan.into_known_heads(), HashMap::from([(key("fresh"), new)]));

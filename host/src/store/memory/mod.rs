@@ -240,7 +240,7 @@ impl Store for MemoryStore {
         let hand_out = hand_out.into();
         let plainly = hand_out.total > 0 && !self.options.completion_history;
         let report = match plainly {
-            true => self.fan_out_plainly(subscriptions, limit, hand_out, early, now).await?,
+            true => self.fan_out_plainly(subscriptions, limit, hand_out.clone(), early, now).await?,
             false => None,
         };
         let report = match report {

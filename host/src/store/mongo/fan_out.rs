@@ -74,7 +74,7 @@ pub(super) async fn run(
             return Ok(report);
         }
         if !batch.is_empty() {
-            match handing_out(store, subscriptions, Batch::Heard(fan_out::in_key_order(batch)), hand_out, early, now).await {
+            match handing_out(store, subscriptions, Batch::Heard(fan_out::in_key_order(batch)), hand_out.clone(), early, now).await {
                 Ok(heard) if left.is_empty() && !store.heard.behind() => return Ok(heard),
                 Ok(heard) => report = heard,
                 Err(error) => {
@@ -122,7 +122,7 @@ async fn read(
     if hand_out.total > 0 {
         let plainly = early.filter(|_| !store.options.completion_history && store.plain_marks.worth_trying());
         if let Some(early) = plainly {
-            match plain(store, subscriptions, limit, hand_out, early, now).await {
+            match plain(store, subscriptions, limit, hand_out.clone(), early, now).await {
                 Ok(Some(report)) => return Ok(report),
                 Ok(None) => {}
                 // Nothing of it was written, or what was is handed back: read again.
@@ -130,7 +130,7 @@ async fn read(
                 Err(error) => return Err(error),
             }
         }
-        match handing_out(store, subscriptions, Batch::Read(limit), hand_out, early, now).await {
+        match handing_out(store, subscriptions, Batch::Read(limit), hand_out.clone(), early, now).await {
             // Another fan-out wrote the same events first: the retrying path sorts it out,
             // and a claim looks at the lanes this one took or listed in (see `run`).
             Err(error) if error.is_transient() => lanes_to_read = store.claimer.lanes_to_read(),

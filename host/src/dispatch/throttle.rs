@@ -1,0 +1,133 @@
+//! A handler's processing limits on one host, as the operator sets them: how many of its
+//! deliveries the host holds at once (running or claimed ahead of a run slot), and how many of
+//! them it starts in any window of a given length. With several hosts, each holds to them on
+//! its own.
+//!
+//! A throttled handler's deliveries are only ever claimed, never handed out by their fan-out,
+//! and each claim of them takes at most the room its limits leave, in a claim of its own, so
+//! its backlog never takes the places of other handlers' work. The loop claims for it again
+//! when one of its runs ends and when its rate window lets another start.
+//!
+//! This module owns the counting: the limits, and the starts each throttled handler made in
+//! its window. It never claims, and never knows how a handler runs.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// What the operator limits one handler to, on each host. The default limits nothing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Throttle {
+    /// At most this many of its deliveries held at once, running or waiting for a run slot.
+    pub concurrency: Option<usize>,
+    /// At most so many starts in any window.
+    pub rate: Option<RateLimit>,
+}
+
+/// At most `max` starts in any window of `per`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RateLimit {
+    pub max: usize,
+    pub per: Duration,
+}
+
+impl Throttle {
+    /// Whether it limits anything.
+    pub fn limits(&self) -> bool {
+        self.concurrency.is_some() || self.rate.is_some()
+    }
+}
+
+/// The starts each rate-limited handler made on this host within its window.
+#[derive(Debug, Default)]
+pub(super) struct StartWindows {
+    by_handler: HashMap<String, VecDeque<Instant>>,
+}
+
+impl StartWindows {
+    /// How many more deliveries of `handler` may be taken at `now`, with `held` of them held:
+    /// `None` when `throttle` limits nothing.
+    pub(super) fn room(&mut self, handler: &str, throttle: &Throttle, held: usize, now: Instant) -> Option<usize> {
+        if !throttle.limits() {
+            return None;
+        }
+        let by_concurrency = throttle.concurrency.map_or(usize::MAX, |limit| limit.saturating_sub(held));
+        let by_rate = match throttle.rate {
+            Some(rate) => rate.max.saturating_sub(self.started_within(handler, rate, now)),
+            None => usize::MAX,
+        };
+        Some(by_concurrency.min(by_rate))
+    }
+
+    /// Counts `count` starts of `handler` at `now`, if its throttle limits its rate.
+    pub(super) fn started(&mut self, handler: &str, throttle: &Throttle, count: usize, now: Instant) {
+        if throttle.rate.is_some() && count > 0 {
+            self.by_handler.entry(handler.to_string()).or_default().extend(std::iter::repeat_n(now, count));
+        }
+    }
+
+    /// When the window of `handler` lets its next start in, if it is full at `now`.
+    pub(super) fn opening(&mut self, handler: &str, throttle: &Throttle, now: Instant) -> Option<Instant> {
+        let rate = throttle.rate?;
+        if self.started_within(handler, rate, now) < rate.max {
+            return None;
+        }
+        let starts = self.by_handler.get(handler)?;
+        // The start that leaves the window first makes room for one more.
+        starts.get(starts.len() - rate.max).map(|start| *start + rate.per)
+    }
+
+    /// The starts of `handler` within the window ending at `now`; older ones are forgotten.
+    fn started_within(&mut self, handler: &str, rate: RateLimit, now: Instant) -> usize {
+        let Some(starts) = self.by_handler.get_mut(handler) else { return 0 };
+        while starts.front().is_some_and(|start| *start + rate.per <= now) {
+            starts.pop_front();
+        }
+        starts.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SECOND: Duration = Duration::from_secs(1);
+
+    #[test]
+    fn the_room_is_the_least_that_either_limit_leaves() {
+        let mut windows = StartWindows::default();
+        let now = Instant::now();
+        assert_eq!(windows.room("h", &Throttle::default(), 100, now), None, "unthrottled");
+        let both = Throttle { concurrency: Some(3), rate: Some(RateLimit { max: 5, per: SECOND }) };
+        assert_eq!(windows.room("h", &both, 0, now), Some(3));
+        assert_eq!(windows.room("h", &both, 2, now), Some(1));
+        assert_eq!(windows.room("h", &both, 7, now), Some(0), "held beyond a lowered limit");
+        windows.started("h", &both, 4, now);
+        assert_eq!(windows.room("h", &both, 0, now), Some(1), "one start left in the window");
+        assert_eq!(windows.room("other", &both, 0, now), Some(3), "each handler counts its own");
+    }
+
+    #[test]
+    fn a_full_window_opens_when_its_oldest_start_leaves_it() {
+        let mut windows = StartWindows::default();
+        let rate = Throttle { concurrency: None, rate: Some(RateLimit { max: 2, per: SECOND }) };
+        let t0 = Instant::now();
+        windows.started("h", &rate, 1, t0);
+        assert_eq!(windows.opening("h", &rate, t0), None, "room left");
+        windows.started("h", &rate, 1, t0 + Duration::from_millis(300));
+        windows.started("h", &rate, 1, t0 + Duration::from_millis(600));
+        assert_eq!(windows.room("h", &rate, 0, t0 + Duration::from_millis(600)), Some(0));
+        // Three starts, two allowed: the window has room again once the first two left it.
+        let opens = windows.opening("h", &rate, t0 + Duration::from_millis(600)).unwrap();
+        assert_eq!(opens, t0 + Duration::from_millis(1_300));
+        assert_eq!(windows.room("h", &rate, 0, opens - Duration::from_millis(1)), Some(0));
+        assert_eq!(windows.room("h", &rate, 0, opens), Some(1));
+        assert_eq!(windows.room("h", &rate, 0, t0 + 3 * SECOND), Some(2));
+        // Concurrency alone counts no starts.
+        let held = Throttle { concurrency: Some(1), rate: None };
+        windows.started("c", &held, 5, t0);
+        assert_eq!(windows.opening("c", &held, t0), None);
+        assert_eq!(windows.room("c", &held, 0, t0), Some(1));
+    }
+}

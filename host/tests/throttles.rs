@@ -1,0 +1,174 @@
+//! Throttled handlers in the claim loop, with native handler functions on the in-memory store
+//! (the dispatcher knows nothing of WebAssembly; the host process test runs a throttled
+//! plugin on MongoDB): a handler's concurrency and rate on one host hold, the loop claims its
+//! next deliveries when a run ends or its window opens (the poll here is an hour away), and
+//! the other handlers of the same events never wait behind its backlog.
+
+mod common;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+use relayhost::dispatch::{AttemptResult, Dispatcher, DispatcherOptions, HandlerSpec, RateLimit, RetryPolicy, RunResult, Runner, Throttle};
+use relayhost::store::memory::MemoryStore;
+use relayhost::store::{ClaimedDelivery, StoreOptions};
+
+/// One run as the handler saw it.
+#[derive(Debug, Clone)]
+struct Run {
+    handler: String,
+    event: String,
+    key: Option<String>,
+    started: Instant,
+    ended: Instant,
+}
+
+/// Handlers that take `delay` each and record their runs, and the most of each handler's
+/// runs that were ever under way at once.
+struct Probe {
+    specs: Vec<HandlerSpec>,
+    delay: HashMap<String, Duration>,
+    runs: Arc<Mutex<Vec<Run>>>,
+    running: Arc<Mutex<HashMap<String, (usize, usize)>>>,
+}
+
+impl Probe {
+    fn new(specs: Vec<HandlerSpec>, delay: &[(&str, Duration)]) -> Arc<Self> {
+        let delay = delay.iter().map(|(h, d)| (h.to_string(), *d)).collect();
+        Arc::new(Self { specs, delay, runs: Arc::default(), running: Arc::default() })
+    }
+
+    fn runs_of(&self, handler: &str) -> Vec<Run> {
+        self.runs.lock().unwrap().iter().filter(|r| r.handler == handler).cloned().collect()
+    }
+
+    fn most_at_once(&self, handler: &str) -> usize {
+        self.running.lock().unwrap().get(handler).map_or(0, |(_, most)| *most)
+    }
+}
+
+impl Runner for Probe {
+    fn handlers(&self) -> Vec<HandlerSpec> {
+        self.specs.clone()
+    }
+
+    fn run(&self, delivery: ClaimedDelivery) -> Pin<Box<dyn Future<Output = RunResult> + Send>> {
+        let delay = self.delay.get(&delivery.handler).copied().unwrap_or_default();
+        let (runs, running) = (self.runs.clone(), self.running.clone());
+        Box::pin(async move {
+            let started = Instant::now();
+            {
+                let mut running = running.lock().unwrap();
+                let (now, most) = running.entry(delivery.handler.clone()).or_default();
+                *now += 1;
+                *most = (*most).max(*now);
+            }
+            tokio::time::sleep(delay).await;
+            running.lock().unwrap().get_mut(&delivery.handler).unwrap().0 -= 1;
+            let (handler, event, key) = (delivery.handler.clone(), delivery.event.id.clone(), delivery.event.key.clone());
+            runs.lock().unwrap().push(Run { handler, event, key, started, ended: Instant::now() });
+            RunResult::Attempt(AttemptResult::Completed)
+        })
+    }
+}
+
+fn spec(handler: &str, throttle: Throttle) -> HandlerSpec {
+    HandlerSpec {
+        handler: handler.into(),
+        event_types: vec!["order.placed".into()],
+        retry: RetryPolicy::default(),
+        throttle,
+        transactional: false,
+    }
+}
+
+/// Eight run slots, and a poll an hour away: whatever the loop claims after its first claim,
+/// something asked for.
+fn options() -> DispatcherOptions {
+    DispatcherOptions {
+        concurrency: 8,
+        poll_interval: Duration::from_secs(3_600),
+        lease_duration: Duration::from_secs(30),
+        shutdown_timeout: Duration::from_secs(5),
+        ..Default::default()
+    }
+}
+
+/// Runs a dispatcher over `store` until `probe` ran `count` deliveries, then stops it.
+async fn run_until_ran(store: Arc<MemoryStore>, probe: Arc<Probe>, count: usize) {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let dispatcher = Dispatcher::new(store, probe.clone(), options());
+    let handle = tokio::spawn(async move { dispatcher.run(async { let _ = stopped.await; }).await.unwrap() });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while probe.runs.lock().unwrap().len() < count {
+        assert!(Instant::now() < deadline, "ran {} of {count}", probe.runs.lock().unwrap().len());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    stop.send(()).unwrap();
+    handle.await.unwrap();
+}
+
+fn store() -> Arc<MemoryStore> {
+    Arc::new(MemoryStore::new(StoreOptions { owner: "host".into(), ..StoreOptions::default() }))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_holds_to_its_concurrency_and_the_others_never_wait_behind_it() {
+    let store = store();
+    // Twelve unkeyed events and two keys of four.
+    let mut events: Vec<_> = (0..12).map(|n| event(&format!("u-{n}"), "order.placed")).collect();
+    events.extend((0..8).map(|n| keyed(&format!("k-{n}"), "order.placed", if n % 2 == 0 { "even" } else { "odd" })));
+    publish_all(&*store, events).await;
+    let two_at_once = Throttle { concurrency: Some(2), rate: None };
+    let probe = Probe::new(
+        vec![spec("slow", two_at_once), spec("quick", Throttle::default())],
+        &[("slow", Duration::from_millis(60)), ("quick", Duration::from_millis(5))],
+    );
+    run_until_ran(store, probe.clone(), 40).await;
+
+    assert_eq!(probe.most_at_once("slow"), 2, "two runs at once, never more");
+    assert!(probe.most_at_once("quick") > 2, "the other handler is not held to it: {}", probe.most_at_once("quick"));
+    let slow = probe.runs_of("slow");
+    let quick = probe.runs_of("quick");
+    assert_eq!((slow.len(), quick.len()), (20, 20));
+    // The other handler's deliveries of the same events were done long before the backlog.
+    let quick_done = quick.iter().map(|r| r.ended).max().unwrap();
+    let mut slow_ends: Vec<Instant> = slow.iter().map(|r| r.ended).collect();
+    slow_ends.sort();
+    assert!(quick_done < slow_ends[5], "the quick handler waited behind the slow one's backlog");
+    // A key's events still ran in order, one at a time.
+    for key in ["even", "odd"] {
+        let mut of_key: Vec<&Run> = slow.iter().filter(|r| r.key.as_deref() == Some(key)).collect();
+        of_key.sort_by_key(|r| r.started);
+        let order: Vec<u32> = of_key.iter().map(|r| r.event[2..].parse().unwrap()).collect();
+        assert!(order.windows(2).all(|w| w[0] < w[1]), "{key}: {order:?}");
+        assert!(of_key.windows(2).all(|w| w[0].ended <= w[1].started), "{key} overlapped");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_starts_no_more_than_its_rate_in_any_window_and_the_others_never_wait() {
+    let store = store();
+    publish_all(&*store, (0..12).map(|n| event(&format!("e-{n}"), "order.placed")).collect()).await;
+    let window = Duration::from_millis(300);
+    let three_a_window = Throttle { concurrency: None, rate: Some(RateLimit { max: 3, per: window }) };
+    let probe = Probe::new(vec![spec("paced", three_a_window), spec("quick", Throttle::default())], &[]);
+    run_until_ran(store, probe.clone(), 24).await;
+
+    let mut starts: Vec<Instant> = probe.runs_of("paced").iter().map(|r| r.started).collect();
+    starts.sort();
+    assert_eq!(starts.len(), 12);
+    // The host counts a start as it claims it; the run begins a little later, by at most the
+    // spread allowed here.
+    let spread = Duration::from_millis(30);
+    for (first, fourth) in starts.iter().zip(&starts[3..]) {
+        assert!(*fourth - *first >= window - spread, "four starts within {:?}", *fourth - *first);
+    }
+    assert!(starts[11] - starts[0] >= 3 * window - spread, "twelve starts need four windows");
+    let quick_done = probe.runs_of("quick").iter().map(|r| r.ended).max().unwrap();
+    assert!(quick_done < starts[3], "the quick handler waited for the paced one's window");
+}
