@@ -355,13 +355,15 @@ async fn a_claim_keeps_to_each_handlers_room_and_leaves_the_rest_as_it_was<F: Fi
     let room = |most: usize, start_now: bool| Rooms::new([("h".to_string(), Room { most, start_now })]);
     let of = |claimed: &[ClaimedDelivery], handler: &str| claimed.iter().filter(|c| c.handler == handler).count();
 
-    // No room for `h`: only `g`'s deliveries, its own and those of its key's head.
-    let claimed = store.claim(&handlers(&["h", "g"]), Capacity::new(20, 20).within(room(0, false)), at(T0)).await.unwrap();
-    assert_eq!((of(&claimed, "h"), of(&claimed, "g")), (0, 7), "{:?}", ids(&claimed));
-    // Two places for `h`, which must start now: of three run slots, they take two.
+    // No room for `h`: only `g`'s deliveries.
+    let claimed = store.claim(&handlers(&["h", "g"]), Capacity::new(3, 3).within(room(0, false)), at(T0)).await.unwrap();
+    assert_eq!((of(&claimed, "h"), of(&claimed, "g")), (0, 3), "{:?}", ids(&claimed));
+    // Two places for `h`, which must start now: of three run slots, they take two, and the
+    // rest of `g`'s are claimed ahead but one.
     let claimed = store.claim(&handlers(&["h", "g"]), Capacity::new(20, 3).within(room(2, true)), at(T0 + 1)).await.unwrap();
-    assert_eq!(of(&claimed, "h"), 2, "{:?}", ids(&claimed));
-    assert!(claimed.iter().all(|c| c.started), "both start in the first run slots");
+    assert_eq!((of(&claimed, "h"), of(&claimed, "g")), (2, 4), "{:?}", ids(&claimed));
+    assert!(claimed.iter().filter(|c| c.handler == "h").all(|c| c.started), "both start in the first run slots");
+    assert_eq!(claimed.iter().filter(|c| c.started).count(), 3);
     // A claim with a room of `h` reads past what it may not take: its key's head is taken
     // the moment there is room, nothing of it having been parked or passed over.
     let mut seen = ids(&claimed);
