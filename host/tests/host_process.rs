@@ -544,6 +544,45 @@ async fn a_killed_hosts_open_transaction_is_ended_by_another_host_long_before_th
     survivor.stop();
 }
 
+// ---- throttles ----
+
+/// The operator limits the webhook plugin to two calls at once on each host: the receiver
+/// never answers more, while the noop plugin, given the same events, is not held behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_throttled_plugin_calls_out_two_at_a_time_and_the_plugin_beside_it_never_waits() {
+    let receiver = Receiver::start();
+    receiver.hold.store(false, Ordering::SeqCst);
+    receiver.delay_ms.store(300, Ordering::SeqCst);
+    let extra = format!(
+        "concurrency = 8\npoll_interval = \"100ms\"\n\n[plugin.webhook]\nwall_time = \"30s\"\nconcurrency_per_host = 2\n\
+         grants = {{ environment = [\"WEBHOOK_URL\"], http_hosts = [\"{}\"], private_networks = true }}",
+        receiver.address
+    );
+    let deployment = Deployment::new(&["webhook", "noop"], &extra).await;
+    let url = format!("http://{}/hooks", receiver.address);
+    let host = deployment.start_with("host", &[("WEBHOOK_URL", url.as_str())]);
+    let orders: Vec<NewEvent> = (0..12).map(|n| NewEvent::new(format!("order-{n}"), "order.placed", doc! { "n": n as i32 })).collect();
+    publish_all(deployment.fixture.store(), orders).await;
+    deployment
+        .wait_until("the noop plugin completed all twelve", Duration::from_secs(60), async |d| {
+            let completed = d.collection("relayhost_completed_deliveries").count_documents(doc! { "handler": "noop" }).await.unwrap();
+            completed == 12
+        })
+        .await;
+    // Two calls at a time of 300 ms each: twelve take 1.8 s, and the noop plugin's runs of
+    // the same events finished before most of them.
+    let called = receiver.bodies().len();
+    assert!(called <= 8, "the noop plugin waited for {called} of the webhook's calls:\n{}", host.log());
+    deployment.wait_until("the webhook was called twelve times", Duration::from_secs(60), async |d| d.drained().await).await;
+    let counters = host.stop();
+    assert_eq!(counters["completed"], 24);
+    let mut called: Vec<String> = receiver.bodies().iter().map(|b| b["id"].as_str().unwrap_or("?").to_string()).collect();
+    called.sort();
+    called.dedup();
+    assert_eq!(called.len(), 12);
+    assert_eq!(receiver.most_at_once(), 2, "two calls at once, never more");
+}
+
 // ---- graceful stop ----
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

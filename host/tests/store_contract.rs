@@ -58,6 +58,7 @@ contract!(
     live_hosts_split_the_lanes_and_leave_each_other_their_events_until_stale,
     a_claim_in_given_lanes_takes_only_those_and_keeps_the_rules,
     a_fan_out_hands_out_unkeyed_deliveries_in_free_or_own_lanes_only,
+    a_fan_out_hands_out_nothing_of_a_claims_only_handler,
     a_fan_out_hands_out_a_keys_head_only_while_nothing_of_its_key_is_pending,
     a_keys_later_events_wait_unfanned_while_its_head_runs_unless_nothing_else_is_there,
     a_key_that_waited_for_claims_once_is_awaited_no_more_once_its_head_is_handed_out,
@@ -694,6 +695,19 @@ async fn a_claim_in_given_lanes_takes_only_those_and_keeps_the_rules<F: Fixture>
     assert_eq!(ids(&taken_over), ids(&claimed));
     assert!(taken_over.iter().all(|c| c.attempts == 1), "the lost attempts are charged");
     assert!(a.complete_many(&[claimed[0].lease], at(T0 + 120_001)).await.unwrap() == [Settlement::LeaseLost]);
+}
+
+async fn a_fan_out_hands_out_nothing_of_a_claims_only_handler<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    let subscriptions =
+        Subscriptions::new([Subscription::new("h", ["t"]), Subscription::new("slow", ["t"]).claimed_only(true)]).unwrap();
+    publish_all(store, vec![event("u-0", "t"), event("u-1", "t"), keyed("k-0", "t", "k")]).await;
+    let report = store.fan_out(&subscriptions, 100, 10, at(T0)).await.unwrap();
+    assert_eq!((report.events, report.deliveries), (3, 6));
+    assert_eq!(ids(&report.claimed), ["k-0/h", "u-0/h", "u-1/h"]);
+    let claimed = store.claim(&handlers(&["h", "slow"]), 10, at(T0)).await.unwrap();
+    assert_eq!(ids(&claimed), ["k-0/slow", "u-0/slow", "u-1/slow"], "left to claims");
 }
 
 async fn a_fan_out_hands_out_unkeyed_deliveries_in_free_or_own_lanes_only<F: Fixture>() {

@@ -6,12 +6,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// A webhook receiver that holds every request open while `hold` is set and answers 200
-/// otherwise (after `delay_ms`); it records each request body.
+/// otherwise (after `delay_ms`); it records each request body, and the most requests it was
+/// answering at once.
 pub struct Receiver {
     pub address: std::net::SocketAddr,
     pub hold: Arc<AtomicBool>,
     pub delay_ms: Arc<std::sync::atomic::AtomicU64>,
     bodies: Arc<Mutex<Vec<serde_json::Value>>>,
+    /// Requests being answered now, and the most ever at once.
+    answering: Arc<Mutex<(usize, usize)>>,
 }
 
 impl Receiver {
@@ -26,7 +29,8 @@ impl Receiver {
         let address = listener.local_addr().unwrap();
         let (hold, bodies) = (Arc::new(AtomicBool::new(true)), Arc::<Mutex<Vec<serde_json::Value>>>::default());
         let delay_ms = Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let (holding, delay, log) = (hold.clone(), delay_ms.clone(), bodies.clone());
+        let answering: Arc<Mutex<(usize, usize)>> = Arc::default();
+        let (holding, delay, log, counts) = (hold.clone(), delay_ms.clone(), bodies.clone(), answering.clone());
         std::thread::spawn(move || {
             let mut held = Vec::new();
             for stream in listener.incoming() {
@@ -37,18 +41,30 @@ impl Receiver {
                     held.push(stream);
                 } else {
                     let delay = Duration::from_millis(delay.load(Ordering::SeqCst));
+                    {
+                        let (now, most) = &mut *counts.lock().unwrap();
+                        *now += 1;
+                        *most = (*most).max(*now);
+                    }
+                    let counts = counts.clone();
                     std::thread::spawn(move || {
                         std::thread::sleep(delay);
+                        counts.lock().unwrap().0 -= 1;
                         let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
                     });
                 }
             }
         });
-        Self { address, hold, delay_ms, bodies }
+        Self { address, hold, delay_ms, bodies, answering }
     }
 
     pub fn bodies(&self) -> Vec<serde_json::Value> {
         self.bodies.lock().unwrap().clone()
+    }
+
+    /// The most requests it was answering at once (held ones are not counted).
+    pub fn most_at_once(&self) -> usize {
+        self.answering.lock().unwrap().1
     }
 }
 
