@@ -16,7 +16,10 @@
 //! A claim may take up to `claim_ahead` more deliveries than there are free run slots: those
 //! wait for a slot under a lease that is renewed like a running one. Finished runs waiting for
 //! their completion to be written may fill as many places again; beyond that each takes a
-//! place from the claims, so claims never outrun completions.
+//! place from the claims, so claims never outrun completions. A throttled handler's deliveries
+//! are never handed out; a claim takes no more of them than its throttle leaves (the claim is
+//! told each one's room), and a run of theirs that ends, or the opening of a full rate window,
+//! asks for the next claim.
 //! Failures are rescheduled with the handler's backoff or buried with a dead letter; a
 //! delivery whose attempts are used up (its workers kept dying) is buried without running
 //! again. A retry's due time sets a timer that wakes the loop. A stop ends claiming, lets a
@@ -34,7 +37,7 @@
 //! Every step of the loop here (claim, start, settle, renew, stop) reads and changes the one
 //! loop state (`flight.rs`); the pieces that need none of it live beside it: what a
 //! dispatcher is given (`runner`, `options`), the background fan-out (`fan_out_task`), the
-//! announcements, `completion`, `starts`, `sequence_watch` and `settle`.
+//! announcements, `completion`, `starts`, `sequence_watch`, `settle` and `throttle`.
 
 use std::cmp::Reverse;
 use std::collections::HashMap;
@@ -57,8 +60,8 @@ use super::starts::StartRecorder;
 use super::{Settle, bury_with_dead_letter, decide};
 use crate::lane::LaneId;
 use crate::store::{
-    Capacity, ClaimedDelivery, DeliveryId, EarlyHandOut, EarlyHandOuts, FanOutCommit, Lease, Room, Rooms, Store, StoreError,
-    Subscription, Subscriptions,
+    Capacity, ClaimedDelivery, DeliveryId, EarlyHandOut, EarlyHandOuts, FanOutCommit, Lease, Store, StoreError, Subscription,
+    Subscriptions,
 };
 
 /// The claim loop of one store instance.
@@ -292,7 +295,9 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         let lanes: Vec<LaneId> = std::mem::take(&mut flight.claim_lanes).into_iter().collect();
         let handlers: Vec<String> = specs.iter().map(|s| s.handler.clone()).collect();
         let capacity = self.capacity(flight);
-        let rooms = self.rooms(specs, &capacity, flight);
+        let held = |handler: &str| flight.running.values().filter(|r| r.handler == handler).count();
+        let (rooms, wait_for_slots) = flight.start_windows.rooms(specs, capacity.run_now, held);
+        flight.throttled_wait_for_slots = wait_for_slots;
         let started = Instant::now();
         let capacity = capacity.within(rooms.clone());
         let claimed = if search_all {
@@ -316,32 +321,6 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             }
         }
         self.start(claimed, None, specs, permits, finished_tx, flight).await
-    }
-
-    /// What a claim may take of each throttled handler: what its throttle leaves, and of a
-    /// rate-limited one no more than the free run slots the others left (each is counted as
-    /// it starts, which must be now). One that could start but finds no free run slot has
-    /// the next run that ends ask for a claim.
-    fn rooms(&self, specs: &[HandlerSpec], capacity: &Capacity, flight: &mut Flight<S>) -> Rooms {
-        let now = Instant::now();
-        let mut run_slots = capacity.run_now;
-        flight.throttled_wait_for_slots = false;
-        let rooms: Vec<(String, Room)> = specs
-            .iter()
-            .filter(|spec| spec.throttle.limits())
-            .map(|spec| {
-                let held = flight.running.values().filter(|r| r.handler == spec.handler).count();
-                let mut most = flight.start_windows.room(&spec.handler, &spec.throttle, held, now).unwrap_or(0);
-                let start_now = spec.throttle.rate.is_some();
-                if start_now {
-                    flight.throttled_wait_for_slots |= most > run_slots;
-                    most = most.min(run_slots);
-                    run_slots -= most;
-                }
-                (spec.handler.clone(), Room { most, start_now })
-            })
-            .collect();
-        Rooms::new(rooms)
     }
 
     /// Starts what fan-outs handed out, before their commit (each with its word) or after.

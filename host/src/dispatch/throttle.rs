@@ -16,6 +16,9 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::HandlerSpec;
+use crate::store::{Room, Rooms};
+
 /// What the operator limits one handler to, on each host. The default limits nothing.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Throttle {
@@ -58,6 +61,29 @@ impl StartWindows {
             None => usize::MAX,
         };
         Some(by_concurrency.min(by_rate))
+    }
+
+    /// What a claim may take of each throttled handler of `specs`, `held(handler)` of its
+    /// deliveries held: what its throttle leaves, and of a rate-limited one no more than the
+    /// free run slots (`run_now`) the others left (each is counted as it is claimed, so it
+    /// must start at once). Also whether one of those found fewer free run slots than its
+    /// window left it (the next run that ends should ask for a claim).
+    pub(super) fn rooms(&mut self, specs: &[HandlerSpec], run_now: usize, held: impl Fn(&str) -> usize) -> (Rooms, bool) {
+        let now = Instant::now();
+        let mut run_slots = run_now;
+        let mut wait_for_slots = false;
+        let mut rooms = Vec::new();
+        for spec in specs.iter().filter(|spec| spec.throttle.limits()) {
+            let mut most = self.room(&spec.handler, &spec.throttle, held(&spec.handler), now).unwrap_or(0);
+            let start_now = spec.throttle.rate.is_some();
+            if start_now {
+                wait_for_slots |= most > run_slots;
+                most = most.min(run_slots);
+                run_slots -= most;
+            }
+            rooms.push((spec.handler.clone(), Room { most, start_now }));
+        }
+        (Rooms::new(rooms), wait_for_slots)
     }
 
     /// Counts `count` starts of `handler` at `now`, if its throttle limits its rate.
@@ -106,6 +132,33 @@ mod tests {
         windows.started("h", &both, 4, now);
         assert_eq!(windows.room("h", &both, 0, now), Some(1), "one start left in the window");
         assert_eq!(windows.room("other", &both, 0, now), Some(3), "each handler counts its own");
+    }
+
+    #[test]
+    fn rate_limited_handlers_share_the_free_run_slots_and_the_others_may_claim_ahead() {
+        let spec = |handler: &str, throttle: Throttle| HandlerSpec {
+            handler: handler.into(),
+            event_types: vec!["t".into()],
+            retry: Default::default(),
+            throttle,
+            transactional: false,
+        };
+        let paced = Throttle { concurrency: None, rate: Some(RateLimit { max: 4, per: SECOND }) };
+        let specs = [
+            spec("free", Throttle::default()),
+            spec("a", paced),
+            spec("b", paced),
+            spec("held", Throttle { concurrency: Some(10), rate: None }),
+        ];
+        let mut windows = StartWindows::default();
+        let (rooms, wait_for_slots) = windows.rooms(&specs, 6, |handler| if handler == "held" { 3 } else { 0 });
+        assert_eq!(rooms.of("free"), None);
+        assert_eq!(rooms.of("a"), Some(Room { most: 4, start_now: true }));
+        assert_eq!(rooms.of("b"), Some(Room { most: 2, start_now: true }), "what `a` left of six slots");
+        assert_eq!(rooms.of("held"), Some(Room { most: 7, start_now: false }), "claimed ahead too");
+        assert!(wait_for_slots, "`b` could have started four");
+        let (_, wait_for_slots) = windows.rooms(&specs, 8, |_| 0);
+        assert!(!wait_for_slots);
     }
 
     #[test]
