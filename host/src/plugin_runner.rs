@@ -30,23 +30,33 @@ pub type RetryPolicies = dyn Fn(&str) -> RetryPolicy + Send + Sync;
 /// The throttle of a plugin's handlers, by its name.
 pub type Throttles = dyn Fn(&str) -> Throttle + Send + Sync;
 
+/// The priority of a plugin's handlers, by its name.
+pub type Priorities = dyn Fn(&str) -> i32 + Send + Sync;
+
 pub struct PluginRunner {
     registry: Arc<PluginRegistry>,
     store: Arc<MongoStore>,
     retry_for: Arc<RetryPolicies>,
     throttle_for: Arc<Throttles>,
+    priority_for: Arc<Priorities>,
     /// The collections granted to transactional plugins that are known to exist.
     created: Arc<Mutex<HashSet<String>>>,
 }
 
 impl PluginRunner {
     pub fn new(registry: Arc<PluginRegistry>, store: Arc<MongoStore>, retry_for: Arc<RetryPolicies>) -> Self {
-        Self { registry, store, retry_for, throttle_for: Arc::new(|_: &str| Throttle::default()), created: Arc::default() }
+        let (throttle_for, priority_for) = (Arc::new(|_: &str| Throttle::default()), Arc::new(|_: &str| 0));
+        Self { registry, store, retry_for, throttle_for, priority_for, created: Arc::default() }
     }
 
     /// The same, each plugin's handlers throttled as `throttle_for` says (none by default).
     pub fn throttled_by(self, throttle_for: Arc<Throttles>) -> Self {
         Self { throttle_for, ..self }
+    }
+
+    /// The same, each plugin's handlers of the priority `priority_for` says (0 by default).
+    pub fn prioritized_by(self, priority_for: Arc<Priorities>) -> Self {
+        Self { priority_for, ..self }
     }
 
     /// Creates the collections the loaded transactional plugins are granted, if missing: at
@@ -114,6 +124,7 @@ impl Runner for PluginRunner {
                 event_types: subscription.event_types,
                 retry: (self.retry_for)(&plugin.name),
                 throttle: (self.throttle_for)(&plugin.name),
+                priority: (self.priority_for)(&plugin.name),
                 transactional: subscription.transactional,
             });
         }

@@ -84,6 +84,7 @@ fn spec(handler: &str, types: &[&str], retry: RetryPolicy) -> HandlerSpec {
         event_types: types.iter().map(|t| t.to_string()).collect(),
         retry,
         throttle: Throttle::default(),
+        priority: 0,
         transactional: false,
     }
 }

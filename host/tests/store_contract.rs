@@ -14,7 +14,7 @@ use bson::doc;
 use common::*;
 use relayhost::event::{EventError, NewEvent};
 use relayhost::store::{
-    Capacity, ClaimedDelivery, DeliveryFilter, Room, Rooms, DeliveryStatus, PurgeOptions, Published, Settlement, Store, StoreError, StoreOptions,
+    Capacity, ClaimedDelivery, DeliveryFilter, Priorities, Room, Rooms, DeliveryStatus, PurgeOptions, Published, Settlement, Store, StoreError, StoreOptions,
     StoreTransaction, Subscription, Subscriptions, MALFORMED_EVENT_HANDLER, run_in_transaction,
 };
 
@@ -50,6 +50,7 @@ contract!(
     skewed_clocks_and_split_batches_keep_sequence_order,
     per_key_rules_hold_within_one_claim,
     a_claim_keeps_to_each_handlers_room_and_leaves_the_rest_as_it_was,
+    a_hand_out_and_a_claim_take_higher_priorities_first_wherever_their_lanes,
     keyed_deliveries_run_one_at_a_time_in_sequence_order,
     a_fan_out_creates_the_followers_of_a_key_parked,
     a_backlog_of_many_keys_is_fanned_out_in_publishing_order_not_a_whole_key_at_a_time,
@@ -382,6 +383,28 @@ async fn a_claim_keeps_to_each_handlers_room_and_leaves_the_rest_as_it_was<F: Fi
     let statistics = store.statistics(at(T0 + 2)).await.unwrap();
     let h = statistics.iter().find(|s| s.handler == "h").unwrap();
     assert_eq!((h.running, h.pending, h.parked), (7, 2, 2), "the key's followers wait parked behind its head, nothing else");
+}
+
+async fn a_hand_out_and_a_claim_take_higher_priorities_first_wherever_their_lanes<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    // Named so that name and creation order would put `a-low` first.
+    let subscriptions = subs(&[("a-low", &["t"]), ("z-high", &["t"])]);
+    let priorities = Priorities::new([("z-high".to_string(), 5)]);
+    let with = |total: usize, run_now: usize| Capacity::new(total, run_now).ordered_by(priorities.clone());
+    publish_all(store, (0..2).map(|n| event(&format!("e-{n}"), "t")).collect()).await;
+    let report = store.fan_out(&subscriptions, 100, with(2, 2), at(T0)).await.unwrap();
+    assert_eq!(ids(&report.claimed), ["e-0/z-high", "e-1/z-high"], "handed out");
+    // The host now holds the lanes of e-0 and e-1, where `a-low`'s deliveries wait; `z-high`'s
+    // newer ones are in free lanes. Of three places, one starting at once: `z-high`'s two
+    // first, the one that starts among them.
+    publish_all(store, (2..4).map(|n| event(&format!("e-{n}"), "t")).collect()).await;
+    fan_out_all(store, &subscriptions, at(T0 + 1)).await;
+    let claimed = store.claim(&handlers(&["a-low", "z-high"]), with(3, 1), at(T0 + 2)).await.unwrap();
+    let high: Vec<&ClaimedDelivery> = claimed.iter().filter(|c| c.handler == "z-high").collect();
+    assert_eq!(high.len(), 2, "{:?}", ids(&claimed));
+    assert_eq!(claimed.len(), 3);
+    assert!(claimed.iter().filter(|c| c.started).all(|c| c.handler == "z-high"), "{claimed:?}");
 }
 
 async fn keyed_deliveries_run_one_at_a_time_in_sequence_order<F: Fixture>() {

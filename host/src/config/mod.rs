@@ -361,6 +361,11 @@ impl Config {
         }
     }
 
+    /// The effective priority of a plugin's handlers: its own, from `[defaults]`, or 0.
+    pub fn priority_for(&self, plugin: &str) -> i32 {
+        self.plugin.get(plugin).and_then(|p| p.priority).or(self.defaults.priority).unwrap_or(0)
+    }
+
     /// The effective retry policy of a plugin.
     pub fn retry_for(&self, plugin: &str) -> RetryConfig {
         self.plugin
@@ -445,6 +450,9 @@ mod tests {
         assert_eq!(throttled.throttle_for("mailer"), Throttle { concurrency: Some(4), rate: ten_a_minute });
         assert_eq!(throttled.throttle_for("hook"), Throttle { concurrency: Some(1), rate: None });
         assert_eq!(throttled.throttle_for("stranger"), Throttle { concurrency: Some(4), rate: None });
+        let prioritized = load("[defaults]\npriority = -1\n[plugin.urgent]\npriority = 10", &[]).unwrap();
+        assert_eq!((prioritized.priority_for("urgent"), prioritized.priority_for("other")), (10, -1));
+        assert_eq!(config.priority_for("webhook"), 0);
     }
 
     #[test]
@@ -497,6 +505,8 @@ mod tests {
             ("[plugin.x]\ngrants = { publish_types = [\"relayhost.delivery.dead\"] }", "relayhost.* event types are the host's"),
             ("[plugin.x]\ngrants = { publish_types = [\"a*b\"] }", "plugin.x.grants.publish_types"),
             ("[plugin.x]\nconcurrency_per_host = 0", "plugin.x.concurrency_per_host"),
+            ("[plugin.x]\npriority = 5000", "plugin.x.priority"),
+            ("[plugin.x]\npriority = \"high\"", "priority"),
             ("[defaults]\nconcurrency_per_host = 20000", "defaults.concurrency_per_host"),
             ("[plugin.x]\nrate_per_host = { max = 0, per = \"1s\" }", "plugin.x.rate_per_host.max"),
             ("[plugin.x]\nrate_per_host = { max = 5, per = \"0s\" }", "plugin.x.rate_per_host.per"),

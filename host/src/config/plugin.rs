@@ -1,5 +1,5 @@
-//! The `[defaults]` and `[plugin.<name>]` sections: a plugin's limits, grants, retry policy
-//! and throttle as the operator writes them, and their validation (every error names the field). It
+//! The `[defaults]` and `[plugin.<name>]` sections: a plugin's limits, grants, retry policy,
+//! throttle and priority as the operator writes them, and their validation (every error names the field). It
 //! must never resolve a plugin's effective policy: [`super::Config::policy_for`] does, with the
 //! defaults.
 
@@ -81,6 +81,8 @@ pub struct PluginConfig {
     pub concurrency_per_host: Option<usize>,
     /// The most deliveries of each of its handlers one host starts in a window.
     pub rate_per_host: Option<RateConfig>,
+    /// Of due deliveries, those of its handlers go before those of lower priorities.
+    pub priority: Option<i32>,
     pub grants: GrantsConfig,
 }
 
@@ -120,6 +122,9 @@ pub(super) fn validate_plugin(section: &str, plugin: &PluginConfig) -> Result<()
     range("returned", plugin.returned.map(|s| s.0 as u64), 1024, MAX_MEMORY_BYTES as u64, "between 1KiB and 1GiB")?;
     range("reruns", plugin.reruns.map(u64::from), 0, 100, "between 0 and 100")?;
     range("concurrency_per_host", plugin.concurrency_per_host.map(|n| n as u64), 1, 10_000, "between 1 and 10000")?;
+    if plugin.priority.is_some_and(|priority| !(-1_000..=1_000).contains(&priority)) {
+        return Err(invalid(format!("{section}.priority"), "must be between -1000 and 1000"));
+    }
     if let Some(rate) = &plugin.rate_per_host {
         range("rate_per_host.max", Some(rate.max as u64), 1, 100_000, "between 1 and 100000")?;
         if rate.per.0 < Duration::from_millis(1) || rate.per.0 > Duration::from_secs(24 * 3600) {

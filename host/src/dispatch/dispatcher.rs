@@ -60,8 +60,8 @@ use super::starts::StartRecorder;
 use super::{Settle, bury_with_dead_letter, decide};
 use crate::lane::LaneId;
 use crate::store::{
-    Capacity, ClaimedDelivery, DeliveryId, EarlyHandOut, EarlyHandOuts, FanOutCommit, Lease, Store, StoreError, Subscription,
-    Subscriptions,
+    Capacity, ClaimedDelivery, DeliveryId, EarlyHandOut, EarlyHandOuts, FanOutCommit, Lease, Priorities, Store, StoreError,
+    Subscription, Subscriptions,
 };
 
 /// The claim loop of one store instance.
@@ -260,7 +260,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             // What it hands out runs at once or waits for a run slot, like a claim's picks.
             flight.fanning_hands_out.store(free > 0, Ordering::SeqCst);
             let hands_out = flight.fanning_hands_out.clone();
-            let capacity = self.capacity(flight);
+            let capacity = self.capacity(flight).ordered_by(priorities(specs));
             let task = FanOutTask {
                 store: self.store.clone(),
                 batch: self.options.fan_out_batch,
@@ -299,7 +299,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         let (rooms, wait_for_slots) = flight.start_windows.rooms(specs, capacity.run_now, held);
         flight.throttled_wait_for_slots = wait_for_slots;
         let started = Instant::now();
-        let capacity = capacity.within(rooms.clone());
+        let capacity = capacity.within(rooms.clone()).ordered_by(priorities(specs));
         let claimed = if search_all {
             self.store.claim(&handlers, capacity, DateTime::now()).await?
         } else {
@@ -574,6 +574,11 @@ fn settle_batch<S: Store>(
         batch.push(more);
     }
     batch
+}
+
+/// The handlers' priorities, as claims and hand-outs take them.
+fn priorities(specs: &[HandlerSpec]) -> Priorities {
+    Priorities::new(specs.iter().map(|spec| (spec.handler.clone(), spec.priority)))
 }
 
 async fn sleep_until_some(at: Option<Instant>) {

@@ -70,7 +70,10 @@ impl<S: Store> FanOutTask<S> {
     /// another host holds, for its claims); the fan-out ends there, whatever it handed out, so
     /// that they run at once (the loop fans out again if the batch was full, once there is
     /// room).
-    pub(super) fn spawn(self, hand_out: Capacity) -> JoinHandle<Result<FannedOut, StoreError>> {
+    ///
+    /// Under priorities, the rest of the backlog is fanned out for claims after that first
+    /// batch: a claim takes the higher priorities first only among what is fanned out.
+    pub(super) fn spawn(self, mut hand_out: Capacity) -> JoinHandle<Result<FannedOut, StoreError>> {
         let Self { store, batch, subscriptions, fanned, early, hands_out, stop } = self;
         tokio::spawn(async move {
             let started = Instant::now();
@@ -101,7 +104,7 @@ impl<S: Store> FanOutTask<S> {
                 // one host's, 4.7 documents written per delivery; two hosts, one joining
                 // 300 ms in, 0.6x and 5.3). Only a fan-out given no room to hand out (after
                 // its first batch, or from the start) fans the backlog out for claims.
-                let may_hand_out = hand_out.total > 0;
+                let may_hand_out = hand_out.total > 0 && hand_out.priorities.is_empty();
                 hands_out.store(false, Ordering::SeqCst);
                 claimed.extend(report.claimed);
                 if !full || may_hand_out || stop.load(Ordering::Relaxed) {
@@ -119,6 +122,7 @@ impl<S: Store> FanOutTask<S> {
                     fanned.notify_one();
                 }
                 first = false;
+                hand_out = Capacity::from(0);
             }
         })
     }

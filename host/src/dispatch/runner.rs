@@ -8,13 +8,16 @@ use std::pin::Pin;
 use super::{AttemptResult, RetryPolicy, Throttle};
 use crate::store::ClaimedDelivery;
 
-/// A handler the runner offers, with its retry policy and throttle.
+/// A handler the runner offers, with its retry policy, throttle and priority.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HandlerSpec {
     pub handler: String,
     pub event_types: Vec<String>,
     pub retry: RetryPolicy,
     pub throttle: Throttle,
+    /// Of due deliveries, those of handlers of a higher priority are claimed, handed out and
+    /// started first (0 by default).
+    pub priority: i32,
     /// Completes inside its own transaction: its lease is not renewed (a renewal would
     /// conflict with that completion), so the lease must outlast it.
     pub transactional: bool,

@@ -141,6 +141,7 @@ mod tests {
             event_types: vec!["t".into()],
             retry: Default::default(),
             throttle,
+            priority: 0,
             transactional: false,
         };
         let paced = Throttle { concurrency: None, rate: Some(RateLimit { max: 4, per: SECOND }) };

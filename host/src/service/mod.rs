@@ -107,9 +107,10 @@ async fn serve(
     );
     let _watch = registry.watch()?;
 
-    let throttles = config.clone();
+    let (throttles, priorities) = (config.clone(), config.clone());
     let runner = PluginRunner::new(registry.clone(), store.clone(), retry_policies(config))
-        .throttled_by(Arc::new(move |plugin: &str| throttles.throttle_for(plugin)));
+        .throttled_by(Arc::new(move |plugin: &str| throttles.throttle_for(plugin)))
+        .prioritized_by(Arc::new(move |plugin: &str| priorities.priority_for(plugin)));
     let runner = Arc::new(runner);
     runner.create_granted_collections().await;
     let options = DispatcherOptions {

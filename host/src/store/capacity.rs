@@ -1,6 +1,7 @@
-//! How much a claim or a fan-out's hand-out may take: a count of places, those that start at
-//! once, and a room per throttled handler. Only what callers pass in; the claim keeps to it
-//! (`claim/plan.rs`), and nothing here decides a limit.
+//! How much a claim or a fan-out's hand-out may take, and what first: a count of places,
+//! those that start at once, a room per throttled handler, and the handlers' priorities. Only
+//! what callers pass in; the claim keeps to it (`claim/plan.rs`), so does a hand-out
+//! (`fan_out::fresh`), and nothing here decides a limit or a priority.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -9,18 +10,21 @@ use std::sync::Arc;
 /// at once (`run_now`, the free run slots): the others are claimed ahead, to wait for a
 /// slot, and are listed as not started, so that a host that dies is charged only for what it
 /// ran (see [`ClaimedDelivery::started`]). A plain count takes that many, all started.
-/// A claim also keeps to `rooms`: at most so many of a named handler's deliveries.
+/// A claim also keeps to `rooms`: at most so many of a named handler's deliveries. Both take
+/// the deliveries of handlers of a higher priority first, and give them the places that start
+/// at once first.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Capacity {
     pub total: usize,
     pub run_now: usize,
     pub rooms: Rooms,
+    pub priorities: Priorities,
 }
 
 impl Capacity {
     /// `total` places of which the first `run_now` (at most `total`) start at once.
     pub fn new(total: usize, run_now: usize) -> Self {
-        Self { total, run_now: run_now.min(total), rooms: Rooms::default() }
+        Self { total, run_now: run_now.min(total), rooms: Rooms::default(), priorities: Priorities::default() }
     }
 
     /// The same, a claim of it keeping to `rooms`.
@@ -28,9 +32,14 @@ impl Capacity {
         Self { rooms, ..self }
     }
 
+    /// The same, taking handlers of a higher priority first.
+    pub fn ordered_by(self, priorities: Priorities) -> Self {
+        Self { priorities, ..self }
+    }
+
     /// What is left after `taken` places went, the places that start at once first.
     pub fn less(self, taken: usize) -> Self {
-        Self::new(self.total.saturating_sub(taken), self.run_now.saturating_sub(taken)).within(self.rooms)
+        Self { total: self.total.saturating_sub(taken), run_now: self.run_now.saturating_sub(taken), ..self }
     }
 }
 
@@ -72,5 +81,55 @@ impl Rooms {
 
     pub fn iter(&self) -> impl Iterator<Item = (&String, &Room)> {
         self.0.iter().flat_map(|rooms| rooms.iter())
+    }
+}
+
+/// The priority of some handlers (the others have 0): of due deliveries, those of a higher
+/// priority are taken first.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Priorities(Option<Arc<BTreeMap<String, i32>>>);
+
+impl Priorities {
+    /// Of `priorities`, those other than 0.
+    pub fn new(priorities: impl IntoIterator<Item = (String, i32)>) -> Self {
+        let priorities: BTreeMap<String, i32> = priorities.into_iter().filter(|(_, priority)| *priority != 0).collect();
+        Self((!priorities.is_empty()).then(|| Arc::new(priorities)))
+    }
+
+    /// Whether every handler has priority 0.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_none()
+    }
+
+    pub fn of(&self, handler: &str) -> i32 {
+        self.0.as_ref().and_then(|priorities| priorities.get(handler).copied()).unwrap_or(0)
+    }
+
+    /// `handlers` in groups of one priority each, the highest first (one group when none has a
+    /// priority of its own).
+    pub fn tiers(&self, handlers: &[String]) -> Vec<Vec<String>> {
+        if self.0.is_none() {
+            return vec![handlers.to_vec()];
+        }
+        let mut by_priority: BTreeMap<std::cmp::Reverse<i32>, Vec<String>> = BTreeMap::new();
+        for handler in handlers {
+            by_priority.entry(std::cmp::Reverse(self.of(handler))).or_default().push(handler.clone());
+        }
+        by_priority.into_values().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiers_go_from_the_highest_priority_down() {
+        let handlers: Vec<String> = ["a", "b", "c", "d"].iter().map(|h| h.to_string()).collect();
+        assert_eq!(Priorities::default().tiers(&handlers), [handlers.clone()]);
+        let priorities = Priorities::new([("c".to_string(), 5), ("a".to_string(), -1), ("d".to_string(), 5), ("b".to_string(), 0)]);
+        let named = |tier: &[&str]| tier.iter().map(|h| h.to_string()).collect::<Vec<_>>();
+        assert_eq!(priorities.tiers(&handlers), [named(&["c", "d"]), named(&["b"]), named(&["a"])]);
+        assert_eq!(Priorities::new([("x".to_string(), 0)]), Priorities::default(), "0 is everyone's");
     }
 }

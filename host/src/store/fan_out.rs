@@ -429,8 +429,8 @@ pub(crate) fn heads_of_idle_keys(
 /// with the events of `batch` they are for: live unkeyed ones, and the heads of the keys in
 /// `idle` (keys of [`keyed_heads`] of which nothing is pending in the store: nothing runs
 /// there and nothing precedes them; their followers in the batch are created parked behind
-/// them); never a claims-only handler's. The first `budget.run_now` of them start at once,
-/// the others are claimed ahead.
+/// them); never a claims-only handler's. Those of handlers of a higher priority go first; the
+/// first `budget.run_now` of them start at once, the others are claimed ahead.
 pub(crate) fn fresh(plan: &FanOutPlan, batch: &[Document], budget: Capacity, idle: &HashSet<HandlerKey>, now: DateTime) -> Vec<Fresh> {
     if budget.total == 0 {
         return Vec::new();
@@ -438,7 +438,8 @@ pub(crate) fn fresh(plan: &FanOutPlan, batch: &[Document], budget: Capacity, idl
     // Only the events of what is handed out are parsed (again: `plan` parsed them all).
     let events: HashMap<String, &Document> =
         batch.iter().filter_map(|doc| Some((id_text(doc.get(field::ID)?), doc))).collect();
-    plan.deliveries
+    let fresh = plan
+        .deliveries
         .iter()
         .filter(|d| may_run(d, idle) && !plan.claims_only.contains(&d.handler))
         .filter_map(|d| {
@@ -459,14 +460,19 @@ pub(crate) fn fresh(plan: &FanOutPlan, batch: &[Document], budget: Capacity, idl
                 before_commit: d.key.is_some().then(|| EventOf(d.event_id.clone())),
             };
             Some(Fresh { candidate, event })
-        })
-        .take(budget.total)
-        .enumerate()
-        .map(|(at, mut fresh)| {
-            fresh.candidate.started = at < budget.run_now;
-            fresh
-        })
-        .collect()
+        });
+    let mut fresh: Vec<Fresh> = if budget.priorities == Default::default() {
+        fresh.take(budget.total).collect()
+    } else {
+        let mut all: Vec<Fresh> = fresh.collect();
+        all.sort_by_key(|fresh| std::cmp::Reverse(budget.priorities.of(&fresh.candidate.handler)));
+        all.truncate(budget.total);
+        all
+    };
+    for (at, fresh) in fresh.iter_mut().enumerate() {
+        fresh.candidate.started = at < budget.run_now;
+    }
+    fresh
 }
 
 /// Whether `d`, of a fan-out's plan, may run as soon as it is created: live, not suspect, and

@@ -32,7 +32,7 @@ use std::time::Duration;
 use bson::DateTime;
 use bson::oid::ObjectId;
 
-pub use capacity::{Capacity, Room, Rooms};
+pub use capacity::{Capacity, Priorities, Room, Rooms};
 pub use error::StoreError;
 pub use lease::Lease;
 pub use listing::{DeliveryFilter, DeliveryPage, DeliveryView, HandlerStatistics, PurgeReport};

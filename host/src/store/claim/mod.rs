@@ -28,7 +28,7 @@ use bson::{Bson, DateTime, Document};
 
 use super::answered;
 use super::assignment::Assignment;
-use super::{Capacity, ClaimedDelivery, DeliveryId, EarlyHandOut, EarlyHandOuts, FanOutCommit, FanOutReport, Lease, Rooms, StoreError};
+use super::{Capacity, ClaimedDelivery, DeliveryId, EarlyHandOut, EarlyHandOuts, FanOutCommit, FanOutReport, Lease, Priorities, Rooms, StoreError};
 
 mod backend;
 mod hand_out;

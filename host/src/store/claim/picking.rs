@@ -38,18 +38,24 @@ impl Claimer {
         // learned, when it succeeds; a failed claim only costs the next one some lookups.
         plan.known_heads = std::mem::take(&mut *self.known_heads.lock().expect("known heads"));
         self.drop_forgotten_heads(&mut plan.known_heads, false);
-        // Held lanes of another live host's share (the split moved them, see
-        // `crate::store::assignment`) get no new work but what waited there past stale, as
-        // their free lanes: so they run empty and go back, and their host takes them.
-        let assignment = self.assignment();
-        let (lanes, theirs): (Vec<LaneId>, Vec<LaneId>) = mine.keys().copied().partition(|lane| assignment.is_mine(*lane));
-        let unread = scan(backend, &mut plan, &lanes, handlers, now).await?;
-        if plan.full() && !unread.is_empty() && self.unread_lanes_check.due(now) {
-            older_work_of_unread_lanes(backend, &mut plan, unread, handlers).await?;
+        plan.priorities = capacity.priorities.clone();
+        // Handlers of a higher priority go first, in the held lanes and then in free ones: a
+        // lower priority's work in a held lane never takes the places of a higher one's in a
+        // free lane. Without priorities, one tier of every handler.
+        let tiers = capacity.priorities.tiers(handlers);
+        let (last, higher) = tiers.split_last().expect("one tier at least");
+        for tier in higher {
+            if plan.full() {
+                break;
+            }
+            self.pick_in_held_lanes(backend, &mut plan, &mine, tier, now).await?;
+            let tried: BTreeSet<LaneId> = mine.keys().chain(&waiting).copied().collect();
+            self.take_free_lanes(backend, held, &mut mine, &mut plan, tried, tier, &search, now, until).await?;
         }
-        if !theirs.is_empty() && !plan.full() {
-            scan(backend, &mut plan, &theirs, handlers, self.stale_before(now)).await?;
-        }
+        // Filled by a higher tier, the last looks for nothing (not even older work, which
+        // would take the higher tiers' places).
+        let last: &[String] = if !higher.is_empty() && plan.full() { &[] } else { last };
+        self.pick_in_held_lanes(backend, &mut plan, &mine, last, now).await?;
         let tried: BTreeSet<LaneId> = mine.keys().chain(&waiting).copied().collect();
         // Held lanes that run nothing and where the scan picked nothing are handed back while
         // free lanes are searched (the search leaves them alone): an idle host's poll then
@@ -61,7 +67,7 @@ impl Claimer {
             .collect();
         mine.retain(|id, _| !idle.iter().any(|(lane, _)| lane == id));
         let hand_back = async { if idle.is_empty() { Ok(()) } else { backend.hand_back(&self.holder, &idle, now).await } };
-        let take_free = self.take_free_lanes(backend, held, &mut mine, &mut plan, tried, handlers, &search, now, until);
+        let take_free = self.take_free_lanes(backend, held, &mut mine, &mut plan, tried, last, &search, now, until);
         let (handed_back, taken_free) = futures::join!(hand_back, take_free);
         if handed_back.is_ok() {
             held.retain(|id, _| !idle.iter().any(|(lane, _)| lane == id));
@@ -227,15 +233,16 @@ impl Claimer {
     ) -> Result<Written, StoreError> {
         let mut records = Vec::new();
         let mut idle = Vec::new();
-        // The first picks take the free run slots, those that must start now before them;
-        // the others are listed as claimed ahead.
-        let mut slots = capacity.run_now;
+        // The first picks take the free run slots, those that must start now before them and
+        // then those of a higher priority; the others are listed as claimed ahead.
         let start_now = |pick: &Candidate| capacity.rooms.of(&pick.handler).is_some_and(|room| room.start_now);
-        for must in [true, false] {
-            for pick in plan.picks.iter_mut().filter(|pick| start_now(pick) == must) {
-                pick.started = slots > 0;
-                slots = slots.saturating_sub(1);
-            }
+        let mut order: Vec<usize> = (0..plan.picks.len()).collect();
+        order.sort_by_key(|at| {
+            let pick = &plan.picks[*at];
+            (!start_now(pick), std::cmp::Reverse(capacity.priorities.of(&pick.handler)))
+        });
+        for (slot, at) in order.into_iter().enumerate() {
+            plan.picks[at].started = slot < capacity.run_now;
         }
         // A lane that runs something and picked nothing new keeps its list and lease as
         // written (entries settled since are harmless there: a takeover charges only those
@@ -357,6 +364,34 @@ impl Claimer {
         waiting
     }
 
+    /// Picks `handlers`' due work of the held lanes: this host's share first, then older work
+    /// of lanes the scan did not reach (at most once a second), then what waited past stale
+    /// in held lanes of another live host's share (the split moved them, see
+    /// `crate::store::assignment`): those get no other new work, so they run empty and go
+    /// back, and their host takes them.
+    async fn pick_in_held_lanes<B: ClaimBackend>(
+        &self,
+        backend: &B,
+        plan: &mut Plan,
+        mine: &BTreeMap<LaneId, HeldLane>,
+        handlers: &[String],
+        now: DateTime,
+    ) -> Result<(), StoreError> {
+        if handlers.is_empty() {
+            return Ok(());
+        }
+        let assignment = self.assignment();
+        let (lanes, theirs): (Vec<LaneId>, Vec<LaneId>) = mine.keys().copied().partition(|lane| assignment.is_mine(*lane));
+        let unread = scan(backend, plan, &lanes, handlers, now).await?;
+        if plan.full() && !unread.is_empty() && self.unread_lanes_check.due(now) {
+            older_work_of_unread_lanes(backend, plan, unread, handlers).await?;
+        }
+        if !theirs.is_empty() && !plan.full() {
+            scan(backend, plan, &theirs, handlers, self.stale_before(now)).await?;
+        }
+        Ok(())
+    }
+
     /// Free lanes with due work, taken and scanned into `plan` while it is not full (only when
     /// the claim searches free lanes at all); `tried` are the lanes it looked at already.
     ///
@@ -379,7 +414,7 @@ impl Claimer {
         now: DateTime,
         until: DateTime,
     ) -> Result<(), StoreError> {
-        if !matches!(search, LaneSearch::FreeWithDueWork) {
+        if !matches!(search, LaneSearch::FreeWithDueWork) || handlers.is_empty() {
             return Ok(());
         }
         // Free lanes of other live hosts are theirs to take (see `crate::store::assignment`):

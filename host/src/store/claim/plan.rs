@@ -18,6 +18,8 @@ pub(super) struct Plan {
     blocked: Vec<(LaneId, DeliveryId, HandlerKey)>,
     /// What it may still pick of the handlers the claim's [`Rooms`] name.
     rooms: HashMap<String, usize>,
+    /// The claim's handlers' priorities: making room drops the lowest first.
+    pub(super) priorities: Priorities,
 }
 
 impl Plan {
@@ -39,6 +41,7 @@ impl Plan {
             picks: Vec::new(),
             blocked: Vec::new(),
             rooms: rooms.iter().map(|(handler, room)| (handler.clone(), room.most)).collect(),
+            priorities: Priorities::default(),
         }
     }
 
@@ -75,9 +78,11 @@ impl Plan {
         self.picks.iter().map(|pick| pick.due_at).max()
     }
 
-    /// Drops the `n` youngest picks, freeing their keys; the rest stay in due order.
+    /// Drops the `n` youngest picks of the lowest priority, freeing their keys; the rest stay
+    /// in priority and due order.
     pub(super) fn make_room(&mut self, n: usize) {
-        self.picks.sort_by_key(|pick| (pick.due_at, pick.id));
+        let priorities = &self.priorities;
+        self.picks.sort_by_key(|pick| (std::cmp::Reverse(priorities.of(&pick.handler)), pick.due_at, pick.id));
         let keep = self.picks.len().saturating_sub(n);
         for pick in self.picks.drain(keep..) {
             if let Some(room) = self.rooms.get_mut(&pick.handler) {

@@ -1,8 +1,9 @@
-//! Throttled handlers in the claim loop, with native handler functions on the in-memory store
-//! (the dispatcher knows nothing of WebAssembly; the host process test runs a throttled
-//! plugin on MongoDB): a handler's concurrency and rate on one host hold, the loop claims its
-//! next deliveries when a run ends or its window opens (the poll here is an hour away), and
-//! the other handlers of the same events never wait behind its backlog.
+//! Throttled and prioritized handlers in the claim loop, with native handler functions on the
+//! in-memory store (the dispatcher knows nothing of WebAssembly; the host process test runs a
+//! throttled plugin on MongoDB): a handler's concurrency and rate on one host hold, the loop
+//! claims its next deliveries when a run ends or its window opens (the poll here is an hour
+//! away), the other handlers of the same events never wait behind its backlog, and a busy
+//! host starts a handler of a higher priority first.
 
 mod common;
 
@@ -82,6 +83,7 @@ fn spec(handler: &str, throttle: Throttle) -> HandlerSpec {
         event_types: vec!["order.placed".into()],
         retry: RetryPolicy::default(),
         throttle,
+        priority: 0,
         transactional: false,
     }
 }
@@ -100,8 +102,12 @@ fn options() -> DispatcherOptions {
 
 /// Runs a dispatcher over `store` until `probe` ran `count` deliveries, then stops it.
 async fn run_until_ran(store: Arc<MemoryStore>, probe: Arc<Probe>, count: usize) {
+    run_with_until_ran(store, probe, options(), count).await
+}
+
+async fn run_with_until_ran(store: Arc<MemoryStore>, probe: Arc<Probe>, options: DispatcherOptions, count: usize) {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let dispatcher = Dispatcher::new(store, probe.clone(), options());
+    let dispatcher = Dispatcher::new(store, probe.clone(), options);
     let handle = tokio::spawn(async move { dispatcher.run(async { let _ = stopped.await; }).await.unwrap() });
     let deadline = Instant::now() + Duration::from_secs(30);
     while probe.runs.lock().unwrap().len() < count {
@@ -171,4 +177,24 @@ async fn a_handler_starts_no_more_than_its_rate_in_any_window_and_the_others_nev
     assert!(starts[11] - starts[0] >= 3 * window - spread, "twelve starts need four windows");
     let quick_done = probe.runs_of("quick").iter().map(|r| r.ended).max().unwrap();
     assert!(quick_done < starts[3], "the quick handler waited for the paced one's window");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_host_starts_every_delivery_of_a_higher_priority_first() {
+    let store = store();
+    // Unkeyed: each is ready at once (a key's next would wait for its predecessor, and
+    // the free slot meanwhile go to what is ready).
+    publish_all(&*store, (0..12).map(|n| event(&format!("u-{n}"), "order.placed")).collect()).await;
+    let urgent = HandlerSpec { priority: 10, ..spec("urgent", Throttle::default()) };
+    // Named so that without priorities, name and creation order would put `bulk` first.
+    let probe = Probe::new(
+        vec![spec("bulk", Throttle::default()), urgent],
+        &[("bulk", Duration::from_millis(20)), ("urgent", Duration::from_millis(20))],
+    );
+    // Two run slots and nothing claimed ahead: every start is a choice.
+    let options = DispatcherOptions { concurrency: 2, claim_ahead: 0, ..options() };
+    run_with_until_ran(store, probe.clone(), options, 24).await;
+    let last_urgent = probe.runs_of("urgent").iter().map(|r| r.started).max().unwrap();
+    let first_bulk = probe.runs_of("bulk").iter().map(|r| r.started).min().unwrap();
+    assert!(last_urgent <= first_bulk, "a bulk delivery started {:?} before the last urgent one", last_urgent - first_bulk);
 }
