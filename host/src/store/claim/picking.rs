@@ -233,14 +233,12 @@ impl Claimer {
     ) -> Result<Written, StoreError> {
         let mut records = Vec::new();
         let mut idle = Vec::new();
-        // The first picks take the free run slots, those that must start now before them and
-        // then those of a higher priority; the others are listed as claimed ahead.
+        // The first picks (the plan holds them from the highest priority down) take the free
+        // run slots, those that must start now before them; the others are listed as claimed
+        // ahead.
         let start_now = |pick: &Candidate| capacity.rooms.of(&pick.handler).is_some_and(|room| room.start_now);
         let mut order: Vec<usize> = (0..plan.picks.len()).collect();
-        order.sort_by_key(|at| {
-            let pick = &plan.picks[*at];
-            (!start_now(pick), std::cmp::Reverse(capacity.priorities.of(&pick.handler)))
-        });
+        order.sort_by_key(|at| !start_now(&plan.picks[*at]));
         for (slot, at) in order.into_iter().enumerate() {
             plan.picks[at].started = slot < capacity.run_now;
         }
