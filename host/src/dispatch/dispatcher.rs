@@ -19,7 +19,7 @@
 //! place from the claims, so claims never outrun completions. A throttled handler's deliveries
 //! are never handed out; a claim takes no more of them than its throttle leaves (the claim is
 //! told each one's room), and a run of theirs that ends, or the opening of a full rate window,
-//! asks for the next claim.
+//! asks for the next claim. Claims and hand-outs take handlers of a higher priority first.
 //! Failures are rescheduled with the handler's backoff or buried with a dead letter; a
 //! delivery whose attempts are used up (its workers kept dying) is buried without running
 //! again. A retry's due time sets a timer that wakes the loop. A stop ends claiming, lets a
