@@ -1,7 +1,7 @@
 //! The `[defaults]` and `[plugin.<name>]` sections: a plugin's limits, grants, retry policy,
-//! throttle and priority as the operator writes them, and their validation (every error names the field). It
-//! must never resolve a plugin's effective policy: [`super::Config::policy_for`] does, with the
-//! defaults.
+//! throttle and priority as the operator writes them, and their validation (every error names
+//! the field). It must never resolve a plugin's effective policy: [`super::Config::policy_for`]
+//! and its siblings do, with the defaults.
 
 use std::path::PathBuf;
 use std::time::Duration;

@@ -315,7 +315,8 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             // Its room was filled: more may wait, to claim once the window lets one start (a
             // run that ends asks for a claim anyway).
             if count >= room.most {
-                if let Some(opens) = flight.start_windows.opening(&spec.handler, &spec.throttle, now) {
+                let opens = flight.start_windows.opening(&spec.handler, &spec.throttle, now);
+                if let Some(opens) = opens.filter(|opens| !flight.claim_timers.iter().any(|Reverse(at)| at == opens)) {
                     flight.claim_timers.push(Reverse(opens));
                 }
             }
@@ -395,8 +396,8 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 };
                 let _ = finished_tx.send((delivery, result));
             });
-            let handler = delivery_handler;
-            flight.running.insert(lease.delivery, Running { lease, handler, renew: !spec.transactional, task: task.abort_handle() });
+            let running = Running { lease, handler: delivery_handler, renew: !spec.transactional, task: task.abort_handle() };
+            flight.running.insert(lease.delivery, running);
         }
         Ok(())
     }

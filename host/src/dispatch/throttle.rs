@@ -4,12 +4,12 @@
 //! its own.
 //!
 //! A throttled handler's deliveries are only ever claimed, never handed out by their fan-out,
-//! and each claim of them takes at most the room its limits leave, in a claim of its own, so
-//! its backlog never takes the places of other handlers' work. The loop claims for it again
-//! when one of its runs ends and when its rate window lets another start.
+//! and a claim takes at most the room its limits leave (the claim is told each handler's
+//! room, [`Rooms`]), so its backlog never takes the places of other handlers' work. The loop
+//! claims for it again when one of its runs ends and when its rate window lets another start.
 //!
-//! This module owns the counting: the limits, and the starts each throttled handler made in
-//! its window. It never claims, and never knows how a handler runs.
+//! This module owns the counting: the limits, the starts each throttled handler made in its
+//! window, and the rooms they leave. It never claims, and never knows how a handler runs.
 
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
