@@ -461,7 +461,7 @@ pub(crate) fn fresh(plan: &FanOutPlan, batch: &[Document], budget: Capacity, idl
             };
             Some(Fresh { candidate, event })
         });
-    let mut fresh: Vec<Fresh> = if budget.priorities == Default::default() {
+    let mut fresh: Vec<Fresh> = if budget.priorities.is_empty() {
         fresh.take(budget.total).collect()
     } else {
         let mut all: Vec<Fresh> = fresh.collect();
