@@ -731,10 +731,13 @@ async fn the_embedded_server_keeps_its_data_and_admin_commands_join_a_running_ho
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_names_every_problem_and_exits_non_zero() {
-    let deployment = Deployment::new(&["noop"], "").await;
+    let throttled = "\n[plugin.noop]\nconcurrency_per_host = 3\nrate_per_host = { max = 20, per = \"1s\" }\npriority = 7";
+    let deployment = Deployment::new(&["noop"], throttled).await;
     let ok = deployment.relayhost(&["check"]);
     assert!(ok.status.success(), "{}", stdout(&ok));
     assert!(stdout(&ok).contains("noop"), "{}", stdout(&ok));
+    let said = "[at most 3 at once per host, at most 20 starts per 1s per host, priority 7]";
+    assert!(stdout(&ok).contains(said), "{}", stdout(&ok));
 
     std::fs::write(deployment.dir.join("plugins/broken.wasm"), b"\0asm not really").unwrap();
     let config = std::fs::read_to_string(&deployment.config).unwrap() + "\n[plugin.audit_log]\nfuel = 1000000\n";

@@ -86,7 +86,7 @@ pub async fn check(config: &Config) -> Result<ExitCode> {
                     .filter(|s| registry.plugin_for(&s.handler).is_some_and(|p| *p.name == *plugin))
                     .map(|s| format!("{} <- {}{}", s.handler, s.event_types.join(", "), if s.transactional { " (transactional)" } else { "" }))
                     .collect();
-                println!("ok  {plugin} {}: {}", &version[..12], handlers.join("; "));
+                println!("ok  {plugin} {}: {}{}", &version[..12], handlers.join("; "), processing(config, &plugin));
             }
             Change::Replaced { .. } | Change::Removed { .. } => {}
         }
@@ -104,6 +104,24 @@ pub async fn check(config: &Config) -> Result<ExitCode> {
         println!("ERR {problem}");
     }
     Ok(if problems.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// How the operator set a plugin's handlers to be processed, as `check` shows it: its throttle
+/// and priority, when they are not the defaults.
+fn processing(config: &Config, plugin: &str) -> String {
+    let throttle = config.throttle_for(plugin);
+    let mut said = Vec::new();
+    if let Some(concurrency) = throttle.concurrency {
+        said.push(format!("at most {concurrency} at once per host"));
+    }
+    if let Some(rate) = throttle.rate {
+        said.push(format!("at most {} starts per {} per host", rate.max, humantime::format_duration(rate.per)));
+    }
+    match config.priority_for(plugin) {
+        0 => {}
+        priority => said.push(format!("priority {priority}")),
+    }
+    if said.is_empty() { String::new() } else { format!(" [{}]", said.join(", ")) }
 }
 
 pub async fn setup(config: &Config) -> Result<ExitCode> {
