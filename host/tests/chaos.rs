@@ -215,6 +215,30 @@ async fn all(collection: &mongodb::Collection<Document>, filter: Document) -> Ve
     collection.find(filter).await.unwrap().try_collect().await.unwrap()
 }
 
+/// What a key's events (`ids`, in sequence order) say of their fan-out and handling, one line
+/// each: for the next engineer when a key was handled out of order (the members' data is kept,
+/// but reading it needs a standalone `mongod` recovering from the oplog).
+async fn key_history(db: &mongodb::Database, ids: &[String]) -> String {
+    let events = all(&db.collection("relayhost_events"), doc! { "_id": { "$in": ids } }).await;
+    let audits = all(&db.collection("audit_log"), doc! { "_id": { "$in": ids } }).await;
+    let mut lines = Vec::new();
+    for id in ids {
+        let event = events.iter().find(|e| e.get_str("_id") == Ok(id.as_str()));
+        let audit = audits.iter().find(|a| a.get_str("_id") == Ok(id.as_str()));
+        let field = |name: &str| event.and_then(|e| e.get(name)).map_or("-".to_string(), |v| v.to_string());
+        let attempt = audit.and_then(|a| a.get("attempt")).map_or("-".to_string(), |v| v.to_string());
+        lines.push(format!(
+            "{id}: sequence {}, createdAt {}, fannedOutAt {}, fanOut {}, handedOut {}, audited at attempt {attempt}",
+            field("sequence"),
+            field("createdAt"),
+            field("fannedOutAt"),
+            field("fanOut"),
+            field("handedOut"),
+        ));
+    }
+    lines.join("\n")
+}
+
 /// Set to a seed an earlier run printed, replays its schedule of kills.
 const SEED: &str = "RELAYHOST_CHAOS_SEED";
 
@@ -376,6 +400,9 @@ async fn hosts_and_the_primary_killed_over_and_over_lose_nothing_duplicate_nothi
     for (key, mut sequence) in by_key {
         sequence.sort();
         let expected: Vec<String> = sequence.into_iter().map(|(_, id)| id).collect();
+        if handled.get(&key) != Some(&expected) {
+            eprintln!("key {key}, each event as stored and audited:\n{}", key_history(&db, &expected).await);
+        }
         assert_eq!(handled.get(&key), Some(&expected), "key {key} was handled in sequence");
     }
     let dead = db.collection::<Document>("relayhost_deliveries").count_documents(doc! { "status": "dead" }).await.unwrap();
