@@ -808,15 +808,6 @@ fn bench_store_only_drains_without_running_the_plugin() {
     assert!(text.contains("\n             0 plugin runs\n"), "{text}");
 }
 
-/// A drained handler with a priority: its backlog is fanned out for claims, and drains all the same.
-#[test]
-fn bench_drains_a_prioritized_handler_when_asked() {
-    let text = bench_output(&["--events", "400", "--priority", "5", "--latency-events", "5", "--rate", "100"]);
-    let drain = line_of(&text, "drain");
-    assert!(drain.contains("(400 unkeyed events through the no-op plugin at priority 5)"), "{drain}");
-    assert!(text.contains("\n             400 plugin runs\n"), "{text}");
-}
-
 /// Two hosts share the drain and the latency events (the bench fails if a delivery died or
 /// the drain stalled) and the bench says so. A smoke test of the option, like the keyed one.
 #[test]

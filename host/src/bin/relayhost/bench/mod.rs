@@ -80,10 +80,6 @@ pub struct BenchArgs {
     /// still run the plugin). The matrix measures both.
     #[arg(long)]
     store_only: bool,
-    /// Give the drained handler this priority (0, the default: none): under priorities a
-    /// backlog is fanned out for claims instead of paced by hand-outs, which this measures.
-    #[arg(long, default_value_t = 0, allow_hyphen_values = true)]
-    priority: i32,
     /// Run the whole matrix instead (unkeyed, keyed, a hot key; 1, 2 and 4 hosts; latency
     /// unkeyed and keyed on 1 and 2 hosts) and print one table with ratios and goals.
     #[arg(long)]
@@ -101,8 +97,6 @@ struct Workload {
     hosts: u16,
     /// Complete each delivery at once, without running the plugin (see `--store-only`).
     store_only: bool,
-    /// The drained handler's priority (see `--priority`).
-    priority: i32,
     /// The database it runs in, fresh.
     database: String,
 }
@@ -115,7 +109,6 @@ impl Workload {
             hot_every: args.hot_every,
             hosts: args.hosts,
             store_only: args.store_only,
-            priority: args.priority,
             database: "bench_drain".into(),
         }
     }
@@ -193,10 +186,6 @@ async fn measure(args: &BenchArgs, server: &Server, plugins: &std::path::Path) -
     // The goals (#24): half the floor unkeyed, a third keyed.
     let goal = if args.keys == 0 { 0.50 } else { 0.35 };
     let through = if args.store_only { "each completed at once, no plugin run" } else { "through the no-op plugin" };
-    let through = match args.priority {
-        0 => through.to_string(),
-        priority => format!("{through} at priority {priority}"),
-    };
     println!(
         "drain        {drain:>8.0} deliveries/s  ({events} {through}) = {:.0} % of the floor (goal >= {:.0} %): {}",
         ratio * 100.0,
@@ -346,9 +335,7 @@ async fn drain(args: &BenchArgs, workload: &Workload, server: &Server, registry:
     let dispatchers: Vec<_> = hosts(&store, workload.hosts)
         .into_iter()
         .map(|store| {
-            let priority = workload.priority;
-            let runner = PluginRunner::new(registry.clone(), store.clone(), Arc::new(|_: &str| RetryPolicy::default()))
-                .prioritized_by(Arc::new(move |_: &str| priority));
+            let runner = PluginRunner::new(registry.clone(), store.clone(), Arc::new(|_: &str| RetryPolicy::default()));
             let runner = DrainRunner {
                 plugin: runner,
                 store_only: workload.store_only,
