@@ -390,7 +390,7 @@ async fn a_hand_out_and_a_claim_take_higher_priorities_first_wherever_their_lane
     let store = fixture.store();
     // Named so that name and creation order would put `a-low` first.
     let subscriptions = subs(&[("a-low", &["t"]), ("z-high", &["t"])]);
-    let priorities = Priorities::new([("z-high".to_string(), 5)]);
+    let priorities = Priorities::new([("a-low".to_string(), 0), ("z-high".to_string(), 5)]);
     let with = |total: usize, run_now: usize| Capacity::new(total, run_now).ordered_by(priorities.clone());
     publish_all(store, (0..2).map(|n| event(&format!("e-{n}"), "t")).collect()).await;
     let report = store.fan_out(&subscriptions, 100, with(2, 2), at(T0)).await.unwrap();

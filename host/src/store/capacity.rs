@@ -84,16 +84,21 @@ impl Rooms {
     }
 }
 
-/// The priority of some handlers (the others have 0): of due deliveries, those of a higher
+/// The priority of each handler (0 unless named): of due deliveries, those of a higher
 /// priority are taken first.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Priorities(Option<Arc<BTreeMap<String, i32>>>);
 
 impl Priorities {
-    /// Of `priorities`, those other than 0.
+    /// The priorities of every handler (`priorities`); none when they are all equal: one tier
+    /// changes no order, and a fan-out need not give up pacing its backlog for it.
     pub fn new(priorities: impl IntoIterator<Item = (String, i32)>) -> Self {
-        let priorities: BTreeMap<String, i32> = priorities.into_iter().filter(|(_, priority)| *priority != 0).collect();
-        Self((!priorities.is_empty()).then(|| Arc::new(priorities)))
+        let all: Vec<(String, i32)> = priorities.into_iter().collect();
+        if all.iter().all(|(_, priority)| Some(priority) == all.first().map(|(_, first)| first)) {
+            return Self::default();
+        }
+        let priorities: BTreeMap<String, i32> = all.into_iter().filter(|(_, priority)| *priority != 0).collect();
+        Self(Some(Arc::new(priorities)))
     }
 
     /// Whether every handler has priority 0.
@@ -131,5 +136,8 @@ mod tests {
         let named = |tier: &[&str]| tier.iter().map(|h| h.to_string()).collect::<Vec<_>>();
         assert_eq!(priorities.tiers(&handlers), [named(&["c", "d"]), named(&["b"]), named(&["a"])]);
         assert_eq!(Priorities::new([("x".to_string(), 0)]), Priorities::default(), "0 is everyone's");
+        let equal = Priorities::new([("x".to_string(), 3), ("y".to_string(), 3)]);
+        assert!(equal.is_empty(), "one tier is no priority at all");
+        assert_eq!(equal.tiers(&handlers), [handlers.clone()]);
     }
 }
