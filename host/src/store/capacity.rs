@@ -101,7 +101,7 @@ impl Priorities {
         Self(Some(Arc::new(priorities)))
     }
 
-    /// Whether every handler has priority 0.
+    /// Whether no handler goes before another (all share one priority).
     pub fn is_empty(&self) -> bool {
         self.0.is_none()
     }
