@@ -75,10 +75,6 @@ impl Rooms {
         self.0.as_ref()?.get(handler).copied()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.0.is_none()
-    }
-
     pub fn iter(&self) -> impl Iterator<Item = (&String, &Room)> {
         self.0.iter().flat_map(|rooms| rooms.iter())
     }

@@ -276,4 +276,34 @@ mod tests {
         plan.heads = HashMap::from([(key("fresh"), Some(new))]);
         assert_eq!(plan.into_known_heads(), HashMap::from([(key("fresh"), new)]));
     }
+
+    #[test]
+    fn making_room_drops_the_lowest_priority_first_and_gives_its_room_back() {
+        let row = |handler: &str, due: i64| Candidate {
+            id: ObjectId::new(),
+            event_id: format!("{handler}-{due}"),
+            handler: handler.into(),
+            key: None,
+            lane: 0,
+            due_at: DateTime::from_millis(due),
+            claims: 0,
+            attempts: 0,
+            unstored: None,
+            started: false,
+            suspect: false,
+            before_commit: None,
+        };
+        let rooms = Rooms::new([("low".to_string(), crate::store::Room { most: 2, start_now: false })]);
+        let mut plan = Plan::new(4, &rooms, std::iter::empty());
+        plan.priorities = Priorities::new([("low".to_string(), 0), ("high".to_string(), 5)]);
+        // The low priority's are the older: making room still drops them first.
+        for candidate in [row("low", 1), row("low", 2), row("high", 3), row("high", 4)] {
+            plan.consider(candidate);
+        }
+        assert_eq!(plan.open_handlers(&["low".to_string(), "high".to_string()]), ["high"], "`low` used its room");
+        plan.make_room(1);
+        let kept: Vec<&str> = plan.picks.iter().map(|pick| pick.event_id.as_str()).collect();
+        assert_eq!(kept, ["high-3", "high-4", "low-1"]);
+        assert_eq!(plan.missing(&["low".to_string()]), 1, "its dropped pick's place is its again");
+    }
 }
