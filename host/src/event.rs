@@ -92,6 +92,8 @@ pub enum EventError {
     BadHeaderName { name: String, why: &'static str },
     #[error("header {name} is {bytes} bytes long; the limit is {max}")]
     HeaderTooLong { name: String, bytes: usize, max: usize },
+    #[error("header {name}'s value contains a control character")]
+    HeaderValueControlCharacter { name: String },
     #[error("`chainDepth` must be a non-negative integer, found {0}")]
     BadChainDepth(String),
     #[error("the event document is {bytes} bytes as BSON; the limit is {max} (the host adds to it, and a document may not pass 16 MiB)")]
@@ -210,8 +212,9 @@ fn check_text(field: &'static str, value: &str, max: usize) -> Result<(), EventE
     Ok(())
 }
 
-/// Headers are metadata, not a second payload: bounded in number and size, and named so that
-/// no name can be read as an operator or a path (`$`, `.`) or break a log line.
+/// Headers are metadata, not a second payload: bounded in number and size, named so that no
+/// name can be read as an operator or a path (`$`, `.`), and, names and values, text without
+/// control characters (no NUL, newline or escape sequence reaches a log line or a terminal).
 fn check_headers<'a>(headers: impl Iterator<Item = (&'a str, &'a str)>, count: usize) -> Result<(), EventError> {
     if count > MAX_HEADERS {
         return Err(EventError::TooManyHeaders { count, max: MAX_HEADERS });
@@ -234,6 +237,9 @@ fn check_headers<'a>(headers: impl Iterator<Item = (&'a str, &'a str)>, count: u
         }
         if value.len() > MAX_HEADER_VALUE_BYTES {
             return Err(EventError::HeaderTooLong { name: shown(), bytes: value.len(), max: MAX_HEADER_VALUE_BYTES });
+        }
+        if value.chars().any(char::is_control) {
+            return Err(EventError::HeaderValueControlCharacter { name: shown() });
         }
     }
     Ok(())
@@ -488,6 +494,10 @@ mod tests {
         }
         let long_value = NewEvent::new("e", "t", doc! {}).with_header("trace", "v".repeat(MAX_HEADER_VALUE_BYTES + 1));
         assert!(matches!(long_value.validate(1024), Err(EventError::HeaderTooLong { .. })));
+        for value in ["a\0b", "line\nbreak", "\u{1b}[2J", "cr\r", "tab\t"] {
+            let error = NewEvent::new("e", "t", doc! {}).with_header("trace", value).validate(1024).unwrap_err();
+            assert!(matches!(error, EventError::HeaderValueControlCharacter { .. }), "{value:?}: {error}");
+        }
         let big = NewEvent::new("e", "t", doc! { "blob": "y".repeat(2048) });
         assert!(matches!(big.validate(1024), Err(EventError::PayloadTooLarge { max: 1024, .. })));
         assert!(big.validate(DEFAULT_MAX_PAYLOAD_BYTES).is_ok());

@@ -149,7 +149,7 @@ pub(super) fn validate_plugin(section: &str, plugin: &PluginConfig) -> Result<()
         if event_type.is_empty() || name.contains('*') || event_type.len() > 256 || event_type.chars().any(char::is_control) {
             return Err(invalid(format!("{section}.grants.publish_types"), format!("{event_type:?} is not an event type or a prefix ending in *")));
         }
-        if name.starts_with(transaction::HOST_EVENT_TYPE_PREFIX) {
+        if transaction::is_host_event_type(name) {
             return Err(invalid(format!("{section}.grants.publish_types"), format!("{event_type:?}: relayhost.* event types are the host's alone")));
         }
     }

@@ -47,12 +47,14 @@ impl log::Host for Output {
     }
 }
 
-/// Sends the delivery's output to `tracing`; returns the bytes kept and dropped.
+/// Sends the delivery's output to `tracing`, one event a line, every control character left
+/// in a line escaped (`\r`, `\u{1b}`, ...): a plugin can neither rewrite an operator's terminal
+/// nor forge a line of the host's own; returns the bytes kept and dropped.
 pub fn route(plugin: &str, version: &str, output: &Output) -> (usize, usize) {
     let (kept, dropped) = output.take();
     let kept_bytes = kept.iter().map(|(_, text)| text.len()).sum();
     for (source, text) in kept {
-        for line in text.lines().filter(|l| !l.is_empty()) {
+        for line in text.lines().filter(|l| !l.is_empty()).map(escaped) {
             match source {
                 Source::Log(LogLevel::Error) | Source::Stderr => tracing::error!(plugin, version, "{line}"),
                 Source::Log(LogLevel::Warn) => tracing::warn!(plugin, version, "{line}"),
@@ -66,6 +68,22 @@ pub fn route(plugin: &str, version: &str, output: &Output) -> (usize, usize) {
         tracing::warn!(plugin, version, dropped_bytes = dropped, "plugin output over its budget was dropped");
     }
     (kept_bytes, dropped)
+}
+
+/// `line` with every control character escaped as Rust writes it (`\r`, `\t`, `\u{0}`).
+pub fn escaped(line: &str) -> std::borrow::Cow<'_, str> {
+    if !line.chars().any(char::is_control) {
+        return std::borrow::Cow::Borrowed(line);
+    }
+    let mut text = String::with_capacity(line.len() + 8);
+    for c in line.chars() {
+        if c.is_control() {
+            text.extend(c.escape_default());
+        } else {
+            text.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(text)
 }
 
 #[derive(Debug, Default)]

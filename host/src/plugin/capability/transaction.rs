@@ -22,6 +22,12 @@ use crate::plugin::bindings::relayhost::plugin::transaction;
 /// Event types only the host publishes (dead-letter announcements and the like).
 pub const HOST_EVENT_TYPE_PREFIX: &str = "relayhost.";
 
+/// Whether `event_type` is in the host's namespace, whatever its case (`RELAYHOST.delivery.dead`
+/// would read as the host's to any subscriber matching without case).
+pub fn is_host_event_type(event_type: &str) -> bool {
+    event_type.get(..HOST_EVENT_TYPE_PREFIX.len()).is_some_and(|start| start.eq_ignore_ascii_case(HOST_EVENT_TYPE_PREFIX))
+}
+
 /// What the transaction capability may touch. Nothing by default.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Grant {
@@ -41,7 +47,7 @@ impl Grant {
     }
 
     pub(crate) fn allows_event_type(&self, event_type: &str) -> bool {
-        !event_type.starts_with(HOST_EVENT_TYPE_PREFIX)
+        !is_host_event_type(event_type)
             && self.publish_types.iter().any(|granted| match granted.strip_suffix('*') {
                 Some(prefix) => event_type.starts_with(prefix),
                 None => granted == event_type,
@@ -262,7 +268,11 @@ mod tests {
         }
         let anything = Grant { publish_types: vec!["*".into()], publish_id_prefix: Some(String::new()), ..Grant::default() };
         assert!(state_with(anything.clone()).follow_up(new_event("order-9", "x")).is_ok());
-        assert!(state_with(anything).follow_up(new_event("order-9", "relayhost.x")).is_err(), "the host's types stay the host's");
+        let anything = state_with(anything);
+        for host_type in ["relayhost.x", "RELAYHOST.delivery.dead", "RelayHost.delivery.dead", "relayHOST.anything"] {
+            assert!(anything.follow_up(new_event("order-9", host_type)).is_err(), "{host_type}: the host's types stay the host's");
+        }
+        assert!(anything.follow_up(new_event("order-9", "relayhosting.x")).is_ok(), "only the namespace itself is the host's");
     }
 
     fn state_with(grant: Grant) -> TransactionState {
