@@ -22,7 +22,7 @@ use crate::dispatch::{AttemptResult, HandlerSpec, RetryPolicy, RunResult, Runner
 use crate::handler_transaction::{FollowUps, MongoHandlerTransaction, SharedTrouble, Trouble, publish_follow_ups};
 use crate::plugin::{DeliveryInfo, LoadedPlugin, Outcome, PluginRegistry};
 use crate::store::mongo::MongoStore;
-use crate::store::{ClaimedDelivery, Retrying, Store, StoreError};
+use crate::store::{self, ClaimedDelivery, Declaration, Retrying, Store, StoreError};
 
 /// The retry policy of a plugin, by its name.
 pub type RetryPolicies = dyn Fn(&str) -> RetryPolicy + Send + Sync;
@@ -129,6 +129,22 @@ impl Runner for PluginRunner {
             });
         }
         specs
+    }
+
+    fn declarations(&self) -> Vec<Declaration> {
+        self.registry
+            .subscriptions()
+            .into_iter()
+            .filter_map(|subscription| {
+                let plugin = self.registry.plugin_for(&subscription.handler)?;
+                Some(Declaration {
+                    subscription: store::Subscription::new(subscription.handler, subscription.event_types)
+                        .completing_in_transaction(subscription.transactional),
+                    plugin: plugin.name.to_string(),
+                    version: plugin.content_hash.clone(),
+                })
+            })
+            .collect()
     }
 
     fn run(&self, delivery: ClaimedDelivery) -> Pin<Box<dyn Future<Output = RunResult> + Send>> {

@@ -26,7 +26,7 @@ use relayhost::lane::LaneId;
 use relayhost::store::{
     Capacity, ClaimedDelivery, DeliveryFilter, DeliveryPage, DeliveryView, EarlyHandOut, EarlyHandOuts, FanOutCommit, FanOutReport,
     HandlerStatistics, Lease, Published, PurgeOptions, PurgeReport, Settlement, Store, StoreError, StoreOptions,
-    Subscription, Subscriptions,
+    Subscription, Subscriptions, Declaration, Disposal, RegisteredHandler, RetireReport,
 };
 
 type Behaviour = dyn Fn(&ClaimedDelivery) -> AttemptResult + Send + Sync;
@@ -464,6 +464,15 @@ impl Store for FaultyStore {
     }
     async fn look(&self, now: DateTime) -> Result<usize, StoreError> {
         self.inner.look(now).await
+    }
+    async fn register(&self, declarations: &[Declaration], now: DateTime) -> Result<Vec<RegisteredHandler>, StoreError> {
+        self.inner.register(declarations, now).await
+    }
+    async fn registered_handlers(&self, now: DateTime) -> Result<Vec<RegisteredHandler>, StoreError> {
+        self.inner.registered_handlers(now).await
+    }
+    async fn retire(&self, handler: &str, disposal: Disposal, now: DateTime) -> Result<RetireReport, StoreError> {
+        self.inner.retire(handler, disposal, now).await
     }
     async fn requeue(&self, delivery_id: &str, now: DateTime) -> Result<(), StoreError> {
         self.inner.requeue(delivery_id, now).await

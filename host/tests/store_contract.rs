@@ -15,7 +15,8 @@ use common::*;
 use relayhost::event::{EventError, NewEvent};
 use relayhost::store::{
     Capacity, ClaimedDelivery, DeliveryFilter, Priorities, Room, Rooms, DeliveryStatus, PurgeOptions, Published, Settlement, Store, StoreError, StoreOptions,
-    StoreTransaction, Subscription, Subscriptions, MALFORMED_EVENT_HANDLER, run_in_transaction,
+    StoreTransaction, Subscription, Subscriptions, MALFORMED_EVENT_HANDLER, run_in_transaction, Declaration, Disposal,
+    RegisteredHandler,
 };
 
 macro_rules! contract {
@@ -40,6 +41,8 @@ macro_rules! contract {
 }
 
 contract!(
+    the_registry_keeps_a_handler_subscribed_while_no_host_serves_it_until_an_operator_retires_it,
+    retiring_a_handler_buries_or_drops_exactly_its_waiting_deliveries,
     setup_is_idempotent_and_safe_concurrently,
     publish_validates_events_and_numbers_keys_in_commit_order,
     republishing_an_id_creates_nothing,
@@ -718,6 +721,106 @@ async fn a_claim_in_given_lanes_takes_only_those_and_keeps_the_rules<F: Fixture>
     assert_eq!(ids(&taken_over), ids(&claimed));
     assert!(taken_over.iter().all(|c| c.attempts == 1), "the lost attempts are charged");
     assert!(a.complete_many(&[claimed[0].lease], at(T0 + 120_001)).await.unwrap() == [Settlement::LeaseLost]);
+}
+
+fn declaration(handler: &str, types: &[&str], version: &str) -> Declaration {
+    Declaration { subscription: Subscription::new(handler, types.iter().copied()), plugin: format!("{handler}-plugin"), version: version.to_string() }
+}
+
+fn registered<'a>(registry: &'a [RegisteredHandler], handler: &str) -> &'a RegisteredHandler {
+    registry.iter().find(|r| r.handler == handler).unwrap_or_else(|| panic!("{handler} is not registered: {registry:?}"))
+}
+
+/// Host a serves `audit` and `mail`, host b only `mail` (a rolling deploy, one version
+/// ahead). When a stops, `audit` is served by nobody and stays subscribed: b's fan-outs create
+/// its deliveries, never handed out, and a host that serves it again claims them, in key order.
+async fn the_registry_keeps_a_handler_subscribed_while_no_host_serves_it_until_an_operator_retires_it<F: Fixture>() {
+    let fixture = F::new().await;
+    let (a, b) = (fixture.worker("a"), fixture.worker("b"));
+    a.announce(at(T0)).await.unwrap();
+    b.announce(at(T0)).await.unwrap();
+    a.register(&[declaration("audit", &["order"], "v1"), declaration("mail", &["order"], "v1")], at(T0)).await.unwrap();
+    let registry = b.register(&[declaration("mail", &["order", "refund"], "v2")], at(T0 + 1)).await.unwrap();
+    assert_eq!(registered(&registry, "audit").served_by.len(), 1);
+    assert_eq!(registered(&registry, "mail").served_by.len(), 2);
+    let mail = registered(&registry, "mail");
+    assert_eq!(mail.event_types.iter().collect::<Vec<_>>(), ["order", "refund"], "both versions' types while both run");
+    assert_eq!((mail.version.as_str(), mail.first_seen, mail.last_seen), ("v2", at(T0), at(T0 + 1)));
+    let refused = b.retire("audit", Disposal::Drop, at(T0 + 2)).await.unwrap_err().to_string();
+    assert!(refused.contains("served by live host(s)"), "a handler a live host serves is not retired: {refused}");
+    // a stops: nobody serves `audit`, which stays subscribed.
+    a.relinquish().await.unwrap();
+    let registry = b.registered_handlers(at(T0 + 3)).await.unwrap();
+    let audit = registered(&registry, "audit");
+    assert!(audit.served_by.is_empty() && audit.active(), "{audit:?}");
+    assert_eq!(audit.last_seen, at(T0), "since when nobody serves it");
+    // b fans out with the registry: `audit`'s deliveries are created, and never handed out by b.
+    let b_serves = [Subscription::new("mail", ["order", "refund"])];
+    let subscriptions = relayhost::store::registry::fan_out_subscriptions(b_serves, &registry).unwrap();
+    publish_all(&b, vec![keyed("o-1", "order", "c"), keyed("o-2", "order", "c"), event("r-1", "refund")]).await;
+    let report = b.fan_out(&subscriptions, 100, 10, at(T0 + 4)).await.unwrap();
+    assert_eq!(report.deliveries, 5, "two handlers of each order, one of the refund");
+    assert!(report.claimed.iter().all(|c| c.handler == "mail"), "{:?}", ids(&report.claimed));
+    let waiting = list_all(&b, DeliveryFilter { handler: Some("audit".into()), ..DeliveryFilter::default() }).await;
+    assert_eq!(waiting.len(), 2, "{waiting:?}");
+    assert!(b.claim(&handlers(&["mail"]), 10, at(T0 + 5)).await.unwrap().iter().all(|c| c.handler == "mail"));
+    // A host serving `audit` again (a, restarted) claims its deliveries, one key at a time,
+    // wherever the split put them (in b's share, once they waited past stale).
+    let a = fixture.worker("a-again");
+    let later = T0 + 120_000;
+    a.announce(at(later)).await.unwrap();
+    b.announce(at(later)).await.unwrap();
+    a.register(&[declaration("audit", &["order"], "v1")], at(later)).await.unwrap();
+    let mut order = Vec::new();
+    for step in 0..4 {
+        let claimed = a.claim(&handlers(&["audit"]), 10, at(later + step)).await.unwrap();
+        assert!(claimed.len() <= 1, "one of key c at a time: {:?}", ids(&claimed));
+        for delivery in &claimed {
+            order.push(delivery.event.id.clone());
+            assert_eq!(a.complete_many(&[delivery.lease.clone()], at(later + step)).await.unwrap(), [Settlement::Completed]);
+        }
+    }
+    assert_eq!(order, ["o-1", "o-2"]);
+}
+
+async fn retiring_a_handler_buries_or_drops_exactly_its_waiting_deliveries<F: Fixture>() {
+    let fixture = F::new().await;
+    let (gone, stays) = (fixture.worker("gone-host"), fixture.worker("stays-host"));
+    for host in [&gone, &stays] {
+        host.announce(at(T0)).await.unwrap();
+    }
+    gone.register(&[declaration("old", &["t"], "v1"), declaration("older", &["t"], "v1")], at(T0)).await.unwrap();
+    stays.register(&[declaration("keep", &["t"], "v1")], at(T0)).await.unwrap();
+    gone.relinquish().await.unwrap();
+    let registry = stays.registered_handlers(at(T0 + 1)).await.unwrap();
+    let subscriptions = relayhost::store::registry::fan_out_subscriptions([Subscription::new("keep", ["t"])], &registry).unwrap();
+    publish_all(&stays, vec![keyed("k-1", "t", "k"), keyed("k-2", "t", "k"), event("u-1", "t")]).await;
+    stays.fan_out(&subscriptions, 100, 0, at(T0 + 2)).await.unwrap();
+    let count = async |handler: &str, status: DeliveryStatus| {
+        list_all(&stays, DeliveryFilter { handler: Some(handler.into()), status: Some(status), ..DeliveryFilter::default() }).await.len()
+    };
+    assert_eq!((count("old", DeliveryStatus::Pending).await, count("older", DeliveryStatus::Pending).await), (3, 3));
+    // Not registered, and refused: nothing changes.
+    assert!(stays.retire("{\"$gt\": \"\"}", Disposal::Drop, at(T0 + 3)).await.unwrap_err().to_string().contains("is registered (see"));
+    let report = stays.retire("old", Disposal::Bury, at(T0 + 3)).await.unwrap();
+    assert_eq!((report.disposed, report.still_claimed), (3, 0));
+    assert_eq!((count("old", DeliveryStatus::Pending).await, count("old", DeliveryStatus::Dead).await), (0, 3));
+    let dead = list_all(&stays, DeliveryFilter { handler: Some("old".into()), status: Some(DeliveryStatus::Dead), ..DeliveryFilter::default() }).await;
+    assert!(dead.iter().all(|d| d.last_error.as_deref() == Some(relayhost::store::registry::RETIRED)), "{dead:?}");
+    let report = stays.retire("older", Disposal::Drop, at(T0 + 4)).await.unwrap();
+    assert_eq!(report.disposed, 3);
+    assert_eq!((count("older", DeliveryStatus::Pending).await, count("older", DeliveryStatus::Dead).await), (0, 0));
+    assert_eq!(count("keep", DeliveryStatus::Pending).await, 3, "the other handler's deliveries are untouched");
+    // Retired handlers are no longer subscribed: a new event reaches `keep` only.
+    let registry = stays.registered_handlers(at(T0 + 5)).await.unwrap();
+    assert!(registered(&registry, "old").retired_at.is_some());
+    let subscriptions = relayhost::store::registry::fan_out_subscriptions([Subscription::new("keep", ["t"])], &registry).unwrap();
+    publish_all(&stays, vec![event("u-2", "t")]).await;
+    assert_eq!(stays.fan_out(&subscriptions, 100, 0, at(T0 + 6)).await.unwrap().deliveries, 1);
+    // Declared again, it is registered anew, from then on.
+    let registry = stays.register(&[declaration("keep", &["t"], "v1"), declaration("old", &["t"], "v2")], at(T0 + 7)).await.unwrap();
+    let old = registered(&registry, "old");
+    assert!(old.active() && old.first_seen == at(T0 + 7), "{old:?}");
 }
 
 async fn a_fan_out_hands_out_nothing_of_a_claims_only_handler<F: Fixture>() {

@@ -1,6 +1,8 @@
 //! A host's announcements to the others, beside the claim loop (see [`Store::announce`]), and
-//! its looks at theirs between them (see [`Store::look`]): the live hosts split the lanes. It
-//! must never hold back the loop: it only wakes it when the number of live hosts changed.
+//! its looks at theirs between them (see [`Store::look`]): the live hosts split the lanes.
+//! With each announcement it declares what it serves to the handler registry and reads it
+//! ([`KnownHandlers::refresh`]). It must never hold back the loop: it only wakes it when the
+//! number of live hosts changed.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,7 +12,11 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::store::{ANNOUNCE_EVERY, Store};
+use super::KnownHandlers;
+use crate::store::{ANNOUNCE_EVERY, Declaration, Store};
+
+/// What the host serves now, to declare with its announcements.
+pub(super) type Declared = Arc<dyn Fn() -> Vec<Declaration> + Send + Sync>;
 
 /// Looks at the live hosts between two announcements.
 const LOOKS_PER_ANNOUNCEMENT: u32 = 10;
@@ -22,7 +28,13 @@ const LOOKS_PER_ANNOUNCEMENT: u32 = 10;
 /// the others leave it its share's lanes before its fan-outs meet them held. Runs beside the
 /// claim loop so that its ticks never hold back the loop's poll; wakes the loop when the
 /// number of live hosts changed.
-pub(super) fn spawn<S: Store>(store: Arc<S>, lease_duration: Duration, hosts: usize, hosts_changed: Arc<Notify>) -> JoinHandle<()> {
+pub(super) fn spawn<S: Store>(
+    store: Arc<S>,
+    lease_duration: Duration,
+    hosts: usize,
+    hosts_changed: Arc<Notify>,
+    registry: (Arc<KnownHandlers>, Declared),
+) -> JoinHandle<()> {
     let every = ANNOUNCE_EVERY.min(lease_duration / 10);
     let look_every = every / LOOKS_PER_ANNOUNCEMENT;
     tokio::spawn(async move {
@@ -36,6 +48,10 @@ pub(super) fn spawn<S: Store>(store: Arc<S>, lease_duration: Duration, hosts: us
             let live = if announcing {
                 let announced = store.announce(DateTime::now()).await;
                 announce_at = Instant::now() + waits.next().unwrap_or(every);
+                let (known, declared) = &registry;
+                if let Err(error) = known.refresh(&*store, declared()).await {
+                    tracing::warn!(%error, "declaring this host's handlers to the registry failed; trying again");
+                }
                 announced.inspect_err(|error| tracing::warn!(%error, "announcing this host failed; trying again"))
             } else {
                 // A look that fails is followed by another a tenth of the interval later.
@@ -66,6 +82,10 @@ mod tests {
     use crate::store::StoreOptions;
     use crate::store::memory::MemoryStore;
 
+    fn nothing_declared() -> (Arc<KnownHandlers>, Declared) {
+        (Arc::default(), Arc::new(Vec::new))
+    }
+
     #[test]
     fn a_host_announces_quickly_after_it_started_then_every_interval() {
         let waits: Vec<Duration> = waits(Duration::from_secs(1)).take(7).collect();
@@ -83,7 +103,7 @@ mod tests {
         let hosts = first.announce(DateTime::now()).await.unwrap();
         assert_eq!(hosts, 1, "the first host to announce sees only itself");
         let changed = Arc::new(Notify::new());
-        let announcing = spawn(first.clone(), lease, hosts, changed.clone());
+        let announcing = spawn(first.clone(), lease, hosts, changed.clone(), nothing_declared());
         assert_eq!(second.announce(DateTime::now()).await.unwrap(), 2);
         let every = ANNOUNCE_EVERY.min(lease / 10);
         let learned = tokio::time::timeout(every / 10, changed.notified()).await;
@@ -101,7 +121,7 @@ mod tests {
         let every = ANNOUNCE_EVERY.min(lease / 10);
         let hosts = first.announce(DateTime::now()).await.unwrap();
         let changed = Arc::new(Notify::new());
-        let announcing = spawn(first.clone(), lease, hosts, changed.clone());
+        let announcing = spawn(first.clone(), lease, hosts, changed.clone(), nothing_declared());
         // Its announcements come at 50, 150, 350, 750, 1,550 ms and every interval after: the
         // next after ten intervals is half an interval away.
         tokio::time::sleep(every * 10).await;

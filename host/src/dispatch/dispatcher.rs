@@ -56,12 +56,12 @@ use super::flight::{Flight, Running};
 use super::options::{DispatcherCounters, DispatcherOptions};
 use super::runner::{HandlerSpec, RunResult, Runner};
 use super::announcements;
+use super::known_handlers::KnownHandlers;
 use super::starts::StartRecorder;
 use super::{Settle, bury_with_dead_letter, decide};
 use crate::lane::LaneId;
 use crate::store::{
     Capacity, ClaimedDelivery, DeliveryId, EarlyHandOut, EarlyHandOuts, FanOutCommit, Lease, Priorities, Store, StoreError,
-    Subscription, Subscriptions,
 };
 
 /// The claim loop of one store instance.
@@ -71,15 +71,21 @@ pub struct Dispatcher<S: Store, R: Runner> {
     options: DispatcherOptions,
     wakeup: Arc<Notify>,
     counters: Arc<DispatcherCounters>,
+    known: Arc<KnownHandlers>,
 }
 
 impl<S: Store, R: Runner> Dispatcher<S, R> {
     pub fn new(store: Arc<S>, runner: Arc<R>, options: DispatcherOptions) -> Self {
-        Self { store, runner, options, wakeup: Arc::new(Notify::new()), counters: Arc::default() }
+        Self { store, runner, options, wakeup: Arc::new(Notify::new()), counters: Arc::default(), known: Arc::default() }
     }
 
     pub fn counters(&self) -> Arc<DispatcherCounters> {
         self.counters.clone()
+    }
+
+    /// The handler registry as this host knows it (for `/metrics`).
+    pub fn known_handlers(&self) -> Arc<KnownHandlers> {
+        self.known.clone()
     }
 
     /// Wakes the loop now (new events committed, a retry came due).
@@ -109,8 +115,21 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             tracing::warn!(%error, "announcing this host failed; trying again");
             0
         });
+        // The registry read before the first fan-out: it creates the deliveries of every
+        // handler subscribed, not only of those loaded here.
+        if let Err(error) = self.known.refresh(&*self.store, self.runner.declarations()).await {
+            tracing::warn!(%error, "declaring this host's handlers to the registry failed; fan-outs wait until it is read");
+        }
         let hosts_changed = Arc::new(Notify::new());
-        let announcing = announcements::spawn(self.store.clone(), self.options.lease_duration, hosts, hosts_changed.clone());
+        let runner = self.runner.clone();
+        let declared: announcements::Declared = Arc::new(move || runner.declarations());
+        let announcing = announcements::spawn(
+            self.store.clone(),
+            self.options.lease_duration,
+            hosts,
+            hosts_changed.clone(),
+            (self.known.clone(), declared),
+        );
         loop {
             let next_claim = flight.claim_timers.peek().map(|Reverse(at)| *at);
             // New events appear only with a wakeup or by the poll; a finished delivery brings
@@ -197,7 +216,9 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         flight.completions.start();
         let specs = self.runner.handlers();
         self.start_handed_out(&specs, permits, finished_tx, flight).await?;
-        if specs.is_empty() {
+        // A host that serves nothing still fans out its share for the handlers the registry
+        // keeps subscribed.
+        if specs.is_empty() && !self.known.any_active() {
             return Ok(());
         }
         // A claim and a fan-out that hands out both want the lanes' lists, and the fan-out
@@ -253,9 +274,9 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
     ) -> Result<(), StoreError> {
         let (free, worth_it) = self.free_capacity(flight);
         if flight.fan_out && flight.fanning.is_none() && (worth_it || !flight.fan_out_waits) {
-            let subscriptions = Subscriptions::new(
-                specs.iter().map(|s| Subscription::new(s.handler.clone(), s.event_types.iter().cloned()).completing_in_transaction(s.transactional).claimed_only(s.throttle.limits())),
-            )?;
+            // Until the registry was read, events wait unfanned (the next announcement reads it).
+            let Some(subscriptions) = self.known.subscriptions(specs) else { return Ok(()) };
+            let subscriptions = subscriptions?;
             flight.fan_out = false;
             // What it hands out runs at once or waits for a run slot, like a claim's picks.
             flight.fanning_hands_out.store(free > 0, Ordering::SeqCst);
@@ -286,6 +307,9 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         flight: &mut Flight<S>,
     ) -> Result<(), StoreError> {
         let (free, worth_it) = self.free_capacity(flight);
+        if specs.is_empty() {
+            return Ok(());
+        }
         let search_all = flight.claim || flight.backlog;
         let wanted = search_all || !flight.claim_lanes.is_empty();
         if !worth_it || !wanted {

@@ -11,6 +11,7 @@ mod dead_letter;
 mod dispatcher;
 mod fan_out_task;
 mod flight;
+mod known_handlers;
 mod options;
 mod runner;
 mod sequence_watch;
@@ -19,6 +20,7 @@ mod starts;
 mod throttle;
 
 pub use dispatcher::Dispatcher;
+pub use known_handlers::KnownHandlers;
 pub use options::{DispatcherCounters, DispatcherOptions};
 pub use runner::{HandlerSpec, RunResult, Runner};
 pub use dead_letter::{DEAD_LETTER_EVENT_TYPE, bury_by_operator, bury_with_dead_letter, dead_letter_event};

@@ -6,7 +6,7 @@ use std::future::Future;
 use std::pin::Pin;
 
 use super::{AttemptResult, RetryPolicy, Throttle};
-use crate::store::ClaimedDelivery;
+use crate::store::{ClaimedDelivery, Declaration, Subscription};
 
 /// A handler the runner offers, with its retry policy, throttle and priority.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,5 +38,19 @@ pub enum RunResult {
 /// Runs deliveries. The host implements it with plugins; the dispatcher never knows how.
 pub trait Runner: Send + Sync + 'static {
     fn handlers(&self) -> Vec<HandlerSpec>;
+
+    /// What this host declares to the handler registry: its handlers, with what offers each
+    /// (nothing named by default).
+    fn declarations(&self) -> Vec<Declaration> {
+        self.handlers()
+            .into_iter()
+            .map(|spec| Declaration {
+                subscription: Subscription::new(spec.handler, spec.event_types).completing_in_transaction(spec.transactional),
+                plugin: String::new(),
+                version: String::new(),
+            })
+            .collect()
+    }
+
     fn run(&self, delivery: ClaimedDelivery) -> Pin<Box<dyn Future<Output = RunResult> + Send>>;
 }

@@ -10,9 +10,11 @@
 //!
 //! A handler id belongs to one plugin. A new file offering a handler another plugin serves is
 //! refused; two files of one scan (at startup, every file) offering the same handler are both
-//! refused, loudly, so that no file name order decides who serves it. The files of a scan are
-//! loaded concurrently, and a file whose size, times and inode did not change since it was
-//! last decided on is not read again.
+//! refused, loudly, so that no file name order decides who serves it (the handler stays
+//! subscribed in the store's registry: its events wait). The files of a scan are loaded
+//! concurrently; a file whose size, times and inode did not change since it was last decided
+//! on is not read again, a directory unchanged since the last scan is not scanned again, and a
+//! refusal is logged once per change of its file (or of its reason).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -47,6 +49,12 @@ struct Catalog {
     /// What each file looked like when it was last decided on (loaded, or refused for what it
     /// is): an unchanged file is not read again.
     stamps: BTreeMap<String, Stamp>,
+    /// Every file of the directory as the last scan found it: a scan that finds the same does
+    /// nothing (reading a file is a change to a watcher, which must not scan again for it).
+    scanned: Option<BTreeMap<String, Option<Stamp>>>,
+    /// The last refusal logged of each file, with the file as it was: the same refusal of the
+    /// same file is not logged again.
+    logged_refusals: BTreeMap<String, (Option<Stamp>, String)>,
 }
 
 /// A file's size, modification and change times and inode: what tells, without reading it,
@@ -149,8 +157,12 @@ impl PluginRegistry {
             reason: format!("cannot read the plugins directory: {e}"),
         })?;
         let mut changes = Vec::new();
+        let seen: BTreeMap<String, Option<Stamp>> = files.iter().map(|(name, path)| (name.clone(), stamp_of(path))).collect();
         {
             let mut catalog = self.catalog.write().expect("catalog");
+            if catalog.scanned.as_ref() == Some(&seen) {
+                return Ok(changes);
+            }
             let gone: Vec<String> = catalog.plugins.keys().filter(|name| !files.contains_key(*name)).cloned().collect();
             for name in gone {
                 let plugin = catalog.plugins.remove(&name).expect("listed");
@@ -158,6 +170,7 @@ impl PluginRegistry {
             }
             catalog.refused.retain(|name, _| files.contains_key(name));
             catalog.stamps.retain(|name, _| files.contains_key(name));
+            catalog.logged_refusals.retain(|name, _| files.contains_key(name));
         }
         let changed: Vec<(&String, &PathBuf, Option<Stamp>)> = {
             let catalog = self.catalog.read().expect("catalog");
@@ -189,10 +202,15 @@ impl PluginRegistry {
             let clash = plugin.subscriptions.iter().find_map(|s| contested.get(&s.handler).map(|others| (&s.handler, others)));
             let installed = match clash {
                 Some((handler, others)) => {
-                    let others: Vec<&str> = others.iter().filter(|other| **other != name).map(String::as_str).collect();
+                    let others: Vec<String> = others
+                        .iter()
+                        .filter(|other| **other != name)
+                        .map(|other| files.get(other).map_or_else(|| other.clone(), |path| path.display().to_string()))
+                        .collect();
                     Err(format!(
                         "handler `{handler}` is also offered by plugin(s) {others:?} loaded at the same time; all of them are \
-                         refused until only one offers it"
+                         refused until only one offers it: remove all but one of these files (or rename them to a name not \
+                         ending in .wasm). The handler stays subscribed: its events wait (`relayhost handlers list`)"
                     ))
                 }
                 None => self.install(&name, plugin),
@@ -211,10 +229,20 @@ impl PluginRegistry {
                 Change::Replaced { plugin, old_version, new_version } => {
                     tracing::info!(plugin, old = &old_version[..12], new = &new_version[..12], "plugin replaced")
                 }
-                Change::Refused { plugin, reason } => tracing::error!(plugin, reason, "plugin refused; the previous version, if any, keeps serving"),
+                Change::Refused { plugin, reason } => {
+                    let file = (seen.get(plugin).cloned().flatten(), reason.clone());
+                    let mut catalog = self.catalog.write().expect("catalog");
+                    if catalog.logged_refusals.get(plugin) == Some(&file) {
+                        tracing::debug!(plugin, reason, "plugin refused again, unchanged");
+                    } else {
+                        catalog.logged_refusals.insert(plugin.clone(), file);
+                        tracing::error!(plugin, reason, "plugin refused; the previous version, if any, keeps serving")
+                    }
+                }
                 Change::Removed { plugin, version } => tracing::info!(plugin, version = &version[..12], "plugin removed"),
             }
         }
+        self.catalog.write().expect("catalog").scanned = Some(seen);
         Ok(changes)
     }
 
@@ -273,7 +301,12 @@ impl PluginRegistry {
     pub fn watch(self: &Arc<Self>) -> Result<WatchGuard, PluginError> {
         let (sender, mut receiver) = tokio::sync::mpsc::unbounded_channel();
         let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-            if event.is_ok() {
+            // Reading a file (every scan does) changes nothing; a write that ends does.
+            use notify::event::{AccessKind, AccessMode, EventKind};
+            let changes = |kind: &EventKind| {
+                !matches!(kind, EventKind::Access(access) if *access != AccessKind::Close(AccessMode::Write))
+            };
+            if event.is_ok_and(|event| changes(&event.kind)) {
                 let _ = sender.send(());
             }
         })

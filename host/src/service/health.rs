@@ -1,8 +1,9 @@
 //! Health, readiness and metrics over HTTP, for container orchestrators and scrapers.
 //!
 //! `/healthz` answers while the process serves; `/readyz` when MongoDB answers a ping and at
-//! least one plugin handler is loaded; `/metrics` prints the dispatcher's counters and each
-//! handler's delivery counts in the Prometheus text format. Read-only: nothing here changes a
+//! least one plugin handler is loaded; `/metrics` prints the dispatcher's counters, each
+//! handler's delivery counts, and how many live hosts serve each registered handler (and
+//! since when none does) in the Prometheus text format. Read-only: nothing here changes a
 //! delivery, and no request input reaches a query.
 //!
 //! The per-handler counts come from an aggregation over every delivery, so `/metrics` reuses
@@ -27,7 +28,7 @@ use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::dispatch::DispatcherCounters;
+use crate::dispatch::{DispatcherCounters, KnownHandlers};
 use crate::plugin::PluginRegistry;
 use crate::store::mongo::MongoStore;
 use crate::store::{HandlerStatistics, Store, StoreError};
@@ -41,13 +42,19 @@ pub struct HealthState {
     store: Arc<MongoStore>,
     registry: Arc<PluginRegistry>,
     counters: Arc<DispatcherCounters>,
+    known: Arc<KnownHandlers>,
     /// Per-handler counts and the unfanned events.
     statistics: Arc<Recent<(Vec<HandlerStatistics>, u64)>>,
 }
 
 impl HealthState {
-    pub fn new(store: Arc<MongoStore>, registry: Arc<PluginRegistry>, counters: Arc<DispatcherCounters>) -> Self {
-        Self { store, registry, counters, statistics: Arc::new(Recent::new(STATISTICS_MAX_AGE)) }
+    pub fn new(
+        store: Arc<MongoStore>,
+        registry: Arc<PluginRegistry>,
+        counters: Arc<DispatcherCounters>,
+        known: Arc<KnownHandlers>,
+    ) -> Self {
+        Self { store, registry, counters, known, statistics: Arc::new(Recent::new(STATISTICS_MAX_AGE)) }
     }
 
     /// Listens on `address` until the returned task is aborted.
@@ -145,9 +152,25 @@ impl HealthState {
                     "running" => s.running,
                     _ => s.dead,
                 };
-                // Handler ids are printable but may hold quotes or backslashes.
-                let handler = s.handler.replace('\\', "\\\\").replace('"', "\\\"");
-                let _ = writeln!(out, "relayhost_deliveries_{name}{{handler=\"{handler}\"}} {value}");
+                let _ = writeln!(out, "relayhost_deliveries_{name}{{handler=\"{}\"}} {value}", label(&s.handler));
+            }
+        }
+        if let Some(known) = self.known.known() {
+            let now = DateTime::now().timestamp_millis();
+            let _ = writeln!(
+                out,
+                "# HELP relayhost_handler_hosts_serving Live hosts serving each registered (not retired) handler\n# TYPE relayhost_handler_hosts_serving gauge"
+            );
+            for record in known.iter().filter(|r| r.active()) {
+                let _ = writeln!(out, "relayhost_handler_hosts_serving{{handler=\"{}\"}} {}", label(&record.handler), record.served_by.len());
+            }
+            let _ = writeln!(
+                out,
+                "# HELP relayhost_handler_unserved_seconds How long no live host has served each registered handler (0 while one does); its deliveries wait\n# TYPE relayhost_handler_unserved_seconds gauge"
+            );
+            for record in known.iter().filter(|r| r.active()) {
+                let seconds = if record.served_by.is_empty() { (now - record.last_seen.timestamp_millis()).max(0) / 1000 } else { 0 };
+                let _ = writeln!(out, "relayhost_handler_unserved_seconds{{handler=\"{}\"}} {seconds}", label(&record.handler));
             }
         }
         Ok(out)
@@ -181,6 +204,11 @@ impl<T: Clone> Recent<T> {
         *value = Some((Instant::now(), fresh.clone()));
         Ok(fresh)
     }
+}
+
+/// A label value: handler ids are printable but may hold quotes or backslashes.
+fn label(value: &str) -> String {
+    value.replace('\\', "\\\\").replace('"', "\\\"")
 }
 
 fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {

@@ -126,7 +126,7 @@ async fn serve(
     let wakeups = EventWakeups::default().spawn(&store, dispatcher.waker());
     let health = match config.host.health_listen {
         Some(address) => Some(
-            HealthState::new(store.clone(), registry.clone(), counters.clone())
+            HealthState::new(store.clone(), registry.clone(), counters.clone(), dispatcher.known_handlers())
                 .serve(address)
                 .await
                 .map_err(|source| ServiceError::Health { address, source })?,

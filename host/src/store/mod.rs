@@ -17,6 +17,7 @@ mod error;
 mod fan_out;
 mod lease;
 mod listing;
+pub mod registry;
 pub mod memory;
 pub mod mongo;
 mod retention;
@@ -35,6 +36,7 @@ use bson::oid::ObjectId;
 pub use capacity::{Capacity, Priorities, Room, Rooms};
 pub use error::StoreError;
 pub use lease::Lease;
+pub use registry::{Declaration, Disposal, RegisteredHandler, RetireReport};
 pub use listing::{DeliveryFilter, DeliveryPage, DeliveryView, HandlerStatistics, PurgeReport};
 pub use transaction::{Retrying, TRANSACTION_RETRY_LIMIT, run_in_transaction};
 
@@ -492,6 +494,22 @@ pub trait Store: Send + Sync + 'static {
     /// dispatcher looks every tenth of the announcement interval, so that it learns of a host
     /// that joined long before its own next announcement.
     fn look(&self, now: DateTime) -> impl Future<Output = Result<usize, StoreError>> + Send;
+
+    /// Records that this instance serves `declarations` and nothing else (on its
+    /// announcement), registers each of their handlers (anew if it was retired), and returns
+    /// the registry (see [`registry`]). A host's dispatcher calls it when what it serves
+    /// changed, and now and then to say it still does.
+    fn register(&self, declarations: &[Declaration], now: DateTime)
+    -> impl Future<Output = Result<Vec<RegisteredHandler>, StoreError>> + Send;
+
+    /// The registry: every handler ever declared, with the live hosts serving each.
+    fn registered_handlers(&self, now: DateTime) -> impl Future<Output = Result<Vec<RegisteredHandler>, StoreError>> + Send;
+
+    /// Operator action: retires `handler` (refused while a live host serves it, or if it was
+    /// never registered): fan-outs create no more of its deliveries, and its pending ones are
+    /// buried or dropped, but those a live lease still lists (counted, to retire again).
+    fn retire(&self, handler: &str, disposal: Disposal, now: DateTime)
+    -> impl Future<Output = Result<RetireReport, StoreError>> + Send;
 
     /// Operator action: makes a dead delivery pending and due now, with its attempts reset.
     fn requeue(&self, delivery_id: &str, now: DateTime) -> impl Future<Output = Result<(), StoreError>> + Send;

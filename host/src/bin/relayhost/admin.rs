@@ -1,4 +1,5 @@
-//! The operator's subcommands: `check`, `setup`, `stats`, `dead list|requeue|bury` and `publish`.
+//! The operator's subcommands: `check`, `setup`, `stats`, `dead list|requeue|bury`,
+//! `handlers list|retire` and `publish`.
 //!
 //! Each opens MongoDB as the configuration says (joining the embedded server a running host
 //! owns, or starting it for the command's duration), does one thing, and prints the result.
@@ -15,7 +16,7 @@ use relayhost::event::NewEvent;
 use relayhost::plugin::Change;
 use relayhost::service::{connect, registry_for, store_for};
 use relayhost::store::mongo::MongoStore;
-use relayhost::store::{DeliveryFilter, DeliveryStatus, Published, Store, run_in_transaction};
+use relayhost::store::{DeliveryFilter, DeliveryStatus, Disposal, Published, RegisteredHandler, Store, run_in_transaction};
 
 #[derive(Subcommand)]
 pub enum DeadCommand {
@@ -40,6 +41,30 @@ pub enum DeadCommand {
         id: String,
         #[arg(long, default_value = "no reason given")]
         reason: String,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum HandlersCommand {
+    /// The handler registry: every handler ever declared, its event types, what declared it,
+    /// which live hosts serve it, first and last seen, retired or not.
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Stops subscribing a handler that no live host serves: fan-outs create no more of its
+    /// deliveries, and its waiting ones are buried (kept as dead letters) or dropped.
+    Retire {
+        handler: String,
+        /// Make its waiting deliveries dead letters.
+        #[arg(long, conflicts_with = "drop", required_unless_present = "drop")]
+        bury: bool,
+        /// Delete its waiting deliveries.
+        #[arg(long)]
+        drop: bool,
+        /// Do it; without it, only says what it would do.
+        #[arg(long)]
+        yes: bool,
     },
 }
 
@@ -135,29 +160,137 @@ pub async fn setup(config: &Config) -> Result<ExitCode> {
 
 pub async fn stats(config: &Config, json: bool) -> Result<ExitCode> {
     with_store(config, async |store| {
-        let statistics = store.statistics(DateTime::now()).await?;
+        let now = DateTime::now();
+        let statistics = store.statistics(now).await?;
+        let registry = store.registered_handlers(now).await?;
+        let serving = Serving::of(&registry);
         let unfanned = store.unfanned_events().await?;
         if json {
             let rows: Vec<serde_json::Value> = statistics
                 .iter()
                 .map(|s| {
+                    let record = registry.iter().find(|r| r.handler == s.handler);
                     serde_json::json!({
                         "handler": s.handler, "pending": s.pending, "running": s.running, "parked": s.parked,
                         "dead": s.dead, "completed": s.completed,
                         "oldestDueAt": s.oldest_due_at.map(|d| d.try_to_rfc3339_string().unwrap_or_default()),
+                        "servedBy": record.map(|r| r.served_by.clone()),
+                        "unservedSince": record.filter(|r| r.served_by.is_empty()).map(|r| rfc3339(r.last_seen)),
                     })
                 })
                 .collect();
-            println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "handlers": rows, "unfannedEvents": unfanned }))?);
+            let report = serde_json::json!({ "handlers": rows, "hostsServingHandlers": serving.hosts, "unfannedEvents": unfanned });
+            println!("{}", serde_json::to_string_pretty(&report)?);
         } else {
-            println!("{:<32} {:>9} {:>9} {:>9} {:>9} {:>10}", "HANDLER", "PENDING", "RUNNING", "PARKED", "DEAD", "COMPLETED");
+            println!(
+                "{:<32} {:>9} {:>9} {:>9} {:>9} {:>10}  SERVED BY",
+                "HANDLER", "PENDING", "RUNNING", "PARKED", "DEAD", "COMPLETED"
+            );
             for s in &statistics {
                 let completed = s.completed.map_or("-".to_string(), |c| c.to_string());
-                println!("{:<32} {:>9} {:>9} {:>9} {:>9} {:>10}", s.handler, s.pending, s.running, s.parked, s.dead, completed);
+                let served = serving.describe(registry.iter().find(|r| r.handler == s.handler));
+                println!("{:<32} {:>9} {:>9} {:>9} {:>9} {:>10}  {served}", s.handler, s.pending, s.running, s.parked, s.dead, completed);
             }
             println!("events not fanned out yet: {unfanned}");
+            for s in statistics.iter().filter(|s| s.pending > 0) {
+                let Some(record) = registry.iter().find(|r| r.handler == s.handler && r.active()) else { continue };
+                if record.served_by.is_empty() {
+                    println!(
+                        "WARNING: no live host serves `{}` since {}: its {} waiting deliveries wait for one (load its plugin, or `relayhost handlers retire`)",
+                        s.handler,
+                        rfc3339(record.last_seen),
+                        s.pending
+                    );
+                } else if record.served_by.len() < serving.hosts {
+                    println!(
+                        "WARNING: `{}` is served by {} of {} live hosts: its deliveries in the others' lanes wait for a host that serves it",
+                        s.handler,
+                        record.served_by.len(),
+                        serving.hosts
+                    );
+                }
+            }
         }
         Ok(ExitCode::SUCCESS)
+    })
+    .await
+}
+
+fn rfc3339(at: DateTime) -> String {
+    at.try_to_rfc3339_string().unwrap_or_default()
+}
+
+/// How many live hosts serve handlers at all, to say of each handler how many of them serve it.
+struct Serving {
+    hosts: usize,
+}
+
+impl Serving {
+    fn of(registry: &[RegisteredHandler]) -> Self {
+        let hosts: std::collections::BTreeSet<&String> = registry.iter().flat_map(|r| r.served_by.iter()).collect();
+        Self { hosts: hosts.len() }
+    }
+
+    fn describe(&self, record: Option<&RegisteredHandler>) -> String {
+        match record {
+            None => "-".to_string(),
+            Some(record) if record.retired_at.is_some() => format!("retired {}", rfc3339(record.retired_at.expect("retired"))),
+            Some(record) if record.served_by.is_empty() => format!("none since {}", rfc3339(record.last_seen)),
+            Some(record) => format!("{} of {} hosts", record.served_by.len(), self.hosts),
+        }
+    }
+}
+
+pub async fn handlers(config: &Config, command: HandlersCommand) -> Result<ExitCode> {
+    with_store(config, async |store| match command {
+        HandlersCommand::List { json } => {
+            let registry = store.registered_handlers(DateTime::now()).await?;
+            if json {
+                let rows: Vec<serde_json::Value> = registry
+                    .iter()
+                    .map(|r| {
+                        serde_json::json!({
+                            "handler": r.handler, "eventTypes": r.event_types, "transactional": r.in_transaction,
+                            "plugin": r.plugin, "version": r.version, "servedBy": r.served_by,
+                            "firstSeen": rfc3339(r.first_seen), "lastSeen": rfc3339(r.last_seen),
+                            "retiredAt": r.retired_at.map(rfc3339),
+                        })
+                    })
+                    .collect();
+                println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "handlers": rows }))?);
+            } else {
+                let serving = Serving::of(&registry);
+                println!("{:<32} {:<24} {:<14} {:<26} EVENT TYPES", "HANDLER", "PLUGIN", "VERSION", "SERVED BY");
+                for r in &registry {
+                    let version: String = r.version.chars().take(12).collect();
+                    let types: Vec<&str> = r.event_types.iter().map(String::as_str).collect();
+                    println!("{:<32} {:<24} {:<14} {:<26} {}", r.handler, r.plugin, version, serving.describe(Some(r)), types.join(", "));
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        HandlersCommand::Retire { handler, bury, drop: _, yes } => {
+            let now = DateTime::now();
+            let disposal = if bury { Disposal::Bury } else { Disposal::Drop };
+            let waiting = store.statistics(now).await?.into_iter().find(|s| s.handler == handler).map_or(0, |s| s.pending);
+            let doing = if bury { "bury" } else { "drop" };
+            if !yes {
+                let registry = store.registered_handlers(now).await?;
+                relayhost::store::registry::check_retirable(&registry, &handler)?;
+                println!("retiring `{handler}` would {doing} its {waiting} waiting deliveries; run again with --yes to do it");
+                return Ok(ExitCode::from(2));
+            }
+            let report = store.retire(&handler, disposal, now).await?;
+            let done = if bury { "buried" } else { "dropped" };
+            println!("retired `{handler}`: {} waiting deliveries {done}", report.disposed);
+            if report.still_claimed > 0 {
+                println!(
+                    "{} deliveries are still listed by a live lease (a host that stopped serving it hands them back): run retire again once they are back",
+                    report.still_claimed
+                );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
     })
     .await
 }

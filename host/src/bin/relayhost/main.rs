@@ -41,6 +41,9 @@ enum Command {
     /// Dead letters: list and requeue them, or bury a stuck pending delivery.
     #[command(subcommand)]
     Dead(admin::DeadCommand),
+    /// The handler registry: list it, or retire a handler no host serves any more.
+    #[command(subcommand)]
+    Handlers(admin::HandlersCommand),
     /// Publishes one event in its own transaction, to try things.
     Publish(admin::PublishArgs),
     /// Measures drain throughput and wakeup latency against the raw floor of the same mongod.
@@ -89,6 +92,7 @@ async fn execute(cli: Cli) -> Result<ExitCode> {
                 Command::Setup => admin::setup(&config).await,
                 Command::Stats { json } => admin::stats(&config, json).await,
                 Command::Dead(dead) => admin::dead(&config, dead).await,
+                Command::Handlers(handlers) => admin::handlers(&config, handlers).await,
                 Command::Publish(args) => admin::publish(&config, args).await,
                 Command::Run | Command::Bench(_) => unreachable!("handled above"),
             }

@@ -33,6 +33,7 @@ use crate::lane::{LANE_COUNT, LaneId};
 mod fan_out;
 mod lanes;
 mod operations;
+mod registry;
 mod state;
 mod unstored;
 
@@ -98,6 +99,10 @@ struct State {
     history: BTreeMap<DeliveryId, HistoryRecord>,
     /// The hosts that announced themselves, each until its announcement lapses.
     hosts: BTreeMap<String, DateTime>,
+    /// The handler registry's records (see `registry.rs`), `served_by` left empty.
+    handlers: BTreeMap<String, super::RegisteredHandler>,
+    /// What each host serves, beside its announcement.
+    serves: BTreeMap<String, Vec<super::registry::Served>>,
 }
 
 /// An in-process outbox. Clones of the data are made with [`MemoryStore::instance`].
@@ -418,6 +423,18 @@ impl Store for MemoryStore {
         let live: Vec<String> = state.hosts.iter().filter(|(_, until)| **until > now).map(|(host, _)| host.clone()).collect();
         self.claimer.assign(&live);
         Ok(live.len().max(1))
+    }
+
+    async fn register(&self, declarations: &[super::Declaration], now: DateTime) -> Result<Vec<super::RegisteredHandler>, StoreError> {
+        self.register_served(declarations, now).await
+    }
+
+    async fn registered_handlers(&self, now: DateTime) -> Result<Vec<super::RegisteredHandler>, StoreError> {
+        Ok(self.registered(now).await)
+    }
+
+    async fn retire(&self, handler: &str, disposal: super::Disposal, now: DateTime) -> Result<super::RetireReport, StoreError> {
+        self.retire_handler(handler, disposal, now).await
     }
 
     async fn requeue(&self, delivery_id: &str, now: DateTime) -> Result<(), StoreError> {

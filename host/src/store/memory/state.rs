@@ -99,6 +99,8 @@ impl State {
             lanes,
             history: BTreeMap::new(),
             hosts: BTreeMap::new(),
+            handlers: BTreeMap::new(),
+            serves: BTreeMap::new(),
         }
     }
 

@@ -39,6 +39,7 @@ mod lane_statements;
 mod lanes;
 mod operations;
 mod outcome;
+mod registry;
 mod setup;
 mod suspects;
 mod unfanned;
@@ -58,6 +59,7 @@ use mongodb::options::{
 use mongodb::{Client, ClientSession, Collection, Database};
 
 use super::claim::{Claimer, LaneSearch};
+use super::registry::{Declaration, Disposal, RegisteredHandler, RetireReport};
 use crate::lane::LaneId;
 use super::{
     Capacity, ClaimedDelivery, DeliveryFilter, DeliveryPage, EarlyHandOuts, FanOutReport, HandlerStatistics, Lease, PurgeOptions,
@@ -115,6 +117,8 @@ pub(crate) struct Collections {
     pub oversized_events: Collection<Document>,
     /// The live hosts' announcements (see `hosts`).
     pub hosts: Collection<Document>,
+    /// The handler registry (see `registry`).
+    pub handlers: Collection<Document>,
 }
 
 impl Collections {
@@ -133,6 +137,7 @@ impl Collections {
             history: collection("completed_deliveries"),
             oversized_events: collection("oversized_events"),
             hosts: collection("hosts"),
+            handlers: collection("handlers"),
         }
     }
 }
@@ -468,6 +473,18 @@ impl Store for MongoStore {
 
     async fn look(&self, now: DateTime) -> Result<usize, StoreError> {
         hosts::look(self, now).await
+    }
+
+    async fn register(&self, declarations: &[Declaration], now: DateTime) -> Result<Vec<RegisteredHandler>, StoreError> {
+        registry::register(self, declarations, now).await
+    }
+
+    async fn registered_handlers(&self, now: DateTime) -> Result<Vec<RegisteredHandler>, StoreError> {
+        registry::handlers_now(self, now).await
+    }
+
+    async fn retire(&self, handler: &str, disposal: Disposal, now: DateTime) -> Result<RetireReport, StoreError> {
+        registry::retire(self, handler, disposal, now).await
     }
 
     async fn requeue(&self, delivery_id: &str, now: DateTime) -> Result<(), StoreError> {

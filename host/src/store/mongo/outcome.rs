@@ -327,7 +327,7 @@ pub(super) async fn reschedule(
     settle_one(store, lease, update, now).await
 }
 
-fn burial(reason: &str, charge_attempt: bool, now: DateTime) -> Document {
+pub(super) fn burial(reason: &str, charge_attempt: bool, now: DateTime) -> Document {
     doc! {
         "$inc": { delivery::ATTEMPTS: i32::from(charge_attempt), delivery::CLAIMS: 1_i64 },
         "$set": {

@@ -51,6 +51,7 @@ pub(super) async fn run(client: &Client, collections: &Collections, location: &M
         &collections.history,
         &collections.oversized_events,
         &collections.hosts,
+        &collections.handlers,
     ] {
         create_collection(&database, collection.name()).await?;
     }
