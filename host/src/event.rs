@@ -22,6 +22,10 @@ pub mod field {
     /// How many handlers' follow-ups lie between it and an application's event (0, the
     /// default, is left out): a handler's follow-up of an event of depth `n` has `n + 1`.
     pub const CHAIN_DEPTH: &str = "chainDepth";
+    /// Written by the host on handlers' follow-ups: how many descendants the event may still
+    /// have (see the transaction capability's `descendants` limit). An event without it (an
+    /// application's) has the handling plugin's whole limit.
+    pub const CHAIN_BUDGET: &str = "chainBudget";
     pub const CREATED_AT: &str = "createdAt";
     /// Written by the host at fan-out; absent until then.
     pub const FANNED_OUT_AT: &str = "fannedOutAt";
@@ -96,6 +100,8 @@ pub enum EventError {
     HeaderValueControlCharacter { name: String },
     #[error("`chainDepth` must be a non-negative integer, found {0}")]
     BadChainDepth(String),
+    #[error("`chainBudget` must be a non-negative integer, found {0}")]
+    BadChainBudget(String),
     #[error("the event document is {bytes} bytes as BSON; the limit is {max} (the host adds to it, and a document may not pass 16 MiB)")]
     DocumentTooLarge { bytes: usize, max: usize },
 }
@@ -112,6 +118,8 @@ pub struct NewEvent {
     pub causation_id: Option<String>,
     /// See [`field::CHAIN_DEPTH`]; set by the host for handlers' follow-ups.
     pub chain_depth: u32,
+    /// See [`field::CHAIN_BUDGET`]; set by the host for handlers' follow-ups.
+    pub chain_budget: Option<u32>,
     /// Defaults to the publisher's clock at publish time.
     pub created_at: Option<DateTime>,
 }
@@ -127,6 +135,7 @@ impl NewEvent {
             correlation_id: None,
             causation_id: None,
             chain_depth: 0,
+            chain_budget: None,
             created_at: None,
         }
     }
@@ -192,6 +201,9 @@ impl NewEvent {
         }
         if self.chain_depth > 0 {
             document.insert(field::CHAIN_DEPTH, i64::from(self.chain_depth));
+        }
+        if let Some(budget) = self.chain_budget {
+            document.insert(field::CHAIN_BUDGET, i64::from(budget));
         }
         document.insert(field::CREATED_AT, self.created_at.unwrap_or(now));
         document
@@ -267,6 +279,7 @@ pub struct EventRecord {
     pub correlation_id: Option<String>,
     pub causation_id: Option<String>,
     pub chain_depth: u32,
+    pub chain_budget: Option<u32>,
     pub created_at: DateTime,
 }
 
@@ -365,12 +378,18 @@ impl EventRecord {
             Some(Bson::Int64(n)) => u32::try_from(*n).map_err(|_| EventError::BadChainDepth(n.to_string()))?,
             Some(other) => return Err(EventError::BadChainDepth(bson_type_name(other))),
         };
+        let chain_budget = match doc.get(field::CHAIN_BUDGET) {
+            None | Some(Bson::Null) => None,
+            Some(Bson::Int32(n)) => Some(u32::try_from(*n).map_err(|_| EventError::BadChainBudget(n.to_string()))?),
+            Some(Bson::Int64(n)) => Some(u32::try_from(*n).map_err(|_| EventError::BadChainBudget(n.to_string()))?),
+            Some(other) => return Err(EventError::BadChainBudget(bson_type_name(other))),
+        };
         let created_at = match doc.get(field::CREATED_AT) {
             Some(Bson::DateTime(at)) => *at,
             Some(other) => return Err(wrong(field::CREATED_AT, "a date", other)),
             None => return Err(EventError::Missing { field: field::CREATED_AT }),
         };
-        Ok(Self { id, event_type, payload, key, sequence, headers, correlation_id, causation_id, chain_depth, created_at })
+        Ok(Self { id, event_type, payload, key, sequence, headers, correlation_id, causation_id, chain_depth, chain_budget, created_at })
     }
 }
 

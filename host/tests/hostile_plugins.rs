@@ -79,7 +79,7 @@ async fn what_plugins_hand_back_is_bounded_and_the_good_plugin_keeps_flowing() {
         "concurrency = 8\npoll_interval = \"200ms\"\n\n[plugin.hostile]\nmemory = \"128MiB\"\nreason = \"1KiB\"\n\
          follow_ups = 4\nchain_depth = 3\nreturned = \"256KiB\"\nreruns = 3\n\
          retry = {{ max_attempts = 2, initial_backoff = \"100ms\", max_backoff = \"200ms\" }}\n\
-         grants = {{ collections = [\"big\", \"hostile_target\"], publish_types = [\"chain\", \"hostile.*\"], http_hosts = [\"{loopback}\"] }}"
+         grants = {{ collections = [\"big\", \"hostile_target\"], publish_types = [\"chain\", \"hostile.*\", \"RELAY*\"], http_hosts = [\"{loopback}\"] }}"
     );
     let deployment = Deployment::new(&["hostile", "audit_log", "dead_letter_alert"], &extra).await;
     // Twenty documents of 100 kB: 2 MB a find of everything would hand the host.
@@ -91,6 +91,9 @@ async fn what_plugins_hand_back_is_bounded_and_the_good_plugin_keeps_flowing() {
     let refused_publishes = [
         ("too-many", doc! { "count": 10 }, "may publish 4 follow-ups"),
         ("forged-type", doc! { "type": "relayhost.delivery.dead" }, "event type \"relayhost.delivery.dead\" is not granted"),
+        // Granted `RELAY*`, the host's namespace stays the host's whatever its case.
+        ("shouting-type", doc! { "type": "RELAYHOST.delivery.dead" }, "event type \"RELAYHOST.delivery.dead\" is not granted"),
+        ("control-header", doc! { "headers": 1, "header_value": "a\u{0}b\n\u{1b}[31m" }, "header \"h0\"'s value contains a control character"),
         ("ungranted-type", doc! { "type": "order.placed" }, "event type \"order.placed\" is not granted"),
         ("squatted-id", doc! { "id": "order-placed-o-" }, "its id must start with \"hostile:\""),
         ("dollar-header", doc! { "headers": 1, "header_name": "$where" }, "header name \"$where0\" is not allowed"),
@@ -102,6 +105,7 @@ async fn what_plugins_hand_back_is_bounded_and_the_good_plugin_keeps_flowing() {
         refused_publishes.iter().map(|(id, payload, _)| event(id, "publish", payload.clone())).collect();
     hostile.push(event("fine", "publish", doc! { "count": 2, "id": "hostile:fine-" }));
     hostile.push(event("chain-root", "chain", doc! {}));
+    hostile.push(event("forgery", "log-forgery", doc! {}));
     hostile.push(event("rerun", "rerun", doc! { "target": "hostile_target" }));
     hostile.push(event("rerun-complete", "rerun", doc! { "target": "hostile_target", "complete": true }));
     hostile.push(event("find-all", "find-all", doc! { "target": "big" }));
@@ -147,10 +151,15 @@ async fn what_plugins_hand_back_is_bounded_and_the_good_plugin_keeps_flowing() {
         assert_eq!(follow_up.get_str("correlationId").unwrap(), "fine");
         assert_eq!(follow_up.get_i64("chainDepth").unwrap(), 1);
     }
-    // The chain thins out and stops at depth 3: its root may publish 4 (it publishes 2), the
-    // next level 2 each, the next 1 each: 1 + 2 + 4 + 4 events, every delivery completed.
-    assert_eq!(events.count_documents(doc! { "type": "chain" }).await.unwrap(), 11);
-    assert_eq!(events.count_documents(doc! { "type": "chain", "chainDepth": 3 }).await.unwrap(), 4);
+    // The chain (two follow-ups of each event, well within its budget) stops at depth 3:
+    // 1 + 2 + 4 + 8 events, every delivery completed.
+    assert_eq!(events.count_documents(doc! { "type": "chain" }).await.unwrap(), 15);
+    assert_eq!(events.count_documents(doc! { "type": "chain", "chainDepth": 3 }).await.unwrap(), 8);
+    // A plugin's log lines reach the host's log with every control character escaped.
+    let log = host.log();
+    assert!(log.contains("\\r\\u{1b}[2K2026-01-01T00:00:00Z  INFO relayhost: forged line"), "{log}");
+    assert!(log.contains("nul\\u{0}byte and bell\\u{7}") && log.contains("carriage\\rreturn"), "{log}");
+    assert!(!log.contains(['\r', '\0', '\u{1b}', '\u{7}']), "no raw control character in the host's log");
     // Its own failed call ended its transaction: charged at once, never run again for free.
     let (status, error) = last_error(&deployment, "rerun").await;
     assert_eq!(status, "dead");
@@ -173,14 +182,14 @@ async fn what_plugins_hand_back_is_bounded_and_the_good_plugin_keeps_flowing() {
     // The key's publisher came first; the handler's follow-up took the next sequence at its commit.
     let sequence = |id: &'static str| async move { events.find_one(doc! { "_id": id }).await.unwrap().unwrap().get_i64("sequence").unwrap() };
     assert_eq!((sequence("order-shared").await, sequence("hostile:keyed-0").await), (1, 2));
-    // Every death was announced and reached the alert plugin: 8 refused follow-ups, the two
+    // Every death was announced and reached the alert plugin: 10 refused follow-ups, the two
     // self-inflicted re-runs, the find, the HTTP request and the oversized event.
     deployment.wait_until("every death is announced", Duration::from_secs(30), async |d| {
-        d.documents("dead_letter_alerts").await.len() == 13
+        d.documents("dead_letter_alerts").await.len() == 15
     })
     .await;
     let dead = store.list_deliveries(&DeliveryFilter { status: Some(DeliveryStatus::Dead), limit: 100, ..Default::default() }).await.unwrap();
-    assert_eq!(dead.deliveries.len(), 13);
+    assert_eq!(dead.deliveries.len(), 15);
     host.stop();
 }
 

@@ -70,6 +70,7 @@ fn event() -> EventRecord {
         correlation_id: None,
         causation_id: None,
         chain_depth: 0,
+        chain_budget: None,
         created_at: DateTime::now(),
     }
 }

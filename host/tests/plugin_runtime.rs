@@ -57,6 +57,7 @@ fn event(event_type: &str, payload: bson::Document) -> EventRecord {
         correlation_id: None,
         causation_id: None,
         chain_depth: 0,
+        chain_budget: None,
         created_at: DateTime::now(),
     }
 }

@@ -318,6 +318,7 @@ impl Config {
             handlers: pick(&|p| p.handlers.map(|n| n as u64), defaults.handlers as u64) as usize,
             transaction: transaction::Limits {
                 follow_ups: pick(&|p| p.follow_ups.map(u64::from), u64::from(transaction_defaults.follow_ups)) as u32,
+                descendants: pick(&|p| p.descendants.map(u64::from), u64::from(transaction_defaults.descendants)) as u32,
                 follow_up_payload_bytes: pick(
                     &|p| p.follow_up_payload.map(|s| s.0 as u64),
                     transaction_defaults.follow_up_payload_bytes as u64,
@@ -497,6 +498,7 @@ mod tests {
             ("[defaults]\ngrants = { collections = [\"a\"] }", "defaults.grants"),
             ("[plugin.\"../evil\"]\nfuel = 1", "plugin.../evil"),
             ("[plugin.x]\nfollow_ups = 5000", "plugin.x.follow_ups"),
+            ("[plugin.x]\ndescendants = 1000001", "plugin.x.descendants"),
             ("[plugin.x]\nhandlers = 0", "plugin.x.handlers"),
             ("[defaults]\nfollow_up_payload = \"16MiB\"", "defaults.follow_up_payload"),
             ("[plugin.x]\nchain_depth = 65", "plugin.x.chain_depth"),

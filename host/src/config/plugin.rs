@@ -67,6 +67,8 @@ pub struct PluginConfig {
     pub handlers: Option<usize>,
     /// Follow-up events one delivery may publish.
     pub follow_ups: Option<u32>,
+    /// Most events descending from one application event through its follow-ups.
+    pub descendants: Option<u32>,
     /// Largest payload of a follow-up event.
     pub follow_up_payload: Option<Size>,
     /// Deepest chain of follow-ups.
@@ -117,6 +119,7 @@ pub(super) fn validate_plugin(section: &str, plugin: &PluginConfig) -> Result<()
     };
     range("handlers", plugin.handlers.map(|n| n as u64), 1, crate::plugin::MAX_HANDLERS_LIMIT as u64, "between 1 and 1000")?;
     range("follow_ups", plugin.follow_ups.map(u64::from), 0, 1_000, "between 0 and 1000")?;
+    range("descendants", plugin.descendants.map(u64::from), 0, 1_000_000, "between 0 and 1000000")?;
     range("follow_up_payload", plugin.follow_up_payload.map(|s| s.0 as u64), 64, 4 << 20, "between 64B and 4MiB")?;
     range("chain_depth", plugin.chain_depth.map(u64::from), 0, 64, "between 0 and 64")?;
     range("returned", plugin.returned.map(|s| s.0 as u64), 1024, MAX_MEMORY_BYTES as u64, "between 1KiB and 1GiB")?;

@@ -506,8 +506,10 @@ pub trait Store: Send + Sync + 'static {
     fn registered_handlers(&self, now: DateTime) -> impl Future<Output = Result<Vec<RegisteredHandler>, StoreError>> + Send;
 
     /// Operator action: retires `handler` (refused while a live host serves it, or if it was
-    /// never registered): fan-outs create no more of its deliveries, and its pending ones are
-    /// buried or dropped, but those a live lease still lists (counted, to retire again).
+    /// never registered): fan-outs create no more of its deliveries once their hosts read the
+    /// registry again (within [`ANNOUNCE_EVERY`]), and its pending ones are buried or dropped,
+    /// but those a live lease still lists (counted, to retire again). Retiring a retired
+    /// handler again keeps its retirement's time and disposes of what a fan-out created since.
     fn retire(&self, handler: &str, disposal: Disposal, now: DateTime)
     -> impl Future<Output = Result<RetireReport, StoreError>> + Send;
 

@@ -54,6 +54,10 @@ impl Plugin for Hostile {
         subscriptions.push(Subscription::new("publish", ["publish"]).transactional());
         // Publishes two more events of its own type for every one it gets.
         subscriptions.push(Subscription::new("chain", ["chain"]).transactional());
+        // Publishes sixteen more events of its own type for every one it gets (a chain burst).
+        subscriptions.push(Subscription::new("burst", ["burst"]).transactional());
+        // Logs lines that would rewrite an operator's terminal or forge a host line if shown raw.
+        subscriptions.push(Subscription::new("log-forgery", ["log-forgery"]));
         // Makes its transaction unusable (a failed server call, then another call) every time.
         subscriptions.push(Subscription::new("rerun", ["rerun"]).transactional());
         // Reads everything of the target collection (up to 1,000 documents).
@@ -124,6 +128,22 @@ impl Plugin for Hostile {
                 }
                 Ok(())
             }
+            "burst" => {
+                for n in 0..16 {
+                    let next = NewEvent::new(format!("hostile:{}-{n}", short_id(&event.id)), "burst", &serde_json::json!({}));
+                    if let Err(error) = transaction::publish(&next) {
+                        log::debug(&error);
+                        break;
+                    }
+                }
+                Ok(())
+            }
+            "log-forgery" => {
+                log::info("\r\u{1b}[2K2026-01-01T00:00:00Z  INFO relayhost: forged line");
+                log::warn("nul\0byte and bell\u{7}");
+                println!("carriage\rreturn");
+                Ok(())
+            }
             "rerun" => {
                 let _ = transaction::update(&target, "{}", r#"[{"$out": "elsewhere"}]"#);
                 if payload["complete"] == Value::Bool(true) {
@@ -170,12 +190,17 @@ fn publish(event: &Event, payload: &Value) -> Result<(), String> {
         if let Some(key) = payload["key"].as_str() {
             next = next.with_key(key);
         }
-        next.headers = (0..number("headers", 0))
-            .map(|h| (format!("{}{h}", text("header_name", "h")), "v".repeat(number("header_bytes", 1))))
-            .collect();
+        let value = payload["header_value"].as_str().map(str::to_string).unwrap_or_else(|| "v".repeat(number("header_bytes", 1)));
+        next.headers = (0..number("headers", 0)).map(|h| (format!("{}{h}", text("header_name", "h")), value.clone())).collect();
         transaction::publish(&next)?;
     }
     Ok(())
+}
+
+/// A short, unique stand-in for an event id (ids of a burst would otherwise nest and grow).
+fn short_id(id: &str) -> String {
+    let hash = id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| (hash ^ u64::from(byte)).wrapping_mul(0x100_0000_01b3));
+    format!("{hash:016x}")
 }
 
 #[allow(unconditional_recursion)]

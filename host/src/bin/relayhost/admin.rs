@@ -216,6 +216,10 @@ pub async fn stats(config: &Config, json: bool) -> Result<ExitCode> {
     .await
 }
 
+/// How long after a retirement every host has read the registry again, and a fan-out that
+/// read it before has committed: a refresh interval twice, and a second.
+const RETIREMENT_SEEN: std::time::Duration = std::time::Duration::from_secs(3);
+
 fn rfc3339(at: DateTime) -> String {
     at.try_to_rfc3339_string().unwrap_or_default()
 }
@@ -280,7 +284,13 @@ pub async fn handlers(config: &Config, command: HandlersCommand) -> Result<ExitC
                 println!("retiring `{handler}` would {doing} its {waiting} waiting deliveries; run again with --yes to do it");
                 return Ok(ExitCode::from(2));
             }
-            let report = store.retire(&handler, disposal, now).await?;
+            let mut report = store.retire(&handler, disposal, now).await?;
+            // A host's fan-out may have read the registry just before: once every host read it
+            // again (and such a fan-out committed), what it created goes the same way.
+            tokio::time::sleep(RETIREMENT_SEEN).await;
+            let again = store.retire(&handler, disposal, DateTime::now()).await?;
+            report.disposed += again.disposed;
+            report.still_claimed = again.still_claimed;
             let done = if bury { "buried" } else { "dropped" };
             println!("retired `{handler}`: {} waiting deliveries {done}", report.disposed);
             if report.still_claimed > 0 {

@@ -63,10 +63,16 @@ impl Grant {
 /// The transaction capability's limits, per delivery.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Limits {
-    /// Follow-up events one delivery of an application's event may publish; halved at every
-    /// level of a chain (at least one), so one application event has at most
-    /// `follow_ups × follow_ups/2 × ...` descendants: 1,024 with the defaults, not 16^8.
+    /// Follow-up events one delivery may publish (fewer where its event's chain budget is
+    /// smaller, see `descendants`).
     pub follow_ups: u32,
+    /// Most events that may descend from one application event through a chain of this
+    /// plugin's follow-ups. An event carries its chain budget (`chainBudget`; an application's
+    /// event has this whole limit): a delivery may publish `allowed = min(follow_ups, budget)`
+    /// follow-ups, and each gets `(budget - allowed) / allowed`, so a tree never outgrows its
+    /// root's budget (with the defaults a plugin that publishes all it may stops at
+    /// 16 + 256 + 512 = 784 descendants).
+    pub descendants: u32,
     /// Largest payload of a follow-up, in BSON bytes.
     pub follow_up_payload_bytes: usize,
     /// Deepest chain of follow-ups: an event an application published has depth 0, a
@@ -81,7 +87,7 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Self { follow_ups: 16, follow_up_payload_bytes: 256 * 1024, chain_depth: 8, returned_bytes: 4 << 20, reruns: 20 }
+        Self { follow_ups: 16, descendants: 1_024, follow_up_payload_bytes: 256 * 1024, chain_depth: 8, returned_bytes: 4 << 20, reruns: 20 }
     }
 }
 
@@ -112,6 +118,17 @@ struct Lineage {
     causation_id: String,
     correlation_id: String,
     chain_depth: u32,
+    /// How many descendants the handled event may still have (see [`Limits::descendants`]).
+    chain_budget: u32,
+}
+
+impl Lineage {
+    /// How many follow-ups the delivery may publish, and the chain budget each gets.
+    fn allowance(&self, limits: &Limits) -> (u32, u32) {
+        let allowed = limits.follow_ups.min(self.chain_budget);
+        let each = if allowed == 0 { 0 } else { (self.chain_budget - allowed) / allowed };
+        (allowed, each)
+    }
 }
 
 /// The per-instance state: the backend (transactional handlers only) and what was published.
@@ -138,6 +155,7 @@ impl TransactionState {
             causation_id: event.id.clone(),
             correlation_id: event.correlation_id.clone().unwrap_or_else(|| event.id.clone()),
             chain_depth: event.chain_depth,
+            chain_budget: event.chain_budget.unwrap_or(limits.descendants).min(limits.descendants),
         });
         Self { plugin, grant: grant.clone(), limits: limits.clone(), lineage, backend, published: 0 }
     }
@@ -158,11 +176,12 @@ impl TransactionState {
     fn follow_up(&self, event: transaction::NewEvent) -> Result<NewEvent, String> {
         let refuse = |why: String| format!("follow-up event {} refused: {why}", shown(&event.id));
         let lineage = self.lineage.as_ref().ok_or_else(|| refuse("no event is being handled".to_string()))?;
-        let allowed = (self.limits.follow_ups >> lineage.chain_depth.min(31)).max(1);
+        let (allowed, budget_each) = lineage.allowance(&self.limits);
         if self.published >= allowed {
             return Err(refuse(format!(
-                "a delivery of an event {} follow-ups deep may publish {allowed} follow-ups (the plugin's `follow_ups` limit, {}, halved at every level of a chain)",
-                lineage.chain_depth, self.limits.follow_ups
+                "a delivery of this event may publish {allowed} follow-ups (the plugin's `follow_ups` limit, {}, within the {} \
+                 descendants its chain may still have of the `descendants` limit, {})",
+                self.limits.follow_ups, lineage.chain_budget, self.limits.descendants
             )));
         }
         if !self.grant.allows_event_type(&event.event_type) {
@@ -196,6 +215,7 @@ impl TransactionState {
         follow_up.causation_id = Some(lineage.causation_id.clone());
         follow_up.correlation_id = Some(lineage.correlation_id.clone());
         follow_up.chain_depth = lineage.chain_depth + 1;
+        follow_up.chain_budget = Some(budget_each);
         follow_up.validate(self.limits.follow_up_payload_bytes).map_err(|e| refuse(e.to_string()))?;
         Ok(follow_up)
     }
@@ -279,6 +299,31 @@ mod tests {
         state(grant, 0)
     }
 
+    /// Whatever a plugin publishes, the tree under one application event stays within its
+    /// `descendants` limit (the chain of fan-out 16 that made 5,776 events now makes 784).
+    #[test]
+    fn a_tree_of_follow_ups_never_outgrows_its_roots_budget() {
+        for (follow_ups, descendants) in [(16, 1_024), (1_000, 1_024), (3, 10), (2, 1), (7, 100)] {
+            let limits = Limits { follow_ups, descendants, chain_depth: 64, ..Limits::default() };
+            let mut level = vec![descendants];
+            let mut total = 0u64;
+            while !level.is_empty() {
+                let mut next = Vec::new();
+                for budget in level {
+                    let lineage = Lineage { causation_id: String::new(), correlation_id: String::new(), chain_depth: 0, chain_budget: budget };
+                    let (allowed, each) = lineage.allowance(&limits);
+                    total += u64::from(allowed);
+                    next.extend(std::iter::repeat_n(each, allowed as usize));
+                }
+                level = next;
+            }
+            assert!(total <= u64::from(descendants), "follow_ups {follow_ups}, descendants {descendants}: {total}");
+            if (follow_ups, descendants) == (16, 1_024) {
+                assert_eq!(total, 784);
+            }
+        }
+    }
+
     #[test]
     fn chains_count_and_headers_are_bounded() {
         let grant = Grant { publish_types: vec!["*".into()], ..Grant::default() };
@@ -287,15 +332,19 @@ mod tests {
         let mut counted = state(grant.clone(), 0);
         counted.published = 2;
         assert!(counted.follow_up(new_event("billing:1", "t")).unwrap_err().contains("may publish 2 follow-ups"));
-        // One level down, half as many (at least one).
-        let mut deeper = state(grant.clone(), 1);
-        assert!(deeper.follow_up(new_event("billing:1", "t")).is_ok());
-        deeper.published = 1;
-        assert!(deeper.follow_up(new_event("billing:2", "t")).unwrap_err().contains("1 follow-ups deep may publish 1 follow-ups"));
-        let mut deep = state(grant.clone(), 5);
-        assert!(deep.follow_up(new_event("billing:1", "t")).is_ok());
-        deep.published = 1;
-        assert!(deep.follow_up(new_event("billing:2", "t")).is_err());
+        // An application's event has the whole budget; each follow-up gets its share of what
+        // is left once the delivery published all it may.
+        let follow_up = state(grant.clone(), 0).follow_up(new_event("billing:1", "t")).unwrap();
+        assert_eq!(follow_up.chain_budget, Some((1_024 - 2) / 2));
+        // A follow-up with a budget of 1 may publish one event, with nothing left to it.
+        let mut thin = state(grant.clone(), 1);
+        thin.lineage.as_mut().unwrap().chain_budget = 1;
+        assert_eq!(thin.follow_up(new_event("billing:1", "t")).unwrap().chain_budget, Some(0));
+        thin.published = 1;
+        assert!(thin.follow_up(new_event("billing:2", "t")).unwrap_err().contains("may publish 1 follow-ups"));
+        let mut spent = state(grant.clone(), 2);
+        spent.lineage.as_mut().unwrap().chain_budget = 0;
+        assert!(spent.follow_up(new_event("billing:1", "t")).unwrap_err().contains("may publish 0 follow-ups"));
         let mut headers = new_event("billing:1", "t");
         headers.headers = vec![("$set".into(), "x".into())];
         assert!(state(grant.clone(), 0).follow_up(headers).unwrap_err().contains("header name \"$set\""));

@@ -45,7 +45,7 @@ impl MemoryStore {
     pub(super) async fn retire_handler(&self, handler: &str, disposal: Disposal, now: DateTime) -> Result<RetireReport, StoreError> {
         let mut state = self.state.lock().await;
         registry::check_retirable(&handlers_now(&state, now), handler)?;
-        state.handlers.get_mut(handler).expect("checked").retired_at = Some(now);
+        state.handlers.get_mut(handler).expect("checked").retired_at.get_or_insert(now);
         let listed: Vec<_> = state
             .lanes
             .iter()

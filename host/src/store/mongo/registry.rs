@@ -123,7 +123,8 @@ fn strings(values: &[Bson]) -> std::collections::BTreeSet<String> {
 /// deliveries but those a live lease lists.
 pub(super) async fn retire(store: &MongoStore, handler: &str, disposal: Disposal, now: DateTime) -> Result<RetireReport, StoreError> {
     registry::check_retirable(&handlers_now(store, now).await?, handler)?;
-    store.collections.handlers.update_one(doc! { ID: { "$eq": handler } }, doc! { "$set": { RETIRED_AT: now } }).await?;
+    let not_yet = doc! { ID: { "$eq": handler }, RETIRED_AT: { "$exists": false } };
+    store.collections.handlers.update_one(not_yet, doc! { "$set": { RETIRED_AT: now } }).await?;
     // What a live lease lists may still run on a host that stopped serving it: left alone.
     let lanes: Vec<Document> = store
         .collections
