@@ -222,6 +222,7 @@ async fn a_chain_burst_stays_within_its_bound_and_the_good_plugin_keeps_flowing(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn squatters_slow_greedy_and_secret_plugin_files_are_refused_at_startup_and_nothing_is_lost() {
     let extra = "poll_interval = \"200ms\"\n\n[plugin.squatter]\ngrants = { environment = [\"HOSTILE_SQUAT\"] }\n\n\
+                 [plugin.late_squatter]\ngrants = { environment = [\"HOSTILE_SQUAT\"] }\n\n\
                  [plugin.slowpoke]\ngrants = { environment = [\"HOSTILE_SLOW_SUBSCRIPTIONS\"] }\n\n\
                  [plugin.greedy]\ngrants = { environment = [\"HOSTILE_MANY_SUBSCRIPTIONS\"] }";
     let deployment = Deployment::new(&["audit_log"], extra).await;
@@ -270,6 +271,16 @@ async fn squatters_slow_greedy_and_secret_plugin_files_are_refused_at_startup_an
     .await;
     let audited: Vec<Bson> = deployment.documents("audit_log").await.into_iter().filter_map(|d| d.get("attempt").cloned()).collect();
     assert!(audited.iter().all(|a| a.as_i32() == Some(1) || a.as_i64() == Some(1)), "{audited:?}");
+    // A squatter added while the host runs is refused once, not at every rescan (reading it
+    // is a change to the directory's watcher).
+    std::fs::copy(plugins_dir().join("hostile.wasm"), plugins.join(".late_squatter.partial")).unwrap();
+    std::fs::rename(plugins.join(".late_squatter.partial"), plugins.join("late_squatter.wasm")).unwrap();
+    host.wait_for_log("plugin=\"late_squatter\"", Duration::from_secs(10));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let refusals: Vec<String> =
+        host.log().lines().filter(|l| l.contains("plugin refused") && l.contains("plugin=\"late_squatter\"")).map(str::to_string).collect();
+    assert_eq!(refusals.len(), 1, "{refusals:#?}");
+    assert!(refusals[0].contains("handler `audit-log` is already provided by plugin `audit_log`"), "{}", refusals[0]);
     // Beside the refused plugins, the good one's deliveries flow.
     let latencies = good_plugin_latencies(&deployment, "order-late-", 20, Duration::from_millis(100)).await;
     let max = latencies[latencies.len() - 1];
