@@ -474,6 +474,15 @@ impl Store for FaultyStore {
     async fn retire(&self, handler: &str, disposal: Disposal, now: DateTime) -> Result<RetireReport, StoreError> {
         self.inner.retire(handler, disposal, now).await
     }
+    async fn event_history(&self, event_id: &str) -> Result<relayhost::store::EventHistory, StoreError> {
+        self.inner.event_history(event_id).await
+    }
+    async fn purge_preview(&self, options: &PurgeOptions, now: DateTime) -> Result<PurgeReport, StoreError> {
+        self.inner.purge_preview(options, now).await
+    }
+    async fn take_turn(&self, job: &str, turn: Duration, now: DateTime) -> Result<bool, StoreError> {
+        self.inner.take_turn(job, turn, now).await
+    }
     async fn requeue(&self, delivery_id: &str, now: DateTime) -> Result<(), StoreError> {
         self.inner.requeue(delivery_id, now).await
     }

@@ -41,6 +41,9 @@ macro_rules! contract {
 }
 
 contract!(
+    purge_deletes_a_keys_counter_only_once_none_of_its_events_remains,
+    one_instance_at_a_time_holds_a_jobs_turn,
+    listing_filters_by_running_parked_and_age_and_takes_operators_text_as_data,
     the_registry_keeps_a_handler_subscribed_while_no_host_serves_it_until_an_operator_retires_it,
     retiring_a_handler_buries_or_drops_exactly_its_waiting_deliveries,
     setup_is_idempotent_and_safe_concurrently,
@@ -1949,6 +1952,81 @@ async fn purge_keeps_what_is_referenced_or_recent<F: Fixture>() {
     assert_eq!(publish(store, event("done-1", "done")).await.unwrap(), Published::Duplicate);
     let report = store.purge(&PurgeOptions { dead_before: None, completed_before: Some(at(T0 + 3)) }, at(T0 + 3)).await.unwrap();
     assert_eq!((report.events, report.history_records), (5, 5));
+}
+
+/// Key `a` has a dead delivery left after its completed events go; key `b` has none left:
+/// only `b`'s counter goes, and `b` starts again at 1 with nothing of it left to order
+/// against, while `a` goes on from its counter (per-key order across a purge).
+async fn purge_deletes_a_keys_counter_only_once_none_of_its_events_remains<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    let subscriptions = subs(&[("h", &["t"])]);
+    let created = |e: NewEvent| e.with_created_at(at(T0));
+    publish_all(store, vec![created(keyed("a-1", "t", "a")), created(keyed("a-2", "t", "a")), created(keyed("b-1", "t", "b"))]).await;
+    fan_out_all(store, &subscriptions, at(T0)).await;
+    for step in 0..3 {
+        for c in store.claim(&handlers(&["h"]), 10, at(T0 + step)).await.unwrap() {
+            if c.event.id == "a-2" {
+                store.bury(&c.lease, "poison", true, at(T0 + step)).await.unwrap();
+            } else {
+                store.complete_many(&[c.lease], at(T0 + step)).await.unwrap();
+            }
+        }
+    }
+    let options = PurgeOptions { completed_before: Some(at(T0 + 10)), dead_before: None };
+    let preview = store.purge_preview(&options, at(T0 + 10)).await.unwrap();
+    // Every event is past its cutoff; a-2 stays all the same, its dead delivery refers to it.
+    assert_eq!((preview.events, preview.dead_deliveries), (3, 0), "{preview:?}");
+    assert!(fixture.raw_event("a-1").await.is_some(), "a preview deletes nothing");
+    let report = store.purge(&options, at(T0 + 10)).await.unwrap();
+    assert_eq!((report.events, report.key_counters), (2, 1), "{report:?}");
+    assert!(fixture.raw_event("a-2").await.is_some(), "the dead delivery keeps its event");
+    assert_eq!(publish(store, keyed("a-3", "t", "a")).await.unwrap(), Published::New { sequence: Some(3) });
+    assert_eq!(publish(store, keyed("b-2", "t", "b")).await.unwrap(), Published::New { sequence: Some(1) });
+}
+
+async fn one_instance_at_a_time_holds_a_jobs_turn<F: Fixture>() {
+    let fixture = F::new().await;
+    let (a, b) = (fixture.worker("a"), fixture.worker("b"));
+    let turn = Duration::from_secs(60);
+    assert!(a.take_turn("retention", turn, at(T0)).await.unwrap());
+    assert!(!b.take_turn("retention", turn, at(T0 + 1)).await.unwrap(), "a holds it");
+    assert!(a.take_turn("retention", turn, at(T0 + 2)).await.unwrap(), "its holder may take it again");
+    assert!(b.take_turn("other", turn, at(T0 + 2)).await.unwrap(), "turns are per job");
+    assert!(!b.take_turn("retention", turn, at(T0 + 60_001)).await.unwrap(), "a's second turn runs to T0 + 60,002");
+    assert!(b.take_turn("retention", turn, at(T0 + 60_002)).await.unwrap(), "once it lapses, another takes it");
+    // A job's name is data: one shaped like an operator is a job of its own, matching no other.
+    assert!(a.take_turn("{\"$gt\": \"\"}", turn, at(T0 + 60_003)).await.unwrap());
+    assert!(!a.take_turn("retention", turn, at(T0 + 60_004)).await.unwrap(), "b still holds retention");
+}
+
+async fn listing_filters_by_running_parked_and_age_and_takes_operators_text_as_data<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    let subscriptions = subs(&[("h", &["t"])]);
+    publish_all(store, vec![keyed("k-1", "t", "k").with_created_at(at(T0 - 1_000)), keyed("k-2", "t", "k"), event("u-1", "t")]).await;
+    fan_out_all(store, &subscriptions, at(T0)).await;
+    let running = store.claim(&handlers(&["h"]), 10, at(T0)).await.unwrap();
+    assert_eq!(ids(&running), ["k-1/h", "u-1/h"], "k-2 waits behind k-1");
+    let list = async |filter: DeliveryFilter| -> Vec<String> {
+        let mut found: Vec<String> = list_all(store, filter).await.iter().map(|d| format!("{}/{}", d.event_id, d.handler)).collect();
+        found.sort();
+        found
+    };
+    let pending = Some(DeliveryStatus::Pending);
+    assert_eq!(list(DeliveryFilter { status: pending, running: Some(true), ..Default::default() }).await, ["k-1/h", "u-1/h"]);
+    assert_eq!(list(DeliveryFilter { status: pending, running: Some(false), ..Default::default() }).await, ["k-2/h"]);
+    assert_eq!(list(DeliveryFilter { status: pending, parked: Some(true), ..Default::default() }).await, ["k-2/h"]);
+    assert_eq!(list(DeliveryFilter { created_before: Some(at(T0 - 500)), ..Default::default() }).await.len(), 0, "by the delivery's creation");
+    let views = list_all(store, DeliveryFilter { running: Some(true), ..Default::default() }).await;
+    assert!(views.iter().all(|v| v.running));
+    for hostile in ["{\"$gt\": \"\"}", "k\" || true", "/.*/", "$where"] {
+        let filter = DeliveryFilter { key: Some(hostile.into()), handler: Some(hostile.into()), ..Default::default() };
+        assert!(list(filter).await.is_empty(), "{hostile} is a value, never an operator");
+        let history = store.event_history(hostile).await.unwrap();
+        assert!(history.event.is_none() && history.completions.is_empty());
+    }
+    assert_eq!(store.event_history("u-1").await.unwrap().event.and_then(|e| e.get_str("type").ok().map(str::to_string)).as_deref(), Some("t"));
 }
 
 async fn purge_racing_fan_out_never_orphans_a_delivery<F: Fixture>() {

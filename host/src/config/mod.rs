@@ -13,8 +13,10 @@ use serde::Deserialize;
 use crate::dispatch::{DispatcherOptions, RateLimit, Throttle};
 
 mod plugin;
+mod retention;
 
 pub use plugin::{GrantsConfig, PluginConfig, RateConfig, RetryConfig};
+pub use retention::{Keep, RetentionConfig};
 use plugin::validate_plugin;
 use crate::plugin::capability::{http, log, transaction};
 use crate::plugin::{Grants, Limits, PluginPolicy};
@@ -186,6 +188,7 @@ pub struct Config {
     pub defaults: PluginConfig,
     /// Per plugin, by file name without `.wasm`.
     pub plugin: BTreeMap<String, PluginConfig>,
+    pub retention: RetentionConfig,
 }
 
 impl Config {
@@ -208,8 +211,8 @@ impl Config {
         toml::from_str(text).map_err(|e| ConfigError::Parse { path: origin.to_string(), message: e.to_string() })
     }
 
-    /// `RELAYHOST_<SECTION>_<FIELD>` overrides a scalar field of `[mongodb]`, `[host]` or
-    /// `[plugins]`; any other `RELAYHOST_*` variable is refused by name.
+    /// `RELAYHOST_<SECTION>_<FIELD>` overrides a scalar field of `[mongodb]`, `[host]`,
+    /// `[plugins]` or `[retention]`; any other `RELAYHOST_*` variable is refused by name.
     pub fn apply_environment(&mut self, environment: impl IntoIterator<Item = (String, String)>) -> Result<(), ConfigError> {
         for (name, value) in environment {
             let Some(key) = name.strip_prefix(ENV_PREFIX) else { continue };
@@ -247,6 +250,9 @@ impl Config {
                 }
                 "host_artifact_cache" => self.host.artifact_cache = Some(value.into()),
                 "plugins_directory" => self.plugins.directory = value.into(),
+                "retention_completed" => self.retention.completed = Keep::parse(&value).map_err(parse_error)?,
+                "retention_dead_letters" => self.retention.dead_letters = Keep::parse(&value).map_err(parse_error)?,
+                "retention_every" => self.retention.every = Span(parse_duration(&value).map_err(parse_error)?),
                 // Read by other parts of relayhost, not configuration.
                 "config" | "mongod" | "cache" | "pythonpath" => {}
                 _ => return Err(invalid(&name, "is not a configuration override relayhost knows")),
@@ -277,6 +283,9 @@ impl Config {
         }
         if self.host.poll_interval.0 < Duration::from_millis(10) {
             return Err(invalid("host.poll_interval", "must be at least 10ms"));
+        }
+        if self.retention.every.0 < Duration::from_secs(1) {
+            return Err(invalid("retention.every", "must be at least 1s"));
         }
         if !matches!(self.host.log_format.as_str(), "plain" | "json") {
             return Err(invalid("host.log_format", "must be \"plain\" or \"json\""));

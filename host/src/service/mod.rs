@@ -2,11 +2,12 @@
 //!
 //! This module owns the assembly only: MongoDB (a URI or the embedded server), the store and
 //! its setup, the plugin registry and its directory watch, the dispatcher with change-stream
-//! wakeups, and the health endpoints. It must never contain delivery logic: claims, outcomes
+//! wakeups, the scheduled purge (`retention`), and the health endpoints. It must never contain delivery logic: claims, outcomes
 //! and retries belong to `dispatch` and `store`, running a plugin to `plugin`.
 
 mod embedded;
 mod health;
+mod retention;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -133,9 +134,13 @@ async fn serve(
         ),
         None => None,
     };
+    let purging = retention::spawn(store.clone(), config.retention.clone());
     tracing::info!(owner = %store.options().owner, database = %config.mongodb.database, "relayhost is running");
     let result = dispatcher.run(stop).await;
     wakeups.abort();
+    if let Some(purging) = purging {
+        purging.abort();
+    }
     if let Some(health) = health {
         health.abort();
     }

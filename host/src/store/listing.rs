@@ -13,6 +13,8 @@ pub struct PurgeReport {
     pub dead_deliveries: u64,
     pub history_records: u64,
     pub events: u64,
+    /// Counters of keys none of whose events remain.
+    pub key_counters: u64,
 }
 
 /// Counts of one handler's deliveries.
@@ -40,6 +42,12 @@ pub struct DeliveryFilter {
     pub event_type: Option<String>,
     pub event_id: Option<String>,
     pub key: Option<String>,
+    /// Listed by a live lease (running, or claimed ahead of a run slot), or not.
+    pub running: Option<bool>,
+    /// Waiting parked behind an unfinished delivery of its key, or not.
+    pub parked: Option<bool>,
+    /// Created before this.
+    pub created_before: Option<DateTime>,
     /// Continue after this delivery id (the `next` of the previous page).
     pub after: Option<String>,
     /// Page size; 0 means 100. At most 1,000.
@@ -64,6 +72,8 @@ pub struct DeliveryView {
     pub created_at: DateTime,
     pub updated_at: Option<DateTime>,
     pub last_error: Option<String>,
+    /// Listed by a live lease when it was read.
+    pub running: bool,
 }
 
 /// One page of deliveries.
@@ -107,4 +117,12 @@ impl DeliveryPage {
         };
         Self { deliveries, next }
     }
+}
+
+/// What the store knows of one event: its document as stored (the host's marks included),
+/// and, with completion history, which handlers completed it and when.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EventHistory {
+    pub event: Option<bson::Document>,
+    pub completions: Vec<(String, DateTime)>,
 }

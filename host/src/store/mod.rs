@@ -37,7 +37,7 @@ pub use capacity::{Capacity, Priorities, Room, Rooms};
 pub use error::StoreError;
 pub use lease::Lease;
 pub use registry::{Declaration, Disposal, RegisteredHandler, RetireReport};
-pub use listing::{DeliveryFilter, DeliveryPage, DeliveryView, HandlerStatistics, PurgeReport};
+pub use listing::{DeliveryFilter, DeliveryPage, DeliveryView, EventHistory, HandlerStatistics, PurgeReport};
 pub use transaction::{Retrying, TRANSACTION_RETRY_LIMIT, run_in_transaction};
 
 use crate::event::{EventRecord, NewEvent};
@@ -524,9 +524,23 @@ pub trait Store: Send + Sync + 'static {
     fn bury_pending_in(&self, tx: &mut Self::Tx, delivery_id: &str, reason: &str, now: DateTime)
     -> impl Future<Output = Result<DeliveryView, StoreError>> + Send;
 
-    /// Deletes dead deliveries, history and events nothing references, in batches.
+    /// Deletes dead deliveries, history and events nothing references, in batches (each its
+    /// own transaction, so publishers and deliveries never wait for a whole purge), and the
+    /// counters of keys none of whose events remain (a key's counter is never reset while an
+    /// event of the key exists or is being published).
     fn purge(&self, options: &PurgeOptions, now: DateTime)
     -> impl Future<Output = Result<PurgeReport, StoreError>> + Send;
+
+    /// What [`Store::purge`] would delete, counted, deleting nothing: the dead deliveries and
+    /// history records past their cutoffs, and the events past theirs (some of which stay, while
+    /// something refers to them); no key counters.
+    fn purge_preview(&self, options: &PurgeOptions, now: DateTime)
+    -> impl Future<Output = Result<PurgeReport, StoreError>> + Send;
+
+    /// Takes `job`'s turn for `turn` from `now`, unless another instance holds it: a job that
+    /// one host at a time does (the scheduled purge). A turn is not handed back; the next
+    /// is taken once it lapses, by whichever host asks first.
+    fn take_turn(&self, job: &str, turn: Duration, now: DateTime) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
     /// Per-handler counts.
     fn statistics(&self, now: DateTime) -> impl Future<Output = Result<Vec<HandlerStatistics>, StoreError>> + Send;
@@ -534,6 +548,10 @@ pub trait Store: Send + Sync + 'static {
     /// Committed events no fan-out has made deliveries of yet. A host fans a backlog out only
     /// as fast as it can hand it out (see the dispatcher), so this is where a backlog waits.
     fn unfanned_events(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// The event `event_id` as stored, and its completions (with completion history); the id
+    /// is matched as a literal string.
+    fn event_history(&self, event_id: &str) -> impl Future<Output = Result<EventHistory, StoreError>> + Send;
 
     /// Deliveries matching `filter`, in id order.
     fn list_deliveries(&self, filter: &DeliveryFilter)

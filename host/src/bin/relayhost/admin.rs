@@ -1,5 +1,5 @@
 //! The operator's subcommands: `check`, `setup`, `stats`, `dead list|requeue|bury`,
-//! `handlers list|retire` and `publish`.
+//! `handlers list|retire`, `purge` and `publish`.
 //!
 //! Each opens MongoDB as the configuration says (joining the embedded server a running host
 //! owns, or starting it for the command's duration), does one thing, and prints the result.
@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use anyhow::{Context, Result, bail};
 use bson::{DateTime, Document};
 use clap::{Args, Subcommand};
-use relayhost::config::Config;
+use relayhost::config::{Config, Keep};
 use relayhost::dispatch::{DEAD_LETTER_EVENT_TYPE, bury_by_operator};
 use relayhost::event::NewEvent;
 use relayhost::plugin::Change;
@@ -42,6 +42,19 @@ pub enum DeadCommand {
         #[arg(long, default_value = "no reason given")]
         reason: String,
     },
+}
+
+#[derive(Args)]
+pub struct PurgeArgs {
+    /// Only count what would go.
+    #[arg(long)]
+    dry_run: bool,
+    /// Keep completed events this long instead of `retention.completed` ("off" keeps them).
+    #[arg(long)]
+    completed: Option<String>,
+    /// Keep dead deliveries this long instead of `retention.dead_letters` ("off" keeps them).
+    #[arg(long)]
+    dead_letters: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -84,7 +97,7 @@ pub struct PublishArgs {
 
 /// Runs `work` on the configured store, then closes the connection (stopping an embedded
 /// server this command started).
-async fn with_store<T>(config: &Config, work: impl AsyncFnOnce(&MongoStore) -> Result<T>) -> Result<T> {
+pub(crate) async fn with_store<T>(config: &Config, work: impl AsyncFnOnce(&MongoStore) -> Result<T>) -> Result<T> {
     let connection = connect(config).await?;
     let result = match store_for(config, &connection) {
         Ok(store) => work(&store).await,
@@ -243,6 +256,42 @@ impl Serving {
             Some(record) => format!("{} of {} hosts", record.served_by.len(), self.hosts),
         }
     }
+}
+
+/// Deletes once, now, what `[retention]` (or the flags) no longer keeps; `--dry-run` counts.
+pub async fn purge(config: &Config, args: PurgeArgs) -> Result<ExitCode> {
+    let mut retention = config.retention.clone();
+    if let Some(completed) = &args.completed {
+        retention.completed = Keep::parse(completed).map_err(anyhow::Error::msg).context("--completed")?;
+    }
+    if let Some(dead) = &args.dead_letters {
+        retention.dead_letters = Keep::parse(dead).map_err(anyhow::Error::msg).context("--dead-letters")?;
+    }
+    let now = DateTime::now();
+    let options = retention.purge_options(now);
+    with_store(config, async |store| {
+        if !retention.purges() {
+            println!("retention keeps everything (completed and dead_letters are \"off\"): nothing to purge");
+            return Ok(ExitCode::SUCCESS);
+        }
+        let cutoff = |at: Option<DateTime>| at.map_or("kept".to_string(), |at| format!("before {}", rfc3339(at)));
+        println!("completed events {}, dead deliveries {}", cutoff(options.completed_before), cutoff(options.dead_before));
+        if args.dry_run {
+            let report = store.purge_preview(&options, now).await?;
+            println!(
+                "would delete {} dead deliveries, {} completion records and up to {} events (those still referred to stay)",
+                report.dead_deliveries, report.history_records, report.events
+            );
+        } else {
+            let report = store.purge(&options, now).await?;
+            println!(
+                "deleted {} dead deliveries, {} completion records, {} events and {} key counters",
+                report.dead_deliveries, report.history_records, report.events, report.key_counters
+            );
+        }
+        Ok(ExitCode::SUCCESS)
+    })
+    .await
 }
 
 pub async fn handlers(config: &Config, command: HandlersCommand) -> Result<ExitCode> {

@@ -6,6 +6,7 @@
 
 mod admin;
 mod bench;
+mod inspect;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -41,9 +42,19 @@ enum Command {
     /// Dead letters: list and requeue them, or bury a stuck pending delivery.
     #[command(subcommand)]
     Dead(admin::DeadCommand),
+    /// Deliveries by filter (status, handler, type, key, event, age): list them, requeue the
+    /// dead, bury the stuck.
+    #[command(subcommand)]
+    Deliveries(inspect::DeliveriesCommand),
+    /// One event as stored, its deliveries and completions.
+    #[command(subcommand)]
+    Events(inspect::EventsCommand),
     /// The handler registry: list it, or retire a handler no host serves any more.
     #[command(subcommand)]
     Handlers(admin::HandlersCommand),
+    /// Deletes now what `[retention]` no longer keeps (`--dry-run` counts it); a host does it on
+    /// its own every `retention.every`.
+    Purge(admin::PurgeArgs),
     /// Publishes one event in its own transaction, to try things.
     Publish(admin::PublishArgs),
     /// Measures drain throughput and wakeup latency against the raw floor of the same mongod.
@@ -93,6 +104,9 @@ async fn execute(cli: Cli) -> Result<ExitCode> {
                 Command::Stats { json } => admin::stats(&config, json).await,
                 Command::Dead(dead) => admin::dead(&config, dead).await,
                 Command::Handlers(handlers) => admin::handlers(&config, handlers).await,
+                Command::Purge(args) => admin::purge(&config, args).await,
+                Command::Deliveries(command) => inspect::deliveries(&config, command).await,
+                Command::Events(command) => inspect::events(&config, command).await,
                 Command::Publish(args) => admin::publish(&config, args).await,
                 Command::Run | Command::Bench(_) => unreachable!("handled above"),
             }

@@ -103,6 +103,8 @@ struct State {
     handlers: BTreeMap<String, super::RegisteredHandler>,
     /// What each host serves, beside its announcement.
     serves: BTreeMap<String, Vec<super::registry::Served>>,
+    /// Jobs one host at a time does: the holder of each turn, until when.
+    turns: BTreeMap<String, (String, DateTime)>,
 }
 
 /// An in-process outbox. Clones of the data are made with [`MemoryStore::instance`].
@@ -499,6 +501,35 @@ impl Store for MemoryStore {
 
     async fn purge(&self, options: &PurgeOptions, _now: DateTime) -> Result<PurgeReport, StoreError> {
         Ok(self.state.lock().await.purge(options))
+    }
+
+    async fn event_history(&self, event_id: &str) -> Result<super::EventHistory, StoreError> {
+        let state = self.state.lock().await;
+        let mut completions: Vec<(String, DateTime)> = state
+            .history
+            .values()
+            .filter(|record| super::fan_out::id_text(&record.event_id) == event_id)
+            .map(|record| (record.handler.clone(), record.completed_at))
+            .collect();
+        completions.sort_by_key(|(_, at)| *at);
+        Ok(super::EventHistory { event: state.events.get(event_id).cloned(), completions })
+    }
+
+    async fn purge_preview(&self, options: &PurgeOptions, _now: DateTime) -> Result<PurgeReport, StoreError> {
+        Ok(self.state.lock().await.purge_preview(options))
+    }
+
+    async fn take_turn(&self, job: &str, turn: std::time::Duration, now: DateTime) -> Result<bool, StoreError> {
+        let me = self.claimer.host_id();
+        let mut state = self.state.lock().await;
+        let until = DateTime::from_millis(now.timestamp_millis() + turn.as_millis() as i64);
+        match state.turns.get(job) {
+            Some((holder, lapses)) if *holder != me && *lapses > now => Ok(false),
+            _ => {
+                state.turns.insert(job.to_string(), (me, until));
+                Ok(true)
+            }
+        }
     }
 
     async fn unfanned_events(&self) -> Result<u64, StoreError> {

@@ -35,9 +35,36 @@ impl State {
         let before = self.events.len();
         // An event still listing a handler in `handedOut` has a delivery running without a record.
         let handed_out = |event: &Document| matches!(event.get(field::HANDED_OUT), Some(Bson::Array(list)) if !list.is_empty());
-        self.events.retain(|id, event| referenced.contains(id) || handed_out(event) || !event_expired(event, options));
+        let mut keys_gone: HashSet<String> = HashSet::new();
+        self.events.retain(|id, event| {
+            let keep = referenced.contains(id) || handed_out(event) || !event_expired(event, options);
+            if !keep && let Ok(key) = event.get_str(field::KEY) {
+                keys_gone.insert(key.to_string());
+            }
+            keep
+        });
         report.events = (before - self.events.len()) as u64;
+        // A key's counter goes once none of its events remains.
+        for event in self.events.values() {
+            if let Ok(key) = event.get_str(field::KEY) {
+                keys_gone.remove(key);
+            }
+        }
+        for key in keys_gone {
+            report.key_counters += u64::from(self.key_sequences.remove(&key).is_some());
+        }
         report
+    }
+
+    /// What [`State::purge`] would delete, counted as the MongoDB store counts it.
+    pub(super) fn purge_preview(&self, options: &PurgeOptions) -> PurgeReport {
+        let dead = |d: &&Delivery| d.status == DeliveryStatus::Dead && options.dead_before.is_some_and(|cutoff| d.updated_at.unwrap_or(d.created_at) < cutoff);
+        PurgeReport {
+            dead_deliveries: self.deliveries.values().filter(dead).count() as u64,
+            history_records: self.history.values().filter(|r| options.completed_before.is_some_and(|cutoff| r.completed_at < cutoff)).count() as u64,
+            events: self.events.values().filter(|event| event_expired(event, options)).count() as u64,
+            key_counters: 0,
+        }
     }
 
 
@@ -80,8 +107,12 @@ impl State {
 
     pub(super) fn list_deliveries(&self, filter: &DeliveryFilter, after: Option<DeliveryId>) -> DeliveryPage {
         let limit = filter.page_limit();
-        let matches = |d: &Delivery| {
+        let running: HashSet<DeliveryId> = self.running(DateTime::now()).iter().map(|entry| entry.delivery).collect();
+        let matches = |id: &DeliveryId, d: &Delivery| {
             filter.status.is_none_or(|s| d.status == s)
+                && filter.running.is_none_or(|r| running.contains(id) == r)
+                && filter.parked.is_none_or(|p| (d.lane == LaneKind::Parked) == p)
+                && filter.created_before.is_none_or(|before| d.created_at < before)
                 && filter.handler.as_ref().is_none_or(|h| &d.handler == h)
                 && filter.event_type.as_ref().is_none_or(|t| &d.event_type == t)
                 && filter.event_id.as_ref().is_none_or(|e| id_text(&d.event_id) == *e)
@@ -91,7 +122,11 @@ impl State {
             Some(after) => self.deliveries.range((std::ops::Bound::Excluded(after), std::ops::Bound::Unbounded)),
             None => self.deliveries.range(..),
         };
-        let deliveries = range.filter(|(_, d)| matches(d)).take(limit + 1).map(|(id, d)| to_view(id, d)).collect();
+        let deliveries = range
+            .filter(|(id, d)| matches(id, d))
+            .take(limit + 1)
+            .map(|(id, d)| DeliveryView { running: running.contains(id), ..to_view(id, d) })
+            .collect();
         DeliveryPage::from_overfetch(deliveries, limit)
     }
 
@@ -113,6 +148,7 @@ pub(super) fn to_view(id: &DeliveryId, d: &Delivery) -> DeliveryView {
         created_at: d.created_at,
         updated_at: d.updated_at,
         last_error: d.last_error.clone(),
+        running: false,
     }
 }
 

@@ -101,6 +101,7 @@ impl State {
             hosts: BTreeMap::new(),
             handlers: BTreeMap::new(),
             serves: BTreeMap::new(),
+            turns: BTreeMap::new(),
         }
     }
 

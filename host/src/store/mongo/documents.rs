@@ -231,6 +231,7 @@ pub(super) fn view(document: &Document) -> Result<DeliveryView, StoreError> {
         created_at: document.get_datetime(delivery::CREATED_AT).copied().unwrap_or(DateTime::from_millis(0)),
         updated_at: document.get_datetime(delivery::UPDATED_AT).ok().copied(),
         last_error: optional_string(document, delivery::LAST_ERROR),
+        running: false,
     })
 }
 

@@ -157,6 +157,21 @@ async fn end_sessions(admin: &Database, app_name: &str) -> Result<usize, StoreEr
     Ok(count)
 }
 
+/// Takes `job`'s turn for `turn` from `now` if nobody holds it (or this instance does): one
+/// host at a time does it. A turn is never handed back: the next is taken when it lapses.
+pub(super) async fn take_turn(store: &MongoStore, job: &str, turn: std::time::Duration, now: DateTime) -> Result<bool, StoreError> {
+    let me = store.claimer.host_id();
+    let until = DateTime::from_millis(now.timestamp_millis() + turn.as_millis() as i64);
+    let free = doc! { ID: { "$eq": job }, "$or": [{ "until": { "$lte": now } }, { "holder": &me }] };
+    let taken = store.collections.turns.update_one(free, doc! { "$set": { "holder": &me, "until": until } }).upsert(true).await;
+    match taken {
+        Ok(_) => Ok(true),
+        // The turn exists and is another's: the upsert met its `_id`.
+        Err(error) if StoreError::from(error.clone()).server_code() == Some(11000) => Ok(false),
+        Err(error) => Err(error.into()),
+    }
+}
+
 /// Deletes this instance's announcement (a graceful stop).
 pub(super) async fn withdraw(store: &MongoStore) -> Result<(), StoreError> {
     store.collections.hosts.delete_one(doc! { ID: store.claimer.host_id() }).await?;

@@ -119,6 +119,8 @@ pub(crate) struct Collections {
     pub hosts: Collection<Document>,
     /// The handler registry (see `registry`).
     pub handlers: Collection<Document>,
+    /// Whose turn a job that one host at a time does is (see `Store::take_turn`).
+    pub turns: Collection<Document>,
 }
 
 impl Collections {
@@ -138,6 +140,7 @@ impl Collections {
             oversized_events: collection("oversized_events"),
             hosts: collection("hosts"),
             handlers: collection("handlers"),
+            turns: collection("turns"),
         }
     }
 }
@@ -497,6 +500,18 @@ impl Store for MongoStore {
 
     async fn purge(&self, options: &PurgeOptions, now: DateTime) -> Result<PurgeReport, StoreError> {
         operations::purge(self, options, now).await
+    }
+
+    async fn event_history(&self, event_id: &str) -> Result<crate::store::EventHistory, StoreError> {
+        operations::event_history(self, event_id).await
+    }
+
+    async fn purge_preview(&self, options: &PurgeOptions, now: DateTime) -> Result<PurgeReport, StoreError> {
+        operations::purge_preview(self, options, now).await
+    }
+
+    async fn take_turn(&self, job: &str, turn: std::time::Duration, now: DateTime) -> Result<bool, StoreError> {
+        hosts::take_turn(self, job, turn, now).await
     }
 
     async fn statistics(&self, now: DateTime) -> Result<Vec<HandlerStatistics>, StoreError> {

@@ -13,7 +13,7 @@ use crate::event::field;
 use crate::store::claim::{ClaimBackend, InFlight};
 use crate::store::retention::earliest_cutoff;
 use crate::store::{
-    DeliveryFilter, DeliveryPage, HandlerStatistics, PurgeOptions, PurgeReport, StoreError,
+    DeliveryFilter, DeliveryPage, DeliveryView, HandlerStatistics, PurgeOptions, PurgeReport, StoreError,
 };
 
 /// The filter of events that may go once nothing references them (see
@@ -35,15 +35,17 @@ fn expired_events(options: &PurgeOptions) -> Option<Document> {
 }
 
 /// Deletes, in `session`, those of `candidates` that are expired and referenced by no
-/// delivery and no history record. A fan-out writing one of them conflicts with this.
+/// delivery and no history record, and the counters of their keys once no event of a key
+/// remains; returns how many events and counters. A fan-out writing one of them conflicts
+/// with this.
 async fn delete_unreferenced(
     store: &MongoStore,
     session: &mut ClientSession,
     candidates: Vec<Bson>,
     expired: &Document,
-) -> Result<u64, StoreError> {
+) -> Result<(u64, u64), StoreError> {
     if candidates.is_empty() {
-        return Ok(0);
+        return Ok((0, 0));
     }
     let mut referenced: HashSet<String> = HashSet::new();
     for collection in [&store.collections.deliveries, &store.collections.history] {
@@ -56,21 +58,54 @@ async fn delete_unreferenced(
     let doomed: Vec<Bson> =
         candidates.into_iter().filter(|id| !referenced.contains(&crate::store::fan_out::id_text(id))).collect();
     if doomed.is_empty() {
-        return Ok(0);
+        return Ok((0, 0));
     }
     let mut filter = expired.clone();
     filter.insert("_id", doc! { "$in": doomed });
-    Ok(store.collections.events.delete_many(filter).session(&mut *session).await?.deleted_count)
+    let keys: Vec<Bson> = store
+        .collections
+        .events
+        .distinct(field::KEY, doc! { "$and": [filter.clone(), { field::KEY: { "$exists": true } }] })
+        .session(&mut *session)
+        .await?;
+    let deleted = store.collections.events.delete_many(filter).session(&mut *session).await?.deleted_count;
+    let counters = delete_unused_key_counters(store, session, keys).await?;
+    Ok((deleted, counters))
+}
+
+/// Deletes the counters of `keys` of which no event remains. A publisher taking a key's next
+/// sequence meanwhile writes the same counter and conflicts with this, so a counter is only
+/// ever deleted when no event of its key exists or is being published: the key starts again
+/// at 1 with nothing of it left to order against.
+async fn delete_unused_key_counters(store: &MongoStore, session: &mut ClientSession, keys: Vec<Bson>) -> Result<u64, StoreError> {
+    if keys.is_empty() {
+        return Ok(0);
+    }
+    let remaining: HashSet<String> = store
+        .collections
+        .events
+        .distinct(field::KEY, doc! { field::KEY: { "$in": &keys } })
+        .session(&mut *session)
+        .await?
+        .iter()
+        .filter_map(|key| key.as_str().map(str::to_string))
+        .collect();
+    let unused: Vec<Bson> = keys.into_iter().filter(|key| key.as_str().is_some_and(|key| !remaining.contains(key))).collect();
+    if unused.is_empty() {
+        return Ok(0);
+    }
+    Ok(store.collections.key_sequences.delete_many(doc! { "_id": { "$in": unused } }).session(&mut *session).await?.deleted_count)
 }
 
 /// Deletes one batch of `(deliveries or history)` documents and then the events they alone
-/// referenced, in one transaction.
+/// referenced (with their keys' unused counters), in one transaction: how many of each, and
+/// how many documents the batch found.
 async fn purge_batch(
     store: &MongoStore,
     from_history: bool,
     filter: Document,
     expired: Option<&Document>,
-) -> Result<(u64, u64, usize), StoreError> {
+) -> Result<(u64, (u64, u64), usize), StoreError> {
     let collection = if from_history { &store.collections.history } else { &store.collections.deliveries };
     let batch_size = store.options.purge_batch_size.max(1);
     transaction!(store, |tx| {
@@ -85,7 +120,7 @@ async fn purge_batch(
             .try_collect()
             .await?;
         if batch.is_empty() {
-            return Ok((0, 0, 0));
+            return Ok((0, (0, 0), 0));
         }
         let ids: Vec<Bson> = batch.iter().filter_map(|d| d.get("_id").cloned()).collect();
         let deleted = collection.delete_many(doc! { "_id": { "$in": ids } }).session(&mut *session).await?.deleted_count;
@@ -94,7 +129,7 @@ async fn purge_batch(
                 let event_ids: Vec<Bson> = batch.iter().filter_map(|d| d.get(delivery::EVENT_ID).cloned()).collect();
                 delete_unreferenced(store, session, event_ids, expired).await?
             }
-            None => 0,
+            None => (0, 0),
         };
         Ok((deleted, events, batch.len()))
     })
@@ -107,9 +142,10 @@ pub(super) async fn purge(store: &MongoStore, options: &PurgeOptions, _now: Date
     if let Some(cutoff) = options.dead_before {
         loop {
             let filter = doc! { delivery::STATUS: delivery::DEAD, delivery::UPDATED_AT: { "$lt": cutoff } };
-            let (deleted, events, seen) = purge_batch(store, false, filter, expired.as_ref()).await?;
+            let (deleted, (events, counters), seen) = purge_batch(store, false, filter, expired.as_ref()).await?;
             report.dead_deliveries += deleted;
             report.events += events;
+            report.key_counters += counters;
             if seen < batch_size {
                 break;
             }
@@ -118,9 +154,10 @@ pub(super) async fn purge(store: &MongoStore, options: &PurgeOptions, _now: Date
     if let Some(cutoff) = options.completed_before {
         loop {
             let filter = doc! { history::COMPLETED_AT: { "$lt": cutoff } };
-            let (deleted, events, seen) = purge_batch(store, true, filter, expired.as_ref()).await?;
+            let (deleted, (events, counters), seen) = purge_batch(store, true, filter, expired.as_ref()).await?;
             report.history_records += deleted;
             report.events += events;
+            report.key_counters += counters;
             if seen < batch_size {
                 break;
             }
@@ -153,13 +190,32 @@ pub(super) async fn purge(store: &MongoStore, options: &PurgeOptions, _now: Date
             let Some(last) = batch.last() else { break };
             after = Some((last.get(field::CREATED_AT).cloned().unwrap_or(Bson::Null), last.get("_id").cloned().unwrap_or(Bson::Null)));
             let ids: Vec<Bson> = batch.iter().filter_map(|d| d.get("_id").cloned()).collect();
-            report.events += transaction!(store, |tx| {
+            let (events, counters) = transaction!(store, |tx| {
                 delete_unreferenced(store, tx.session(), ids.clone(), &expired).await
             })?;
+            report.events += events;
+            report.key_counters += counters;
             if batch.len() < batch_size {
                 break;
             }
         }
+    }
+    Ok(report)
+}
+
+/// What [`purge`] would delete, counted: the dead deliveries and history records past their
+/// cutoffs, and the events past theirs (of which those still referenced stay).
+pub(super) async fn purge_preview(store: &MongoStore, options: &PurgeOptions, _now: DateTime) -> Result<PurgeReport, StoreError> {
+    let mut report = PurgeReport::default();
+    if let Some(cutoff) = options.dead_before {
+        let filter = doc! { delivery::STATUS: delivery::DEAD, delivery::UPDATED_AT: { "$lt": cutoff } };
+        report.dead_deliveries = store.collections.deliveries.count_documents(filter).await?;
+    }
+    if let Some(cutoff) = options.completed_before {
+        report.history_records = store.collections.history.count_documents(doc! { history::COMPLETED_AT: { "$lt": cutoff } }).await?;
+    }
+    if let Some(expired) = expired_events(options) {
+        report.events = store.collections.events.count_documents(expired).await?;
     }
     Ok(report)
 }
@@ -264,8 +320,24 @@ pub(super) async fn list_deliveries(store: &MongoStore, filter: &DeliveryFilter)
             query.insert(field, Bson::String(value.clone()));
         }
     }
+    if let Some(parked) = filter.parked {
+        query.insert(delivery::LANE, if parked { doc! { "$eq": delivery::PARKED } } else { doc! { "$ne": delivery::PARKED } });
+    }
+    if let Some(before) = filter.created_before {
+        query.insert(delivery::CREATED_AT, doc! { "$lt": before });
+    }
+    let running = listed_by_live_leases(store, DateTime::now()).await?;
+    let mut by_id = Document::new();
     if let Some(after) = filter.after_id()? {
-        query.insert(delivery::ID, doc! { "$gt": after });
+        by_id.insert("$gt", after);
+    }
+    match filter.running {
+        Some(true) => by_id.insert("$in", running.iter().map(|id| Bson::ObjectId(*id)).collect::<Vec<_>>()),
+        Some(false) => by_id.insert("$nin", running.iter().map(|id| Bson::ObjectId(*id)).collect::<Vec<_>>()),
+        None => None,
+    };
+    if !by_id.is_empty() {
+        query.insert(delivery::ID, by_id);
     }
     let rows: Vec<Document> = store
         .collections
@@ -276,6 +348,45 @@ pub(super) async fn list_deliveries(store: &MongoStore, filter: &DeliveryFilter)
         .await?
         .try_collect()
         .await?;
-    let deliveries = rows.iter().map(documents::view).collect::<Result<Vec<_>, _>>()?;
+    let deliveries = rows
+        .iter()
+        .map(|row| documents::view(row).map(|view| DeliveryView { running: row.get_object_id(delivery::ID).is_ok_and(|id| running.contains(&id)), ..view }))
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(DeliveryPage::from_overfetch(deliveries, limit))
+}
+
+pub(super) async fn event_history(store: &MongoStore, event_id: &str) -> Result<crate::store::EventHistory, StoreError> {
+    let id = Bson::String(event_id.to_string());
+    let event = store.collections.events.find_one(doc! { "_id": { "$eq": &id } }).await?;
+    let records: Vec<Document> = store
+        .collections
+        .history
+        .find(doc! { delivery::EVENT_ID: { "$eq": &id } })
+        .sort(doc! { history::COMPLETED_AT: 1 })
+        .await?
+        .try_collect()
+        .await?;
+    let completions = records
+        .iter()
+        .filter_map(|r| Some((r.get_str(delivery::HANDLER).ok()?.to_string(), *r.get_datetime(history::COMPLETED_AT).ok()?)))
+        .collect();
+    Ok(crate::store::EventHistory { event, completions })
+}
+
+/// The deliveries the lanes' live leases list (running, or claimed ahead of a run slot).
+async fn listed_by_live_leases(store: &MongoStore, now: DateTime) -> Result<HashSet<bson::oid::ObjectId>, StoreError> {
+    let lanes: Vec<Document> = store
+        .collections
+        .lanes
+        .find(doc! { lane::LEASE_EXPIRES_AT: { "$gt": now } })
+        .projection(doc! { lane::IN_FLIGHT: 1 })
+        .await?
+        .try_collect()
+        .await?;
+    Ok(lanes
+        .iter()
+        .filter_map(|l| l.get_array(lane::IN_FLIGHT).ok())
+        .flatten()
+        .filter_map(|entry| entry.as_document()?.get_object_id(documents::entry::DELIVERY).ok())
+        .collect())
 }

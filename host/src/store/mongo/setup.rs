@@ -30,6 +30,8 @@ pub(super) const PARKED_BEHIND: &str = "parked_behind";
 pub(super) const KEY_UNFANNED: &str = "key_unfanned";
 /// Every event in creation order: the purge's walk (by name, for the same reason).
 pub(super) const CREATED: &str = "created";
+/// Keyed events by key: what the purge asks before it deletes a key's counter.
+pub(super) const BY_KEY: &str = "by_key";
 
 /// Event indexes earlier versions created. `completed` made every completion move an index key
 /// of its event, and in MongoDB that update then costs about four times as much as without
@@ -52,6 +54,7 @@ pub(super) async fn run(client: &Client, collections: &Collections, location: &M
         &collections.oversized_events,
         &collections.hosts,
         &collections.handlers,
+        &collections.turns,
     ] {
         create_collection(&database, collection.name()).await?;
     }
@@ -169,6 +172,9 @@ fn event_indexes() -> Vec<IndexModel> {
         // The purge's walk. `completedAt` is deliberately in no index: see
         // `SUPERSEDED_EVENT_INDEXES`.
         index(doc! { field::CREATED_AT: 1, field::ID: 1 }, CREATED, None, false),
+        // Whether any event of a key remains, once the purge deleted some (never touched by
+        // the fan-out's marks, which leave `key` as it is).
+        index(doc! { field::KEY: 1 }, BY_KEY, Some(doc! { field::KEY: { "$exists": true } }), false),
     ]
 }
 

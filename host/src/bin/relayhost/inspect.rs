@@ -1,0 +1,267 @@
+//! What is stuck, and what to do with it: `deliveries list|requeue|bury` by filter, and
+//! `events show`. Every filter value reaches the store as a literal (never a query operator);
+//! the bulk actions say how many they would change and act only with `--yes`.
+
+use std::process::ExitCode;
+
+use anyhow::{Context, Result, bail};
+use bson::DateTime;
+use clap::{Args, Subcommand, ValueEnum};
+use relayhost::config::Config;
+use relayhost::dispatch::bury_by_operator;
+use relayhost::store::{DeliveryFilter, DeliveryStatus, DeliveryView, Store};
+
+use super::admin::with_store;
+
+/// A delivery's state as operators see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum State {
+    /// Unfinished (waiting, parked or running).
+    Pending,
+    /// Listed by a live lease: running, or claimed ahead of a run slot.
+    Running,
+    /// Waiting behind an unfinished delivery of its key.
+    Parked,
+    Dead,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct Filters {
+    #[arg(long, value_enum)]
+    status: Option<State>,
+    #[arg(long)]
+    handler: Option<String>,
+    /// The event type.
+    #[arg(long = "type")]
+    event_type: Option<String>,
+    #[arg(long)]
+    key: Option<String>,
+    /// The event id.
+    #[arg(long)]
+    event: Option<String>,
+    /// Created longer ago than this (`10m`, `2h`, `3d`).
+    #[arg(long)]
+    older_than: Option<String>,
+}
+
+impl Filters {
+    fn filter(&self, default: Option<State>) -> Result<DeliveryFilter> {
+        let created_before = match &self.older_than {
+            Some(age) => {
+                let age = humantime::parse_duration(age).with_context(|| format!("--older-than {age:?} is not a duration like 10m"))?;
+                Some(DateTime::from_millis(DateTime::now().timestamp_millis() - age.as_millis() as i64))
+            }
+            None => None,
+        };
+        let mut filter = DeliveryFilter {
+            handler: self.handler.clone(),
+            event_type: self.event_type.clone(),
+            key: self.key.clone(),
+            event_id: self.event.clone(),
+            created_before,
+            ..DeliveryFilter::default()
+        };
+        match self.status.or(default) {
+            None => {}
+            Some(State::Pending) => filter.status = Some(DeliveryStatus::Pending),
+            Some(State::Running) => (filter.status, filter.running) = (Some(DeliveryStatus::Pending), Some(true)),
+            Some(State::Parked) => (filter.status, filter.parked) = (Some(DeliveryStatus::Pending), Some(true)),
+            Some(State::Dead) => filter.status = Some(DeliveryStatus::Dead),
+        }
+        Ok(filter)
+    }
+}
+
+#[derive(Subcommand)]
+pub enum DeliveriesCommand {
+    /// Lists deliveries by filter, oldest first, a page at a time.
+    List {
+        #[command(flatten)]
+        filters: Filters,
+        /// Continue after this delivery id (printed at the end of a full page).
+        #[arg(long)]
+        after: Option<String>,
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Makes the dead deliveries the filters match pending again, due now, attempts reset.
+    Requeue {
+        #[command(flatten)]
+        filters: Filters,
+        #[arg(long)]
+        yes: bool,
+    },
+    /// Makes the pending deliveries the filters match dead (each announced like any death);
+    /// one whose lane is leased is refused, naming the host and until when.
+    Bury {
+        #[command(flatten)]
+        filters: Filters,
+        #[arg(long, default_value = "buried by an operator")]
+        reason: String,
+        #[arg(long)]
+        yes: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum EventsCommand {
+    /// An event as stored (the host's marks included), its deliveries, and which handlers
+    /// completed it when (with completion history).
+    Show {
+        id: String,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Every delivery `filter` matches, page by page (at most `most`).
+async fn all_matching(store: &impl Store, mut filter: DeliveryFilter, most: usize) -> Result<Vec<DeliveryView>> {
+    filter.limit = 1_000;
+    let mut all = Vec::new();
+    loop {
+        let page = store.list_deliveries(&filter).await?;
+        all.extend(page.deliveries);
+        match page.next {
+            Some(next) if all.len() < most => filter.after = Some(next),
+            _ => return Ok(all),
+        }
+    }
+}
+
+/// The most deliveries one bulk command changes; narrow the filters for more.
+const BULK_MOST: usize = 100_000;
+
+fn state(view: &DeliveryView) -> &'static str {
+    match (view.status, view.running, view.lane.as_str()) {
+        (DeliveryStatus::Dead, _, _) => "dead",
+        (_, true, _) => "running",
+        (_, _, "parked") => "parked",
+        _ => "waiting",
+    }
+}
+
+fn shown(at: DateTime) -> String {
+    at.try_to_rfc3339_string().unwrap_or_default()
+}
+
+pub async fn deliveries(config: &Config, command: DeliveriesCommand) -> Result<ExitCode> {
+    with_store(config, async |store| match command {
+        DeliveriesCommand::List { filters, after, limit, json } => {
+            let mut filter = filters.filter(None)?;
+            filter.after = after;
+            filter.limit = limit;
+            let page = store.list_deliveries(&filter).await?;
+            if json {
+                let rows: Vec<serde_json::Value> = page.deliveries.iter().map(view_json).collect();
+                println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "deliveries": rows, "next": page.next }))?);
+                return Ok(ExitCode::SUCCESS);
+            }
+            println!("{:<24} {:<8} {:<24} {:<20} {:<24} {:>4}  {:<20}  LAST ERROR", "ID", "STATE", "HANDLER", "TYPE", "KEY", "TRY", "CREATED");
+            for d in &page.deliveries {
+                let key = d.key.as_deref().map(|k| format!("{k}#{}", d.sequence.unwrap_or(0))).unwrap_or_default();
+                let error: String = d.last_error.as_deref().unwrap_or("").chars().take(80).collect();
+                println!(
+                    "{:<24} {:<8} {:<24} {:<20} {:<24} {:>4}  {:<20}  {error}",
+                    d.id,
+                    state(d),
+                    d.handler,
+                    d.event_type,
+                    key,
+                    d.attempts,
+                    shown(d.created_at)
+                );
+            }
+            if let Some(next) = page.next {
+                println!("more: --after {next}");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        DeliveriesCommand::Requeue { filters, yes } => {
+            if filters.status.is_some_and(|s| s != State::Dead) {
+                bail!("only dead deliveries are requeued: leave --status out or say dead");
+            }
+            let matching = all_matching(store, filters.filter(Some(State::Dead))?, BULK_MOST).await?;
+            if !yes {
+                println!("would requeue {} dead deliveries; run again with --yes to do it", matching.len());
+                return Ok(ExitCode::from(2));
+            }
+            let mut requeued = 0;
+            for d in &matching {
+                match store.requeue(&d.id, DateTime::now()).await {
+                    Ok(()) => requeued += 1,
+                    Err(error) => println!("{}: {error}", d.id),
+                }
+            }
+            println!("requeued {requeued} of {} dead deliveries", matching.len());
+            Ok(if requeued == matching.len() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+        }
+        DeliveriesCommand::Bury { filters, reason, yes } => {
+            if filters.status.is_some_and(|s| s == State::Dead) {
+                bail!("dead deliveries are buried already");
+            }
+            let mut filter = filters.filter(Some(State::Pending))?;
+            filter.running = Some(false);
+            let matching = all_matching(store, filter, BULK_MOST).await?;
+            if !yes {
+                println!("would bury {} pending deliveries (not running); run again with --yes to do it", matching.len());
+                return Ok(ExitCode::from(2));
+            }
+            let mut buried = 0;
+            for d in &matching {
+                match bury_by_operator(store, &d.id, &reason).await {
+                    Ok(_) => buried += 1,
+                    Err(error) => println!("{}: {error}", d.id),
+                }
+            }
+            println!("buried {buried} of {} pending deliveries", matching.len());
+            Ok(if buried == matching.len() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+        }
+    })
+    .await
+}
+
+fn view_json(d: &DeliveryView) -> serde_json::Value {
+    serde_json::json!({
+        "id": d.id, "state": state(d), "eventId": d.event_id, "eventType": d.event_type, "handler": d.handler,
+        "key": d.key, "sequence": d.sequence, "lane": d.lane_id, "attempts": d.attempts,
+        "dueAt": shown(d.due_at), "createdAt": shown(d.created_at), "updatedAt": d.updated_at.map(shown),
+        "lastError": d.last_error,
+    })
+}
+
+pub async fn events(config: &Config, command: EventsCommand) -> Result<ExitCode> {
+    let EventsCommand::Show { id, json } = command;
+    with_store(config, async |store| {
+        let history = store.event_history(&id).await?;
+        let filter = DeliveryFilter { event_id: Some(id.clone()), ..DeliveryFilter::default() };
+        let deliveries = all_matching(store, filter, 10_000).await?;
+        let Some(event) = history.event else {
+            println!("no event {id:?} (never published, or purged)");
+            return Ok(ExitCode::from(1));
+        };
+        let event_json = bson::Bson::Document(event).into_relaxed_extjson();
+        let completions: Vec<serde_json::Value> =
+            history.completions.iter().map(|(handler, at)| serde_json::json!({ "handler": handler, "completedAt": shown(*at) })).collect();
+        if json {
+            let rows: Vec<serde_json::Value> = deliveries.iter().map(view_json).collect();
+            let report = serde_json::json!({ "event": event_json, "deliveries": rows, "completions": completions });
+            println!("{}", serde_json::to_string_pretty(&report)?);
+        } else {
+            println!("{}", serde_json::to_string_pretty(&event_json)?);
+            println!("deliveries ({} unfinished or dead):", deliveries.len());
+            for d in &deliveries {
+                println!("  {} {:<8} {} attempts {} {}", d.id, state(d), d.handler, d.attempts, d.last_error.as_deref().unwrap_or(""));
+            }
+            if !completions.is_empty() {
+                println!("completed:");
+                for (handler, at) in &history.completions {
+                    println!("  {handler} at {}", shown(*at));
+                }
+            }
+        }
+        Ok(ExitCode::SUCCESS)
+    })
+    .await
+}
