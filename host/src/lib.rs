@@ -6,6 +6,7 @@
 //! the [`plugin`] runtime runs each delivery in a sandboxed WebAssembly instance, and
 //! [`handler_transaction`] lets a transactional handler write in its delivery's transaction.
 
+pub mod admin;
 pub mod config;
 pub mod death;
 pub mod dispatch;

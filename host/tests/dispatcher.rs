@@ -474,6 +474,9 @@ impl Store for FaultyStore {
     async fn retire(&self, handler: &str, disposal: Disposal, now: DateTime) -> Result<RetireReport, StoreError> {
         self.inner.retire(handler, disposal, now).await
     }
+    async fn membership(&self, now: DateTime) -> Result<relayhost::store::Membership, StoreError> {
+        self.inner.membership(now).await
+    }
     async fn event_history(&self, event_id: &str) -> Result<relayhost::store::EventHistory, StoreError> {
         self.inner.event_history(event_id).await
     }

@@ -94,10 +94,11 @@ async fn an_operator_finds_what_is_stuck_and_requeues_or_buries_it_by_filter() {
     assert_eq!(list(&["--status", "dead"]).len(), 3);
     deployment.wait_until("the hung one runs", Duration::from_secs(10), async |_| list(&["--status", "running"]) == ["hang-0"]).await;
     deployment.wait_until("the retries wait", Duration::from_secs(10), async |_| list(&["--status", "pending", "--handler", "huge-reason"]).len() == 2).await;
-    // The key's later events wait behind its head, not fanned out: they have no delivery yet.
+    // The key's later events wait behind its head: parked, or not fanned out yet (no delivery).
     let shown = deployment.relayhost(&["events", "show", "hang-1", "--json"]);
     let shown: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
-    assert_eq!((shown["event"]["key"].as_str(), shown["deliveries"].as_array().map(Vec::len)), (Some("stuck"), Some(0)), "{shown}");
+    assert_eq!(shown["event"]["key"], "stuck", "{shown}");
+    assert!(shown["deliveries"].as_array().unwrap().iter().all(|d| d["state"] == "parked"), "{shown}");
     assert!(list(&["--key", "{\"$gt\": \"\"}"]).is_empty(), "a filter value is data");
     assert!(list(&["--handler", "poison", "--older-than", "1h"]).is_empty(), "nothing that old");
     // Burying the running head is refused, naming who holds its lane until when.
@@ -126,4 +127,127 @@ async fn an_operator_finds_what_is_stuck_and_requeues_or_buries_it_by_filter() {
 async fn running_id(deployment: &Deployment, event_id: &str) -> String {
     let filter = DeliveryFilter { event_id: Some(event_id.into()), limit: 10, ..Default::default() };
     deployment.fixture.store.list_deliveries(&filter).await.unwrap().deliveries[0].id.clone()
+}
+
+/// One HTTP/1.1 request (closing the connection): the status and the body.
+fn request(address: std::net::SocketAddr, method: &str, path: &str, token: Option<&str>, body: Option<&str>) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect_timeout(&address, Duration::from_secs(5)).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let mut head = format!("{method} {path} HTTP/1.1\r\nhost: relayhost\r\nconnection: close\r\n");
+    if let Some(token) = token {
+        head += &format!("authorization: Bearer {token}\r\n");
+    }
+    let body = body.unwrap_or("");
+    if !body.is_empty() {
+        head += &format!("content-type: application/json\r\ncontent-length: {}\r\n", body.len());
+    }
+    stream.write_all(format!("{head}\r\n{body}").as_bytes()).unwrap();
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).unwrap();
+    let response = String::from_utf8_lossy(&response).into_owned();
+    let status = response.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let body = response.split_once("\r\n\r\n").map(|(_, body)| body.to_string()).unwrap_or_default();
+    // A chunked body: the JSON is the one chunk between its size lines.
+    let body = match body.find('{') {
+        Some(start) if !body.starts_with('{') => body[start..body.rfind('}').map_or(body.len(), |end| end + 1)].to_string(),
+        _ => body,
+    };
+    (status, body)
+}
+
+fn json(text: &str) -> serde_json::Value {
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_api_answers_only_with_the_token_and_takes_every_input_as_data() {
+    let port = relayhost::mongod::free_port().unwrap();
+    let address: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let token = "s3cret-admin-token-0123456789";
+    let extra = format!(
+        "poll_interval = \"200ms\"\n\n[admin]\nlisten = \"{address}\"\ntoken = \"{token}\"\n\n[plugin.hostile]\n\
+         retry = {{ max_attempts = 1 }}"
+    );
+    let deployment = Deployment::new(&["hostile", "noop"], &extra).await;
+    std::fs::write(deployment.dir.join("plugins/broken.wasm"), b"not a component").unwrap();
+    let host = deployment.start("host");
+    host.wait_for_log("admin API listening", Duration::from_secs(10));
+    assert!(host.log().lines().any(|l| l.contains("admin API listening") && l.contains(&address.to_string())), "{}", host.log());
+    let store = deployment.fixture.store();
+    common::publish_all(store, (0..3).map(|n| event(&format!("poison-{n}"), "poison")).collect()).await;
+    deployment
+        .wait_until("the poison died", Duration::from_secs(30), async |d| {
+            let filter = DeliveryFilter { status: Some(DeliveryStatus::Dead), limit: 10, ..Default::default() };
+            d.fixture.store.list_deliveries(&filter).await.unwrap().deliveries.len() == 3
+        })
+        .await;
+    let api = |method: &str, path: &str, body: Option<&str>| request(address, method, path, Some(token), body);
+    // Without the token, with a wrong one (longer, shorter, same length), and with it.
+    for wrong in [None, Some("s3cret-admin-token-0123456789-and-more"), Some("short"), Some("s3cret-admin-token-0123456780")] {
+        let (status, body) = request(address, "GET", "/api/v1/stats", wrong, None);
+        assert_eq!(status, 401, "{wrong:?}: {body}");
+    }
+    let (status, stats) = api("GET", "/api/v1/stats", None);
+    assert_eq!(status, 200, "{stats}");
+    let stats = json(&stats);
+    let poison = stats["handlers"].as_array().unwrap().iter().find(|h| h["handler"] == "poison").expect("listed").clone();
+    assert_eq!(poison["dead"], 3);
+    // Listing: bounded pages, filters as data, bad input named.
+    let (_, page) = api("GET", "/api/v1/deliveries?status=dead&limit=2", None);
+    let page = json(&page);
+    assert_eq!(page["deliveries"].as_array().unwrap().len(), 2);
+    let next = page["next"].as_str().expect("a full page says where to go on").to_string();
+    let (_, rest) = api("GET", &format!("/api/v1/deliveries?status=dead&limit=2&after={next}"), None);
+    let rest = json(&rest);
+    assert_eq!((rest["deliveries"].as_array().unwrap().len(), rest["next"].is_null()), (1, true));
+    let (status, _) = api("GET", "/api/v1/deliveries?limit=100000", None);
+    assert_eq!(status, 200, "a page is capped, not refused");
+    let (status, injected) = api("GET", "/api/v1/deliveries?key=%7B%22%24gt%22%3A%22%22%7D&handler=%7B%22%24ne%22%3A1%7D", None);
+    assert_eq!((status, json(&injected)["deliveries"].as_array().unwrap().len()), (200, 0), "{injected}");
+    let (status, bad) = api("GET", "/api/v1/deliveries?status=%7B%22%24gt%22%3A%22%22%7D", None);
+    assert!(status == 400 && bad.contains("is none of pending, running, parked, dead"), "{status} {bad}");
+    let (status, bad) = api("GET", "/api/v1/deliveries?older_than=soon", None);
+    assert!(status == 400 && bad.contains("older_than"), "{status} {bad}");
+    // Bulk: a count without confirm, the action with it; then the deliveries run again.
+    let (_, counted) = api("POST", "/api/v1/deliveries/requeue", Some(r#"{"handler": "poison"}"#));
+    assert_eq!((json(&counted)["matched"].as_u64(), json(&counted)["done"].as_u64()), (Some(3), Some(0)), "{counted}");
+    let (_, done) = api("POST", "/api/v1/deliveries/requeue", Some(r#"{"handler": "poison", "confirm": true}"#));
+    assert_eq!(json(&done)["done"], 3, "{done}");
+    deployment
+        .wait_until("the requeued poison died again", Duration::from_secs(30), async |d| {
+            let filter = DeliveryFilter { status: Some(DeliveryStatus::Dead), handler: Some("poison".into()), limit: 10, ..Default::default() };
+            let dead = d.fixture.store.list_deliveries(&filter).await.unwrap().deliveries;
+            dead.len() == 3 && dead.iter().all(|d| d.attempts == 1)
+        })
+        .await;
+    // One delivery by id: an id shaped like an operator is not found, not matched.
+    for id in ["000000000000000000000000", "%7B%22%24gt%22%3A%22%22%7D"] {
+        let (status, body) = api("POST", &format!("/api/v1/deliveries/{id}/requeue"), None);
+        assert_eq!(status, 404, "{id}: {body}");
+    }
+    let (status, event) = api("GET", "/api/v1/events/poison-1", None);
+    assert_eq!(status, 200);
+    assert_eq!(json(&event)["deliveries"][0]["state"], "dead");
+    assert_eq!(api("GET", "/api/v1/events/nope", None).0, 404);
+    // Plugins (with the refused file's reason), handlers, lanes, hosts, the purge's dry run.
+    let (_, plugins) = api("GET", "/api/v1/plugins", None);
+    let plugins = json(&plugins);
+    let hostile = plugins["plugins"].as_array().unwrap().iter().find(|p| p["plugin"] == "hostile").expect("loaded").clone();
+    assert_eq!(hostile["version"].as_str().map(str::len), Some(64));
+    assert!(hostile["limits"]["fuel"].as_u64().is_some() && hostile["grants"]["collections"].is_array(), "{hostile}");
+    assert!(plugins["refused"]["broken"].as_str().is_some_and(|why| why.contains("not a WebAssembly binary")), "{plugins}");
+    let (_, handlers) = api("GET", "/api/v1/handlers", None);
+    assert!(json(&handlers)["handlers"].as_array().unwrap().iter().any(|h| h["handler"] == "poison"));
+    let (_, lanes) = api("GET", "/api/v1/lanes", None);
+    assert_eq!(json(&lanes)["lanes"].as_array().unwrap().len(), 256);
+    let (_, hosts) = api("GET", "/api/v1/hosts", None);
+    let hosts = json(&hosts);
+    assert_eq!(hosts["hosts"].as_array().unwrap().len(), 1, "{hosts}");
+    assert!(hosts["hosts"][0]["serves"].as_array().unwrap().iter().any(|h| h == "noop"), "{hosts}");
+    let (_, purge) = api("POST", "/api/v1/purge", None);
+    assert_eq!(json(&purge)["dryRun"], true, "without a body, only counted");
+    assert_eq!(api("GET", "/api/v1/nothing-here", None).0, 404);
+    assert!(!host.log().contains(token), "the token is never logged");
+    host.stop();
 }

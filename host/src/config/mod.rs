@@ -189,6 +189,40 @@ pub struct Config {
     /// Per plugin, by file name without `.wasm`.
     pub plugin: BTreeMap<String, PluginConfig>,
     pub retention: RetentionConfig,
+    pub admin: AdminConfig,
+}
+
+/// A secret from the configuration: never printed, not even by `Debug`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(pub String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+impl<'de> Deserialize<'de> for Secret {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        String::deserialize(deserializer).map(Secret)
+    }
+}
+
+/// The admin API and dashboard (`[admin]`).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminConfig {
+    /// Where they listen: loopback by default.
+    pub listen: std::net::SocketAddr,
+    /// The bearer token every request must carry (`RELAYHOST_ADMIN_TOKEN` sets it too); without
+    /// one, the admin API is off.
+    pub token: Option<Secret>,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        Self { listen: std::net::SocketAddr::from(([127, 0, 0, 1], 8081)), token: None }
+    }
 }
 
 impl Config {
@@ -212,7 +246,8 @@ impl Config {
     }
 
     /// `RELAYHOST_<SECTION>_<FIELD>` overrides a scalar field of `[mongodb]`, `[host]`,
-    /// `[plugins]` or `[retention]`; any other `RELAYHOST_*` variable is refused by name.
+    /// `[plugins]`, `[retention]` or `[admin]`; any other `RELAYHOST_*` variable is refused by
+    /// name.
     pub fn apply_environment(&mut self, environment: impl IntoIterator<Item = (String, String)>) -> Result<(), ConfigError> {
         for (name, value) in environment {
             let Some(key) = name.strip_prefix(ENV_PREFIX) else { continue };
@@ -252,6 +287,11 @@ impl Config {
                 "plugins_directory" => self.plugins.directory = value.into(),
                 "retention_completed" => self.retention.completed = Keep::parse(&value).map_err(parse_error)?,
                 "retention_dead_letters" => self.retention.dead_letters = Keep::parse(&value).map_err(parse_error)?,
+                "admin_token" => self.admin.token = Some(Secret(value)),
+                "admin_listen" => {
+                    self.admin.listen =
+                        value.parse().map_err(|e| parse_error(format!("{value:?} is not an address like 127.0.0.1:8081: {e}")))?
+                }
                 "retention_every" => self.retention.every = Span(parse_duration(&value).map_err(parse_error)?),
                 // Read by other parts of relayhost, not configuration.
                 "config" | "mongod" | "cache" | "pythonpath" => {}
@@ -283,6 +323,11 @@ impl Config {
         }
         if self.host.poll_interval.0 < Duration::from_millis(10) {
             return Err(invalid("host.poll_interval", "must be at least 10ms"));
+        }
+        if let Some(Secret(token)) = &self.admin.token
+            && (token.chars().count() < 16 || token.chars().any(|c| c.is_control() || c.is_whitespace()))
+        {
+            return Err(invalid("admin.token", "must be at least 16 characters, without spaces or control characters"));
         }
         if self.retention.every.0 < Duration::from_secs(1) {
             return Err(invalid("retention.every", "must be at least 1s"));

@@ -143,6 +143,18 @@ impl PluginRegistry {
         catalog.plugins.values().flat_map(|plugin| plugin.subscriptions.iter().cloned()).collect()
     }
 
+    /// Why each file refused since its last good version loaded was refused, as last logged
+    /// (a plugin refused a new version may still serve its previous one).
+    pub fn refusals(&self) -> BTreeMap<String, String> {
+        let catalog = self.catalog.read().expect("catalog");
+        catalog.logged_refusals.iter().map(|(name, (_, reason))| (name.clone(), reason.clone())).collect()
+    }
+
+    /// The loaded plugins, each with what it serves and its policy.
+    pub fn plugins(&self) -> Vec<Arc<LoadedPlugin>> {
+        self.catalog.read().expect("catalog").plugins.values().cloned().collect()
+    }
+
     /// The loaded plugins and their versions.
     pub fn versions(&self) -> BTreeMap<String, String> {
         let catalog = self.catalog.read().expect("catalog");
@@ -290,6 +302,7 @@ impl PluginRegistry {
         }
         let new_version = plugin.content_hash.clone();
         catalog.refused.remove(name);
+        catalog.logged_refusals.remove(name);
         Ok(match catalog.plugins.insert(name.to_string(), Arc::new(plugin)) {
             Some(old) => Change::Replaced { plugin: name.to_string(), old_version: old.content_hash.clone(), new_version },
             None => Change::Loaded { plugin: name.to_string(), version: new_version },

@@ -10,20 +10,18 @@
 //! them for [`STATISTICS_MAX_AGE`]: however often and however many scrapers ask, the
 //! deliveries collection is aggregated at most once in that time.
 
-use std::convert::Infallible;
 use std::fmt::Write as _;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
 use bson::{DateTime, doc};
-use http::{Request, Response, StatusCode};
-use http_body_util::Full;
-use hyper::body::{Bytes, Incoming};
-use hyper::server::conn::http1;
-use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
 use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -61,34 +59,17 @@ impl HealthState {
     pub async fn serve(self, address: SocketAddr) -> std::io::Result<JoinHandle<()>> {
         let listener = tokio::net::TcpListener::bind(address).await?;
         tracing::info!(address = %listener.local_addr()?, "health endpoints listening");
+        let router = Router::new()
+            .route("/healthz", get(|| async { text(StatusCode::OK, "ok\n".into()) }))
+            .route("/readyz", get(ready))
+            .route("/metrics", get(metrics))
+            .fallback(|| async { text(StatusCode::NOT_FOUND, "not found: try /healthz, /readyz or /metrics\n".into()) })
+            .with_state(self);
         Ok(tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else { continue };
-                let state = self.clone();
-                tokio::spawn(async move {
-                    let service = service_fn(move |request| {
-                        let state = state.clone();
-                        async move { Ok::<_, Infallible>(state.respond(request).await) }
-                    });
-                    let _ = http1::Builder::new().serve_connection(TokioIo::new(stream), service).await;
-                });
+            if let Err(error) = axum::serve(listener, router).await {
+                tracing::error!(%error, "the health endpoints stopped");
             }
         }))
-    }
-
-    async fn respond(&self, request: Request<Incoming>) -> Response<Full<Bytes>> {
-        match request.uri().path() {
-            "/healthz" => text(StatusCode::OK, "ok\n".into()),
-            "/readyz" => match self.readiness().await {
-                Ok(()) => text(StatusCode::OK, "ready\n".into()),
-                Err(reason) => text(StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {reason}\n")),
-            },
-            "/metrics" => match self.metrics().await {
-                Ok(body) => text(StatusCode::OK, body),
-                Err(reason) => text(StatusCode::SERVICE_UNAVAILABLE, format!("{reason}\n")),
-            },
-            _ => text(StatusCode::NOT_FOUND, "not found: try /healthz, /readyz or /metrics\n".into()),
-        }
     }
 
     async fn readiness(&self) -> Result<(), String> {
@@ -211,10 +192,23 @@ fn label(value: &str) -> String {
     value.replace('\\', "\\\\").replace('"', "\\\"")
 }
 
-fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
-    let mut response = Response::new(Full::new(Bytes::from(body)));
-    *response.status_mut() = status;
-    response.headers_mut().insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("text/plain; version=0.0.4"));
+async fn ready(State(state): State<HealthState>) -> Response {
+    match state.readiness().await {
+        Ok(()) => text(StatusCode::OK, "ready\n".into()),
+        Err(reason) => text(StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {reason}\n")),
+    }
+}
+
+async fn metrics(State(state): State<HealthState>) -> Response {
+    match state.metrics().await {
+        Ok(body) => text(StatusCode::OK, body),
+        Err(reason) => text(StatusCode::SERVICE_UNAVAILABLE, format!("{reason}\n")),
+    }
+}
+
+fn text(status: StatusCode, body: String) -> Response {
+    let mut response = (status, body).into_response();
+    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));
     response
 }
 

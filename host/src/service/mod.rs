@@ -2,7 +2,7 @@
 //!
 //! This module owns the assembly only: MongoDB (a URI or the embedded server), the store and
 //! its setup, the plugin registry and its directory watch, the dispatcher with change-stream
-//! wakeups, the scheduled purge (`retention`), and the health endpoints. It must never contain delivery logic: claims, outcomes
+//! wakeups, the scheduled purge (`retention`), the health endpoints and the admin API. It must never contain delivery logic: claims, outcomes
 //! and retries belong to `dispatch` and `store`, running a plugin to `plugin`.
 
 mod embedded;
@@ -16,7 +16,8 @@ use std::time::Duration;
 pub use embedded::{ConnectError, MongoConnection, embedded_data_dir};
 pub use health::HealthState;
 
-use crate::config::Config;
+use crate::admin::api::AdminApi;
+use crate::config::{Config, Secret};
 use crate::dispatch::{Dispatcher, DispatcherCounters, DispatcherOptions, RetryPolicy};
 use crate::mongod::cache_dir;
 use crate::plugin::{Change, PluginError, PluginRegistry, PluginRuntime};
@@ -34,6 +35,8 @@ pub enum ServiceError {
     Plugin(#[from] PluginError),
     #[error("health endpoint on {address}: {source}")]
     Health { address: std::net::SocketAddr, source: std::io::Error },
+    #[error("admin API on {address} (admin.listen): {source}")]
+    Admin { address: std::net::SocketAddr, source: std::io::Error },
 }
 
 /// Time a transaction of the store may take: a transactional handler runs inside one, so it
@@ -134,12 +137,29 @@ async fn serve(
         ),
         None => None,
     };
+    let admin = match &config.admin.token {
+        Some(Secret(token)) => {
+            let api = AdminApi {
+                store: store.clone(),
+                plugins: registry.clone(),
+                known: dispatcher.known_handlers(),
+                counters: counters.clone(),
+                retention: config.retention.clone(),
+            };
+            let address = config.admin.listen;
+            Some(api.serve(address, token).await.map_err(|source| ServiceError::Admin { address, source })?)
+        }
+        None => {
+            tracing::info!("admin API off: set admin.token (or RELAYHOST_ADMIN_TOKEN) to serve it on admin.listen");
+            None
+        }
+    };
     let purging = retention::spawn(store.clone(), config.retention.clone());
     tracing::info!(owner = %store.options().owner, database = %config.mongodb.database, "relayhost is running");
     let result = dispatcher.run(stop).await;
     wakeups.abort();
-    if let Some(purging) = purging {
-        purging.abort();
+    for task in [purging, admin].into_iter().flatten() {
+        task.abort();
     }
     if let Some(health) = health {
         health.abort();

@@ -34,6 +34,60 @@ pub struct HandlerStatistics {
     pub oldest_due_at: Option<DateTime>,
 }
 
+/// A delivery's state as operators name it, for a [`DeliveryFilter`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Listed {
+    /// Unfinished: waiting, parked or running.
+    Pending,
+    /// Listed by a live lease: running, or claimed ahead of a run slot.
+    Running,
+    /// Waiting behind an unfinished delivery of its key.
+    Parked,
+    Dead,
+}
+
+impl Listed {
+    pub fn parse(text: &str) -> Result<Self, String> {
+        match text {
+            "pending" => Ok(Self::Pending),
+            "running" => Ok(Self::Running),
+            "parked" => Ok(Self::Parked),
+            "dead" => Ok(Self::Dead),
+            other => Err(format!("status {:?} is none of pending, running, parked, dead", other.chars().take(32).collect::<String>())),
+        }
+    }
+
+    /// `filter`, narrowed to this state.
+    pub fn narrow(self, filter: DeliveryFilter) -> DeliveryFilter {
+        let pending = Some(super::DeliveryStatus::Pending);
+        match self {
+            Self::Pending => DeliveryFilter { status: pending, ..filter },
+            Self::Running => DeliveryFilter { status: pending, running: Some(true), ..filter },
+            Self::Parked => DeliveryFilter { status: pending, parked: Some(true), ..filter },
+            Self::Dead => DeliveryFilter { status: Some(super::DeliveryStatus::Dead), ..filter },
+        }
+    }
+
+    /// The state of a listed delivery.
+    pub fn of(view: &DeliveryView) -> Self {
+        match (view.status, view.running, view.lane.as_str()) {
+            (super::DeliveryStatus::Dead, _, _) => Self::Dead,
+            (_, true, _) => Self::Running,
+            (_, _, "parked") => Self::Parked,
+            _ => Self::Pending,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Running => "running",
+            Self::Parked => "parked",
+            Self::Dead => "dead",
+        }
+    }
+}
+
 /// Filters for [`Store::list_deliveries`](super::Store::list_deliveries). Every field is matched as a literal string.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DeliveryFilter {
@@ -125,4 +179,22 @@ impl DeliveryPage {
 pub struct EventHistory {
     pub event: Option<bson::Document>,
     pub completions: Vec<(String, DateTime)>,
+}
+
+/// Who holds what: the live hosts and the 256 lanes, as operators see them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Membership {
+    /// Each live host, until when its announcement holds.
+    pub hosts: Vec<(String, DateTime)>,
+    pub lanes: Vec<LaneView>,
+}
+
+/// One lane: its holder while its lease is live, until when, and how many deliveries it lists.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaneView {
+    pub lane: u8,
+    pub holder: Option<String>,
+    pub lease_expires_at: DateTime,
+    pub epoch: i64,
+    pub in_flight: usize,
 }

@@ -37,7 +37,7 @@ pub use capacity::{Capacity, Priorities, Room, Rooms};
 pub use error::StoreError;
 pub use lease::Lease;
 pub use registry::{Declaration, Disposal, RegisteredHandler, RetireReport};
-pub use listing::{DeliveryFilter, DeliveryPage, DeliveryView, EventHistory, HandlerStatistics, PurgeReport};
+pub use listing::{DeliveryFilter, DeliveryPage, DeliveryView, EventHistory, HandlerStatistics, LaneView, Listed, Membership, PurgeReport};
 pub use transaction::{Retrying, TRANSACTION_RETRY_LIMIT, run_in_transaction};
 
 use crate::event::{EventRecord, NewEvent};
@@ -548,6 +548,9 @@ pub trait Store: Send + Sync + 'static {
     /// Committed events no fan-out has made deliveries of yet. A host fans a backlog out only
     /// as fast as it can hand it out (see the dispatcher), so this is where a backlog waits.
     fn unfanned_events(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// The live hosts and every lane's holder (while its lease is live), for operators.
+    fn membership(&self, now: DateTime) -> impl Future<Output = Result<Membership, StoreError>> + Send;
 
     /// The event `event_id` as stored, and its completions (with completion history); the id
     /// is matched as a literal string.

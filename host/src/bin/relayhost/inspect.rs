@@ -7,13 +7,13 @@ use std::process::ExitCode;
 use anyhow::{Context, Result, bail};
 use bson::DateTime;
 use clap::{Args, Subcommand, ValueEnum};
+use relayhost::admin::bulk::{self, BulkReport};
 use relayhost::config::Config;
-use relayhost::dispatch::bury_by_operator;
-use relayhost::store::{DeliveryFilter, DeliveryStatus, DeliveryView, Store};
+use relayhost::store::{DeliveryFilter, DeliveryView, Listed, Store};
 
 use super::admin::with_store;
 
-/// A delivery's state as operators see it.
+/// A delivery's state as operators see it (see [`Listed`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum State {
     /// Unfinished (waiting, parked or running).
@@ -23,6 +23,17 @@ pub enum State {
     /// Waiting behind an unfinished delivery of its key.
     Parked,
     Dead,
+}
+
+impl State {
+    fn listed(self) -> Listed {
+        match self {
+            Self::Pending => Listed::Pending,
+            Self::Running => Listed::Running,
+            Self::Parked => Listed::Parked,
+            Self::Dead => Listed::Dead,
+        }
+    }
 }
 
 #[derive(Args, Debug, Clone)]
@@ -53,7 +64,7 @@ impl Filters {
             }
             None => None,
         };
-        let mut filter = DeliveryFilter {
+        let filter = DeliveryFilter {
             handler: self.handler.clone(),
             event_type: self.event_type.clone(),
             key: self.key.clone(),
@@ -61,14 +72,10 @@ impl Filters {
             created_before,
             ..DeliveryFilter::default()
         };
-        match self.status.or(default) {
-            None => {}
-            Some(State::Pending) => filter.status = Some(DeliveryStatus::Pending),
-            Some(State::Running) => (filter.status, filter.running) = (Some(DeliveryStatus::Pending), Some(true)),
-            Some(State::Parked) => (filter.status, filter.parked) = (Some(DeliveryStatus::Pending), Some(true)),
-            Some(State::Dead) => filter.status = Some(DeliveryStatus::Dead),
-        }
-        Ok(filter)
+        Ok(match self.status.or(default) {
+            Some(state) => state.listed().narrow(filter),
+            None => filter,
+        })
     }
 }
 
@@ -116,30 +123,17 @@ pub enum EventsCommand {
     },
 }
 
-/// Every delivery `filter` matches, page by page (at most `most`).
-async fn all_matching(store: &impl Store, mut filter: DeliveryFilter, most: usize) -> Result<Vec<DeliveryView>> {
-    filter.limit = 1_000;
-    let mut all = Vec::new();
-    loop {
-        let page = store.list_deliveries(&filter).await?;
-        all.extend(page.deliveries);
-        match page.next {
-            Some(next) if all.len() < most => filter.after = Some(next),
-            _ => return Ok(all),
-        }
-    }
+fn state(view: &DeliveryView) -> &'static str {
+    Listed::of(view).as_str()
 }
 
-/// The most deliveries one bulk command changes; narrow the filters for more.
-const BULK_MOST: usize = 100_000;
-
-fn state(view: &DeliveryView) -> &'static str {
-    match (view.status, view.running, view.lane.as_str()) {
-        (DeliveryStatus::Dead, _, _) => "dead",
-        (_, true, _) => "running",
-        (_, _, "parked") => "parked",
-        _ => "waiting",
+/// Prints what a bulk action did, and exits non-zero when it left some as they were.
+fn report(did: &str, of: &str, report: &BulkReport) -> ExitCode {
+    for (id, why) in &report.refused {
+        println!("{id}: {why}");
     }
+    println!("{did} {} of {} {of}", report.done, report.matched);
+    if report.done == report.matched { ExitCode::SUCCESS } else { ExitCode::FAILURE }
 }
 
 fn shown(at: DateTime) -> String {
@@ -182,41 +176,23 @@ pub async fn deliveries(config: &Config, command: DeliveriesCommand) -> Result<E
             if filters.status.is_some_and(|s| s != State::Dead) {
                 bail!("only dead deliveries are requeued: leave --status out or say dead");
             }
-            let matching = all_matching(store, filters.filter(Some(State::Dead))?, BULK_MOST).await?;
+            let found = bulk::requeue(store, filters.filter(Some(State::Dead))?, yes).await?;
             if !yes {
-                println!("would requeue {} dead deliveries; run again with --yes to do it", matching.len());
+                println!("would requeue {} dead deliveries; run again with --yes to do it", found.matched);
                 return Ok(ExitCode::from(2));
             }
-            let mut requeued = 0;
-            for d in &matching {
-                match store.requeue(&d.id, DateTime::now()).await {
-                    Ok(()) => requeued += 1,
-                    Err(error) => println!("{}: {error}", d.id),
-                }
-            }
-            println!("requeued {requeued} of {} dead deliveries", matching.len());
-            Ok(if requeued == matching.len() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+            Ok(report("requeued", "dead deliveries", &found))
         }
         DeliveriesCommand::Bury { filters, reason, yes } => {
             if filters.status.is_some_and(|s| s == State::Dead) {
                 bail!("dead deliveries are buried already");
             }
-            let mut filter = filters.filter(Some(State::Pending))?;
-            filter.running = Some(false);
-            let matching = all_matching(store, filter, BULK_MOST).await?;
+            let found = bulk::bury(store, filters.filter(Some(State::Pending))?, &reason, yes).await?;
             if !yes {
-                println!("would bury {} pending deliveries (not running); run again with --yes to do it", matching.len());
+                println!("would bury {} pending deliveries (not running); run again with --yes to do it", found.matched);
                 return Ok(ExitCode::from(2));
             }
-            let mut buried = 0;
-            for d in &matching {
-                match bury_by_operator(store, &d.id, &reason).await {
-                    Ok(_) => buried += 1,
-                    Err(error) => println!("{}: {error}", d.id),
-                }
-            }
-            println!("buried {buried} of {} pending deliveries", matching.len());
-            Ok(if buried == matching.len() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+            Ok(report("buried", "pending deliveries", &found))
         }
     })
     .await
@@ -236,7 +212,7 @@ pub async fn events(config: &Config, command: EventsCommand) -> Result<ExitCode>
     with_store(config, async |store| {
         let history = store.event_history(&id).await?;
         let filter = DeliveryFilter { event_id: Some(id.clone()), ..DeliveryFilter::default() };
-        let deliveries = all_matching(store, filter, 10_000).await?;
+        let deliveries = bulk::matching(store, filter, 10_000).await?;
         let Some(event) = history.event else {
             println!("no event {id:?} (never published, or purged)");
             return Ok(ExitCode::from(1));

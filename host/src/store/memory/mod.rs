@@ -503,6 +503,26 @@ impl Store for MemoryStore {
         Ok(self.state.lock().await.purge(options))
     }
 
+    async fn membership(&self, now: DateTime) -> Result<super::Membership, StoreError> {
+        let state = self.state.lock().await;
+        let hosts = state.hosts.iter().filter(|(_, until)| **until > now).map(|(host, until)| (host.clone(), *until)).collect();
+        let lanes = state
+            .lanes
+            .iter()
+            .map(|lane| {
+                let live = lane.lease_expires_at > now;
+                super::LaneView {
+                    lane: lane.id,
+                    holder: lane.owner.clone().zip(lane.instance.clone()).filter(|_| live).map(|(owner, instance)| format!("{owner}/{instance}")),
+                    lease_expires_at: lane.lease_expires_at,
+                    epoch: lane.epoch,
+                    in_flight: if live { lane.in_flight.len() } else { 0 },
+                }
+            })
+            .collect();
+        Ok(super::Membership { hosts, lanes })
+    }
+
     async fn event_history(&self, event_id: &str) -> Result<super::EventHistory, StoreError> {
         let state = self.state.lock().await;
         let mut completions: Vec<(String, DateTime)> = state

@@ -502,6 +502,10 @@ impl Store for MongoStore {
         operations::purge(self, options, now).await
     }
 
+    async fn membership(&self, now: DateTime) -> Result<crate::store::Membership, StoreError> {
+        operations::membership(self, now).await
+    }
+
     async fn event_history(&self, event_id: &str) -> Result<crate::store::EventHistory, StoreError> {
         operations::event_history(self, event_id).await
     }

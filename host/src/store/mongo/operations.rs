@@ -355,6 +355,34 @@ pub(super) async fn list_deliveries(store: &MongoStore, filter: &DeliveryFilter)
     Ok(DeliveryPage::from_overfetch(deliveries, limit))
 }
 
+pub(super) async fn membership(store: &MongoStore, now: DateTime) -> Result<crate::store::Membership, StoreError> {
+    let hosts: Vec<Document> = store
+        .collections
+        .hosts
+        .find(doc! { "expiresAt": { "$gt": now } })
+        .projection(doc! { "_id": 1, "expiresAt": 1 })
+        .await?
+        .try_collect()
+        .await?;
+    let hosts = hosts.iter().filter_map(|h| Some((h.get_str("_id").ok()?.to_string(), *h.get_datetime("expiresAt").ok()?))).collect();
+    let lanes: Vec<Document> = store.collections.lanes.find(doc! {}).sort(doc! { lane::ID: 1 }).await?.try_collect().await?;
+    let lanes = lanes
+        .iter()
+        .map(|document| {
+            let state = lane_state(document)?;
+            let live = state.lease_expires_at > now;
+            Ok(crate::store::LaneView {
+                lane: state.id,
+                holder: state.owner.clone().zip(state.instance.clone()).filter(|_| live).map(|(owner, instance)| format!("{owner}/{instance}")),
+                lease_expires_at: state.lease_expires_at,
+                epoch: state.epoch,
+                in_flight: if live { state.in_flight.len() } else { 0 },
+            })
+        })
+        .collect::<Result<Vec<_>, StoreError>>()?;
+    Ok(crate::store::Membership { hosts, lanes })
+}
+
 pub(super) async fn event_history(store: &MongoStore, event_id: &str) -> Result<crate::store::EventHistory, StoreError> {
     let id = Bson::String(event_id.to_string());
     let event = store.collections.events.find_one(doc! { "_id": { "$eq": &id } }).await?;

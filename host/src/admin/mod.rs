@@ -1,0 +1,11 @@
+//! What operators use beside the delivery path: actions on deliveries by filter (`bulk`, for
+//! the command line and the API alike) and the admin HTTP API (`api`), on its own listener,
+//! every request authenticated by a bearer token.
+//!
+//! It reads and acts only through the store's operator methods (listing, requeue, bury,
+//! purge, the registry) and the plugin registry's answers: it never claims, never changes a
+//! delivery without its store operation's fencing, and never lets a request's text become a
+//! query operator or reach a log line raw.
+
+pub mod api;
+pub mod bulk;
