@@ -3,9 +3,10 @@
 //! buried, one or all that match), an event's history, the handler registry, plugins (version,
 //! limits, grants, why a file was refused), lanes and live hosts, and the purge.
 //!
-//! Every request carries `Authorization: Bearer <admin.token>`, compared in constant time (as
-//! SHA-256 digests, so not even its length shows); any other gets 401. The token is never
-//! logged, and no request's text reaches a query but as a literal.
+//! Every request carries `Authorization: Bearer <admin.token>` (or a signed-in browser's cookie,
+//! see `dashboard`), compared in constant time (as SHA-256 digests, so not even its length
+//! shows); any other gets 401. The token is never logged, and no request's text reaches a
+//! query but as a literal. The dashboard's pages share the listener and the check.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -25,6 +26,7 @@ use subtle::ConstantTimeEq;
 use tokio::task::JoinHandle;
 
 use super::bulk::{self, BulkReport};
+use super::dashboard;
 use crate::config::RetentionConfig;
 use crate::dispatch::{DispatcherCounters, KnownHandlers, bury_by_operator};
 use crate::plugin::PluginRegistry;
@@ -41,17 +43,28 @@ pub struct AdminApi {
     pub retention: RetentionConfig,
 }
 
+/// The API as served: what it reads, and the digest of the token it accepts.
 #[derive(Clone)]
-struct Served {
-    api: AdminApi,
+pub(super) struct Served {
+    pub(super) api: AdminApi,
     token_digest: [u8; 32],
+}
+
+impl Served {
+    /// Whether `digest` is the token's, compared in constant time.
+    pub(super) fn accepts(&self, digest: &[u8; 32]) -> bool {
+        bool::from(digest.ct_eq(&self.token_digest))
+    }
 }
 
 impl AdminApi {
     /// The routes, every one behind the token.
     pub fn router(self, token: &str) -> Router {
         let served = Served { api: self, token_digest: Sha256::digest(token.as_bytes()).into() };
-        Router::new()
+        let signed_in = Router::new()
+            .route("/", get(dashboard::overview))
+            .route("/dashboard/deliveries/{id}/requeue", post(dashboard::requeue))
+            .route("/dashboard/deliveries/{id}/bury", post(dashboard::bury))
             .route("/api/v1/stats", get(stats))
             .route("/api/v1/deliveries", get(list_deliveries))
             .route("/api/v1/deliveries/requeue", post(requeue_matching))
@@ -65,7 +78,10 @@ impl AdminApi {
             .route("/api/v1/hosts", get(hosts))
             .route("/api/v1/purge", post(purge))
             .fallback(|| async { failure(StatusCode::NOT_FOUND, "no such endpoint: see /api/v1/stats, /api/v1/deliveries, ...") })
-            .layer(middleware::from_fn_with_state(served.clone(), authenticated))
+            .layer(middleware::from_fn_with_state(served.clone(), authenticated));
+        Router::new()
+            .route("/login", get(dashboard::login_form).post(dashboard::login))
+            .merge(signed_in)
             .with_state(served)
     }
 
@@ -82,22 +98,31 @@ impl AdminApi {
     }
 }
 
-/// Lets a request through only with the right bearer token.
+/// Lets a request through only with the right bearer token, or a signed-in browser's cookie
+/// (see `dashboard`); a browser without one is sent to sign in, anyone else gets 401.
 async fn authenticated(State(served): State<Served>, request: Request, next: Next) -> Response {
-    let given = request
-        .headers()
+    let headers = request.headers();
+    let bearer = headers
         .get(header::AUTHORIZATION)
         .and_then(|value| value.to_str().ok())
         .and_then(|value| value.strip_prefix("Bearer "))
         .map(|token| <[u8; 32]>::from(Sha256::digest(token.trim().as_bytes())));
-    match given {
-        Some(digest) if bool::from(digest.ct_eq(&served.token_digest)) => next.run(request).await,
-        _ => {
-            let mut response = failure(StatusCode::UNAUTHORIZED, "a valid `Authorization: Bearer <admin token>` header is required");
-            response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-            response
-        }
+    let cookie = headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(';'))
+        .filter_map(|pair| pair.trim().strip_prefix(dashboard::COOKIE)?.strip_prefix('='))
+        .find_map(|digest| <[u8; 32]>::try_from(hex::decode(digest).ok()?).ok());
+    if bearer.or(cookie).is_some_and(|digest| served.accepts(&digest)) {
+        return next.run(request).await;
     }
+    if request.uri().path() == "/" || request.uri().path().starts_with("/dashboard") {
+        return axum::response::Redirect::to("/login").into_response();
+    }
+    let mut response = failure(StatusCode::UNAUTHORIZED, "a valid `Authorization: Bearer <admin token>` header is required");
+    response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    response
 }
 
 fn failure(status: StatusCode, message: &str) -> Response {

@@ -1,6 +1,6 @@
 //! What operators use beside the delivery path: actions on deliveries by filter (`bulk`, for
-//! the command line and the API alike) and the admin HTTP API (`api`), on its own listener,
-//! every request authenticated by a bearer token.
+//! the command line and the API alike), the admin HTTP API (`api`) and the dashboard
+//! (`dashboard`), on their own listener, every request authenticated by the admin token.
 //!
 //! It reads and acts only through the store's operator methods (listing, requeue, bury,
 //! purge, the registry) and the plugin registry's answers: it never claims, never changes a
@@ -9,3 +9,4 @@
 
 pub mod api;
 pub mod bulk;
+mod dashboard;
