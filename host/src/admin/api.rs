@@ -26,6 +26,7 @@ use subtle::ConstantTimeEq;
 use tokio::task::JoinHandle;
 
 use super::bulk::{self, BulkReport};
+use super::filters::Filters;
 use super::dashboard;
 use crate::config::RetentionConfig;
 use crate::dispatch::{DispatcherCounters, KnownHandlers, bury_by_operator};
@@ -145,47 +146,18 @@ fn shown(at: DateTime) -> String {
     at.try_to_rfc3339_string().unwrap_or_default()
 }
 
-/// The filters of a listing or a bulk action, as query parameters or a JSON body.
+/// A listing's filters and page, as query parameters.
 #[derive(Debug, Default, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-struct Filters {
-    status: Option<String>,
-    handler: Option<String>,
-    #[serde(rename = "type")]
-    event_type: Option<String>,
-    key: Option<String>,
-    event: Option<String>,
-    /// Created longer ago than this (`10m`, `2h`).
-    older_than: Option<String>,
+#[serde(default)]
+struct Listing {
+    #[serde(flatten)]
+    filters: Filters,
     after: Option<String>,
     limit: Option<usize>,
 }
 
-impl Filters {
-    fn filter(&self) -> Result<DeliveryFilter, Response> {
-        let bad = |message: String| failure(StatusCode::BAD_REQUEST, &message);
-        let created_before = match &self.older_than {
-            Some(age) => {
-                let age = humantime::parse_duration(age).map_err(|e| bad(format!("older_than is not a duration like 10m: {e}")))?;
-                Some(DateTime::from_millis(DateTime::now().timestamp_millis() - age.as_millis() as i64))
-            }
-            None => None,
-        };
-        let filter = DeliveryFilter {
-            handler: self.handler.clone(),
-            event_type: self.event_type.clone(),
-            key: self.key.clone(),
-            event_id: self.event.clone(),
-            created_before,
-            after: self.after.clone(),
-            limit: self.limit.unwrap_or(100).min(1_000),
-            ..DeliveryFilter::default()
-        };
-        match &self.status {
-            Some(status) => Ok(Listed::parse(status).map_err(bad)?.narrow(filter)),
-            None => Ok(filter),
-        }
-    }
+fn filter_of(filters: &Filters) -> Result<DeliveryFilter, Response> {
+    filters.filter(None).map_err(|message| failure(StatusCode::BAD_REQUEST, &message))
 }
 
 pub(crate) fn delivery_json(d: &DeliveryView) -> Value {
@@ -225,9 +197,9 @@ async fn stats(State(served): State<Served>) -> Response {
     Json(json!({ "handlers": rows, "unfannedEvents": unfanned, "thisHost": this_host })).into_response()
 }
 
-async fn list_deliveries(State(served): State<Served>, Query(filters): Query<Filters>) -> Response {
-    let filter = match filters.filter() {
-        Ok(filter) => filter,
+async fn list_deliveries(State(served): State<Served>, Query(listing): Query<Listing>) -> Response {
+    let filter = match filter_of(&listing.filters) {
+        Ok(filter) => DeliveryFilter { after: listing.after, limit: listing.limit.unwrap_or(100).min(1_000), ..filter },
         Err(response) => return response,
     };
     match served.api.store.list_deliveries(&filter).await {
@@ -252,7 +224,7 @@ fn bulk_json(report: &BulkReport, acted: bool) -> Response {
 }
 
 async fn requeue_matching(State(served): State<Served>, Json(request): Json<Bulk>) -> Response {
-    let filter = match request.filters.filter() {
+    let filter = match filter_of(&request.filters) {
         Ok(filter) => filter,
         Err(response) => return response,
     };
@@ -263,7 +235,7 @@ async fn requeue_matching(State(served): State<Served>, Json(request): Json<Bulk
 }
 
 async fn bury_matching(State(served): State<Served>, Json(request): Json<Bulk>) -> Response {
-    let filter = match request.filters.filter() {
+    let filter = match filter_of(&request.filters) {
         Ok(filter) => filter,
         Err(response) => return response,
     };

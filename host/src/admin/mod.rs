@@ -10,3 +10,4 @@
 pub mod api;
 pub mod bulk;
 mod dashboard;
+pub mod filters;

@@ -4,80 +4,15 @@
 
 use std::process::ExitCode;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use bson::DateTime;
-use clap::{Args, Subcommand, ValueEnum};
+use clap::Subcommand;
 use relayhost::admin::bulk::{self, BulkReport};
+use relayhost::admin::filters::Filters;
 use relayhost::config::Config;
 use relayhost::store::{DeliveryFilter, DeliveryView, Listed, Store};
 
 use super::admin::with_store;
-
-/// A delivery's state as operators see it (see [`Listed`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum State {
-    /// Unfinished (waiting, parked or running).
-    Pending,
-    /// Listed by a live lease: running, or claimed ahead of a run slot.
-    Running,
-    /// Waiting behind an unfinished delivery of its key.
-    Parked,
-    Dead,
-}
-
-impl State {
-    fn listed(self) -> Listed {
-        match self {
-            Self::Pending => Listed::Pending,
-            Self::Running => Listed::Running,
-            Self::Parked => Listed::Parked,
-            Self::Dead => Listed::Dead,
-        }
-    }
-}
-
-#[derive(Args, Debug, Clone)]
-pub struct Filters {
-    #[arg(long, value_enum)]
-    status: Option<State>,
-    #[arg(long)]
-    handler: Option<String>,
-    /// The event type.
-    #[arg(long = "type")]
-    event_type: Option<String>,
-    #[arg(long)]
-    key: Option<String>,
-    /// The event id.
-    #[arg(long)]
-    event: Option<String>,
-    /// Created longer ago than this (`10m`, `2h`, `3d`).
-    #[arg(long)]
-    older_than: Option<String>,
-}
-
-impl Filters {
-    fn filter(&self, default: Option<State>) -> Result<DeliveryFilter> {
-        let created_before = match &self.older_than {
-            Some(age) => {
-                let age = humantime::parse_duration(age).with_context(|| format!("--older-than {age:?} is not a duration like 10m"))?;
-                Some(DateTime::from_millis(DateTime::now().timestamp_millis() - age.as_millis() as i64))
-            }
-            None => None,
-        };
-        let filter = DeliveryFilter {
-            handler: self.handler.clone(),
-            event_type: self.event_type.clone(),
-            key: self.key.clone(),
-            event_id: self.event.clone(),
-            created_before,
-            ..DeliveryFilter::default()
-        };
-        Ok(match self.status.or(default) {
-            Some(state) => state.listed().narrow(filter),
-            None => filter,
-        })
-    }
-}
 
 #[derive(Subcommand)]
 pub enum DeliveriesCommand {
@@ -143,7 +78,7 @@ fn shown(at: DateTime) -> String {
 pub async fn deliveries(config: &Config, command: DeliveriesCommand) -> Result<ExitCode> {
     with_store(config, async |store| match command {
         DeliveriesCommand::List { filters, after, limit, json } => {
-            let mut filter = filters.filter(None)?;
+            let mut filter = filters.filter(None).map_err(anyhow::Error::msg)?;
             filter.after = after;
             filter.limit = limit;
             let page = store.list_deliveries(&filter).await?;
@@ -173,10 +108,10 @@ pub async fn deliveries(config: &Config, command: DeliveriesCommand) -> Result<E
             Ok(ExitCode::SUCCESS)
         }
         DeliveriesCommand::Requeue { filters, yes } => {
-            if filters.status.is_some_and(|s| s != State::Dead) {
+            if filters.status().is_some_and(|s| s != Listed::Dead) {
                 bail!("only dead deliveries are requeued: leave --status out or say dead");
             }
-            let found = bulk::requeue(store, filters.filter(Some(State::Dead))?, yes).await?;
+            let found = bulk::requeue(store, filters.filter(Some(Listed::Dead)).map_err(anyhow::Error::msg)?, yes).await?;
             if !yes {
                 println!("would requeue {} dead deliveries; run again with --yes to do it", found.matched);
                 return Ok(ExitCode::from(2));
@@ -184,10 +119,10 @@ pub async fn deliveries(config: &Config, command: DeliveriesCommand) -> Result<E
             Ok(report("requeued", "dead deliveries", &found))
         }
         DeliveriesCommand::Bury { filters, reason, yes } => {
-            if filters.status.is_some_and(|s| s == State::Dead) {
+            if filters.status().is_some_and(|s| s == Listed::Dead) {
                 bail!("dead deliveries are buried already");
             }
-            let found = bulk::bury(store, filters.filter(Some(State::Pending))?, &reason, yes).await?;
+            let found = bulk::bury(store, filters.filter(Some(Listed::Pending)).map_err(anyhow::Error::msg)?, &reason, yes).await?;
             if !yes {
                 println!("would bury {} pending deliveries (not running); run again with --yes to do it", found.matched);
                 return Ok(ExitCode::from(2));

@@ -402,7 +402,7 @@ pub(super) async fn event_history(store: &MongoStore, event_id: &str) -> Result<
 }
 
 /// The deliveries the lanes' live leases list (running, or claimed ahead of a run slot).
-async fn listed_by_live_leases(store: &MongoStore, now: DateTime) -> Result<HashSet<bson::oid::ObjectId>, StoreError> {
+pub(super) async fn listed_by_live_leases(store: &MongoStore, now: DateTime) -> Result<HashSet<bson::oid::ObjectId>, StoreError> {
     let lanes: Vec<Document> = store
         .collections
         .lanes

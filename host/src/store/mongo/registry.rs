@@ -10,7 +10,7 @@ use bson::{Bson, DateTime, Document, doc};
 use futures::TryStreamExt;
 
 use super::MongoStore;
-use super::documents::{delivery, lane};
+use super::documents::delivery;
 use crate::store::StoreError;
 use crate::store::registry::{self, Declaration, Disposal, RegisteredHandler, RetireReport, Served};
 
@@ -126,20 +126,7 @@ pub(super) async fn retire(store: &MongoStore, handler: &str, disposal: Disposal
     let not_yet = doc! { ID: { "$eq": handler }, RETIRED_AT: { "$exists": false } };
     store.collections.handlers.update_one(not_yet, doc! { "$set": { RETIRED_AT: now } }).await?;
     // What a live lease lists may still run on a host that stopped serving it: left alone.
-    let lanes: Vec<Document> = store
-        .collections
-        .lanes
-        .find(doc! { lane::LEASE_EXPIRES_AT: { "$gt": now } })
-        .projection(doc! { lane::IN_FLIGHT: 1 })
-        .await?
-        .try_collect()
-        .await?;
-    let listed: Vec<Bson> = lanes
-        .iter()
-        .filter_map(|l| l.get_array(lane::IN_FLIGHT).ok())
-        .flatten()
-        .filter_map(|entry| entry.as_document()?.get(super::documents::entry::DELIVERY).cloned())
-        .collect();
+    let listed: Vec<Bson> = super::operations::listed_by_live_leases(store, now).await?.into_iter().map(Bson::ObjectId).collect();
     let waiting = doc! { delivery::HANDLER: { "$eq": handler }, delivery::STATUS: delivery::PENDING };
     let still_claimed = if listed.is_empty() {
         0
