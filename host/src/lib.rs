@@ -13,6 +13,7 @@ pub mod dispatch;
 pub mod event;
 pub mod handler_transaction;
 pub mod lane;
+pub mod metrics;
 pub mod mongod;
 pub mod plugin;
 pub mod plugin_runner;

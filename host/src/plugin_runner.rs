@@ -13,6 +13,7 @@ use std::collections::HashSet;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::Mutex;
 
@@ -20,7 +21,8 @@ use bson::DateTime;
 
 use crate::dispatch::{AttemptResult, HandlerSpec, RetryPolicy, RunResult, Runner, Throttle};
 use crate::handler_transaction::{FollowUps, MongoHandlerTransaction, SharedTrouble, Trouble, publish_follow_ups};
-use crate::plugin::{DeliveryInfo, LoadedPlugin, Outcome, PluginRegistry};
+use crate::metrics::DeliveryMetrics;
+use crate::plugin::{DeliveryInfo, LoadedPlugin, Outcome, PluginRegistry, Ran};
 use crate::store::mongo::MongoStore;
 use crate::store::{self, ClaimedDelivery, Declaration, Retrying, Store, StoreError};
 
@@ -41,12 +43,18 @@ pub struct PluginRunner {
     priority_for: Arc<Priorities>,
     /// The collections granted to transactional plugins that are known to exist.
     created: Arc<Mutex<HashSet<String>>>,
+    metrics: DeliveryMetrics,
 }
 
 impl PluginRunner {
     pub fn new(registry: Arc<PluginRegistry>, store: Arc<MongoStore>, retry_for: Arc<RetryPolicies>) -> Self {
         let (throttle_for, priority_for) = (Arc::new(|_: &str| Throttle::default()), Arc::new(|_: &str| 0));
-        Self { registry, store, retry_for, throttle_for, priority_for, created: Arc::default() }
+        Self { registry, store, retry_for, throttle_for, priority_for, created: Arc::default(), metrics: DeliveryMetrics::default() }
+    }
+
+    /// What its runs cost, by handler (for `/metrics`).
+    pub fn metrics(&self) -> DeliveryMetrics {
+        self.metrics.clone()
     }
 
     /// The same, each plugin's handlers throttled as `throttle_for` says (none by default).
@@ -149,6 +157,7 @@ impl Runner for PluginRunner {
 
     fn run(&self, delivery: ClaimedDelivery) -> Pin<Box<dyn Future<Output = RunResult> + Send>> {
         let (registry, store, retry_for, created) = (self.registry.clone(), self.store.clone(), self.retry_for.clone(), self.created.clone());
+        let metrics = self.metrics.clone();
         Box::pin(async move {
             // The version serving the handler now; the delivery keeps it to the end.
             let Some(plugin) = registry.plugin_for(&delivery.handler) else { return RunResult::NotRun };
@@ -160,12 +169,21 @@ impl Runner for PluginRunner {
             };
             if plugin.subscription(&delivery.handler).is_some_and(|s| s.transactional) {
                 create_collections_granted_to(&store, &plugin, &created).await;
-                run_transactional(&registry, &store, &plugin, &delivery, &info).await
+                run_transactional(&registry, &store, &plugin, &delivery, &info, &metrics).await
             } else {
-                RunResult::Attempt(attempt_of(registry.runtime().invoke(&plugin, &delivery.event, &info).await.outcome))
+                let started = DateTime::now();
+                let ran = registry.runtime().invoke(&plugin, &delivery.event, &info).await;
+                measure(&metrics, &delivery, &ran, started);
+                RunResult::Attempt(attempt_of(ran.outcome))
             }
         })
     }
+}
+
+/// Records what one run of `delivery`, started at `started`, cost.
+fn measure(metrics: &DeliveryMetrics, delivery: &ClaimedDelivery, ran: &Ran, started: DateTime) {
+    let lag = u64::try_from(started.timestamp_millis() - delivery.event.created_at.timestamp_millis()).ok().map(Duration::from_millis);
+    metrics.ran(&delivery.handler, ran.elapsed, ran.fuel_consumed, ran.peak_memory_bytes, lag);
 }
 
 async fn run_transactional(
@@ -174,6 +192,7 @@ async fn run_transactional(
     plugin: &LoadedPlugin,
     delivery: &ClaimedDelivery,
     info: &DeliveryInfo,
+    metrics: &DeliveryMetrics,
 ) -> RunResult {
     let mut retrying = Retrying::new();
     let mut reruns = Reruns { done: 0, limit: plugin.policy.limits.transaction.reruns };
@@ -184,7 +203,9 @@ async fn run_transactional(
         };
         let (transient, follow_ups) = (SharedTrouble::default(), FollowUps::default());
         let capability = MongoHandlerTransaction::new(tx.clone(), store.database(), follow_ups.clone(), transient.clone());
+        let started = DateTime::now();
         let (ran, returned) = registry.runtime().invoke_transactional(plugin, &delivery.event, info, Box::new(capability)).await;
+        measure(metrics, delivery, &ran, started);
         drop(returned);
         let Ok(tx) = Arc::try_unwrap(tx) else {
             return RunResult::Attempt(AttemptResult::Failed("the handler kept its transaction".into()));

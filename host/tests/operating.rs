@@ -251,3 +251,60 @@ async fn the_admin_api_answers_only_with_the_token_and_takes_every_input_as_data
     assert!(!host.log().contains(token), "the token is never logged");
     host.stop();
 }
+
+/// The host's `/metrics`, read by Prometheus's own Python parser (OpenMetrics): each sample's
+/// name, labels and value.
+fn parsed_metrics(text: &str) -> Vec<(String, BTreeMap<String, String>, f64)> {
+    let python_path = std::process::Command::new(common::deployment::repo_root().join("scripts/ensure-python-deps.sh")).output().unwrap();
+    let mut parser = std::process::Command::new("python3")
+        .args([
+            "-c",
+            "import sys, json\n\
+             from prometheus_client.openmetrics.parser import text_string_to_metric_families\n\
+             print(json.dumps([[s.name, s.labels, s.value] for f in text_string_to_metric_families(sys.stdin.read()) for s in f.samples]))",
+        ])
+        .env("PYTHONPATH", stdout(&python_path).trim())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    parser.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let output = parser.wait_with_output().unwrap();
+    assert!(output.status.success(), "the parser refused the scrape: {}\n{text}", String::from_utf8_lossy(&output.stderr));
+    serde_json::from_slice(&output.stdout).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_parse_as_openmetrics_and_each_run_is_one_sample_of_each_histogram() {
+    let health: std::net::SocketAddr = format!("127.0.0.1:{}", relayhost::mongod::free_port().unwrap()).parse().unwrap();
+    let deployment = Deployment::new(&["audit_log", "noop"], &format!("poll_interval = \"200ms\"\nhealth_listen = \"{health}\"")).await;
+    let host = deployment.start("host");
+    let orders = keyed_orders(0..7, 3);
+    publish_orders(&deployment, &orders).await;
+    deployment.assert_audited_exactly(&orders, Duration::from_secs(60), "before the scrape").await;
+    let (status, text) = common::deployment::http_get(health, "/metrics");
+    assert_eq!(status, 200, "{text}");
+    let samples = parsed_metrics(&text);
+    let value = |name: &str, handler: Option<&str>| {
+        samples
+            .iter()
+            .find(|(n, labels, _)| n == name && handler.is_none_or(|h| labels.get("handler").map(String::as_str) == Some(h)))
+            .map(|(_, _, v)| *v)
+            .unwrap_or_else(|| panic!("no sample {name} {handler:?} in:\n{text}"))
+    };
+    for handler in ["audit-log", "noop"] {
+        for histogram in ["relayhost_delivery_run_seconds", "relayhost_delivery_fuel", "relayhost_delivery_peak_memory_bytes", "relayhost_delivery_lag_seconds"] {
+            assert_eq!(value(&format!("{histogram}_count"), Some(handler)), 7.0, "{histogram} of {handler}: one sample a run");
+        }
+        assert!(value("relayhost_delivery_fuel_sum", Some(handler)) > 0.0);
+        assert!(value("relayhost_delivery_peak_memory_bytes_sum", Some(handler)) >= 7.0 * 65_536.0, "a component has a page of memory at least");
+        assert_eq!(value("relayhost_deliveries_pending", Some(handler)), 0.0);
+    }
+    assert_eq!(value("relayhost_completed_total", None), 14.0);
+    assert_eq!(value("relayhost_plugins_loaded", None), 2.0);
+    assert_eq!(value("relayhost_events_unfanned", None), 0.0);
+    assert_eq!(value("relayhost_handler_hosts_serving", Some("noop")), 1.0);
+    host.stop();
+}

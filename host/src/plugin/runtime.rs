@@ -73,12 +73,17 @@ impl WasiHttpView for HostState {
 struct MemoryLimiter {
     max_bytes: usize,
     refused: bool,
+    /// The largest linear memory it allowed: the delivery's peak.
+    peak: usize,
 }
 
 impl ResourceLimiter for MemoryLimiter {
     fn memory_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
         let allowed = desired <= self.max_bytes;
         self.refused |= !allowed;
+        if allowed {
+            self.peak = self.peak.max(desired);
+        }
         Ok(allowed)
     }
 
@@ -102,7 +107,7 @@ pub enum Outcome {
     Failed(String),
 }
 
-/// One delivery's run: its outcome and what became of the plugin's output.
+/// One delivery's run: its outcome, what became of the plugin's output, and what it cost.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ran {
     pub outcome: Outcome,
@@ -110,6 +115,12 @@ pub struct Ran {
     pub output_kept: usize,
     /// Bytes dropped over the plugin's output budget.
     pub output_dropped: usize,
+    /// From its instance's creation to its outcome.
+    pub elapsed: Duration,
+    /// Fuel it burned (`None` when the runtime meters none).
+    pub fuel_consumed: Option<u64>,
+    /// The largest its linear memory grew to.
+    pub peak_memory_bytes: usize,
 }
 
 /// What the dispatcher tells a plugin about one delivery.
@@ -321,7 +332,7 @@ impl PluginRuntime {
             table: ResourceTable::new(),
             http: WasiHttpCtx::new(),
             http_hosts: GrantedHosts::prepare(plugin.name.clone(), &grants.http),
-            limiter: MemoryLimiter { max_bytes: limits.memory_bytes.min(MAX_MEMORY_BYTES), refused: false },
+            limiter: MemoryLimiter { max_bytes: limits.memory_bytes.min(MAX_MEMORY_BYTES), refused: false, peak: 0 },
             output: output.clone(),
             transaction: TransactionState::prepare(plugin.name.clone(), &grants.transaction, &limits.transaction, event, backend),
         };
@@ -363,7 +374,8 @@ impl PluginRuntime {
     ) -> (Ran, Option<Box<dyn TransactionCapability>>) {
         let started = Instant::now();
         if !Engine::same(&self.engine, plugin.pre.engine()) {
-            let ran = Ran { outcome: Outcome::Failed("the plugin was loaded by another runtime".into()), output_kept: 0, output_dropped: 0 };
+            let outcome = Outcome::Failed("the plugin was loaded by another runtime".into());
+            let ran = Ran { outcome, output_kept: 0, output_dropped: 0, elapsed: started.elapsed(), fuel_consumed: None, peak_memory_bytes: 0 };
             return (ran, backend);
         }
         let (mut store, output) = self.store(plugin, Some(event), backend);
@@ -409,7 +421,9 @@ impl PluginRuntime {
         tokio::task::consume_budget().await;
         tracing::debug!(plugin = %plugin.name, version = plugin.short_hash(), handler = %delivery.handler, event = %event.id,
             elapsed_us = started.elapsed().as_micros() as u64, ?outcome, "delivery ran");
-        (Ran { outcome, output_kept, output_dropped }, backend)
+        let fuel_consumed = self.meter_fuel.then(|| plugin.policy.limits.fuel.saturating_sub(store.get_fuel().unwrap_or(0)));
+        let peak_memory_bytes = store.data().limiter.peak;
+        (Ran { outcome, output_kept, output_dropped, elapsed: started.elapsed(), fuel_consumed, peak_memory_bytes }, backend)
     }
 }
 

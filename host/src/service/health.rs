@@ -10,7 +10,6 @@
 //! them for [`STATISTICS_MAX_AGE`]: however often and however many scrapers ask, the
 //! deliveries collection is aggregated at most once in that time.
 
-use std::fmt::Write as _;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -26,10 +25,17 @@ use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::{Registry, Unit};
+
 use crate::dispatch::{DispatcherCounters, KnownHandlers};
+use crate::metrics::{DeliveryMetrics, HandlerLabel};
 use crate::plugin::PluginRegistry;
 use crate::store::mongo::MongoStore;
-use crate::store::{HandlerStatistics, Store, StoreError};
+use crate::store::{HandlerStatistics, RegisteredHandler, Store, StoreError};
 
 /// How long `/metrics` reuses the per-handler delivery counts.
 pub const STATISTICS_MAX_AGE: Duration = Duration::from_secs(5);
@@ -41,8 +47,9 @@ pub struct HealthState {
     registry: Arc<PluginRegistry>,
     counters: Arc<DispatcherCounters>,
     known: Arc<KnownHandlers>,
-    /// Per-handler counts and the unfanned events.
-    statistics: Arc<Recent<(Vec<HandlerStatistics>, u64)>>,
+    /// Per-handler counts, the unfanned events and the lanes this host holds.
+    statistics: Arc<Recent<(Vec<HandlerStatistics>, u64, usize)>>,
+    deliveries: DeliveryMetrics,
 }
 
 impl HealthState {
@@ -51,8 +58,9 @@ impl HealthState {
         registry: Arc<PluginRegistry>,
         counters: Arc<DispatcherCounters>,
         known: Arc<KnownHandlers>,
+        deliveries: DeliveryMetrics,
     ) -> Self {
-        Self { store, registry, counters, known, statistics: Arc::new(Recent::new(STATISTICS_MAX_AGE)) }
+        Self { store, registry, counters, known, statistics: Arc::new(Recent::new(STATISTICS_MAX_AGE)), deliveries }
     }
 
     /// Listens on `address` until the returned task is aborted.
@@ -86,74 +94,81 @@ impl HealthState {
     }
 
     async fn metrics(&self) -> Result<String, String> {
-        let mut out = String::new();
-        let counters = [
-            ("completed", &self.counters.completed, "Deliveries completed by this host"),
-            ("retried", &self.counters.retried, "Failed attempts rescheduled by this host"),
-            ("dead", &self.counters.dead, "Deliveries this host made dead"),
-            ("released", &self.counters.released, "Deliveries handed back uncharged"),
-            ("store_errors", &self.counters.store_errors, "Store errors the claim loop went on from"),
-            (
-                "out_of_order",
-                &self.counters.out_of_order,
-                "Keyed deliveries that started after a higher sequence of their key and handler (a publisher broke the protocol, or a dead delivery was requeued)",
-            ),
-        ];
-        for (name, counter, help) in counters {
-            let _ = writeln!(out, "# HELP relayhost_{name}_total {help}\n# TYPE relayhost_{name}_total counter");
-            let _ = writeln!(out, "relayhost_{name}_total {}", DispatcherCounters::get(counter));
-        }
-        let waiting = self.store.lanes_waiting_for_charge();
-        let _ = writeln!(
-            out,
-            "# HELP relayhost_lanes_waiting_for_charge Lanes taken over whose previous holder's deliveries could not be charged yet\n# TYPE relayhost_lanes_waiting_for_charge gauge"
-        );
-        let _ = writeln!(out, "relayhost_lanes_waiting_for_charge {waiting}");
-        let _ = writeln!(
-            out,
-            "# HELP relayhost_dead_hosts_sessions_ended_total Sessions of hosts that stopped announcing themselves this host ended (their open transactions held locks)\n# TYPE relayhost_dead_hosts_sessions_ended_total counter"
-        );
-        let _ = writeln!(out, "relayhost_dead_hosts_sessions_ended_total {}", self.store.dead_hosts_sessions_ended());
-        let statistics = self
+        let recent = self
             .statistics
             .get_or_refresh(|| async {
-                let unfanned = self.store.unfanned_events().await?;
-                Ok((self.store.statistics(DateTime::now()).await?, unfanned))
+                let now = DateTime::now();
+                let (unfanned, statistics, membership) =
+                    tokio::try_join!(self.store.unfanned_events(), self.store.statistics(now), self.store.membership(now))?;
+                let held = self.store.host_id();
+                let lanes_held = membership.lanes.iter().filter(|lane| lane.holder.as_deref() == Some(held.as_str())).count();
+                Ok((statistics, unfanned, lanes_held))
             })
             .await
             .map_err(|e| e.to_string())?;
-        let (statistics, unfanned) = (&statistics.0, statistics.1);
-        let _ = writeln!(out, "# HELP relayhost_events_unfanned Committed events not fanned out yet\n# TYPE relayhost_events_unfanned gauge");
-        let _ = writeln!(out, "relayhost_events_unfanned {unfanned}");
-        for (name, help) in [("pending", "Deliveries waiting"), ("running", "Deliveries under a live lease"), ("dead", "Dead deliveries")] {
-            let _ = writeln!(out, "# HELP relayhost_deliveries_{name} {help}\n# TYPE relayhost_deliveries_{name} gauge");
-            for s in statistics {
-                let value = match name {
-                    "pending" => s.pending,
-                    "running" => s.running,
-                    _ => s.dead,
-                };
-                let _ = writeln!(out, "relayhost_deliveries_{name}{{handler=\"{}\"}} {value}", label(&s.handler));
+        let (statistics, unfanned, lanes_held) = (&recent.0, recent.1, recent.2);
+        let mut registry = Registry::default();
+        let count = |counter: &std::sync::atomic::AtomicU64| ConstCounter::new(DispatcherCounters::get(counter));
+        let counters = &self.counters;
+        registry.register("relayhost_completed", "Deliveries completed by this host", count(&counters.completed));
+        registry.register("relayhost_retried", "Failed attempts rescheduled by this host", count(&counters.retried));
+        registry.register("relayhost_dead", "Deliveries this host made dead", count(&counters.dead));
+        registry.register("relayhost_released", "Deliveries handed back uncharged", count(&counters.released));
+        registry.register("relayhost_store_errors", "Store errors the claim loop went on from", count(&counters.store_errors));
+        registry.register(
+            "relayhost_out_of_order",
+            "Keyed deliveries that started after a higher sequence of their key and handler (a publisher broke the protocol, or a dead delivery was requeued)",
+            count(&counters.out_of_order),
+        );
+        registry.register(
+            "relayhost_dead_hosts_sessions_ended",
+            "Sessions of hosts that stopped announcing themselves this host ended (their open transactions held locks)",
+            ConstCounter::new(self.store.dead_hosts_sessions_ended()),
+        );
+        let gauge = |value: u64| {
+            let gauge = Gauge::<i64>::default();
+            gauge.set(i64::try_from(value).unwrap_or(i64::MAX));
+            gauge
+        };
+        registry.register(
+            "relayhost_lanes_waiting_for_charge",
+            "Lanes taken over whose previous holder's deliveries could not be charged yet",
+            gauge(self.store.lanes_waiting_for_charge() as u64),
+        );
+        registry.register("relayhost_lanes_held", "Lanes this host holds under a live lease", gauge(lanes_held as u64));
+        registry.register("relayhost_events_unfanned", "Committed events not fanned out yet", gauge(unfanned));
+        registry.register("relayhost_plugins_loaded", "Plugin files this host serves", gauge(self.registry.versions().len() as u64));
+        registry.register("relayhost_plugins_refused", "Plugin files this host refused (see the admin API for why)", gauge(self.registry.refusals().len() as u64));
+        type ByHandler = Family<HandlerLabel, Gauge>;
+        let by_handler = |rows: &mut dyn Iterator<Item = (&str, u64)>| {
+            let family = ByHandler::default();
+            for (handler, value) in rows {
+                family.get_or_create(&HandlerLabel { handler: handler.to_string() }).set(i64::try_from(value).unwrap_or(i64::MAX));
             }
-        }
+            family
+        };
+        registry.register("relayhost_deliveries_pending", "Deliveries waiting", by_handler(&mut statistics.iter().map(|s| (s.handler.as_str(), s.pending))));
+        registry.register("relayhost_deliveries_running", "Deliveries under a live lease", by_handler(&mut statistics.iter().map(|s| (s.handler.as_str(), s.running))));
+        registry.register("relayhost_deliveries_dead", "Dead deliveries (dead letters)", by_handler(&mut statistics.iter().map(|s| (s.handler.as_str(), s.dead))));
         if let Some(known) = self.known.known() {
             let now = DateTime::now().timestamp_millis();
-            let _ = writeln!(
-                out,
-                "# HELP relayhost_handler_hosts_serving Live hosts serving each registered (not retired) handler\n# TYPE relayhost_handler_hosts_serving gauge"
+            let active: Vec<_> = known.iter().filter(|r| r.active()).collect();
+            registry.register(
+                "relayhost_handler_hosts_serving",
+                "Live hosts serving each registered (not retired) handler",
+                by_handler(&mut active.iter().map(|r| (r.handler.as_str(), r.served_by.len() as u64))),
             );
-            for record in known.iter().filter(|r| r.active()) {
-                let _ = writeln!(out, "relayhost_handler_hosts_serving{{handler=\"{}\"}} {}", label(&record.handler), record.served_by.len());
-            }
-            let _ = writeln!(
-                out,
-                "# HELP relayhost_handler_unserved_seconds How long no live host has served each registered handler (0 while one does); its deliveries wait\n# TYPE relayhost_handler_unserved_seconds gauge"
+            let unserved = |r: &&&RegisteredHandler| if r.served_by.is_empty() { ((now - r.last_seen.timestamp_millis()).max(0) / 1000) as u64 } else { 0 };
+            registry.register_with_unit(
+                "relayhost_handler_unserved",
+                "How long no live host has served each registered handler (0 while one does); its deliveries wait",
+                Unit::Seconds,
+                by_handler(&mut active.iter().map(|r| (r.handler.as_str(), unserved(&r)))),
             );
-            for record in known.iter().filter(|r| r.active()) {
-                let seconds = if record.served_by.is_empty() { (now - record.last_seen.timestamp_millis()).max(0) / 1000 } else { 0 };
-                let _ = writeln!(out, "relayhost_handler_unserved_seconds{{handler=\"{}\"}} {seconds}", label(&record.handler));
-            }
         }
+        self.deliveries.register(&mut registry);
+        let mut out = String::new();
+        encode(&mut out, &registry).map_err(|e| e.to_string())?;
         Ok(out)
     }
 }
@@ -187,11 +202,6 @@ impl<T: Clone> Recent<T> {
     }
 }
 
-/// A label value: handler ids are printable but may hold quotes or backslashes.
-fn label(value: &str) -> String {
-    value.replace('\\', "\\\\").replace('"', "\\\"")
-}
-
 async fn ready(State(state): State<HealthState>) -> Response {
     match state.readiness().await {
         Ok(()) => text(StatusCode::OK, "ready\n".into()),
@@ -207,8 +217,13 @@ async fn metrics(State(state): State<HealthState>) -> Response {
 }
 
 fn text(status: StatusCode, body: String) -> Response {
+    let content_type = if status == StatusCode::OK && body.ends_with("# EOF\n") {
+        "application/openmetrics-text; version=1.0.0; charset=utf-8"
+    } else {
+        "text/plain; charset=utf-8"
+    };
     let mut response = (status, body).into_response();
-    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));
+    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     response
 }
 

@@ -115,6 +115,7 @@ async fn serve(
     let runner = PluginRunner::new(registry.clone(), store.clone(), retry_policies(config))
         .throttled_by(Arc::new(move |plugin: &str| throttles.throttle_for(plugin)))
         .prioritized_by(Arc::new(move |plugin: &str| priorities.priority_for(plugin)));
+    let deliveries = runner.metrics();
     let runner = Arc::new(runner);
     runner.create_granted_collections().await;
     let options = DispatcherOptions {
@@ -130,7 +131,7 @@ async fn serve(
     let wakeups = EventWakeups::default().spawn(&store, dispatcher.waker());
     let health = match config.host.health_listen {
         Some(address) => Some(
-            HealthState::new(store.clone(), registry.clone(), counters.clone(), dispatcher.known_handlers())
+            HealthState::new(store.clone(), registry.clone(), counters.clone(), dispatcher.known_handlers(), deliveries.clone())
                 .serve(address)
                 .await
                 .map_err(|source| ServiceError::Health { address, source })?,

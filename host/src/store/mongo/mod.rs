@@ -200,6 +200,11 @@ impl MongoStore {
         }
     }
 
+    /// This instance's id among the live hosts (and as its lanes' holder).
+    pub fn host_id(&self) -> String {
+        self.claimer.host_id()
+    }
+
     /// Another claimer on the same collections (a second worker in this process).
     pub fn instance(&self, owner: &str) -> Self {
         let options = StoreOptions { owner: owner.to_string(), ..self.options.clone() };

@@ -1,0 +1,69 @@
+//! What each delivery costs, by handler, for `/metrics`: histograms of run time, fuel
+//! consumed, peak linear memory and lag from the event's creation to its run's start
+//! (`prometheus-client` families). The plugin runner records one sample of each per run; the
+//! health endpoint encodes them with the rest at each scrape. It never decides anything.
+
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::{Registry, Unit};
+
+/// A handler, as a label.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HandlerLabel {
+    pub handler: String,
+}
+
+type ByHandler = Family<HandlerLabel, Histogram, fn() -> Histogram>;
+
+/// The per-delivery histograms; clones share them.
+#[derive(Debug, Clone)]
+pub struct DeliveryMetrics {
+    run_seconds: ByHandler,
+    fuel: ByHandler,
+    memory_bytes: ByHandler,
+    lag_seconds: ByHandler,
+}
+
+impl Default for DeliveryMetrics {
+    fn default() -> Self {
+        // 1 ms to about 65 s; fuel from 10 thousand to about 10 billion; memory from 64 KiB to 2 GiB.
+        Self {
+            run_seconds: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 17))),
+            fuel: Family::new_with_constructor(|| Histogram::new(exponential_buckets(10_000.0, 4.0, 11))),
+            memory_bytes: Family::new_with_constructor(|| Histogram::new(exponential_buckets(65_536.0, 2.0, 16))),
+            lag_seconds: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 17))),
+        }
+    }
+}
+
+impl DeliveryMetrics {
+    /// One run of `handler`: how long it took, the fuel it burned, its peak memory, and how
+    /// long after its event's creation it started (`None` when the publisher's clock is ahead).
+    pub fn ran(&self, handler: &str, took: Duration, fuel: Option<u64>, peak_memory_bytes: usize, lag: Option<Duration>) {
+        let label = HandlerLabel { handler: handler.to_string() };
+        self.run_seconds.get_or_create(&label).observe(took.as_secs_f64());
+        if let Some(fuel) = fuel {
+            self.fuel.get_or_create(&label).observe(fuel as f64);
+        }
+        self.memory_bytes.get_or_create(&label).observe(peak_memory_bytes as f64);
+        if let Some(lag) = lag {
+            self.lag_seconds.get_or_create(&label).observe(lag.as_secs_f64());
+        }
+    }
+
+    /// Registers the families (sharing their samples) in `registry`.
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register_with_unit("relayhost_delivery_run", "How long each delivery's plugin run took", Unit::Seconds, self.run_seconds.clone());
+        registry.register("relayhost_delivery_fuel", "Fuel each delivery's run consumed (about one per WebAssembly instruction)", self.fuel.clone());
+        registry.register_with_unit("relayhost_delivery_peak_memory", "The largest linear memory of each delivery's instance", Unit::Bytes, self.memory_bytes.clone());
+        registry.register_with_unit(
+            "relayhost_delivery_lag",
+            "From the event's creation (the publisher's clock) to its delivery's run",
+            Unit::Seconds,
+            self.lag_seconds.clone(),
+        );
+    }
+}
