@@ -10,6 +10,7 @@
 //! sandbox's share of a drain shows beside the floor.
 
 mod matrix;
+mod purge;
 mod server;
 
 use std::collections::HashMap;
@@ -84,6 +85,10 @@ pub struct BenchArgs {
     /// unkeyed and keyed on 1 and 2 hosts) and print one table with ratios and goals.
     #[arg(long)]
     matrix: bool,
+    /// Measure instead what purging this many completed events beside a drain costs it: drains
+    /// without, with and again without the purge, and the ratio (see `bench/purge.rs`).
+    #[arg(long, default_value_t = 0)]
+    purge_beside: usize,
 }
 
 /// One drain's workload.
@@ -99,6 +104,8 @@ struct Workload {
     store_only: bool,
     /// The database it runs in, fresh.
     database: String,
+    /// Completed events written beside the backlog, purged while it drains (see `--purge-beside`).
+    purged_beside: usize,
 }
 
 impl Workload {
@@ -110,6 +117,7 @@ impl Workload {
             hosts: args.hosts,
             store_only: args.store_only,
             database: "bench_drain".into(),
+            purged_beside: 0,
         }
     }
 
@@ -151,7 +159,13 @@ pub async fn run(args: BenchArgs) -> Result<()> {
     let client = mongodb::Client::with_uri_str(mongod.uri()).await?;
     let pid = mongod.pid().context("mongod exited")?;
     let server = Server { client, pid };
-    let result = if args.matrix { matrix::run(&args, &server, &plugins).await } else { measure(&args, &server, &plugins).await };
+    let result = if args.matrix {
+        matrix::run(&args, &server, &plugins).await
+    } else if args.purge_beside > 0 {
+        purge::run(&args, &server, &plugins).await
+    } else {
+        measure(&args, &server, &plugins).await
+    };
     mongod.stop();
     let _ = std::fs::remove_dir_all(&scratch);
     result
@@ -330,6 +344,7 @@ async fn drain(args: &BenchArgs, workload: &Workload, server: &Server, registry:
         .buffer_unordered(4)
         .try_collect::<Vec<_>>()
         .await?;
+    purge::write_completed(&store, workload.purged_beside).await?;
     let off_hot_key: Arc<AtomicU64> = Arc::default();
     let plugin_runs: Arc<AtomicU64> = Arc::default();
     let dispatchers: Vec<_> = hosts(&store, workload.hosts)
@@ -352,6 +367,7 @@ async fn drain(args: &BenchArgs, workload: &Workload, server: &Server, registry:
     let target = workload.events as u64;
     let stall = Duration::from_secs(args.stall_after);
     let work = ServerWork::now(server).await?;
+    let purging = purge::beside(&store, workload.purged_beside);
     let started = Instant::now();
     // Ends when every delivery completed, or when none did for a while: a drain that stalls
     // is reported as a failure instead of waiting forever.
@@ -388,6 +404,9 @@ async fn drain(args: &BenchArgs, workload: &Workload, server: &Server, registry:
     let ((), ran) = tokio::join!(monitor, runs);
     ran?;
     let elapsed = started.elapsed();
+    if let Some(purging) = purging {
+        purge::report(purging, elapsed).await?;
+    }
     let completed = total(|c| &c.completed);
     if completed < target {
         bail!(
