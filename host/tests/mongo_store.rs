@@ -1013,7 +1013,7 @@ async fn setup_replaces_superseded_indexes_and_pending_deliveries_stay_out_of_th
     }
     let mut event_names = events.list_index_names().await.unwrap();
     event_names.sort();
-    assert_eq!(event_names, ["_id_", "created", "key_unfanned", "unfanned"]);
+    assert_eq!(event_names, ["_id_", "by_key", "created", "key_unfanned", "unfanned"]);
     let history_names = client.database(&database).collection::<Document>("relayhost_completed_deliveries").list_index_names().await.unwrap();
     assert!(history_names.iter().any(|n| n == "completed"), "the history's own index stays: {history_names:?}");
     let dead_letter_indexes = ["dead_by_id", "dead_updated", "dead_by_handler", "dead_by_event_type"];
@@ -1030,6 +1030,8 @@ async fn setup_replaces_superseded_indexes_and_pending_deliveries_stay_out_of_th
     let keys = keys_per_index(&client, &database, "relayhost_events").await;
     assert_eq!((keys.get_i32("unfanned").unwrap(), keys.get_i32("key_unfanned").unwrap()), (0, 0), "{keys}");
     assert_eq!(keys.get_i32("created").unwrap(), 23, "{keys}");
+    // The purge's look-up of a key's remaining events holds the keyed events only.
+    assert_eq!(keys.get_i32("by_key").unwrap(), 3, "{keys}");
     let keys = keys_per_index(&client, &database, "relayhost_deliveries").await;
     // The key's two followers are created parked, behind their predecessors.
     assert_eq!(keys.get_i32("claim").unwrap(), 21, "{keys}");
