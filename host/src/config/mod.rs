@@ -329,6 +329,9 @@ impl Config {
         {
             return Err(invalid("admin.token", "must be at least 16 characters, without spaces or control characters"));
         }
+        if !(0.01..=1.0).contains(&self.retention.pace) {
+            return Err(invalid("retention.pace", "must be between 0.01 and 1 (the share of its time a purge works)"));
+        }
         if self.retention.every.0 < Duration::from_secs(1) {
             return Err(invalid("retention.every", "must be at least 1s"));
         }
@@ -553,6 +556,9 @@ mod tests {
             ("[plugin.\"../evil\"]\nfuel = 1", "plugin.../evil"),
             ("[plugin.x]\nfollow_ups = 5000", "plugin.x.follow_ups"),
             ("[plugin.x]\ndescendants = 1000001", "plugin.x.descendants"),
+            ("[retention]\npace = 0", "retention.pace"),
+            ("[retention]\ncompleted = \"forever\"", "completed"),
+            ("[admin]\ntoken = \"short\"", "admin.token"),
             ("[plugin.x]\nhandlers = 0", "plugin.x.handlers"),
             ("[defaults]\nfollow_up_payload = \"16MiB\"", "defaults.follow_up_payload"),
             ("[plugin.x]\nchain_depth = 65", "plugin.x.chain_depth"),

@@ -55,6 +55,9 @@ pub struct RetentionConfig {
     pub dead_letters: Keep,
     /// How often one of the hosts purges (the others skip that turn).
     pub every: Span,
+    /// The share of its time a purge works, resting between its steps (0.01 to 1; 1 is flat
+    /// out), so that deliveries and publishers keep the server's rest.
+    pub pace: f64,
 }
 
 impl Default for RetentionConfig {
@@ -63,6 +66,7 @@ impl Default for RetentionConfig {
             completed: Keep::For(Duration::from_secs(7 * 24 * 3600)),
             dead_letters: Keep::For(Duration::from_secs(30 * 24 * 3600)),
             every: Span(Duration::from_secs(600)),
+            pace: 0.25,
         }
     }
 }
@@ -92,6 +96,7 @@ mod tests {
         let config: RetentionConfig = toml::from_str("completed = \"1h\"\ndead_letters = \"off\"").unwrap();
         let options = config.purge_options(DateTime::from_millis(7_200_000));
         assert_eq!((options.completed_before, options.dead_before), (Some(DateTime::from_millis(3_600_000)), None));
-        assert!(config.purges() && !RetentionConfig { completed: Keep::Forever, ..config }.purges());
+        assert!(config.purges() && !RetentionConfig { completed: Keep::Forever, ..config.clone() }.purges());
+        assert_eq!(config.pace, 0.25);
     }
 }

@@ -57,6 +57,7 @@ pub fn store_for(config: &Config, connection: &MongoConnection) -> Result<MongoS
     let options = StoreOptions {
         lease_duration: config.host.lease.0,
         completion_history: config.host.completion_history,
+        purge_pace: config.retention.pace,
         transaction_budget: transaction_budget(config),
         client_app_name: Some(connection.app_name.clone()),
         ..StoreOptions::default()

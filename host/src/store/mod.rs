@@ -72,6 +72,10 @@ pub struct StoreOptions {
     pub completion_history: bool,
     /// Documents deleted per purge step.
     pub purge_batch_size: usize,
+    /// The share of its time a purge works (0.01 to 1): after each step it rests
+    /// `(1 - pace) / pace` times as long as the step took, leaving the rest of the server to
+    /// the deliveries and the publishers. 1 purges flat out.
+    pub purge_pace: f64,
     /// Largest accepted event payload (BSON bytes).
     pub max_payload_bytes: usize,
     /// Time a transaction may take from start to commit before it is aborted.
@@ -90,6 +94,7 @@ impl Default for StoreOptions {
             lease_duration: Duration::from_secs(30),
             completion_history: false,
             purge_batch_size: 500,
+            purge_pace: 1.0,
             max_payload_bytes: crate::event::DEFAULT_MAX_PAYLOAD_BYTES,
             transaction_budget: Duration::from_secs(5),
             client_app_name: None,

@@ -207,7 +207,12 @@ impl MongoStore {
 
     /// Another claimer on the same collections (a second worker in this process).
     pub fn instance(&self, owner: &str) -> Self {
-        let options = StoreOptions { owner: owner.to_string(), ..self.options.clone() };
+        self.instance_with(owner, self.options.clone())
+    }
+
+    /// Another claimer on the same collections, with its own `options`.
+    pub fn instance_with(&self, owner: &str, options: StoreOptions) -> Self {
+        let options = StoreOptions { owner: owner.to_string(), ..options };
         Self::new(self.client.clone(), self.location.clone(), options)
     }
 

@@ -135,6 +135,14 @@ async fn purge_batch(
     })
 }
 
+/// Rests after a purge step that took `took`, as the store's `purge_pace` says.
+async fn rest(store: &MongoStore, took: std::time::Duration) {
+    let pace = store.options.purge_pace.clamp(0.01, 1.0);
+    if pace < 1.0 {
+        tokio::time::sleep(took.mul_f64((1.0 - pace) / pace)).await;
+    }
+}
+
 pub(super) async fn purge(store: &MongoStore, options: &PurgeOptions, _now: DateTime) -> Result<PurgeReport, StoreError> {
     let mut report = PurgeReport::default();
     let expired = expired_events(options);
@@ -142,7 +150,9 @@ pub(super) async fn purge(store: &MongoStore, options: &PurgeOptions, _now: Date
     if let Some(cutoff) = options.dead_before {
         loop {
             let filter = doc! { delivery::STATUS: delivery::DEAD, delivery::UPDATED_AT: { "$lt": cutoff } };
+            let step = std::time::Instant::now();
             let (deleted, (events, counters), seen) = purge_batch(store, false, filter, expired.as_ref()).await?;
+            rest(store, step.elapsed()).await;
             report.dead_deliveries += deleted;
             report.events += events;
             report.key_counters += counters;
@@ -154,7 +164,9 @@ pub(super) async fn purge(store: &MongoStore, options: &PurgeOptions, _now: Date
     if let Some(cutoff) = options.completed_before {
         loop {
             let filter = doc! { history::COMPLETED_AT: { "$lt": cutoff } };
+            let step = std::time::Instant::now();
             let (deleted, (events, counters), seen) = purge_batch(store, true, filter, expired.as_ref()).await?;
+            rest(store, step.elapsed()).await;
             report.history_records += deleted;
             report.events += events;
             report.key_counters += counters;
@@ -174,6 +186,7 @@ pub(super) async fn purge(store: &MongoStore, options: &PurgeOptions, _now: Date
                     { field::CREATED_AT: created.clone(), "_id": { "$gt": id.clone() } },
                 ] }] };
             }
+            let step = std::time::Instant::now();
             let batch: Vec<Document> = store
                 .collections
                 .events
@@ -195,6 +208,7 @@ pub(super) async fn purge(store: &MongoStore, options: &PurgeOptions, _now: Date
             })?;
             report.events += events;
             report.key_counters += counters;
+            rest(store, step.elapsed()).await;
             if batch.len() < batch_size {
                 break;
             }

@@ -89,6 +89,9 @@ pub struct BenchArgs {
     /// without, with and again without the purge, and the ratio (see `bench/purge.rs`).
     #[arg(long, default_value_t = 0)]
     purge_beside: usize,
+    /// The share of its time that purge works (`retention.pace`).
+    #[arg(long, default_value_t = 0.25)]
+    purge_pace: f64,
 }
 
 /// One drain's workload.
@@ -367,7 +370,7 @@ async fn drain(args: &BenchArgs, workload: &Workload, server: &Server, registry:
     let target = workload.events as u64;
     let stall = Duration::from_secs(args.stall_after);
     let work = ServerWork::now(server).await?;
-    let purging = purge::beside(&store, workload.purged_beside);
+    let purging = purge::beside(&store, workload.purged_beside, args.purge_pace);
     let started = Instant::now();
     // Ends when every delivery completed, or when none did for a while: a drain that stalls
     // is reported as a failure instead of waiting forever.

@@ -12,7 +12,7 @@ use bson::{DateTime, doc};
 use futures::TryStreamExt as _;
 use relayhost::plugin::{PluginPolicy, PluginRegistry, PluginRuntime};
 use relayhost::store::mongo::MongoStore;
-use relayhost::store::{PurgeOptions, PurgeReport, Store};
+use relayhost::store::{PurgeOptions, PurgeReport, Store, StoreOptions};
 use tokio::task::JoinHandle;
 
 use super::{BenchArgs, Server, Workload, drain};
@@ -34,9 +34,9 @@ pub(super) async fn write_completed(store: &MongoStore, count: usize) -> Result<
 
 /// Starts purging what is an hour old on another instance of `store`, if `count` events were
 /// written for it.
-pub(super) fn beside(store: &Arc<MongoStore>, count: usize) -> Option<JoinHandle<(Instant, Result<PurgeReport, relayhost::store::StoreError>)>> {
+pub(super) fn beside(store: &Arc<MongoStore>, count: usize, pace: f64) -> Option<JoinHandle<(Instant, Result<PurgeReport, relayhost::store::StoreError>)>> {
     (count > 0).then(|| {
-        let purger = store.instance("bench-purge");
+        let purger = store.instance_with("bench-purge", StoreOptions { purge_pace: pace, ..store.options().clone() });
         tokio::spawn(async move {
             let started = Instant::now();
             let hour_ago = DateTime::from_millis(DateTime::now().timestamp_millis() - 3_600_000);
@@ -78,6 +78,6 @@ pub(super) async fn run(args: &BenchArgs, server: &Server, plugins: &std::path::
         let _ = futures::stream::iter(Vec::<Result<(), anyhow::Error>>::new()).try_collect::<Vec<_>>().await?;
     }
     let without = (rates[0] + rates[2]) / 2.0;
-    println!("with the purge: {:.2}x the drain without it (goal >= 0.90)", rates[1] / without);
+    println!("with the purge (pace {}): {:.2}x the drain without it (goal >= 0.90)", args.purge_pace, rates[1] / without);
     Ok(())
 }
