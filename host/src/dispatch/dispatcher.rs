@@ -35,9 +35,12 @@
 //! expires, so nothing is lost.
 //!
 //! Every step of the loop here (claim, start, settle, renew, stop) reads and changes the one
-//! loop state (`flight.rs`); the pieces that need none of it live beside it: what a
+//! loop state (`flight.rs`), which is why they are one file, a little past 600 lines; the
+//! pieces that need none of it live beside it: what a
 //! dispatcher is given (`runner`, `options`), the background fan-out (`fan_out_task`), the
-//! announcements, `completion`, `starts`, `sequence_watch`, `settle` and `throttle`.
+//! announcements, the registry as this host knows it (`known_handlers`: a fan-out subscribes
+//! every registered handler, those not served here claims-only), `completion`, `starts`,
+//! `sequence_watch`, `settle` and `throttle`.
 
 use std::cmp::Reverse;
 use std::collections::HashMap;

@@ -1,5 +1,7 @@
-//! Operator reads and retention in MongoDB: statistics, listing, purge.
-//! Every input from an operator reaches a query only as a literal string or ObjectId.
+//! Operator reads and retention in MongoDB: statistics, listing (with what the live leases
+//! list), an event's history, who holds what (hosts and lanes), and the purge (its preview,
+//! its steps resting as `purge_pace` says, and the counters of keys none of whose events
+//! remain). Every input from an operator reaches a query only as a literal string or ObjectId.
 
 use std::collections::{BTreeMap, HashSet};
 
