@@ -1,11 +1,12 @@
 //! What each delivery costs, by handler, for `/metrics`: histograms of run time, fuel
-//! consumed, peak linear memory and lag from the event's creation to its run's start
-//! (`prometheus-client` families). The plugin runner records one sample of each per run; the
+//! consumed, peak linear memory and lag from the event's creation to its run's start, and a
+//! count of runs by how they ended (`prometheus-client` families). The plugin runner records one sample of each per run; the
 //! health endpoint encodes them with the rest at each scrape. It never decides anything.
 
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
@@ -14,6 +15,14 @@ use prometheus_client::registry::{Registry, Unit};
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct HandlerLabel {
     pub handler: String,
+}
+
+/// A handler and how one of its runs ended.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub handler: String,
+    /// `completed`, `retry`, `unprocessable` or `failed` (a trap or a limit).
+    pub outcome: &'static str,
 }
 
 type ByHandler = Family<HandlerLabel, Histogram, fn() -> Histogram>;
@@ -25,6 +34,7 @@ pub struct DeliveryMetrics {
     fuel: ByHandler,
     memory_bytes: ByHandler,
     lag_seconds: ByHandler,
+    runs: Family<OutcomeLabels, Counter>,
 }
 
 impl Default for DeliveryMetrics {
@@ -35,14 +45,16 @@ impl Default for DeliveryMetrics {
             fuel: Family::new_with_constructor(|| Histogram::new(exponential_buckets(10_000.0, 4.0, 11))),
             memory_bytes: Family::new_with_constructor(|| Histogram::new(exponential_buckets(65_536.0, 2.0, 16))),
             lag_seconds: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 17))),
+            runs: Family::default(),
         }
     }
 }
 
 impl DeliveryMetrics {
-    /// One run of `handler`: how long it took, the fuel it burned, its peak memory, and how
+    /// One run of `handler` that ended as `outcome`: how long it took, the fuel it burned, its peak memory, and how
     /// long after its event's creation it started (`None` when the publisher's clock is ahead).
-    pub fn ran(&self, handler: &str, took: Duration, fuel: Option<u64>, peak_memory_bytes: usize, lag: Option<Duration>) {
+    pub fn ran(&self, handler: &str, outcome: &'static str, took: Duration, fuel: Option<u64>, peak_memory_bytes: usize, lag: Option<Duration>) {
+        self.runs.get_or_create(&OutcomeLabels { handler: handler.to_string(), outcome }).inc();
         let label = HandlerLabel { handler: handler.to_string() };
         self.run_seconds.get_or_create(&label).observe(took.as_secs_f64());
         if let Some(fuel) = fuel {
@@ -59,6 +71,7 @@ impl DeliveryMetrics {
         registry.register_with_unit("relayhost_delivery_run", "How long each delivery's plugin run took", Unit::Seconds, self.run_seconds.clone());
         registry.register("relayhost_delivery_fuel", "Fuel each delivery's run consumed (about one per WebAssembly instruction)", self.fuel.clone());
         registry.register_with_unit("relayhost_delivery_peak_memory", "The largest linear memory of each delivery's instance", Unit::Bytes, self.memory_bytes.clone());
+        registry.register("relayhost_delivery_runs", "Plugin runs, by how each ended", self.runs.clone());
         registry.register_with_unit(
             "relayhost_delivery_lag",
             "From the event's creation (the publisher's clock) to its delivery's run",

@@ -183,7 +183,13 @@ impl Runner for PluginRunner {
 /// Records what one run of `delivery`, started at `started`, cost.
 fn measure(metrics: &DeliveryMetrics, delivery: &ClaimedDelivery, ran: &Ran, started: DateTime) {
     let lag = u64::try_from(started.timestamp_millis() - delivery.event.created_at.timestamp_millis()).ok().map(Duration::from_millis);
-    metrics.ran(&delivery.handler, ran.elapsed, ran.fuel_consumed, ran.peak_memory_bytes, lag);
+    let outcome = match ran.outcome {
+        Outcome::Completed => "completed",
+        Outcome::Retry { .. } => "retry",
+        Outcome::Unprocessable(_) => "unprocessable",
+        Outcome::Failed(_) => "failed",
+    };
+    metrics.ran(&delivery.handler, outcome, ran.elapsed, ran.fuel_consumed, ran.peak_memory_bytes, lag);
 }
 
 async fn run_transactional(

@@ -279,10 +279,13 @@ fn parsed_metrics(text: &str) -> Vec<(String, BTreeMap<String, String>, f64)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_parse_as_openmetrics_and_each_run_is_one_sample_of_each_histogram() {
     let health: std::net::SocketAddr = format!("127.0.0.1:{}", relayhost::mongod::free_port().unwrap()).parse().unwrap();
-    let deployment = Deployment::new(&["audit_log", "noop"], &format!("poll_interval = \"200ms\"\nhealth_listen = \"{health}\"")).await;
+    let extra = format!("poll_interval = \"200ms\"\nhealth_listen = \"{health}\"\n\n[plugin.hostile]\nretry = {{ max_attempts = 2, initial_backoff = \"10ms\" }}");
+    let deployment = Deployment::new(&["audit_log", "noop", "hostile"], &extra).await;
     let host = deployment.start("host");
     let orders = keyed_orders(0..7, 3);
     publish_orders(&deployment, &orders).await;
+    // A poisoned event: two runs that trap, then dead.
+    common::publish_all(deployment.fixture.store(), vec![event("poison-0", "poison")]).await;
     deployment.assert_audited_exactly(&orders, Duration::from_secs(60), "before the scrape").await;
     let (status, text) = common::deployment::http_get(health, "/metrics");
     assert_eq!(status, 200, "{text}");
@@ -302,8 +305,18 @@ async fn metrics_parse_as_openmetrics_and_each_run_is_one_sample_of_each_histogr
         assert!(value("relayhost_delivery_peak_memory_bytes_sum", Some(handler)) >= 7.0 * 65_536.0, "a component has a page of memory at least");
         assert_eq!(value("relayhost_deliveries_pending", Some(handler)), 0.0);
     }
+    let runs = |handler: &str, outcome: &str| {
+        samples
+            .iter()
+            .find(|(n, labels, _)| {
+                n == "relayhost_delivery_runs_total" && labels.get("handler").map(String::as_str) == Some(handler) && labels.get("outcome").map(String::as_str) == Some(outcome)
+            })
+            .map_or(0.0, |(_, _, v)| *v)
+    };
+    assert_eq!((runs("noop", "completed"), runs("audit-log", "completed")), (7.0, 7.0));
+    assert_eq!((runs("poison", "failed"), runs("poison", "completed")), (2.0, 0.0), "each run counted by how it ended");
     assert_eq!(value("relayhost_completed_total", None), 14.0);
-    assert_eq!(value("relayhost_plugins_loaded", None), 2.0);
+    assert_eq!(value("relayhost_plugins_loaded", None), 3.0);
     assert_eq!(value("relayhost_events_unfanned", None), 0.0);
     assert_eq!(value("relayhost_handler_hosts_serving", Some("noop")), 1.0);
     host.stop();
