@@ -4,17 +4,16 @@
 //! limits, grants, why a file was refused), lanes and live hosts, and the purge.
 //!
 //! Every request carries `Authorization: Bearer <admin.token>` (or a signed-in browser's cookie,
-//! see `dashboard`), compared in constant time (as SHA-256 digests, so not even its length
+//! see `dashboard`; the check is `access`), compared in constant time (as SHA-256 digests, so not even its length
 //! shows); any other gets 401. The token is never logged, and no request's text reaches a
 //! query but as a literal. The dashboard's pages share the listener and the check.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::Arc;
 
-use axum::extract::{Path, Query, Request, State};
-use axum::http::{HeaderValue, StatusCode, header};
-use axum::middleware::{self, Next};
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -22,46 +21,20 @@ use bson::DateTime;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
-use subtle::ConstantTimeEq;
 use tokio::task::JoinHandle;
 
+pub use super::access::AdminApi;
+use super::access::{Served, authenticated, failure};
 use super::bulk::{self, BulkReport};
-use super::filters::Filters;
 use super::dashboard;
-use crate::config::RetentionConfig;
-use crate::dispatch::{DispatcherCounters, KnownHandlers, bury_by_operator};
-use crate::plugin::PluginRegistry;
-use crate::store::mongo::MongoStore;
+use super::filters::Filters;
+use crate::dispatch::{DispatcherCounters, bury_by_operator};
 use crate::store::{DeliveryFilter, DeliveryView, Listed, Store, StoreError};
-
-/// What the API reads and acts on.
-#[derive(Clone)]
-pub struct AdminApi {
-    pub store: Arc<MongoStore>,
-    pub plugins: Arc<PluginRegistry>,
-    pub known: Arc<KnownHandlers>,
-    pub counters: Arc<DispatcherCounters>,
-    pub retention: RetentionConfig,
-}
-
-/// The API as served: what it reads, and the digest of the token it accepts.
-#[derive(Clone)]
-pub(super) struct Served {
-    pub(super) api: AdminApi,
-    token_digest: [u8; 32],
-}
-
-impl Served {
-    /// Whether `digest` is the token's, compared in constant time.
-    pub(super) fn accepts(&self, digest: &[u8; 32]) -> bool {
-        bool::from(digest.ct_eq(&self.token_digest))
-    }
-}
 
 impl AdminApi {
     /// The routes, every one behind the token.
     pub fn router(self, token: &str) -> Router {
-        let served = Served { api: self, token_digest: Sha256::digest(token.as_bytes()).into() };
+        let served = Served::new(self, Sha256::digest(token.as_bytes()).into());
         let signed_in = Router::new()
             .route("/", get(dashboard::overview))
             .route("/dashboard/deliveries/{id}/requeue", post(dashboard::requeue))
@@ -97,37 +70,6 @@ impl AdminApi {
             }
         }))
     }
-}
-
-/// Lets a request through only with the right bearer token, or a signed-in browser's cookie
-/// (see `dashboard`); a browser without one is sent to sign in, anyone else gets 401.
-async fn authenticated(State(served): State<Served>, request: Request, next: Next) -> Response {
-    let headers = request.headers();
-    let bearer = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.strip_prefix("Bearer "))
-        .map(|token| <[u8; 32]>::from(Sha256::digest(token.trim().as_bytes())));
-    let cookie = headers
-        .get_all(header::COOKIE)
-        .iter()
-        .filter_map(|value| value.to_str().ok())
-        .flat_map(|value| value.split(';'))
-        .filter_map(|pair| pair.trim().strip_prefix(dashboard::COOKIE)?.strip_prefix('='))
-        .find_map(|digest| <[u8; 32]>::try_from(hex::decode(digest).ok()?).ok());
-    if bearer.or(cookie).is_some_and(|digest| served.accepts(&digest)) {
-        return next.run(request).await;
-    }
-    if request.uri().path() == "/" || request.uri().path().starts_with("/dashboard") {
-        return axum::response::Redirect::to("/login").into_response();
-    }
-    let mut response = failure(StatusCode::UNAUTHORIZED, "a valid `Authorization: Bearer <admin token>` header is required");
-    response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-    response
-}
-
-fn failure(status: StatusCode, message: &str) -> Response {
-    (status, Json(json!({ "error": message }))).into_response()
 }
 
 /// A store error as an answer: what the operator asked is refused with the reason, or the

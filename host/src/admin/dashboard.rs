@@ -20,12 +20,9 @@ use bson::DateTime;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use super::api::Served;
+use super::access::{COOKIE, Served};
 use crate::dispatch::{DispatcherCounters, bury_by_operator};
 use crate::store::{DeliveryFilter, DeliveryStatus, Listed, Store};
-
-/// The cookie a signed-in browser carries: the hex SHA-256 of the token.
-pub(super) const COOKIE: &str = "relayhost_admin";
 
 /// This host's completions at the last look, for the throughput since.
 pub(super) static LAST_LOOK: Mutex<Option<(Instant, u64)>> = Mutex::new(None);
