@@ -196,9 +196,9 @@ async fn what_plugins_hand_back_is_bounded_and_the_good_plugin_keeps_flowing() {
 /// A plugin that publishes all it may of every event it gets (sixteen follow-ups, each of
 /// which does the same) stays within the `descendants` bound of its root, 1,024 (784 of the
 /// 5,776 it made when the limit only halved at each level), while the good plugin beside it
-/// keeps flowing. Fan-outs read events oldest first, so the good plugin's events wait behind
-/// the burst's unfanned follow-ups: its latency is bounded by the burst's size (30 ms alone,
-/// p95 about 2.5 s beside the whole burst at 8 run slots).
+/// keeps flowing: fan-outs take applications' events before follow-ups, so the good plugin's
+/// events wait for a free run slot, not behind the burst (30 ms alone; beside the burst at 8
+/// run slots p95 about 0.5 s, and 3.8 s when fan-outs read oldest first).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chain_burst_stays_within_its_bound_and_the_good_plugin_keeps_flowing() {
     let extra = "concurrency = 8\npoll_interval = \"200ms\"\n\n[plugin.hostile]\ngrants = { publish_types = [\"burst\"] }";
@@ -215,7 +215,7 @@ async fn a_chain_burst_stays_within_its_bound_and_the_good_plugin_keeps_flowing(
     assert_eq!(burst, 1 + 16 + 16 * 16 + 16 * 16 * 2, "the root and its 784 descendants");
     let deepest = events.find(doc! { "type": "burst" }).sort(doc! { "chainDepth": -1 }).limit(1).await.unwrap().try_next().await.unwrap().unwrap();
     assert_eq!(deepest.get_i64("chainDepth").unwrap(), 3);
-    assert!(p95 < Duration::from_secs(4), "the good plugin's p95 stayed within 4 s ({p95:?})");
+    assert!(p95 < Duration::from_millis(1500), "the good plugin's p95 stayed within 1.5 s ({p95:?})");
     host.stop();
 }
 

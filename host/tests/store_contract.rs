@@ -60,6 +60,7 @@ contract!(
     keyed_deliveries_run_one_at_a_time_in_sequence_order,
     a_fan_out_creates_the_followers_of_a_key_parked,
     a_backlog_of_many_keys_is_fanned_out_in_publishing_order_not_a_whole_key_at_a_time,
+    applications_events_are_fanned_out_before_follow_ups_and_shallow_follow_ups_before_deep_ones,
     concurrent_workers_never_claim_twice_and_keep_key_order,
     lanes_are_exclusive_under_a_live_lease,
     live_hosts_split_the_lanes_and_leave_each_other_their_events_until_stale,
@@ -518,6 +519,53 @@ async fn a_backlog_of_many_keys_is_fanned_out_in_publishing_order_not_a_whole_ke
     }
     let seen: Vec<&String> = order.iter().filter(|id| id.ends_with('d')).collect();
     assert_eq!(seen, ["4-d", "5-d"]);
+}
+
+/// A plugin's burst of follow-ups never holds back what applications publish meanwhile: the
+/// fan-out reads applications' events first, then follow-ups a chain level at a time, and a
+/// key's lower events still come along (per-key order does not depend on depth).
+async fn applications_events_are_fanned_out_before_follow_ups_and_shallow_follow_ups_before_deep_ones<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    let subscriptions = subs(&[("h", &["t"])]);
+    let follow_up = |id: &str, key: Option<&str>, depth: u32| {
+        let mut event = match key {
+            Some(key) => keyed(id, "t", key),
+            None => event(id, "t"),
+        };
+        event.chain_depth = depth;
+        event
+    };
+    // The follow-ups are the oldest, the applications' events the newest.
+    for event in [follow_up("f-deep", None, 2), follow_up("f-shallow", None, 1), follow_up("f-k", Some("k"), 1)] {
+        publish(store, event).await.unwrap();
+    }
+    for event in [event("a1-app", "t"), keyed("a2-k", "t", "k")] {
+        publish(store, event).await.unwrap();
+    }
+    let fanned = async |expected: &[&str]| {
+        let report = store.fan_out(&subscriptions, 1, 0, at(T0)).await.unwrap();
+        assert_eq!(report.events, expected.len(), "{expected:?}");
+        for id in expected {
+            assert!(fixture.raw_event(id).await.unwrap().get_datetime("fannedOutAt").is_ok(), "{id} was fanned out");
+        }
+    };
+    fanned(&["a1-app"]).await;
+    for id in ["a2-k", "f-k", "f-shallow", "f-deep"] {
+        assert!(fixture.raw_event(id).await.unwrap().get_datetime("fannedOutAt").is_err(), "{id} waits");
+    }
+    // The key's follow-up comes with the application's event of its key.
+    fanned(&["a2-k", "f-k"]).await;
+    fanned(&["f-shallow"]).await;
+    fanned(&["f-deep"]).await;
+    let mut order: Vec<String> = Vec::new();
+    for step in 0..3 {
+        let claimed = store.claim(&handlers(&["h"]), 10, at(T0 + step)).await.unwrap();
+        order.extend(claimed.iter().filter(|c| c.event.key.is_some()).map(|c| c.event.id.clone()));
+        let leases: Vec<_> = claimed.iter().map(|c| c.lease).collect();
+        store.complete_many(&leases, at(T0 + step)).await.unwrap();
+    }
+    assert_eq!(order, ["f-k", "a2-k"], "the key's order is its sequence's");
 }
 
 async fn concurrent_workers_never_claim_twice_and_keep_key_order<F: Fixture>() {

@@ -1,6 +1,6 @@
 //! Fan-out planning: which committed events become which deliveries.
 //!
-//! Both stores read a batch of events nobody fanned out yet, in `(createdAt, _id)` order, then,
+//! Both stores read a batch of events nobody fanned out yet, in [`unfanned_order`], then,
 //! for every ordering key in it, the lowest unfanned events of that key in sequence order. The
 //! batch is the unkeyed events plus those per-key prefixes, so a delivery of sequence `n` is
 //! never created before the deliveries of every lower sequence of its key exist, whatever the
@@ -117,6 +117,23 @@ impl FanOutPlan {
 
 /// How many groups of keys a batch's prefix read names at most (see [`prefixes_to_read`]).
 const PREFIX_GROUPS_MAX: usize = 8;
+
+/// The order a fan-out reads unfanned events in: applications' events before handlers'
+/// follow-ups, shallower follow-ups before deeper ones (`chainDepth`, missing on an
+/// application's event), then oldest first (`createdAt`, `_id`). A plugin whose follow-ups
+/// burst thus never holds back the events applications publish meanwhile, and a chain is
+/// drained a level at a time. Per-key order does not depend on it: a key's lower events come
+/// with it whatever their depth (see [`prefixes_to_read`]). MongoDB sorts the same way by its
+/// `unfanned_by_depth` index (missing and null first, then numbers, then any other type).
+pub(crate) fn unfanned_order(doc: &Document) -> (u8, i64, Option<DateTime>, String) {
+    let (class, depth) = match doc.get(field::CHAIN_DEPTH) {
+        None | Some(Bson::Null) => (0, 0),
+        Some(Bson::Int32(n)) => (1, i64::from(*n)),
+        Some(Bson::Int64(n)) => (1, *n),
+        Some(_) => (2, 0),
+    };
+    (class, depth, doc.get_datetime(field::CREATED_AT).ok().copied(), id_text(doc.get(field::ID).unwrap_or(&Bson::Null)))
+}
 
 /// Keys whose lowest unfanned events must be read to complete the batch, grouped by how far
 /// that read goes: up to the highest sequence the key has among the oldest events (`first`),

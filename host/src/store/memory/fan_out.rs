@@ -39,7 +39,7 @@ impl MemoryStore {
             deferred.sort();
             deferred.dedup();
         }
-        oldest.sort_by_key(|doc| (created_at_of(doc), id_text(doc.get(field::ID).unwrap_or(&Bson::Null))));
+        oldest.sort_by_key(|doc| fan_out::unfanned_order(doc));
         let first: Vec<Document> = oldest.iter().take(limit).map(|doc| (*doc).clone()).collect();
         let groups = fan_out::prefixes_to_read(&first, hands_out, &asked);
         let read = |doc: &&Document| {
@@ -204,10 +204,6 @@ impl State {
         }
         ours
     }
-}
-
-fn created_at_of(doc: &Document) -> Option<DateTime> {
-    doc.get_datetime(field::CREATED_AT).ok().copied()
 }
 
 #[cfg(test)]

@@ -23,7 +23,7 @@ const SUPERSEDED_DELIVERY_INDEXES: &[&str] = &["due", "status_updated", "by_stat
 
 /// The events' indexes the fan-out reads by (by name: a hint, so that the planner never walks
 /// `created`, which has the same keys, through every event ever fanned out).
-pub(super) const UNFANNED: &str = "unfanned";
+pub(super) const UNFANNED: &str = "unfanned_by_depth";
 /// The index of each key's pending deliveries in sequence order (see `delivery_indexes`).
 pub(super) const ORDERING: &str = "ordering";
 pub(super) const PARKED_BEHIND: &str = "parked_behind";
@@ -39,7 +39,7 @@ pub(super) const BY_KEY: &str = "by_key";
 /// `key_fan_out` held every event with `fannedOutAt` as a key, so the fan-out's stamp moved
 /// a key in each; `unfanned` and `key_unfanned` hold unfanned events only, and the stamp just
 /// takes the event out of them.
-const SUPERSEDED_EVENT_INDEXES: &[&str] = &["completed", "fan_out", "key_fan_out"];
+const SUPERSEDED_EVENT_INDEXES: &[&str] = &["completed", "fan_out", "key_fan_out", "unfanned"];
 
 pub(super) async fn run(client: &Client, collections: &Collections, location: &MongoLocation) -> Result<(), StoreError> {
     check_server(client).await?;
@@ -161,7 +161,7 @@ fn event_indexes() -> Vec<IndexModel> {
         // missing field, which `$exists: false` would say but a partial index cannot): the
         // fan-out's stamp removes an event from it instead of moving its key, and the index
         // stays as small as the backlog.
-        index(doc! { field::CREATED_AT: 1, field::ID: 1 }, UNFANNED, Some(doc! { field::FANNED_OUT_AT: Bson::Null }), false),
+        index(doc! { field::CHAIN_DEPTH: 1, field::CREATED_AT: 1, field::ID: 1 }, UNFANNED, Some(doc! { field::FANNED_OUT_AT: Bson::Null }), false),
         // The lowest unfanned events of a key.
         index(
             doc! { field::KEY: 1, field::SEQUENCE: 1 },

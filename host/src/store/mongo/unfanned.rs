@@ -1,5 +1,5 @@
-//! Reading unfanned events in MongoDB: a fan-out's batch, the oldest events of this host's
-//! lanes (reading on past other hosts' events, see [`crate::store::assignment`]), completed by
+//! Reading unfanned events in MongoDB: a fan-out's batch, the first events of this host's
+//! lanes in [`fan_out::unfanned_order`] (reading on past other hosts' events, see [`crate::store::assignment`]), completed by
 //! the lowest unfanned events of every key among them (see [`crate::store::fan_out`]), less
 //! the events of keys that run on this host when the batch may hand out. It only reads; it
 //! must never mark or write anything.
@@ -49,7 +49,8 @@ impl Reach {
     }
 }
 
-/// A batch of unfanned events of this host's lanes (or stale ones of any): the oldest,
+/// A batch of unfanned events of this host's lanes (or stale ones of any): the first in
+/// [`fan_out::unfanned_order`] (the `unfanned_by_depth` index's),
 /// completed by the lowest unfanned events of every key among them, up to
 /// [`fan_out::prefixes_to_read`] (see [`crate::store::fan_out`]). Where other hosts' events fill the oldest page, it reads on
 /// from where that page ended (an index position, `min`), up to [`PAGES`] pages. A batch that
@@ -84,7 +85,7 @@ pub(super) async fn read_batch(
     for _ in 0..PAGES {
         let mut page = events
             .find(unfanned.clone())
-            .sort(doc! { field::CREATED_AT: 1, field::ID: 1 })
+            .sort(doc! { field::CHAIN_DEPTH: 1, field::CREATED_AT: 1, field::ID: 1 })
             .hint(Hint::Name(setup::UNFANNED.into()))
             .limit(limit as i64)
             .batch_size(super::documents::one_batch(limit));
@@ -99,7 +100,11 @@ pub(super) async fn read_batch(
         // Where the next page starts: the index position of this one's last event (`min`
         // is inclusive; `seen` skips it).
         from = page.last().and_then(|last| {
-            Some(doc! { field::CREATED_AT: last.get(field::CREATED_AT)?.clone(), field::ID: last.get(field::ID)?.clone() })
+            Some(doc! {
+                field::CHAIN_DEPTH: last.get(field::CHAIN_DEPTH).cloned().unwrap_or(Bson::Null),
+                field::CREATED_AT: last.get(field::CREATED_AT)?.clone(),
+                field::ID: last.get(field::ID)?.clone(),
+            })
         });
         let mut new = 0;
         for doc in page {
