@@ -79,7 +79,7 @@ fn main() {
         // 1. Per-delivery overhead.
         let noop = metered.load(&dir.join("noop.wasm"), policy.clone()).await.unwrap();
         let order = event("order.placed", doc! { "orderId": "o-1", "total": 12 });
-        let info = DeliveryInfo { handler: "noop".into(), attempt: 1, max_attempts: 5, deadline: 0 };
+        let info = DeliveryInfo { handler: "noop".into(), attempt: 1, max_attempts: 5, deadline: 0, trace_context: Vec::new() };
         let mut plugin_samples = Vec::new();
         for round in 0..2_200 {
             let started = Instant::now();

@@ -20,3 +20,4 @@ pub mod plugin_runner;
 pub mod publish;
 pub mod service;
 pub mod store;
+pub mod telemetry;

@@ -1,9 +1,15 @@
 //! What each delivery costs, by handler, for `/metrics`: histograms of run time, fuel
 //! consumed, peak linear memory and lag from the event's creation to its run's start, and a
-//! count of runs by how they ended (`prometheus-client` families). The plugin runner records one sample of each per run; the
-//! health endpoint encodes them with the rest at each scrape. It never decides anything.
+//! count of runs by how they ended (`prometheus-client` families). The plugin runner records
+//! one sample of each per run; the health endpoint encodes them with the rest at each scrape,
+//! and, when telemetry exports metrics, the same samples go to OpenTelemetry instruments of
+//! the same names (dotted: `relayhost.delivery.run`). It never decides anything.
 
+use std::sync::Arc;
 use std::time::Duration;
+
+use opentelemetry::KeyValue;
+use opentelemetry::metrics as otel;
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -35,6 +41,17 @@ pub struct DeliveryMetrics {
     memory_bytes: ByHandler,
     lag_seconds: ByHandler,
     runs: Family<OutcomeLabels, Counter>,
+    exported: Option<Arc<Exported>>,
+}
+
+/// The OpenTelemetry instruments the same samples go to.
+#[derive(Debug)]
+struct Exported {
+    run_seconds: otel::Histogram<f64>,
+    fuel: otel::Histogram<u64>,
+    memory_bytes: otel::Histogram<u64>,
+    lag_seconds: otel::Histogram<f64>,
+    runs: otel::Counter<u64>,
 }
 
 impl Default for DeliveryMetrics {
@@ -46,11 +63,26 @@ impl Default for DeliveryMetrics {
             memory_bytes: Family::new_with_constructor(|| Histogram::new(exponential_buckets(65_536.0, 2.0, 16))),
             lag_seconds: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 17))),
             runs: Family::default(),
+            exported: None,
         }
     }
 }
 
 impl DeliveryMetrics {
+    /// The same, each sample also recorded by `meter`'s instruments (when given).
+    pub fn exported_by(self, meter: Option<otel::Meter>) -> Self {
+        let exported = meter.map(|meter| {
+            Arc::new(Exported {
+                run_seconds: meter.f64_histogram("relayhost.delivery.run").with_unit("s").with_description("How long each delivery's plugin run took").build(),
+                fuel: meter.u64_histogram("relayhost.delivery.fuel").with_description("Fuel each delivery's run consumed").build(),
+                memory_bytes: meter.u64_histogram("relayhost.delivery.peak_memory").with_unit("By").with_description("The largest linear memory of each delivery's instance").build(),
+                lag_seconds: meter.f64_histogram("relayhost.delivery.lag").with_unit("s").with_description("From the event's creation to its delivery's run").build(),
+                runs: meter.u64_counter("relayhost.delivery.runs").with_description("Plugin runs, by how each ended").build(),
+            })
+        });
+        Self { exported, ..self }
+    }
+
     /// One run of `handler` that ended as `outcome`: how long it took, the fuel it burned, its peak memory, and how
     /// long after its event's creation it started (`None` when the publisher's clock is ahead).
     pub fn ran(&self, handler: &str, outcome: &'static str, took: Duration, fuel: Option<u64>, peak_memory_bytes: usize, lag: Option<Duration>) {
@@ -63,6 +95,18 @@ impl DeliveryMetrics {
         self.memory_bytes.get_or_create(&label).observe(peak_memory_bytes as f64);
         if let Some(lag) = lag {
             self.lag_seconds.get_or_create(&label).observe(lag.as_secs_f64());
+        }
+        if let Some(exported) = &self.exported {
+            let handler = [KeyValue::new("handler", handler.to_string())];
+            exported.runs.add(1, &[handler[0].clone(), KeyValue::new("outcome", outcome)]);
+            exported.run_seconds.record(took.as_secs_f64(), &handler);
+            if let Some(fuel) = fuel {
+                exported.fuel.record(fuel, &handler);
+            }
+            exported.memory_bytes.record(peak_memory_bytes as u64, &handler);
+            if let Some(lag) = lag {
+                exported.lag_seconds.record(lag.as_secs_f64(), &handler);
+            }
         }
     }
 

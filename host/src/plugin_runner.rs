@@ -25,6 +25,7 @@ use crate::metrics::DeliveryMetrics;
 use crate::plugin::{DeliveryInfo, LoadedPlugin, Outcome, PluginRegistry, Ran};
 use crate::store::mongo::MongoStore;
 use crate::store::{self, ClaimedDelivery, Declaration, Retrying, Store, StoreError};
+use crate::telemetry::Telemetry;
 
 /// The retry policy of a plugin, by its name.
 pub type RetryPolicies = dyn Fn(&str) -> RetryPolicy + Send + Sync;
@@ -44,12 +45,21 @@ pub struct PluginRunner {
     /// The collections granted to transactional plugins that are known to exist.
     created: Arc<Mutex<HashSet<String>>>,
     metrics: DeliveryMetrics,
+    telemetry: Telemetry,
 }
 
 impl PluginRunner {
     pub fn new(registry: Arc<PluginRegistry>, store: Arc<MongoStore>, retry_for: Arc<RetryPolicies>) -> Self {
         let (throttle_for, priority_for) = (Arc::new(|_: &str| Throttle::default()), Arc::new(|_: &str| 0));
-        Self { registry, store, retry_for, throttle_for, priority_for, created: Arc::default(), metrics: DeliveryMetrics::default() }
+        let (created, metrics, telemetry) = (Arc::default(), DeliveryMetrics::default(), Telemetry::off());
+        Self { registry, store, retry_for, throttle_for, priority_for, created, metrics, telemetry }
+    }
+
+    /// The same, each attempt traced and its costs exported by `telemetry` (see
+    /// [`crate::telemetry`]).
+    pub fn traced_by(self, telemetry: Telemetry) -> Self {
+        let metrics = self.metrics.exported_by(telemetry.meter());
+        Self { telemetry, metrics, ..self }
     }
 
     /// What its runs cost, by handler (for `/metrics`).
@@ -157,17 +167,19 @@ impl Runner for PluginRunner {
 
     fn run(&self, delivery: ClaimedDelivery) -> Pin<Box<dyn Future<Output = RunResult> + Send>> {
         let (registry, store, retry_for, created) = (self.registry.clone(), self.store.clone(), self.retry_for.clone(), self.created.clone());
-        let metrics = self.metrics.clone();
+        let (metrics, telemetry) = (self.metrics.clone(), self.telemetry.clone());
         Box::pin(async move {
             // The version serving the handler now; the delivery keeps it to the end.
             let Some(plugin) = registry.plugin_for(&delivery.handler) else { return RunResult::NotRun };
+            let attempt = telemetry.attempt(&delivery);
             let info = DeliveryInfo {
                 handler: delivery.handler.clone(),
                 attempt: delivery.attempts + 1,
                 max_attempts: retry_for(&plugin.name).max_attempts,
                 deadline: DateTime::now().timestamp_millis() + plugin.policy.limits.wall_time.as_millis() as i64,
+                trace_context: attempt.trace_context(),
             };
-            if plugin.subscription(&delivery.handler).is_some_and(|s| s.transactional) {
+            let result = if plugin.subscription(&delivery.handler).is_some_and(|s| s.transactional) {
                 create_collections_granted_to(&store, &plugin, &created).await;
                 run_transactional(&registry, &store, &plugin, &delivery, &info, &metrics).await
             } else {
@@ -175,8 +187,23 @@ impl Runner for PluginRunner {
                 let ran = registry.runtime().invoke(&plugin, &delivery.event, &info).await;
                 measure(&metrics, &delivery, &ran, started);
                 RunResult::Attempt(attempt_of(ran.outcome))
-            }
+            };
+            let (outcome, error) = how_it_ended(&result);
+            attempt.end(outcome, error);
+            result
         })
+    }
+}
+
+/// How a run ended, as its span says: the outcome's name, and the reason when it failed.
+fn how_it_ended(result: &RunResult) -> (&'static str, Option<&str>) {
+    match result {
+        RunResult::Attempt(AttemptResult::Completed) | RunResult::CompletedInTransaction => ("completed", None),
+        RunResult::Attempt(AttemptResult::Retry { reason, .. }) => ("retry", Some(reason)),
+        RunResult::Attempt(AttemptResult::Unprocessable(reason)) => ("unprocessable", Some(reason)),
+        RunResult::Attempt(AttemptResult::Failed(reason)) => ("failed", Some(reason)),
+        RunResult::NotRun => ("not_run", None),
+        RunResult::LeaseLost => ("lease_lost", Some("the lease was lost while it ran")),
     }
 }
 

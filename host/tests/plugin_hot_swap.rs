@@ -94,7 +94,7 @@ async fn replacing_a_plugin_twenty_times_under_load_loses_nothing() {
                 let runtime = registry.runtime().clone();
                 while !stop.load(Ordering::SeqCst) {
                     let plugin = registry.plugin_for("noop").expect("the handler is served during every swap");
-                    let info = DeliveryInfo { handler: "noop".into(), attempt: 1, max_attempts: 5, deadline: 0 };
+                    let info = DeliveryInfo { handler: "noop".into(), attempt: 1, max_attempts: 5, deadline: 0, trace_context: Vec::new() };
                     let ran = runtime.invoke(&plugin, &event(), &info).await;
                     assert_eq!(ran.outcome, Outcome::Completed);
                     used.lock().unwrap().push(plugin.content_hash.clone());

@@ -63,7 +63,7 @@ fn event(event_type: &str, payload: bson::Document) -> EventRecord {
 }
 
 fn delivery(handler: &str) -> DeliveryInfo {
-    DeliveryInfo { handler: handler.to_string(), attempt: 1, max_attempts: 5, deadline: DateTime::now().timestamp_millis() + 2_000 }
+    DeliveryInfo { handler: handler.to_string(), attempt: 1, max_attempts: 5, deadline: DateTime::now().timestamp_millis() + 2_000, trace_context: Vec::new() }
 }
 
 async fn attack(runtime: &PluginRuntime, plugin: &LoadedPlugin, handler: &str, target: &str) -> Outcome {

@@ -63,7 +63,7 @@ async fn run_transactional(
     let store = fixture.store();
     let shared = Arc::new(tokio::sync::Mutex::new(store.begin().await.unwrap()));
     let capability = MongoHandlerTransaction::new(shared.clone(), store.database(), Default::default(), Default::default());
-    let info = DeliveryInfo { handler: delivery.handler.clone(), attempt: 1, max_attempts: 5, deadline: 0 };
+    let info = DeliveryInfo { handler: delivery.handler.clone(), attempt: 1, max_attempts: 5, deadline: 0, trace_context: Vec::new() };
     let (ran, returned) = runtime.invoke_transactional(plugin, &delivery.event, &info, Box::new(capability)).await;
     drop(returned);
     let mut tx = Arc::try_unwrap(shared).ok().expect("the handler released the transaction").into_inner();

@@ -14,9 +14,11 @@ use crate::dispatch::{DispatcherOptions, RateLimit, Throttle};
 
 mod plugin;
 mod retention;
+mod telemetry;
 
 pub use plugin::{GrantsConfig, PluginConfig, RateConfig, RetryConfig};
 pub use retention::{Keep, RetentionConfig};
+pub use telemetry::TelemetryConfig;
 use plugin::validate_plugin;
 use crate::plugin::capability::{http, log, transaction};
 use crate::plugin::{Grants, Limits, PluginPolicy};
@@ -190,6 +192,7 @@ pub struct Config {
     pub plugin: BTreeMap<String, PluginConfig>,
     pub retention: RetentionConfig,
     pub admin: AdminConfig,
+    pub telemetry: TelemetryConfig,
 }
 
 /// A secret from the configuration: never printed, not even by `Debug`.
@@ -246,7 +249,7 @@ impl Config {
     }
 
     /// `RELAYHOST_<SECTION>_<FIELD>` overrides a scalar field of `[mongodb]`, `[host]`,
-    /// `[plugins]`, `[retention]` or `[admin]`; any other `RELAYHOST_*` variable is refused by
+    /// `[plugins]`, `[retention]`, `[admin]` or `[telemetry]`; any other `RELAYHOST_*` variable is refused by
     /// name.
     pub fn apply_environment(&mut self, environment: impl IntoIterator<Item = (String, String)>) -> Result<(), ConfigError> {
         for (name, value) in environment {
@@ -293,6 +296,11 @@ impl Config {
                         value.parse().map_err(|e| parse_error(format!("{value:?} is not an address like 127.0.0.1:8081: {e}")))?
                 }
                 "retention_every" => self.retention.every = Span(parse_duration(&value).map_err(parse_error)?),
+                "telemetry_otlp_endpoint" => self.telemetry.otlp_endpoint = Some(value).filter(|v| !v.is_empty()),
+                "telemetry_service_name" => self.telemetry.service_name = value,
+                "telemetry_sample_ratio" => {
+                    self.telemetry.sample_ratio = value.parse().map_err(|e| parse_error(format!("{value:?} is not a number: {e}")))?
+                }
                 // Read by other parts of relayhost, not configuration.
                 "config" | "mongod" | "cache" | "pythonpath" => {}
                 _ => return Err(invalid(&name, "is not a configuration override relayhost knows")),
@@ -328,6 +336,9 @@ impl Config {
             && (token.chars().count() < 16 || token.chars().any(|c| c.is_control() || c.is_whitespace()))
         {
             return Err(invalid("admin.token", "must be at least 16 characters, without spaces or control characters"));
+        }
+        if let Some(problem) = self.telemetry.problem() {
+            return Err(invalid("telemetry", problem));
         }
         if !(0.01..=1.0).contains(&self.retention.pace) {
             return Err(invalid("retention.pace", "must be between 0.01 and 1 (the share of its time a purge works)"));

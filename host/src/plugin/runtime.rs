@@ -131,6 +131,9 @@ pub struct DeliveryInfo {
     pub max_attempts: u32,
     /// Milliseconds since the Unix epoch.
     pub deadline: i64,
+    /// The W3C trace context headers (`traceparent`, `tracestate`) its follow-up events carry
+    /// on, unless the plugin sets its own.
+    pub trace_context: Vec<(String, String)>,
 }
 
 /// A compiled, validated plugin: one version of one file.
@@ -313,7 +316,7 @@ impl PluginRuntime {
     fn store(
         &self,
         plugin: &LoadedPlugin,
-        event: Option<&EventRecord>,
+        event: Option<(&EventRecord, &[(String, String)])>,
         backend: Option<Box<dyn TransactionCapability>>,
     ) -> (Store<HostState>, Output) {
         let policy = plugin.policy.clone();
@@ -378,7 +381,7 @@ impl PluginRuntime {
             let ran = Ran { outcome, output_kept: 0, output_dropped: 0, elapsed: started.elapsed(), fuel_consumed: None, peak_memory_bytes: 0 };
             return (ran, backend);
         }
-        let (mut store, output) = self.store(plugin, Some(event), backend);
+        let (mut store, output) = self.store(plugin, Some((event, &delivery.trace_context)), backend);
         let wit_event = to_wit_event(event);
         let context = types::DeliveryContext {
             handler: delivery.handler.clone(),

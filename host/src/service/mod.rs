@@ -24,6 +24,7 @@ use crate::plugin::{Change, PluginError, PluginRegistry, PluginRuntime};
 use crate::plugin_runner::PluginRunner;
 use crate::store::mongo::{EventWakeups, MongoLocation, MongoStore};
 use crate::store::{Store, StoreError, StoreOptions};
+use crate::telemetry::{Telemetry, TelemetryError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServiceError {
@@ -37,6 +38,8 @@ pub enum ServiceError {
     Health { address: std::net::SocketAddr, source: std::io::Error },
     #[error("admin API on {address} (admin.listen): {source}")]
     Admin { address: std::net::SocketAddr, source: std::io::Error },
+    #[error(transparent)]
+    Telemetry(#[from] TelemetryError),
 }
 
 /// Time a transaction of the store may take: a transactional handler runs inside one, so it
@@ -112,10 +115,15 @@ async fn serve(
     );
     let _watch = registry.watch()?;
 
+    let telemetry = Telemetry::start(&config.telemetry, &store.options().owner)?;
+    if let Some(endpoint) = &config.telemetry.otlp_endpoint {
+        tracing::info!(%endpoint, traces = config.telemetry.traces, metrics = config.telemetry.metrics, "exporting telemetry over OTLP/HTTP");
+    }
     let (throttles, priorities) = (config.clone(), config.clone());
     let runner = PluginRunner::new(registry.clone(), store.clone(), retry_policies(config))
         .throttled_by(Arc::new(move |plugin: &str| throttles.throttle_for(plugin)))
-        .prioritized_by(Arc::new(move |plugin: &str| priorities.priority_for(plugin)));
+        .prioritized_by(Arc::new(move |plugin: &str| priorities.priority_for(plugin)))
+        .traced_by(telemetry.clone());
     let deliveries = runner.metrics();
     let runner = Arc::new(runner);
     runner.create_granted_collections().await;
@@ -166,6 +174,7 @@ async fn serve(
     if let Some(health) = health {
         health.abort();
     }
+    telemetry.shutdown();
     let count = |c: &std::sync::atomic::AtomicU64| DispatcherCounters::get(c);
     tracing::info!(
         completed = count(&counters.completed),

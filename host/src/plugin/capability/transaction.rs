@@ -120,6 +120,10 @@ struct Lineage {
     chain_depth: u32,
     /// How many descendants the handled event may still have (see [`Limits::descendants`]).
     chain_budget: u32,
+    /// The trace context headers follow-ups carry on (see [`DeliveryInfo::trace_context`]).
+    ///
+    /// [`DeliveryInfo::trace_context`]: crate::plugin::DeliveryInfo::trace_context
+    trace_context: Vec<(String, String)>,
 }
 
 impl Lineage {
@@ -148,14 +152,15 @@ impl TransactionState {
         plugin: Arc<str>,
         grant: &Grant,
         limits: &Limits,
-        event: Option<&EventRecord>,
+        event: Option<(&EventRecord, &[(String, String)])>,
         backend: Option<Box<dyn TransactionCapability>>,
     ) -> Self {
-        let lineage = event.map(|event| Lineage {
+        let lineage = event.map(|(event, trace_context)| Lineage {
             causation_id: event.id.clone(),
             correlation_id: event.correlation_id.clone().unwrap_or_else(|| event.id.clone()),
             chain_depth: event.chain_depth,
             chain_budget: event.chain_budget.unwrap_or(limits.descendants).min(limits.descendants),
+            trace_context: trace_context.to_vec(),
         });
         Self { plugin, grant: grant.clone(), limits: limits.clone(), lineage, backend, published: 0 }
     }
@@ -212,6 +217,13 @@ impl TransactionState {
             return Err(refuse(format!("it has {} headers; the limit is {}", event.headers.len(), crate::event::MAX_HEADERS)));
         }
         follow_up.headers = event.headers.into_iter().collect();
+        // The trace goes on, unless the plugin set its own or left no room for it.
+        for (name, value) in &lineage.trace_context {
+            let set = follow_up.headers.keys().any(|set| set.eq_ignore_ascii_case(name));
+            if !set && follow_up.headers.len() < crate::event::MAX_HEADERS {
+                follow_up.headers.insert(name.clone(), value.clone());
+            }
+        }
         follow_up.causation_id = Some(lineage.causation_id.clone());
         follow_up.correlation_id = Some(lineage.correlation_id.clone());
         follow_up.chain_depth = lineage.chain_depth + 1;
@@ -310,7 +322,13 @@ mod tests {
             while !level.is_empty() {
                 let mut next = Vec::new();
                 for budget in level {
-                    let lineage = Lineage { causation_id: String::new(), correlation_id: String::new(), chain_depth: 0, chain_budget: budget };
+                    let lineage = Lineage {
+                        causation_id: String::new(),
+                        correlation_id: String::new(),
+                        chain_depth: 0,
+                        chain_budget: budget,
+                        trace_context: Vec::new(),
+                    };
                     let (allowed, each) = lineage.allowance(&limits);
                     total += u64::from(allowed);
                     next.extend(std::iter::repeat_n(each, allowed as usize));

@@ -12,6 +12,7 @@
 mod matrix;
 mod purge;
 mod server;
+mod tracing_cost;
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
@@ -92,6 +93,11 @@ pub struct BenchArgs {
     /// The share of its time that purge works (`retention.pace`).
     #[arg(long, default_value_t = 0.25)]
     purge_pace: f64,
+    /// Measure instead what tracing every attempt costs a drain: drains without, with (spans
+    /// and metrics exported over OTLP/HTTP to a local receiver) and again without, and the
+    /// ratio (see `bench/tracing_cost.rs`).
+    #[arg(long)]
+    tracing_cost: bool,
 }
 
 /// One drain's workload.
@@ -109,6 +115,8 @@ struct Workload {
     database: String,
     /// Completed events written beside the backlog, purged while it drains (see `--purge-beside`).
     purged_beside: usize,
+    /// Each attempt traced, exported to this OTLP/HTTP base address (see `--tracing-cost`).
+    traced_to: Option<String>,
 }
 
 impl Workload {
@@ -121,6 +129,7 @@ impl Workload {
             store_only: args.store_only,
             database: "bench_drain".into(),
             purged_beside: 0,
+            traced_to: None,
         }
     }
 
@@ -166,6 +175,8 @@ pub async fn run(args: BenchArgs) -> Result<()> {
         matrix::run(&args, &server, &plugins).await
     } else if args.purge_beside > 0 {
         purge::run(&args, &server, &plugins).await
+    } else if args.tracing_cost {
+        tracing_cost::run(&args, &server, &plugins).await
     } else {
         measure(&args, &server, &plugins).await
     };
@@ -354,15 +365,19 @@ async fn drain(args: &BenchArgs, workload: &Workload, server: &Server, registry:
         .into_iter()
         .map(|store| {
             let runner = PluginRunner::new(registry.clone(), store.clone(), Arc::new(|_: &str| RetryPolicy::default()));
+            let runner = match &workload.traced_to {
+                Some(endpoint) => runner.traced_by(tracing_cost::telemetry(endpoint, &store.options().owner)?),
+                None => runner,
+            };
             let runner = DrainRunner {
                 plugin: runner,
                 store_only: workload.store_only,
                 plugin_runs: plugin_runs.clone(),
                 off_hot_key: off_hot_key.clone(),
             };
-            Dispatcher::new(store, Arc::new(runner), dispatcher_options(args))
+            Ok(Dispatcher::new(store, Arc::new(runner), dispatcher_options(args)))
         })
-        .collect();
+        .collect::<Result<_>>()?;
     let counters: Vec<Arc<DispatcherCounters>> = dispatchers.iter().map(Dispatcher::counters).collect();
     let total = |counter: fn(&DispatcherCounters) -> &AtomicU64| {
         counters.iter().map(|c| DispatcherCounters::get(counter(c))).sum::<u64>()
