@@ -72,8 +72,8 @@ fn main() {
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     runtime.block_on(async {
         let rss_before = rss_mb();
-        let metered = PluginRuntime::with_options(RuntimeOptions { cache_dir: Some(cache.clone()), meter_fuel: true }).unwrap();
-        let unmetered = PluginRuntime::with_options(RuntimeOptions { cache_dir: Some(cache.clone()), meter_fuel: false }).unwrap();
+        let metered = PluginRuntime::with_options(RuntimeOptions { cache_dir: Some(cache.clone()), meter_fuel: true, recording: None }).unwrap();
+        let unmetered = PluginRuntime::with_options(RuntimeOptions { cache_dir: Some(cache.clone()), meter_fuel: false, recording: None }).unwrap();
         let policy = PluginPolicy { limits: Limits { fuel: u64::MAX / 2, ..Limits::default() }, ..Default::default() };
 
         // 1. Per-delivery overhead.
@@ -160,7 +160,7 @@ fn main() {
         let parts_mixed = rss_parts();
         // As after a restart: the same plugins loaded from their compiled artifacts.
         drop(loaded);
-        let restarted = PluginRuntime::with_options(RuntimeOptions { cache_dir: Some(cache.clone()), meter_fuel: true }).unwrap();
+        let restarted = PluginRuntime::with_options(RuntimeOptions { cache_dir: Some(cache.clone()), meter_fuel: true, recording: None }).unwrap();
         let mut loaded = Vec::new();
         for n in 0..8 {
             loaded.push(restarted.load(&dir.join(format!("{}.wasm", rust[n % rust.len()])), policy.clone()).await.unwrap());

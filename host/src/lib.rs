@@ -21,3 +21,4 @@ pub mod publish;
 pub mod service;
 pub mod store;
 pub mod telemetry;
+pub mod trial;

@@ -2,8 +2,8 @@
 //!
 //! This module joins the three layers and owns only the joining: which loaded version serves
 //! a claimed delivery, the delivery's context, and for transactional handlers the collections
-//! they are granted (created before their first run) and the MongoDB
-//! transaction around the run (the handler runs again after a transient transaction error,
+//! they are granted (created before their first run) and the store's
+//! transaction around the run, on either store (the handler runs again after a transient transaction error,
 //! up to its plugin's `reruns` with a growing pause, then the attempt is charged; a transient
 //! error of the handler's own making, after a call of its own failed, is charged at once; its
 //! writes, follow-up events and the completion commit together). It must never decide retries (the dispatcher does) nor
@@ -20,10 +20,10 @@ use tokio::sync::Mutex;
 use bson::DateTime;
 
 use crate::dispatch::{AttemptResult, HandlerSpec, RetryPolicy, RunResult, Runner, Throttle};
-use crate::handler_transaction::{FollowUps, MongoHandlerTransaction, SharedTrouble, Trouble, publish_follow_ups};
+use crate::event::{EventRecord, NewEvent};
+use crate::handler_transaction::{FollowUps, HandlerTransaction, Journal, SharedTrouble, Trouble, Write, publish_follow_ups};
 use crate::metrics::DeliveryMetrics;
 use crate::plugin::{DeliveryInfo, LoadedPlugin, Outcome, PluginRegistry, Ran};
-use crate::store::mongo::MongoStore;
 use crate::store::{self, ClaimedDelivery, Declaration, Retrying, Store, StoreError};
 use crate::telemetry::Telemetry;
 
@@ -36,9 +36,9 @@ pub type Throttles = dyn Fn(&str) -> Throttle + Send + Sync;
 /// The priority of a plugin's handlers, by its name.
 pub type Priorities = dyn Fn(&str) -> i32 + Send + Sync;
 
-pub struct PluginRunner {
+pub struct PluginRunner<S> {
     registry: Arc<PluginRegistry>,
-    store: Arc<MongoStore>,
+    store: Arc<S>,
     retry_for: Arc<RetryPolicies>,
     throttle_for: Arc<Throttles>,
     priority_for: Arc<Priorities>,
@@ -46,13 +46,82 @@ pub struct PluginRunner {
     created: Arc<Mutex<HashSet<String>>>,
     metrics: DeliveryMetrics,
     telemetry: Telemetry,
+    records: Option<RunRecords>,
 }
 
-impl PluginRunner {
-    pub fn new(registry: Arc<PluginRegistry>, store: Arc<MongoStore>, retry_for: Arc<RetryPolicies>) -> Self {
+/// What one run did, kept while a plugin is tried (see [`PluginRunner::recorded_in`]).
+#[derive(Debug, Clone, Default)]
+pub struct RunRecord {
+    pub elapsed: Duration,
+    pub fuel_consumed: Option<u64>,
+    pub peak_memory_bytes: usize,
+    /// Its log lines (`LEVEL text`).
+    pub log: Vec<String>,
+    /// What its transaction's calls wrote, in order (published with its commit, if any).
+    pub writes: Vec<Write>,
+    /// The follow-up events it published (with its commit, if any).
+    pub follow_ups: Vec<NewEvent>,
+}
+
+impl RunRecord {
+    fn of(ran: &Ran, writes: Vec<Write>, follow_ups: Vec<NewEvent>) -> Self {
+        let (elapsed, fuel_consumed, peak_memory_bytes, log) = (ran.elapsed, ran.fuel_consumed, ran.peak_memory_bytes, ran.log.clone());
+        Self { elapsed, fuel_consumed, peak_memory_bytes, log, writes, follow_ups }
+    }
+}
+
+/// The records of a runner's runs, oldest first; a transactional handler's reruns each have
+/// one.
+pub type RunRecords = Arc<std::sync::Mutex<Vec<RunRecord>>>;
+
+impl<S: Store> PluginRunner<S> {
+    pub fn new(registry: Arc<PluginRegistry>, store: Arc<S>, retry_for: Arc<RetryPolicies>) -> Self {
         let (throttle_for, priority_for) = (Arc::new(|_: &str| Throttle::default()), Arc::new(|_: &str| 0));
         let (created, metrics, telemetry) = (Arc::default(), DeliveryMetrics::default(), Telemetry::off());
-        Self { registry, store, retry_for, throttle_for, priority_for, created, metrics, telemetry }
+        Self { registry, store, retry_for, throttle_for, priority_for, created, metrics, telemetry, records: None }
+    }
+
+    /// The same, keeping a [`RunRecord`] of every run in `records` (a plugin tried, not
+    /// deployed: with a runtime that records its HTTP requests and log lines).
+    pub fn recorded_in(self, records: RunRecords) -> Self {
+        Self { records: Some(records), ..self }
+    }
+
+    /// Runs `handler` on `event` as attempt `attempt`, outside any lease or delivery: a
+    /// transactional handler's transaction is always aborted, so nothing it does stays. For
+    /// trying a candidate plugin on a stored event (`relayhost replay`). `None` when no loaded
+    /// plugin offers `handler`.
+    pub async fn try_on(&self, handler: &str, event: &EventRecord, attempt: u32) -> Option<(AttemptResult, RunRecord)> {
+        let plugin = self.registry.plugin_for(handler)?;
+        let max_attempts = (self.retry_for)(&plugin.name).max_attempts;
+        let deadline = DateTime::now().timestamp_millis() + plugin.policy.limits.wall_time.as_millis() as i64;
+        let info = DeliveryInfo { handler: handler.to_string(), attempt, max_attempts, deadline, trace_context: Vec::new() };
+        if !plugin.subscription(handler).is_some_and(|s| s.transactional) {
+            let ran = self.registry.runtime().invoke(&plugin, event, &info).await;
+            let record = RunRecord::of(&ran, Vec::new(), Vec::new());
+            return Some((attempt_of(ran.outcome), record));
+        }
+        let tx = match self.store.begin().await {
+            Ok(tx) => Arc::new(tokio::sync::Mutex::new(tx)),
+            Err(error) => return Some((AttemptResult::Failed(format!("cannot start its transaction: {error}")), RunRecord::default())),
+        };
+        let (follow_ups, journal, trouble) = (FollowUps::default(), Journal::default(), SharedTrouble::default());
+        let capability = HandlerTransaction::new(tx.clone(), follow_ups.clone(), trouble.clone()).journaled(journal.clone());
+        let (ran, returned) = self.registry.runtime().invoke_transactional(&plugin, event, &info, Box::new(capability)).await;
+        drop(returned);
+        if let Ok(tx) = Arc::try_unwrap(tx) {
+            let _ = crate::store::StoreTransaction::abort(tx.into_inner()).await;
+        }
+        let writes = std::mem::take(&mut *journal.lock().expect("the journal"));
+        let published = std::mem::take(&mut *follow_ups.lock().expect("follow-ups"));
+        let record = RunRecord::of(&ran, writes, published);
+        let result = match std::mem::take(&mut *trouble.lock().expect("transient error slot")) {
+            Trouble { transient: Some(error), .. } if ran.outcome == Outcome::Completed => {
+                AttemptResult::Failed(format!("its transaction could not have committed: {error}"))
+            }
+            _ => attempt_of(ran.outcome),
+        };
+        Some((result, record))
     }
 
     /// The same, each attempt traced and its costs exported by `telemetry` (see
@@ -82,7 +151,7 @@ impl PluginRunner {
     pub async fn create_granted_collections(&self) {
         for subscription in self.registry.subscriptions().iter().filter(|s| s.transactional) {
             if let Some(plugin) = self.registry.plugin_for(&subscription.handler) {
-                create_collections_granted_to(&self.store, &plugin, &self.created).await;
+                create_collections_granted_to(&*self.store, &plugin, &self.created).await;
             }
         }
     }
@@ -94,7 +163,7 @@ impl PluginRunner {
 /// would run again (its logs and calls repeated) for nothing. The host does it at start; a
 /// plugin loaded later gets them at its first run. Best effort: on a failure the
 /// transactions create them, as before.
-async fn create_collections_granted_to(store: &MongoStore, plugin: &LoadedPlugin, created: &Mutex<HashSet<String>>) {
+async fn create_collections_granted_to<S: Store>(store: &S, plugin: &LoadedPlugin, created: &Mutex<HashSet<String>>) {
     let granted = &plugin.policy.grants.transaction.collections;
     if let Err(error) = create_once(created, granted, async |missing: &[String]| store.create_collections(missing).await).await {
         tracing::warn!(%error, plugin = %plugin.name, "could not create the collections the plugin is granted");
@@ -132,7 +201,7 @@ fn attempt_of(outcome: Outcome) -> AttemptResult {
     }
 }
 
-impl Runner for PluginRunner {
+impl<S: Store> Runner for PluginRunner<S> {
     fn handlers(&self) -> Vec<HandlerSpec> {
         let mut specs = Vec::new();
         for subscription in self.registry.subscriptions() {
@@ -167,7 +236,7 @@ impl Runner for PluginRunner {
 
     fn run(&self, delivery: ClaimedDelivery) -> Pin<Box<dyn Future<Output = RunResult> + Send>> {
         let (registry, store, retry_for, created) = (self.registry.clone(), self.store.clone(), self.retry_for.clone(), self.created.clone());
-        let (metrics, telemetry) = (self.metrics.clone(), self.telemetry.clone());
+        let (metrics, telemetry, records) = (self.metrics.clone(), self.telemetry.clone(), self.records.clone());
         Box::pin(async move {
             // The version serving the handler now; the delivery keeps it to the end.
             let Some(plugin) = registry.plugin_for(&delivery.handler) else { return RunResult::NotRun };
@@ -180,12 +249,15 @@ impl Runner for PluginRunner {
                 trace_context: attempt.trace_context(),
             };
             let result = if plugin.subscription(&delivery.handler).is_some_and(|s| s.transactional) {
-                create_collections_granted_to(&store, &plugin, &created).await;
-                run_transactional(&registry, &store, &plugin, &delivery, &info, &metrics).await
+                create_collections_granted_to(&*store, &plugin, &created).await;
+                run_transactional(&registry, &*store, &plugin, &delivery, &info, &metrics, records.as_ref()).await
             } else {
                 let started = DateTime::now();
                 let ran = registry.runtime().invoke(&plugin, &delivery.event, &info).await;
                 measure(&metrics, &delivery, &ran, started);
+                if let Some(records) = &records {
+                    records.lock().expect("run records").push(RunRecord::of(&ran, Vec::new(), Vec::new()));
+                }
                 RunResult::Attempt(attempt_of(ran.outcome))
             };
             let (outcome, error) = how_it_ended(&result);
@@ -219,13 +291,14 @@ fn measure(metrics: &DeliveryMetrics, delivery: &ClaimedDelivery, ran: &Ran, sta
     metrics.ran(&delivery.handler, outcome, ran.elapsed, ran.fuel_consumed, ran.peak_memory_bytes, lag);
 }
 
-async fn run_transactional(
+async fn run_transactional<S: Store>(
     registry: &PluginRegistry,
-    store: &MongoStore,
+    store: &S,
     plugin: &LoadedPlugin,
     delivery: &ClaimedDelivery,
     info: &DeliveryInfo,
     metrics: &DeliveryMetrics,
+    records: Option<&RunRecords>,
 ) -> RunResult {
     let mut retrying = Retrying::new();
     let mut reruns = Reruns { done: 0, limit: plugin.policy.limits.transaction.reruns };
@@ -234,11 +307,19 @@ async fn run_transactional(
             Ok(tx) => Arc::new(tokio::sync::Mutex::new(tx)),
             Err(error) => return RunResult::Attempt(AttemptResult::Failed(format!("cannot start its transaction: {error}"))),
         };
-        let (transient, follow_ups) = (SharedTrouble::default(), FollowUps::default());
-        let capability = MongoHandlerTransaction::new(tx.clone(), store.database(), follow_ups.clone(), transient.clone());
+        let (transient, follow_ups, journal) = (SharedTrouble::default(), FollowUps::default(), Journal::default());
+        let mut capability = HandlerTransaction::new(tx.clone(), follow_ups.clone(), transient.clone());
+        if records.is_some() {
+            capability = capability.journaled(journal.clone());
+        }
         let started = DateTime::now();
         let (ran, returned) = registry.runtime().invoke_transactional(plugin, &delivery.event, info, Box::new(capability)).await;
         measure(metrics, delivery, &ran, started);
+        if let Some(records) = records {
+            let writes = std::mem::take(&mut *journal.lock().expect("the journal"));
+            let published = follow_ups.lock().expect("follow-ups").clone();
+            records.lock().expect("run records").push(RunRecord::of(&ran, writes, published));
+        }
         drop(returned);
         let Ok(tx) = Arc::try_unwrap(tx) else {
             return RunResult::Attempt(AttemptResult::Failed("the handler kept its transaction".into()));
@@ -273,7 +354,7 @@ async fn run_transactional(
             let _ = crate::store::StoreTransaction::abort(tx).await;
             return RunResult::Attempt(attempt_of(ran.outcome));
         }
-        let completion = match publish_follow_ups(&mut tx, store.publisher(), &follow_ups).await {
+        let completion = match publish_follow_ups(store, &mut tx, &follow_ups).await {
             Ok(()) => store.complete_in(&mut tx, &delivery.lease, DateTime::now()).await,
             Err(error) => Err(error),
         };

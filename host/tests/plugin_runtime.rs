@@ -92,7 +92,7 @@ async fn plugins_load_with_their_subscriptions_and_version() {
     assert!(subscription.transactional);
     assert_eq!(subscription.event_types, ["order.placed", "order.paid"]);
     let hostile = load(&runtime, "hostile", Grants::default()).await;
-    assert_eq!(hostile.subscriptions.len(), 23);
+    assert_eq!(hostile.subscriptions.len(), 24);
     assert!(hostile.subscription("write-collection").unwrap().transactional);
 }
 

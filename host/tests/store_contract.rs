@@ -61,6 +61,7 @@ contract!(
     a_fan_out_creates_the_followers_of_a_key_parked,
     a_backlog_of_many_keys_is_fanned_out_in_publishing_order_not_a_whole_key_at_a_time,
     applications_events_are_fanned_out_before_follow_ups_and_shallow_follow_ups_before_deep_ones,
+    a_handlers_writes_commit_or_abort_with_its_transaction_and_a_refused_call_dooms_it,
     concurrent_workers_never_claim_twice_and_keep_key_order,
     lanes_are_exclusive_under_a_live_lease,
     live_hosts_split_the_lanes_and_leave_each_other_their_events_until_stale,
@@ -566,6 +567,54 @@ async fn applications_events_are_fanned_out_before_follow_ups_and_shallow_follow
         store.complete_many(&leases, at(T0 + step)).await.unwrap();
     }
     assert_eq!(order, ["f-k", "a2-k"], "the key's order is its sequence's");
+}
+
+/// What a transactional handler writes through its transaction (the plugins' `transaction`
+/// import) means the same on both stores: filters, updates, deletes and finds; its writes
+/// commit with the transaction or go with its abort; and a call the store refuses (a duplicate
+/// `_id`) leaves the transaction unable to commit, every later call failing as transient, as
+/// MongoDB's server-side abort does.
+async fn a_handlers_writes_commit_or_abort_with_its_transaction_and_a_refused_call_dooms_it<F: Fixture>() {
+    use relayhost::store::HandlerDocuments;
+    use relayhost::store::handler_documents::{Found, Update};
+    let fixture = F::new().await;
+    let store = fixture.store();
+    let collection = format!("orders_{}", F::name());
+    store.create_collections(std::slice::from_ref(&collection)).await.unwrap();
+    let found = async |tx: &mut <F::S as Store>::Tx, filter: bson::Document| match tx.find_documents(&collection, filter, 100, 1 << 20).await.unwrap() {
+        Found::Documents(documents) => documents,
+        Found::TooLarge => panic!("too large"),
+    };
+    let mut tx = store.begin().await.unwrap();
+    for (id, total) in [("o-1", 10), ("o-2", 20), ("o-3", 30)] {
+        assert_eq!(tx.insert_document(&collection, doc! { "_id": id, "total": total, "status": "new" }).await.unwrap(), bson::Bson::from(id));
+    }
+    let made = tx.insert_document(&collection, doc! { "total": 5 }).await.unwrap();
+    assert!(matches!(made, bson::Bson::ObjectId(_)), "an _id is made: {made}");
+    let update = Update::Document(doc! { "$set": { "status": "paid" }, "$inc": { "total": 1 } });
+    assert_eq!(tx.update_documents(&collection, doc! { "total": { "$gte": 20 } }, update).await.unwrap(), 2);
+    assert_eq!(tx.delete_documents(&collection, doc! { "_id": { "$in": ["o-1"] } }).await.unwrap(), 1);
+    let paid = found(&mut tx, doc! { "status": "paid" }).await;
+    assert_eq!(paid.iter().map(|d| d.get_i32("total").unwrap()).collect::<Vec<_>>(), [21, 31]);
+    assert_eq!(tx.find_documents(&collection, doc! {}, 100, 40).await.unwrap(), Found::TooLarge, "past the bytes a call may return");
+    tx.commit().await.unwrap();
+    // An aborted transaction's writes are gone.
+    let mut tx = store.begin().await.unwrap();
+    tx.insert_document(&collection, doc! { "_id": "o-9" }).await.unwrap();
+    tx.delete_documents(&collection, doc! {}).await.unwrap();
+    tx.abort().await.unwrap();
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(found(&mut tx, doc! {}).await.len(), 3, "what committed is there, nothing of the abort");
+    // A duplicate _id is refused, and the transaction can only be run again.
+    let refused = tx.insert_document(&collection, doc! { "_id": "o-2" }).await.unwrap_err();
+    assert!(refused.to_string().contains("E11000") && !refused.is_transient(), "{refused}");
+    let after = tx.insert_document(&collection, doc! { "_id": "o-10" }).await.unwrap_err();
+    assert!(after.is_transient(), "a call after a refused one: {after}");
+    let commit = tx.commit().await.unwrap_err();
+    assert!(commit.is_transient(), "{commit}");
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(found(&mut tx, doc! { "_id": "o-10" }).await.len(), 0);
+    tx.abort().await.unwrap();
 }
 
 async fn concurrent_workers_never_claim_twice_and_keep_key_order<F: Fixture>() {

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use bson::{Document, doc};
 use common::*;
-use relayhost::handler_transaction::MongoHandlerTransaction;
+use relayhost::handler_transaction::HandlerTransaction;
 use relayhost::plugin::capability::transaction::Grant as TransactionGrant;
 use relayhost::plugin::{DeliveryInfo, Grants, Limits, Outcome, PluginPolicy};
 use relayhost::store::{ClaimedDelivery, Store, StoreTransaction, Subscription, Subscriptions};
@@ -62,7 +62,7 @@ async fn run_transactional(
 ) -> Outcome {
     let store = fixture.store();
     let shared = Arc::new(tokio::sync::Mutex::new(store.begin().await.unwrap()));
-    let capability = MongoHandlerTransaction::new(shared.clone(), store.database(), Default::default(), Default::default());
+    let capability = HandlerTransaction::new(shared.clone(), Default::default(), Default::default());
     let info = DeliveryInfo { handler: delivery.handler.clone(), attempt: 1, max_attempts: 5, deadline: 0, trace_context: Vec::new() };
     let (ran, returned) = runtime.invoke_transactional(plugin, &delivery.event, &info, Box::new(capability)).await;
     drop(returned);

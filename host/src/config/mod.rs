@@ -228,6 +228,30 @@ impl Default for AdminConfig {
     }
 }
 
+/// Whether `key` (a `RELAYHOST_*` variable's name without the prefix, lower case) is one of
+/// those Kubernetes gives every container beside a Service named `relayhost`:
+/// `RELAYHOST_SERVICE_HOST`, `RELAYHOST_SERVICE_PORT[_<name>]`, `RELAYHOST_PORT` and
+/// `RELAYHOST_PORT_<port>_<protocol>[_PROTO|_PORT|_ADDR]`. No override of ours has their
+/// shapes (`[service]` and `[port]` are no sections), so they are passed over and every other
+/// name is still checked.
+fn is_kubernetes_service_link(key: &str) -> bool {
+    if key == "service_host" || key == "service_port" || key == "port" {
+        return true;
+    }
+    if let Some(name) = key.strip_prefix("service_port_") {
+        return !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    }
+    let Some(rest) = key.strip_prefix("port_") else { return false };
+    let mut parts = rest.split('_');
+    let port = parts.next().is_some_and(|port| !port.is_empty() && port.chars().all(|c| c.is_ascii_digit()));
+    let protocol = parts.next().is_some_and(|protocol| matches!(protocol, "tcp" | "udp" | "sctp"));
+    let field = match parts.next() {
+        None => true,
+        Some(field) => matches!(field, "proto" | "port" | "addr") && parts.next().is_none(),
+    };
+    port && protocol && field
+}
+
 impl Config {
     /// Reads `path` (if given), applies the environment, validates.
     pub fn load(path: Option<&Path>, environment: impl IntoIterator<Item = (String, String)>) -> Result<Self, ConfigError> {
@@ -303,6 +327,7 @@ impl Config {
                 }
                 // Read by other parts of relayhost, not configuration.
                 "config" | "mongod" | "cache" | "pythonpath" => {}
+                key if is_kubernetes_service_link(key) => {}
                 _ => return Err(invalid(&name, "is not a configuration override relayhost knows")),
             }
         }
@@ -536,6 +561,24 @@ mod tests {
         assert_eq!((config.host.claim_ahead, config.host.claim_ahead_or_default()), (None, 32));
         let error = load(EXAMPLE, &[("RELAYHOST_HOST_CONCURENCY", "8")]).unwrap_err().to_string();
         assert!(error.contains("RELAYHOST_HOST_CONCURENCY"), "{error}");
+        // Beside a Kubernetes Service named `relayhost`, its variables are passed over; ours are
+        // still checked.
+        let kubernetes = [
+            ("RELAYHOST_SERVICE_HOST", "10.0.0.7"),
+            ("RELAYHOST_SERVICE_PORT", "8080"),
+            ("RELAYHOST_SERVICE_PORT_HEALTH", "8080"),
+            ("RELAYHOST_PORT", "tcp://10.0.0.7:8080"),
+            ("RELAYHOST_PORT_8080_TCP", "tcp://10.0.0.7:8080"),
+            ("RELAYHOST_PORT_8080_TCP_PROTO", "tcp"),
+            ("RELAYHOST_PORT_8080_TCP_PORT", "8080"),
+            ("RELAYHOST_PORT_8080_TCP_ADDR", "10.0.0.7"),
+            ("RELAYHOST_HOST_CONCURRENCY", "8"),
+        ];
+        assert_eq!(load(EXAMPLE, &kubernetes).unwrap().host.concurrency, 8);
+        for stranger in ["RELAYHOST_PORTS", "RELAYHOST_PORT_HTTP", "RELAYHOST_PORT_8080_TCP_HOST", "RELAYHOST_SERVICE_HOSTS", "RELAYHOST_SERVICE_PORT_"] {
+            let error = load(EXAMPLE, &[(stranger, "1")]).unwrap_err().to_string();
+            assert!(error.contains(stranger) && error.contains("is not a configuration override"), "{error}");
+        }
         let error = load(EXAMPLE, &[("RELAYHOST_HOST_LEASE", "soon")]).unwrap_err().to_string();
         assert!(error.contains("RELAYHOST_HOST_LEASE") && error.contains("\"soon\""), "{error}");
         let container = load(EXAMPLE, &[("RELAYHOST_MONGODB_EMBEDDED_BIND_IP", "0.0.0.0"), ("RELAYHOST_MONGODB_EMBEDDED_PORT", "27017")]).unwrap();

@@ -21,6 +21,7 @@ use super::bindings;
 use super::bindings::relayhost::plugin::types;
 use super::bounds::{cut, read_plugin_file, validate_subscriptions};
 use super::capability::http::GrantedHosts;
+use super::capability::http::recording::Recording;
 use super::capability::log::{Output, Source};
 use super::capability::transaction::{TransactionCapability, TransactionState};
 use super::capability::{directory, environment, http, log};
@@ -121,6 +122,9 @@ pub struct Ran {
     pub fuel_consumed: Option<u64>,
     /// The largest its linear memory grew to.
     pub peak_memory_bytes: usize,
+    /// The log lines it routed (`LEVEL text`), kept only while it is tried (a runtime that
+    /// records, see [`RuntimeOptions::recording`]).
+    pub log: Vec<String>,
 }
 
 /// What the dispatcher tells a plugin about one delivery.
@@ -174,6 +178,7 @@ pub struct PluginRuntime {
     cache_dir: Option<PathBuf>,
     stop_ticker: Arc<AtomicBool>,
     meter_fuel: bool,
+    recording: Option<Recording>,
 }
 
 /// How to build the engine.
@@ -184,6 +189,9 @@ pub struct RuntimeOptions {
     /// Count fuel (the deterministic CPU budget of `Limits::fuel`). Without it only the
     /// wall-clock limit stops a busy plugin; the benchmarks use this to price metering.
     pub meter_fuel: bool,
+    /// Record plugins' HTTP requests and answer them from fixtures instead of sending them
+    /// (a plugin tried, not deployed; see [`Recording`]).
+    pub recording: Option<Recording>,
 }
 
 impl Drop for PluginRuntime {
@@ -196,11 +204,11 @@ impl PluginRuntime {
     /// One engine with the pooling allocator, fuel, epoch interruption and async support.
     /// `cache_dir` keeps compiled artifacts across restarts.
     pub fn new(cache_dir: Option<PathBuf>) -> Result<Self, PluginError> {
-        Self::with_options(RuntimeOptions { cache_dir, meter_fuel: true })
+        Self::with_options(RuntimeOptions { cache_dir, meter_fuel: true, recording: None })
     }
 
     pub fn with_options(options: RuntimeOptions) -> Result<Self, PluginError> {
-        let RuntimeOptions { cache_dir, meter_fuel } = options;
+        let RuntimeOptions { cache_dir, meter_fuel, recording } = options;
         let mut config = Config::new();
         config.wasm_component_model(true).consume_fuel(meter_fuel).epoch_interruption(true);
         let mut pool = PoolingAllocationConfig::default();
@@ -242,7 +250,7 @@ impl PluginRuntime {
                 }
             })
             .map_err(|e| PluginError::Engine(e.to_string()))?;
-        Ok(Self { engine, linker, cache_dir, stop_ticker, meter_fuel })
+        Ok(Self { engine, linker, cache_dir, stop_ticker, meter_fuel, recording })
     }
 
     /// Compiles (or loads from the artifact cache) and validates one plugin file: a component
@@ -334,7 +342,7 @@ impl PluginRuntime {
             wasi: wasi.build(),
             table: ResourceTable::new(),
             http: WasiHttpCtx::new(),
-            http_hosts: GrantedHosts::prepare(plugin.name.clone(), &grants.http),
+            http_hosts: GrantedHosts::prepare(plugin.name.clone(), &grants.http, self.recording.clone()),
             limiter: MemoryLimiter { max_bytes: limits.memory_bytes.min(MAX_MEMORY_BYTES), refused: false, peak: 0 },
             output: output.clone(),
             transaction: TransactionState::prepare(plugin.name.clone(), &grants.transaction, &limits.transaction, event, backend),
@@ -378,7 +386,15 @@ impl PluginRuntime {
         let started = Instant::now();
         if !Engine::same(&self.engine, plugin.pre.engine()) {
             let outcome = Outcome::Failed("the plugin was loaded by another runtime".into());
-            let ran = Ran { outcome, output_kept: 0, output_dropped: 0, elapsed: started.elapsed(), fuel_consumed: None, peak_memory_bytes: 0 };
+            let ran = Ran {
+                outcome,
+                output_kept: 0,
+                output_dropped: 0,
+                elapsed: started.elapsed(),
+                fuel_consumed: None,
+                peak_memory_bytes: 0,
+                log: Vec::new(),
+            };
             return (ran, backend);
         }
         let (mut store, output) = self.store(plugin, Some((event, &delivery.trace_context)), backend);
@@ -417,7 +433,7 @@ impl PluginRuntime {
             }
             Err(_) => Outcome::Failed(format!("wall-clock limit of {:?} exceeded", plugin.policy.limits.wall_time)),
         };
-        let (output_kept, output_dropped) = log::route(&plugin.name, plugin.short_hash(), &output);
+        let (output_kept, output_dropped, log) = log::route_keeping(&plugin.name, plugin.short_hash(), &output, self.recording.is_some());
         let backend = store.data_mut().transaction.take_backend();
         // A quick plugin may finish without ever yielding; let a caller running deliveries
         // back to back still share the thread with other tasks.
@@ -426,7 +442,7 @@ impl PluginRuntime {
             elapsed_us = started.elapsed().as_micros() as u64, ?outcome, "delivery ran");
         let fuel_consumed = self.meter_fuel.then(|| plugin.policy.limits.fuel.saturating_sub(store.get_fuel().unwrap_or(0)));
         let peak_memory_bytes = store.data().limiter.peak;
-        (Ran { outcome, output_kept, output_dropped, elapsed: started.elapsed(), fuel_consumed, peak_memory_bytes }, backend)
+        (Ran { outcome, output_kept, output_dropped, elapsed: started.elapsed(), fuel_consumed, peak_memory_bytes, log }, backend)
     }
 }
 

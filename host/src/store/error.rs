@@ -49,6 +49,13 @@ pub enum StoreError {
     ChargeWaiting(Duration),
     #[error("transaction gave up after {attempts} attempts over {elapsed:?}: {last}")]
     RetriesExhausted { attempts: u32, elapsed: Duration, last: Box<StoreError> },
+    /// A handler's call the memory store refused (MongoDB's own refusals are `Mongo`).
+    #[error("the store refused it: {0}")]
+    Refused(String),
+    /// A handler's call after one the memory store refused, or the commit after it: as after
+    /// MongoDB's server-side abort, the transaction can only run again.
+    #[error("the transaction was aborted by an earlier call the store refused ({0})")]
+    TransactionAborted(String),
     #[error("MongoDB: {0}")]
     Mongo(#[from] mongodb::error::Error),
 }
@@ -58,7 +65,7 @@ impl StoreError {
     pub fn is_transient(&self) -> bool {
         match self {
             Self::Mongo(error) => error.contains_label(TRANSIENT_TRANSACTION_ERROR),
-            Self::SnapshotBehind(_) => true,
+            Self::SnapshotBehind(_) | Self::TransactionAborted(_) => true,
             _ => false,
         }
     }

@@ -15,6 +15,7 @@ mod claim;
 mod claim_faults;
 mod error;
 mod fan_out;
+pub mod handler_documents;
 mod lease;
 mod listing;
 pub mod registry;
@@ -35,6 +36,7 @@ use bson::oid::ObjectId;
 
 pub use capacity::{Capacity, Priorities, Room, Rooms};
 pub use error::StoreError;
+pub use handler_documents::HandlerDocuments;
 pub use lease::Lease;
 pub use registry::{Declaration, Disposal, RegisteredHandler, RetireReport};
 pub use listing::{DeliveryFilter, DeliveryPage, DeliveryView, EventHistory, HandlerStatistics, LaneView, Listed, Membership, PurgeReport};
@@ -367,7 +369,7 @@ pub trait StoreTransaction: Send {
 /// The outbox. Every method that changes a delivery takes the lease it was claimed with and
 /// changes nothing when that lease is no longer current.
 pub trait Store: Send + Sync + 'static {
-    type Tx: StoreTransaction;
+    type Tx: StoreTransaction + HandlerDocuments;
 
     /// Creates collections, indexes and lane documents; idempotent, safe to run from several
     /// hosts at once.
@@ -460,6 +462,14 @@ pub trait Store: Send + Sync + 'static {
     /// commit together. Fails with [`StoreError::LeaseLost`] (abort the transaction then).
     fn complete_in(&self, tx: &mut Self::Tx, lease: &Lease, now: DateTime)
     -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Creates those of `names` (handlers' collections, see [`HandlerDocuments`]) that do not
+    /// exist yet, before handlers' transactions write to them (a store that needs nothing
+    /// of the kind does nothing).
+    fn create_collections(&self, names: &[String]) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = names;
+        async { Ok(()) }
+    }
 
     /// Ends an attempt as failed: charges it and makes the delivery due again at `due_at`.
     fn reschedule(&self, lease: &Lease, due_at: DateTime, error: &str, now: DateTime)

@@ -65,6 +65,8 @@ impl Plugin for Hostile {
         // Counts its run in the target's `held` document, then, on its first attempt, never
         // returns: the tests kill its host while its transaction holds that document.
         subscriptions.push(Subscription::new("hold", ["hold"]).transactional());
+        // Writes the event into the target collection, then fails (unless `fail` is false).
+        subscriptions.push(Subscription::new("write-then-fail", ["write-then-fail"]).transactional());
         subscriptions
     }
 
@@ -160,6 +162,13 @@ impl Plugin for Hostile {
                     std::thread::sleep(std::time::Duration::from_secs(3_600));
                 }
                 Ok(())
+            }
+            "write-then-fail" => {
+                transaction::insert(&target, &serde_json::json!({ "_id": event.id, "written": true }).to_string()).map_err(blocked)?;
+                if payload["fail"] == Value::Bool(false) {
+                    return Ok(());
+                }
+                Err(Failure::retry("failed after its write"))
             }
             "hang" if payload["hang"] == Value::Bool(false) => Ok(()),
             "hang" => {

@@ -7,6 +7,7 @@
 mod admin;
 mod bench;
 mod inspect;
+mod trial;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -59,6 +60,9 @@ enum Command {
     Publish(admin::PublishArgs),
     /// Measures drain throughput and wakeup latency against the raw floor of the same mongod.
     Bench(bench::BenchArgs),
+    /// Runs a plugin on the events of a file, on an in-memory store (no MongoDB): each
+    /// delivery's outcome, writes, follow-ups, HTTP requests, log lines and costs.
+    TestPlugin(trial::TestPluginArgs),
 }
 
 fn main() -> ExitCode {
@@ -96,6 +100,11 @@ async fn execute(cli: Cli) -> Result<ExitCode> {
             relayhost::service::run(config, shutdown_signal()).await?;
             Ok(ExitCode::SUCCESS)
         }
+        // The report shows the plugin's log lines; the host's own would only repeat them.
+        Command::TestPlugin(args) => {
+            init_logs(&config.host.log_format, "off");
+            trial::test_plugin(&config, args).await
+        }
         command => {
             init_logs(&config.host.log_format, "warn");
             match command {
@@ -108,7 +117,7 @@ async fn execute(cli: Cli) -> Result<ExitCode> {
                 Command::Deliveries(command) => inspect::deliveries(&config, command).await,
                 Command::Events(command) => inspect::events(&config, command).await,
                 Command::Publish(args) => admin::publish(&config, args).await,
-                Command::Run | Command::Bench(_) => unreachable!("handled above"),
+                Command::Run | Command::Bench(_) | Command::TestPlugin(_) => unreachable!("handled above"),
             }
         }
     }

@@ -51,23 +51,52 @@ impl log::Host for Output {
 /// in a line escaped (`\r`, `\u{1b}`, ...): a plugin can neither rewrite an operator's terminal
 /// nor forge a line of the host's own; returns the bytes kept and dropped.
 pub fn route(plugin: &str, version: &str, output: &Output) -> (usize, usize) {
+    let (kept, dropped, _) = route_keeping(plugin, version, output, false);
+    (kept, dropped)
+}
+
+/// [`route`], also handing back the lines routed (`LEVEL text`, escaped) when `keep` (a
+/// plugin being tried shows them in its report).
+pub fn route_keeping(plugin: &str, version: &str, output: &Output, keep: bool) -> (usize, usize, Vec<String>) {
     let (kept, dropped) = output.take();
     let kept_bytes = kept.iter().map(|(_, text)| text.len()).sum();
+    let mut lines = Vec::new();
     for (source, text) in kept {
         for line in text.lines().filter(|l| !l.is_empty()).map(escaped) {
-            match source {
-                Source::Log(LogLevel::Error) | Source::Stderr => tracing::error!(plugin, version, "{line}"),
-                Source::Log(LogLevel::Warn) => tracing::warn!(plugin, version, "{line}"),
-                Source::Log(LogLevel::Info) | Source::Stdout => tracing::info!(plugin, version, "{line}"),
-                Source::Log(LogLevel::Debug) => tracing::debug!(plugin, version, "{line}"),
-                Source::Log(LogLevel::Trace) => tracing::trace!(plugin, version, "{line}"),
+            let level = match source {
+                Source::Log(LogLevel::Error) | Source::Stderr => {
+                    tracing::error!(plugin, version, "{line}");
+                    "ERROR"
+                }
+                Source::Log(LogLevel::Warn) => {
+                    tracing::warn!(plugin, version, "{line}");
+                    "WARN"
+                }
+                Source::Log(LogLevel::Info) | Source::Stdout => {
+                    tracing::info!(plugin, version, "{line}");
+                    "INFO"
+                }
+                Source::Log(LogLevel::Debug) => {
+                    tracing::debug!(plugin, version, "{line}");
+                    "DEBUG"
+                }
+                Source::Log(LogLevel::Trace) => {
+                    tracing::trace!(plugin, version, "{line}");
+                    "TRACE"
+                }
+            };
+            if keep {
+                lines.push(format!("{level} {line}"));
             }
         }
     }
     if dropped > 0 {
         tracing::warn!(plugin, version, dropped_bytes = dropped, "plugin output over its budget was dropped");
+        if keep {
+            lines.push(format!("WARN ({dropped} bytes of output over its budget were dropped)"));
+        }
     }
-    (kept_bytes, dropped)
+    (kept_bytes, dropped, lines)
 }
 
 /// `line` with every control character escaped as Rust writes it (`\r`, `\t`, `\u{0}`).

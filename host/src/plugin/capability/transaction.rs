@@ -276,7 +276,8 @@ mod tests {
     fn state(grant: Grant, chain_depth: u32) -> TransactionState {
         let mut event = EventRecord::from_document(&NewEvent::new("e-1", "order.placed", bson::doc! {}).to_document(None, bson::DateTime::now())).unwrap();
         event.chain_depth = chain_depth;
-        TransactionState::prepare("billing".into(), &grant, &Limits { follow_ups: 2, ..Limits::default() }, Some(&event), None)
+        let trace = [("traceparent".to_string(), "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".to_string())];
+        TransactionState::prepare("billing".into(), &grant, &Limits { follow_ups: 2, ..Limits::default() }, Some((&event, &trace)), None)
     }
 
     fn new_event(id: &str, event_type: &str) -> transaction::NewEvent {
@@ -369,5 +370,21 @@ mod tests {
         let mut big = new_event("billing:1", "t");
         big.payload = format!("{{\"a\": \"{}\"}}", "x".repeat(300 * 1024));
         assert!(state(grant, 0).follow_up(big).unwrap_err().contains("`payload` is"));
+    }
+
+    #[test]
+    fn follow_ups_carry_the_trace_on_unless_the_plugin_set_its_own_or_left_no_room() {
+        let grant = Grant { publish_types: vec!["t".into()], ..Grant::default() };
+        let carried = state(grant.clone(), 0).follow_up(new_event("billing:1", "t")).unwrap();
+        assert_eq!(carried.headers["traceparent"], "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+        let mut own = new_event("billing:1", "t");
+        own.headers = vec![("TraceParent".into(), "00-ffffffffffffffffffffffffffffffff-ffffffffffffffff-01".into())];
+        let kept = state(grant.clone(), 0).follow_up(own).unwrap();
+        assert_eq!(kept.headers.len(), 1, "the plugin's own context stays alone: {:?}", kept.headers);
+        assert!(kept.headers["TraceParent"].starts_with("00-ffff"));
+        let mut full = new_event("billing:1", "t");
+        full.headers = (0..crate::event::MAX_HEADERS).map(|n| (format!("h{n}"), "v".to_string())).collect();
+        let crowded = state(grant, 0).follow_up(full).unwrap();
+        assert_eq!(crowded.headers.len(), crate::event::MAX_HEADERS, "no room is made for the trace");
     }
 }

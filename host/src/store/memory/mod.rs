@@ -31,8 +31,10 @@ use crate::event::{NewEvent, field};
 use crate::lane::{LANE_COUNT, LaneId};
 
 mod fan_out;
+mod handler_documents;
 mod lanes;
 mod operations;
+mod query;
 mod registry;
 mod state;
 mod unstored;
@@ -105,6 +107,8 @@ struct State {
     serves: BTreeMap<String, Vec<super::registry::Served>>,
     /// Jobs one host at a time does: the holder of each turn, until when.
     turns: BTreeMap<String, (String, DateTime)>,
+    /// Handlers' collections by name, each in insertion order (see `handler_documents`).
+    collections: BTreeMap<String, Vec<Document>>,
 }
 
 /// An in-process outbox. Clones of the data are made with [`MemoryStore::instance`].
@@ -158,6 +162,8 @@ pub struct MemoryTx {
     claimer: Arc<Claimer>,
     /// Leases this transaction settles: settled for the claimer once it commits.
     settles: Vec<Lease>,
+    /// A handler's call it refused: it cannot commit (see `handler_documents`).
+    doomed: Option<String>,
 }
 
 impl MemoryTx {
@@ -169,6 +175,10 @@ impl MemoryTx {
 
 impl StoreTransaction for MemoryTx {
     async fn commit(mut self) -> Result<(), StoreError> {
+        if let Some(refused) = self.doomed.take() {
+            self.abort_in_place();
+            return Err(StoreError::TransactionAborted(refused));
+        }
         if self.started.elapsed() > self.budget {
             let budget = self.budget;
             self.abort_in_place();
@@ -217,6 +227,7 @@ impl Store for MemoryStore {
             budget: self.options.transaction_budget,
             claimer: self.claimer.clone(),
             settles: Vec::new(),
+            doomed: None,
         })
     }
 

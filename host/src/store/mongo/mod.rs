@@ -32,6 +32,7 @@ macro_rules! transaction {
 mod documents;
 mod fan_out;
 mod generations;
+mod handler_documents;
 mod heads;
 mod heard;
 mod hosts;
@@ -174,6 +175,7 @@ impl MongoStore {
         session.start_transaction().with_options(options).await?;
         Ok(MongoTx {
             session,
+            database: self.database(),
             started: Instant::now(),
             budget: self.options.transaction_budget,
             claimer: self.claimer.clone(),
@@ -227,20 +229,6 @@ impl MongoStore {
     /// The database of the store's collections (and of handlers' business collections).
     pub fn database(&self) -> mongodb::Database {
         self.client.database(&self.location.database)
-    }
-
-    /// Creates those of `names` (business collections of the store's database) that do not
-    /// exist yet. MongoDB creates a missing collection inside a transaction, but two
-    /// transactions that both create one conflict, and one of them has to run again. Those
-    /// that exist are left alone: creating a collection is a catalog change, which the
-    /// transactions running meanwhile may have to abort for.
-    pub async fn create_collections(&self, names: &[String]) -> Result<(), StoreError> {
-        let database = self.database();
-        let existing = database.list_collection_names().filter(bson::doc! { "name": { "$in": names } }).await?;
-        for name in names.iter().filter(|name| !existing.contains(name)) {
-            setup::create_collection(&database, name).await?;
-        }
-        Ok(())
     }
 
     /// Lanes this instance took over that wait for the charge of what their previous holder
@@ -331,6 +319,8 @@ impl From<crate::store::claim::LaneWrite> for Commit {
 /// A MongoDB transaction: a session with a started transaction and a time budget.
 pub struct MongoTx {
     session: ClientSession,
+    /// Where a handler's collections are (see `handler_documents`).
+    database: mongodb::Database,
     started: Instant,
     budget: Duration,
     claimer: Arc<Claimer>,
@@ -453,6 +443,20 @@ impl Store for MongoStore {
 
     async fn complete_in(&self, tx: &mut MongoTx, lease: &Lease, now: DateTime) -> Result<(), StoreError> {
         outcome::complete_in(self, tx, lease, now).await
+    }
+
+    /// Creates those of `names` (business collections of the store's database) that do not
+    /// exist yet. MongoDB creates a missing collection inside a transaction, but two
+    /// transactions that both create one conflict, and one of them has to run again. Those
+    /// that exist are left alone: creating a collection is a catalog change, which the
+    /// transactions running meanwhile may have to abort for.
+    async fn create_collections(&self, names: &[String]) -> Result<(), StoreError> {
+        let database = self.database();
+        let existing = database.list_collection_names().filter(bson::doc! { "name": { "$in": names } }).await?;
+        for name in names.iter().filter(|name| !existing.contains(name)) {
+            setup::create_collection(&database, name).await?;
+        }
+        Ok(())
     }
 
     async fn reschedule(&self, lease: &Lease, due_at: DateTime, error: &str, now: DateTime) -> Result<Settlement, StoreError> {

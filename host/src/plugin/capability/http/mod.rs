@@ -8,6 +8,10 @@
 //! connects to the very address checked (no second lookup an attacker's DNS could answer
 //! differently). An `https` request connects by name, for its certificate; a rebinding there
 //! would also need a certificate for the name. It must never send a request it did not check.
+//! A plugin being tried rather than deployed has its granted requests recorded and answered
+//! from fixtures instead ([`recording`]).
+
+pub mod recording;
 
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
@@ -56,18 +60,21 @@ type ResponseFuture = Box<
 pub struct GrantedHosts {
     plugin: Arc<str>,
     grant: Grant,
+    recording: Option<recording::Recording>,
 }
 
 impl GrantedHosts {
-    pub fn prepare(plugin: Arc<str>, grant: &Grant) -> Self {
-        Self { plugin, grant: grant.clone() }
+    /// `recording`, when given, records the granted requests and answers them (see
+    /// [`recording`]).
+    pub fn prepare(plugin: Arc<str>, grant: &Grant, recording: Option<recording::Recording>) -> Self {
+        Self { plugin, grant: grant.clone(), recording }
     }
 }
 
 impl WasiHttpHooks for GrantedHosts {
     fn send_request(
         &mut self,
-        mut request: http::Request<WasiBody>,
+        request: http::Request<WasiBody>,
         options: Option<RequestOptions>,
         _fut: Box<dyn Future<Output = Result<(), Error>> + Send>,
     ) -> ResponseFuture {
@@ -78,12 +85,35 @@ impl WasiHttpHooks for GrantedHosts {
         };
         let target = match granted(&self.grant, request.uri()) {
             Ok(target) => target,
-            Err(reason) => return Box::new(async move { Err(denied(reason)) }),
+            Err(reason) => {
+                if let Some(recording) = &self.recording {
+                    recording.refused(request.method().as_str(), &request.uri().to_string(), &reason);
+                }
+                return Box::new(async move { Err(denied(reason)) });
+            }
         };
         let private_networks = self.grant.private_networks;
+        let recording = self.recording.clone();
         Box::new(async move {
             use http_body_util::BodyExt;
-            let address = reachable(&target, private_networks).await.map_err(denied)?;
+            let (mut request, sent) = match recording {
+                None => (request, None),
+                Some(recording) => match recording.exchange(request).await? {
+                    recording::Exchanged::Answered(response) => {
+                        return Ok((response, Box::new(async { Ok(()) }) as Box<dyn Future<Output = _> + Send>));
+                    }
+                    recording::Exchanged::Send { request, sent } => (request, Some(sent)),
+                },
+            };
+            let address = match reachable(&target, private_networks).await {
+                Ok(address) => address,
+                Err(reason) => {
+                    if let Some(sent) = sent {
+                        sent.answered(recording::Answer::Refused(reason.clone()));
+                    }
+                    return Err(denied(reason));
+                }
+            };
             if !target.tls {
                 // Connect to the address checked; the `Host` header keeps the name.
                 let path = request.uri().path_and_query().map_or("/", |p| p.as_str()).to_string();
@@ -94,7 +124,14 @@ impl WasiHttpHooks for GrantedHosts {
                     .build()
                     .map_err(|_| Error::HttpRequestUriInvalid)?;
             }
-            let (response, io) = wasmtime_wasi_http::default_send_request(request, options).await?;
+            let sending = wasmtime_wasi_http::default_send_request(request, options).await;
+            if let Some(sent) = sent {
+                sent.answered(match &sending {
+                    Ok((response, _)) => recording::Answer::Sent(response.status().as_u16()),
+                    Err(error) => recording::Answer::Refused(error.to_string()),
+                });
+            }
+            let (response, io) = sending?;
             Ok((response.map(BodyExt::boxed_unsync), Box::new(io) as Box<dyn Future<Output = _> + Send>))
         })
     }
