@@ -7,6 +7,7 @@
 //! [`handler_transaction`] lets a transactional handler write in its delivery's transaction.
 
 pub mod admin;
+pub mod author;
 pub mod config;
 pub mod death;
 pub mod dispatch;

@@ -60,6 +60,24 @@ enum Command {
     Publish(admin::PublishArgs),
     /// Measures drain throughput and wakeup latency against the raw floor of the same mongod.
     Bench(bench::BenchArgs),
+    /// Writes a new plugin project (a handler, its WIT, sample events, a README) into a new
+    /// folder named after it.
+    New {
+        /// The plugin's name: its handler id and its file's (`<name>.wasm`).
+        name: String,
+        /// rust, python, javascript or c.
+        #[arg(long)]
+        lang: relayhost::author::Language,
+        /// Where the folder goes (the current directory by default).
+        #[arg(long, default_value = ".")]
+        dir: PathBuf,
+    },
+    /// Builds the plugin project in a folder (`relayhost new` made it) into `<name>.wasm`.
+    Build {
+        /// The project's folder (the current directory by default).
+        #[arg(default_value = ".")]
+        project: PathBuf,
+    },
     /// Runs a plugin on the events of a file, on an in-memory store (no MongoDB): each
     /// delivery's outcome, writes, follow-ups, HTTP requests, log lines and costs.
     TestPlugin(trial::TestPluginArgs),
@@ -89,10 +107,30 @@ fn main() -> ExitCode {
 }
 
 async fn execute(cli: Cli) -> Result<ExitCode> {
-    if let Command::Bench(args) = cli.command {
-        init_logs("plain", "warn");
-        return bench::run(args).await.map(|()| ExitCode::SUCCESS);
+    match cli.command {
+        Command::Bench(args) => {
+            init_logs("plain", "warn");
+            return bench::run(args).await.map(|()| ExitCode::SUCCESS);
+        }
+        // A plugin author's commands need no configuration.
+        Command::New { name, lang, dir } => {
+            let folder = dir.join(&name);
+            let written = relayhost::author::template::create(&folder, &name, lang)?;
+            println!("created {} ({} files); next:", folder.display(), written.len());
+            println!("  cd {}\n  relayhost build\n  relayhost test-plugin {name}.wasm --events events.jsonl --config relayhost.toml", folder.display());
+            return Ok(ExitCode::SUCCESS);
+        }
+        Command::Build { project } => {
+            let built = relayhost::author::build::build(&project)?;
+            println!("built {}", built.display());
+            return Ok(ExitCode::SUCCESS);
+        }
+        command => run_with_config(cli.config, command).await,
     }
+}
+
+async fn run_with_config(config: Option<PathBuf>, command: Command) -> Result<ExitCode> {
+    let cli = Cli { config, command };
     let config = Config::load(cli.config.as_deref(), std::env::vars()).context("invalid configuration")?;
     match cli.command {
         Command::Run => {
@@ -117,7 +155,9 @@ async fn execute(cli: Cli) -> Result<ExitCode> {
                 Command::Deliveries(command) => inspect::deliveries(&config, command).await,
                 Command::Events(command) => inspect::events(&config, command).await,
                 Command::Publish(args) => admin::publish(&config, args).await,
-                Command::Run | Command::Bench(_) | Command::TestPlugin(_) => unreachable!("handled above"),
+                Command::Run | Command::Bench(_) | Command::TestPlugin(_) | Command::New { .. } | Command::Build { .. } => {
+                    unreachable!("handled above")
+                }
             }
         }
     }
