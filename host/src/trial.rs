@@ -6,8 +6,14 @@
 //! fixtures. Each delivery's report says how it ended, what its transaction wrote, the
 //! follow-ups it published, its HTTP requests, its log lines, fuel, peak memory and time.
 //!
-//! It owns the events file's format and the order of the try; it never touches MongoDB and
-//! never decides an outcome (the dispatcher's `decide` does, as on a host).
+//! A replay (`relayhost replay`) runs a candidate plugin on one stored event instead, in a
+//! transaction that is always aborted, HTTP recorded and not sent, and reports it the same way
+//! beside the delivery's last error: an operator tries a fix on the event that died before
+//! deploying it.
+//!
+//! It owns the events file's format and the order of a try; a test never touches MongoDB, a
+//! replay never writes to it, and neither decides an outcome (the dispatcher's `decide` does,
+//! as on a host).
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -169,23 +175,11 @@ pub enum TrialError {
 /// the file), HTTP answered from the fixtures (and sent, when nothing answers, only with
 /// `send_http`).
 pub async fn run(wasm: &Path, file: &EventsFile, config: &Config, send_http: bool) -> Result<Vec<DeliveryReport>, TrialError> {
-    let name = wasm.file_stem().and_then(|s| s.to_str()).filter(|s| !s.is_empty()).unwrap_or("plugin").to_string();
-    let directory = scratch_directory()?;
-    std::fs::copy(wasm, directory.join(format!("{name}.wasm")))?;
     let recording = Recording::new(file.fixtures.clone(), send_http);
-    let runtime = PluginRuntime::with_options(RuntimeOptions { cache_dir: None, meter_fuel: true, recording: Some(recording.clone()) })
-        .map_err(|e| TrialError::Plugin(e.to_string()))?;
-    let policies = config.clone();
-    let registry = Arc::new(PluginRegistry::new(Arc::new(runtime), &directory, move |plugin| policies.policy_for(plugin)));
-    let changes = registry.scan().await.map_err(|e| TrialError::Plugin(e.to_string()))?;
-    let _ = std::fs::remove_dir_all(&directory);
-    if let Some(Change::Refused { reason, .. }) = changes.iter().find(|c| matches!(c, Change::Refused { .. })) {
-        return Err(TrialError::Plugin(format!("{} is refused: {reason}", wasm.display())));
-    }
+    let (registry, name) = candidate(wasm, config, &recording).await?;
     let store = Arc::new(MemoryStore::new(StoreOptions::default()));
     store.setup().await?;
-    let retry = config.retry_for(&name);
-    let policy = RetryPolicy { max_attempts: retry.max_attempts, initial_backoff: retry.initial_backoff.0, max_backoff: retry.max_backoff.0 };
+    let policy = retry_policy(config, &name);
     let records = RunRecords::default();
     let runner = crate::plugin_runner::PluginRunner::new(registry.clone(), store.clone(), Arc::new(move |_: &str| policy))
         .recorded_in(records.clone());
@@ -274,6 +268,93 @@ pub async fn run(wasm: &Path, file: &EventsFile, config: &Config, send_http: boo
         });
     }
     Ok(reports)
+}
+
+/// The plugin in `wasm`, loaded as `config` configures the plugin of its file's name, its HTTP
+/// going through `recording`; and that name.
+async fn candidate(wasm: &Path, config: &Config, recording: &Recording) -> Result<(Arc<PluginRegistry>, String), TrialError> {
+    let name = wasm.file_stem().and_then(|s| s.to_str()).filter(|s| !s.is_empty()).unwrap_or("plugin").to_string();
+    let directory = scratch_directory()?;
+    std::fs::copy(wasm, directory.join(format!("{name}.wasm")))?;
+    let runtime = PluginRuntime::with_options(RuntimeOptions { cache_dir: None, meter_fuel: true, recording: Some(recording.clone()) })
+        .map_err(|e| TrialError::Plugin(e.to_string()))?;
+    let policies = config.clone();
+    let registry = Arc::new(PluginRegistry::new(Arc::new(runtime), &directory, move |plugin| policies.policy_for(plugin)));
+    let changes = registry.scan().await.map_err(|e| TrialError::Plugin(e.to_string()));
+    let _ = std::fs::remove_dir_all(&directory);
+    if let Some(Change::Refused { reason, .. }) = changes?.iter().find(|c| matches!(c, Change::Refused { .. })) {
+        return Err(TrialError::Plugin(format!("{} is refused: {reason}", wasm.display())));
+    }
+    Ok((registry, name))
+}
+
+/// The retry policy `config` gives the plugin `name`.
+fn retry_policy(config: &Config, name: &str) -> RetryPolicy {
+    let retry = config.retry_for(name);
+    RetryPolicy { max_attempts: retry.max_attempts, initial_backoff: retry.initial_backoff.0, max_backoff: retry.max_backoff.0 }
+}
+
+/// A replay of one handler on a stored event, beside its delivery's state.
+#[derive(Debug, Clone)]
+pub struct Replayed {
+    pub report: DeliveryReport,
+    /// The stored delivery's status and last error, if the event has one for the handler.
+    pub delivery: Option<(DeliveryStatus, Option<String>)>,
+}
+
+/// Runs the candidate plugin in `wasm` on the stored event `event_id`, for each of its handlers
+/// subscribed to the event's type (or `handler` alone): transactional handlers in a
+/// transaction of `store` that is always aborted, HTTP recorded and never sent. Nothing is
+/// written to `store`.
+pub async fn replay<S: Store>(
+    store: Arc<S>,
+    wasm: &Path,
+    config: &Config,
+    event_id: &str,
+    handler: Option<&str>,
+) -> Result<Vec<Replayed>, TrialError> {
+    let history = store.event_history(event_id).await?;
+    let document = history.event.ok_or_else(|| TrialError::Plugin(format!("there is no event {event_id:?}")))?;
+    let event = crate::event::EventRecord::from_document(&document)
+        .map_err(|e| TrialError::Plugin(format!("event {event_id:?} is malformed: {e}")))?;
+    let recording = Recording::new(Vec::new(), false);
+    let (registry, name) = candidate(wasm, config, &recording).await?;
+    let policy = retry_policy(config, &name);
+    let handlers: Vec<String> = registry
+        .subscriptions()
+        .into_iter()
+        .filter(|s| s.event_types.iter().any(|t| *t == event.event_type) && handler.is_none_or(|h| h == s.handler))
+        .map(|s| s.handler)
+        .collect();
+    if handlers.is_empty() {
+        let which = handler.map_or_else(|| "no handler".to_string(), |h| format!("no handler {h:?}"));
+        return Err(TrialError::Plugin(format!("{} offers {which} of event type {:?}", wasm.display(), event.event_type)));
+    }
+    let runner = crate::plugin_runner::PluginRunner::new(registry, store.clone(), Arc::new(move |_: &str| policy));
+    let mut replayed = Vec::new();
+    for handler in handlers {
+        let filter = DeliveryFilter { event_id: Some(event_id.to_string()), handler: Some(handler.clone()), limit: 10, ..DeliveryFilter::default() };
+        let stored = store.list_deliveries(&filter).await?.deliveries.into_iter().next();
+        let attempt = stored.as_ref().map_or(1, |d| d.attempts + 1);
+        let (result, run) = runner.try_on(&handler, &event, attempt).await.expect("the candidate offers the handler");
+        let outcome = match decide(result, attempt, &policy, DateTime::now()) {
+            Settle::Complete => Reported::Completed,
+            Settle::Reschedule { due_at, reason } => Reported::Retry { at: due_at.timestamp_millis(), reason },
+            Settle::Bury { reason } => Reported::Dead { reason },
+        };
+        let report = DeliveryReport {
+            event_id: event.id.clone(),
+            event_type: event.event_type.clone(),
+            handler,
+            attempt,
+            outcome,
+            run,
+            http: recording.take(),
+            expected: None,
+        };
+        replayed.push(Replayed { report, delivery: stored.map(|d| (d.status, d.last_error)) });
+    }
+    Ok(replayed)
 }
 
 /// A fresh directory the plugin is loaded from (the registry loads directories).

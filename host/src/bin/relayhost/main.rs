@@ -81,6 +81,9 @@ enum Command {
     /// Runs a plugin on the events of a file, on an in-memory store (no MongoDB): each
     /// delivery's outcome, writes, follow-ups, HTTP requests, log lines and costs.
     TestPlugin(trial::TestPluginArgs),
+    /// Runs a candidate plugin on a stored event, in a transaction that is always aborted,
+    /// HTTP recorded and not sent: what a fix would do with the event that died.
+    Replay(trial::ReplayArgs),
 }
 
 fn main() -> ExitCode {
@@ -155,6 +158,7 @@ async fn run_with_config(config: Option<PathBuf>, command: Command) -> Result<Ex
                 Command::Deliveries(command) => inspect::deliveries(&config, command).await,
                 Command::Events(command) => inspect::events(&config, command).await,
                 Command::Publish(args) => admin::publish(&config, args).await,
+                Command::Replay(args) => trial::replay(&config, args).await,
                 Command::Run | Command::Bench(_) | Command::TestPlugin(_) | Command::New { .. } | Command::Build { .. } => {
                     unreachable!("handled above")
                 }

@@ -1,6 +1,7 @@
-//! `relayhost test-plugin`: a plugin tried on an events file on the memory store, no MongoDB
-//! (see `relayhost::trial`), and its report printed, as text or JSON; the exit code says
-//! whether every delivery ended as it should.
+//! `relayhost test-plugin`: a plugin tried on an events file on the memory store, no MongoDB,
+//! and `relayhost replay`: a candidate plugin run on a stored event, nothing written (see
+//! `relayhost::trial`). Their reports printed, as text or JSON; the exit code says whether
+//! every delivery ended as it should.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -29,6 +30,65 @@ pub struct TestPluginArgs {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Args)]
+pub struct ReplayArgs {
+    /// The stored event's id.
+    #[arg(long)]
+    event: String,
+    /// The candidate plugin's component; configured as the plugin of its file's name.
+    #[arg(long)]
+    plugin: PathBuf,
+    /// Only this handler of the candidate's (all those subscribed to the event's type by
+    /// default).
+    #[arg(long)]
+    handler: Option<String>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+pub async fn replay(config: &Config, args: ReplayArgs) -> Result<ExitCode> {
+    let connection = relayhost::service::connect(config).await?;
+    let store = match relayhost::service::store_for(config, &connection) {
+        Ok(store) => std::sync::Arc::new(store),
+        Err(error) => {
+            connection.close().await;
+            return Err(error.into());
+        }
+    };
+    let replayed = trial::replay(store, &args.plugin, config, &args.event, args.handler.as_deref()).await;
+    connection.close().await;
+    let replayed = replayed?;
+    if args.json {
+        let rows: Vec<serde_json::Value> = replayed
+            .iter()
+            .map(|r| {
+                let mut row = as_json(&r.report);
+                row["stored"] = match &r.delivery {
+                    Some((status, last_error)) => serde_json::json!({ "status": format!("{status:?}").to_lowercase(), "lastError": last_error }),
+                    None => serde_json::Value::Null,
+                };
+                row
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        for r in &replayed {
+            print_report(&r.report);
+            match &r.delivery {
+                Some((status, last_error)) => {
+                    let error = last_error.as_deref().map(|e| format!(", its last error: {e}")).unwrap_or_default();
+                    println!("  stored   {status:?}{error}");
+                }
+                None => println!("  stored   no delivery of this handler for the event"),
+            }
+        }
+        eprintln!("replayed in a transaction that was aborted; HTTP requests were recorded, not sent; nothing was written");
+    }
+    let completed = replayed.iter().all(|r| r.report.outcome == Reported::Completed);
+    Ok(if completed { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
 pub async fn test_plugin(config: &Config, args: TestPluginArgs) -> Result<ExitCode> {
