@@ -1,6 +1,8 @@
-//! A transactional handler end to end on a real replica set: the audit-log plugin (a real
-//! component) writes through the transaction capability into the delivery's MongoDB
-//! transaction, and its write and the delivery's completion commit together or not at all.
+//! A transactional handler end to end: the audit-log plugin (a real component) writes through
+//! the transaction capability into the delivery's store transaction, and its write and the
+//! delivery's completion commit together or not at all. The first two tests run on both
+//! stores (the memory store's transaction is what `relayhost test-plugin` uses); the rest are
+//! about MongoDB's own conflicts, on a real replica set.
 
 mod common;
 
@@ -12,11 +14,44 @@ use common::*;
 use relayhost::handler_transaction::HandlerTransaction;
 use relayhost::plugin::capability::transaction::Grant as TransactionGrant;
 use relayhost::plugin::{DeliveryInfo, Grants, Limits, Outcome, PluginPolicy};
-use relayhost::store::{ClaimedDelivery, Store, StoreTransaction, Subscription, Subscriptions};
+use relayhost::store::handler_documents::Found;
+use relayhost::store::{ClaimedDelivery, HandlerDocuments, Store, StoreTransaction, Subscription, Subscriptions};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_handlers_write_and_the_completion_commit_together() {
-    let fixture = MongoFixture::new().await;
+/// The `_id`s of `collection`'s documents, sorted, read in a transaction of `store`.
+async fn ids_in<S: Store>(store: &S, collection: &str) -> Vec<String> {
+    let mut tx = store.begin().await.unwrap();
+    let Found::Documents(documents) = tx.find_documents(collection, doc! {}, 1_000, 1 << 24).await.unwrap() else { panic!("too large") };
+    tx.abort().await.unwrap();
+    let mut ids: Vec<String> = documents.iter().map(|d| d.get_str("_id").unwrap().to_string()).collect();
+    ids.sort();
+    ids
+}
+
+macro_rules! on_both_stores {
+    ($($name:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name::<super::MemoryFixture>().await
+                }
+            )*
+        }
+        mod mongo {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name::<super::MongoFixture>().await
+                }
+            )*
+        }
+    };
+}
+
+on_both_stores!(the_handlers_write_and_the_completion_commit_together, the_dispatcher_runs_plugins_into_an_exact_projection);
+
+async fn the_handlers_write_and_the_completion_commit_together<F: Fixture>() {
+    let fixture = F::new().await;
     let store = fixture.store();
     let runtime = plugin_runtime();
     let policy = PluginPolicy {
@@ -32,35 +67,28 @@ async fn the_handlers_write_and_the_completion_commit_together() {
     fan_out_all(store, &subscriptions, bson::DateTime::now()).await;
     let claimed = store.claim(&handlers(&["audit-log"]), 10, bson::DateTime::now()).await.unwrap();
     assert_eq!(claimed.len(), 2);
-    let audit = fixture.client.database(&fixture.database).collection::<Document>("audit_log");
 
     // Run each delivery in its own transaction; commit the first, abort the second.
     for (delivery, commit) in claimed.iter().zip([true, false]) {
-        let outcome = run_transactional(&fixture, &runtime, &plugin, delivery, commit).await;
+        let outcome = run_transactional(store, &runtime, &plugin, delivery, commit).await;
         assert_eq!(outcome, Outcome::Completed);
     }
-    let written: Vec<String> = {
-        use futures::TryStreamExt;
-        audit.find(doc! {}).await.unwrap().try_collect::<Vec<Document>>().await.unwrap()
-            .iter().map(|d| d.get_str("_id").unwrap().to_string()).collect()
-    };
-    assert_eq!(written, [claimed[0].event.id.clone()], "only the committed delivery's write exists");
-    let record = audit.find_one(doc! {}).await.unwrap().unwrap();
-    assert_eq!(record.get_str("key").unwrap(), "c-1");
+    assert_eq!(ids_in(store, "audit_log").await, [claimed[0].event.id.clone()], "only the committed delivery's write exists");
+    let key = claimed[0].event.key.clone().unwrap();
+    assert_eq!(ids_in(store, "audit_order").await, [key], "the committed delivery's key projection, alone");
     // The committed delivery is gone; the aborted one is still pending and runs again.
     let pending = list_all(store, Default::default()).await;
     assert_eq!(pending.len(), 1);
     assert_eq!(pending[0].event_id, claimed[1].event.id);
 }
 
-async fn run_transactional(
-    fixture: &MongoFixture,
+async fn run_transactional<S: Store>(
+    store: &S,
     runtime: &relayhost::plugin::PluginRuntime,
     plugin: &relayhost::plugin::LoadedPlugin,
     delivery: &ClaimedDelivery,
     commit: bool,
 ) -> Outcome {
-    let store = fixture.store();
     let shared = Arc::new(tokio::sync::Mutex::new(store.begin().await.unwrap()));
     let capability = HandlerTransaction::new(shared.clone(), Default::default(), Default::default());
     let info = DeliveryInfo { handler: delivery.handler.clone(), attempt: 1, max_attempts: 5, deadline: 0, trace_context: Vec::new() };
@@ -76,15 +104,14 @@ async fn run_transactional(
     ran.outcome
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_dispatcher_runs_plugins_into_an_exact_projection() {
+async fn the_dispatcher_runs_plugins_into_an_exact_projection<F: Fixture>() {
     use relayhost::dispatch::{Dispatcher, DispatcherOptions, RetryPolicy};
     use relayhost::plugin::PluginRegistry;
     use relayhost::plugin_runner::PluginRunner;
 
-    let fixture = MongoFixture::new().await;
+    let fixture = F::new().await;
     let store = Arc::new(fixture.worker("dispatcher"));
-    let plugins = std::env::temp_dir().join(format!("relayhost-runner-{}", std::process::id()));
+    let plugins = std::env::temp_dir().join(format!("relayhost-runner-{}-{}", std::process::id(), F::name()));
     let _ = std::fs::remove_dir_all(&plugins);
     std::fs::create_dir_all(&plugins).unwrap();
     for file in ["audit_log", "noop"] {
@@ -124,11 +151,7 @@ async fn the_dispatcher_runs_plugins_into_an_exact_projection() {
     stop.send(()).unwrap();
     handle.await.unwrap();
 
-    use futures::TryStreamExt;
-    let audit = fixture.client.database(&fixture.database).collection::<Document>("audit_log");
-    let mut ids: Vec<String> = audit.find(doc! {}).await.unwrap().try_collect::<Vec<Document>>().await.unwrap()
-        .iter().map(|d| d.get_str("_id").unwrap().to_string()).collect();
-    ids.sort();
+    let ids = ids_in(&*store, "audit_log").await;
     let mut expected: Vec<String> = (0..30).map(|n| format!("order-{n}")).collect();
     expected.sort();
     assert_eq!(ids, expected, "the projection equals the set of events: no gap, no duplicate");
