@@ -11,8 +11,6 @@ mod answered;
 mod assignment;
 mod capacity;
 mod claim;
-#[cfg(test)]
-mod claim_faults;
 mod error;
 mod fan_out;
 pub mod handler_documents;
@@ -22,8 +20,6 @@ pub mod registry;
 pub mod memory;
 pub mod mongo;
 mod retention;
-#[cfg(test)]
-mod takeover_states;
 mod transaction;
 mod unstored;
 

@@ -35,6 +35,11 @@ mod hand_out;
 mod keys;
 mod picking;
 mod plan;
+// Fault injection and crash states, against both stores (test code only).
+#[cfg(test)]
+mod faults;
+#[cfg(test)]
+mod takeover_states;
 
 pub(crate) use backend::*;
 #[cfg(test)]

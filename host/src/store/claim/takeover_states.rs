@@ -9,10 +9,10 @@
 use bson::oid::ObjectId;
 use bson::{Bson, DateTime, doc};
 
-use super::claim::{ClaimBackend, EventOf, HandOutOf, HoldUp, InFlight, LaneRecord, LaneWrite};
-use super::claim_faults::{Parts, T0, both_stores, mongo_store, options};
-use super::memory::MemoryStore;
-use super::{
+use super::{ClaimBackend, EventOf, HandOutOf, HoldUp, InFlight, LaneRecord, LaneWrite};
+use super::faults::{Parts, T0, both_stores, mongo_store, options};
+use crate::store::memory::MemoryStore;
+use crate::store::{
     Capacity, ClaimedDelivery, DeliveryFilter, DeliveryStatus, DeliveryView, Store, Subscription, Subscriptions, run_in_transaction,
 };
 use crate::event::NewEvent;

@@ -15,12 +15,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use bson::{DateTime, Document, doc};
 
-use super::claim::{
+use super::{
     Candidate, ClaimBackend, DueWork, HandlerKey, Holder, InFlight, LaneRecord, LaneSearch, LaneState, LaneWrite, Unpark,
 };
-use super::memory::MemoryStore;
-use super::mongo::{MongoLocation, MongoStore};
-use super::{DeliveryId, Lease, Settlement, Store, StoreError, StoreOptions, Subscription, Subscriptions, run_in_transaction};
+use crate::store::memory::MemoryStore;
+use crate::store::mongo::{MongoLocation, MongoStore};
+use crate::store::{DeliveryId, Lease, Settlement, Store, StoreError, StoreOptions, Subscription, Subscriptions, run_in_transaction};
 use crate::event::NewEvent;
 use crate::lane::LaneId;
 
@@ -264,13 +264,13 @@ macro_rules! both_stores {
 pub(super) use both_stores;
 
 pub(super) trait Parts {
-    fn parts(&self) -> (impl ClaimBackend + Send + '_, &super::claim::Claimer);
+    fn parts(&self) -> (impl ClaimBackend + Send + '_, &super::Claimer);
     /// The plain mark of the fan-out `fan_out`, which listed `event`'s delivery to `handler`
     /// and handed it out, landing only now; whether it marked the event.
     fn mark_late(&self, event: &str, handler: &str, fan_out: bson::oid::ObjectId, now: DateTime) -> impl Future<Output = bool>;
 }
 impl Parts for MemoryStore {
-    fn parts(&self) -> (impl ClaimBackend + Send + '_, &super::claim::Claimer) {
+    fn parts(&self) -> (impl ClaimBackend + Send + '_, &super::Claimer) {
         self.claim_parts()
     }
     fn mark_late(&self, event: &str, handler: &str, fan_out: bson::oid::ObjectId, now: DateTime) -> impl Future<Output = bool> {
@@ -278,7 +278,7 @@ impl Parts for MemoryStore {
     }
 }
 impl Parts for MongoStore {
-    fn parts(&self) -> (impl ClaimBackend + Send + '_, &super::claim::Claimer) {
+    fn parts(&self) -> (impl ClaimBackend + Send + '_, &super::Claimer) {
         self.claim_parts()
     }
     fn mark_late(&self, event: &str, handler: &str, fan_out: bson::oid::ObjectId, _now: DateTime) -> impl Future<Output = bool> {
@@ -496,12 +496,12 @@ async fn death_before_failed_charge_was_made<S: Store + Parts>(a: &S, b: &S, c: 
 }
 
 /// The delivery of `e-1` as a fan-out that just wrote it would hand it out.
-async fn fresh<B: ClaimBackend>(backend: &B, now: DateTime) -> super::claim::Fresh {
+async fn fresh<B: ClaimBackend>(backend: &B, now: DateTime) -> super::Fresh {
     let lane = crate::lane::lane_for_event("e-1", None);
     let handlers = vec!["h".to_string()];
     let candidate = backend.candidates(&[lane], &handlers, now, None, &HashSet::new(), 10).await.unwrap().remove(0);
     let event = crate::event::EventRecord::from_document(&backend.events(&["e-1".to_string()]).await.unwrap()["e-1"]).unwrap();
-    super::claim::Fresh { candidate, event }
+    super::Fresh { candidate, event }
 }
 
 /// A plain fan-out listed its run in a lane it held, and the list was acknowledged; then a
@@ -536,7 +536,7 @@ async fn lists_lost_before_the_mark<S: Store + Parts>(a: &S, _b: &S, c: &S) {
         due_at: now,
         claims: 0,
         attempts: 0,
-        unstored: Some(super::claim::HandOutOf { event: bson::Bson::String("e-1".to_string()), fan_out: Some(fan_out) }),
+        unstored: Some(super::HandOutOf { event: bson::Bson::String("e-1".to_string()), fan_out: Some(fan_out) }),
         started: true,
         suspect: false,
         before_commit: None,
@@ -549,7 +549,7 @@ async fn lists_lost_before_the_mark<S: Store + Parts>(a: &S, _b: &S, c: &S) {
         tokio::time::sleep(std::time::Duration::from_millis(150)).await;
         Ok(if a.mark_late("e-1", "h", fan_out, now).await { HashSet::from([run]) } else { HashSet::new() })
     };
-    let fresh = vec![super::claim::Fresh { candidate, event }];
+    let fresh = vec![super::Fresh { candidate, event }];
     assert_eq!(claimer.hand_out_listed_first(&faulty, fresh, mark, &early, now).await.unwrap(), Some(vec![run]));
     assert!(sent.try_recv().unwrap().commit.committed().await, "handed out");
     let lane = held[0].lease.lane;
