@@ -15,6 +15,7 @@
 //! replay never writes to it, and neither decides an outcome (the dispatcher's `decide` does,
 //! as on a host).
 
+use crate::store::{Administration, Outbox};
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

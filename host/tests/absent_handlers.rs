@@ -6,12 +6,13 @@
 
 mod common;
 
+use relayhost::store::Administration;
 use std::path::Path;
 use std::time::Duration;
 
 use common::deployment::{Deployment, http_get, keyed_orders, publish_orders, stdout};
 use common::plugins_dir;
-use relayhost::store::{DeliveryFilter, DeliveryStatus, Store};
+use relayhost::store::{DeliveryFilter, DeliveryStatus};
 
 const HOSTILE_SQUAT: (&str, &str) = ("HOSTILE_SQUAT", "1");
 

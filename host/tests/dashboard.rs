@@ -6,6 +6,7 @@
 
 mod common;
 
+use relayhost::store::Administration;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
@@ -15,7 +16,7 @@ use std::time::{Duration, Instant};
 use common::deployment::{Deployment, repo_root};
 use common::{Fixture, event, publish_all};
 use fantoccini::{Client, ClientBuilder, Locator};
-use relayhost::store::{DeliveryFilter, DeliveryStatus, Store};
+use relayhost::store::{DeliveryFilter, DeliveryStatus};
 
 /// `chromedriver` on a free loopback port, killed when dropped.
 struct Driver {

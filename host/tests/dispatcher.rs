@@ -7,6 +7,7 @@
 
 mod common;
 
+use relayhost::store::{Administration, Hosts, Outbox};
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
@@ -346,8 +347,8 @@ fn fails(left: &AtomicUsize) -> bool {
     left.fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1)).is_ok()
 }
 
-impl Store for FaultyStore {
-    type Tx = <MemoryStore as Store>::Tx;
+impl Outbox for FaultyStore {
+    type Tx = <MemoryStore as Outbox>::Tx;
     async fn setup(&self) -> Result<(), StoreError> {
         self.inner.setup().await
     }
@@ -456,6 +457,9 @@ impl Store for FaultyStore {
     async fn extend_lease(&self, leases: &[Lease], now: DateTime) -> Result<Vec<bool>, StoreError> {
         self.inner.extend_lease(leases, now).await
     }
+}
+
+impl Hosts for FaultyStore {
     async fn relinquish(&self) -> Result<(), StoreError> {
         self.inner.relinquish().await
     }
@@ -471,20 +475,23 @@ impl Store for FaultyStore {
     async fn registered_handlers(&self, now: DateTime) -> Result<Vec<RegisteredHandler>, StoreError> {
         self.inner.registered_handlers(now).await
     }
-    async fn retire(&self, handler: &str, disposal: Disposal, now: DateTime) -> Result<RetireReport, StoreError> {
-        self.inner.retire(handler, disposal, now).await
-    }
     async fn membership(&self, now: DateTime) -> Result<relayhost::store::Membership, StoreError> {
         self.inner.membership(now).await
+    }
+    async fn take_turn(&self, job: &str, turn: Duration, now: DateTime) -> Result<bool, StoreError> {
+        self.inner.take_turn(job, turn, now).await
+    }
+}
+
+impl Administration for FaultyStore {
+    async fn retire(&self, handler: &str, disposal: Disposal, now: DateTime) -> Result<RetireReport, StoreError> {
+        self.inner.retire(handler, disposal, now).await
     }
     async fn event_history(&self, event_id: &str) -> Result<relayhost::store::EventHistory, StoreError> {
         self.inner.event_history(event_id).await
     }
     async fn purge_preview(&self, options: &PurgeOptions, now: DateTime) -> Result<PurgeReport, StoreError> {
         self.inner.purge_preview(options, now).await
-    }
-    async fn take_turn(&self, job: &str, turn: Duration, now: DateTime) -> Result<bool, StoreError> {
-        self.inner.take_turn(job, turn, now).await
     }
     async fn requeue(&self, delivery_id: &str, now: DateTime) -> Result<(), StoreError> {
         self.inner.requeue(delivery_id, now).await

@@ -3,6 +3,7 @@
 
 mod common;
 
+use relayhost::store::{Administration, Outbox};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::Ordering;
@@ -14,7 +15,7 @@ use common::receiver::Receiver;
 use common::{Fixture, plugins_dir, publish_all};
 use futures::TryStreamExt;
 use relayhost::event::NewEvent;
-use relayhost::store::{DeliveryFilter, Store};
+use relayhost::store::DeliveryFilter;
 
 // ---- publishers in other languages ----
 

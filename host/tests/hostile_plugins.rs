@@ -7,6 +7,7 @@
 
 mod common;
 
+use relayhost::store::{Administration, Outbox};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,7 +17,7 @@ use common::deployment::Deployment;
 use common::{Fixture, keyed, plugins_dir, publish_all};
 use futures::TryStreamExt;
 use relayhost::event::NewEvent;
-use relayhost::store::{DeliveryFilter, DeliveryStatus, Store, StoreTransaction};
+use relayhost::store::{DeliveryFilter, DeliveryStatus, StoreTransaction};
 
 /// Publishes `count` keyed orders, one every `every`, and returns how long each took to reach
 /// the audit-log plugin's collection (watched every 25 ms).

@@ -6,6 +6,7 @@
 
 mod common;
 
+use relayhost::store::{Administration, Hosts, Outbox};
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -20,7 +21,7 @@ use mongodb::options::ClientOptions;
 use relayhost::publish::Publisher;
 use relayhost::store::mongo::{EventWakeups, MongoLocation, MongoStore};
 use relayhost::store::{
-    DeliveryFilter, FanOutReport, PurgeOptions, Published, Settlement, Store, StoreError, StoreOptions, StoreTransaction, Subscriptions,
+    DeliveryFilter, FanOutReport, PurgeOptions, Published, Settlement, StoreError, StoreOptions, StoreTransaction, Subscriptions,
 };
 
 fn repo_root() -> std::path::PathBuf {

@@ -4,13 +4,14 @@
 
 mod common;
 
+use relayhost::store::Administration;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use bson::doc;
 use common::deployment::{Deployment, keyed_orders, publish_orders, stdout};
 use common::{Fixture, event, publish};
-use relayhost::store::{DeliveryFilter, DeliveryStatus, Published, Store};
+use relayhost::store::{DeliveryFilter, DeliveryStatus, Published};
 
 /// The times (ms since the epoch) at which a host's log says it purged.
 fn purges(log: &str) -> Vec<i64> {

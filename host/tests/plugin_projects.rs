@@ -5,6 +5,7 @@
 
 mod common;
 
+use relayhost::store::Administration;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -12,7 +13,7 @@ use std::time::Duration;
 
 use common::deployment::{Deployment, RELAYHOST, repo_root};
 use common::{Fixture, plugins_dir, publish_all};
-use relayhost::store::{DeliveryFilter, DeliveryStatus, Store};
+use relayhost::store::{DeliveryFilter, DeliveryStatus};
 use relayhost::trial::EventsFile;
 
 fn relayhost(args: &[&str], dir: &Path) -> std::process::Output {

@@ -4,13 +4,14 @@
 
 mod common;
 
+use relayhost::store::Administration;
 use std::time::Duration;
 
 use bson::{Document, doc};
 use common::deployment::{Deployment, stdout};
 use common::{Fixture, keyed, plugins_dir, publish_all};
 use futures::TryStreamExt;
-use relayhost::store::{DeliveryFilter, DeliveryStatus, Store};
+use relayhost::store::{DeliveryFilter, DeliveryStatus};
 
 /// Every document of every collection of the deployment's database, in a fixed order.
 async fn everything(deployment: &Deployment) -> Vec<(String, Vec<Document>)> {

@@ -6,6 +6,7 @@
 
 mod common;
 
+use relayhost::store::{Administration, Hosts, Outbox};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -581,7 +582,7 @@ async fn a_handlers_writes_commit_or_abort_with_its_transaction_and_a_refused_ca
     let store = fixture.store();
     let collection = format!("orders_{}", F::name());
     store.create_collections(std::slice::from_ref(&collection)).await.unwrap();
-    let found = async |tx: &mut <F::S as Store>::Tx, filter: bson::Document| match tx.find_documents(&collection, filter, 100, 1 << 20).await.unwrap() {
+    let found = async |tx: &mut <F::S as Outbox>::Tx, filter: bson::Document| match tx.find_documents(&collection, filter, 100, 1 << 20).await.unwrap() {
         Found::Documents(documents) => documents,
         Found::TooLarge => panic!("too large"),
     };

@@ -5,6 +5,7 @@
 
 mod common;
 
+use relayhost::store::Administration;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -14,7 +15,6 @@ use bson::doc;
 use common::deployment::Deployment;
 use common::{Fixture, publish_all};
 use relayhost::event::NewEvent;
-use relayhost::store::Store;
 use opentelemetry_proto::tonic::collector::metrics::v1::ExportMetricsServiceRequest;
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use opentelemetry_proto::tonic::common::v1::any_value::Value;

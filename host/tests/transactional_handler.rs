@@ -6,6 +6,7 @@
 
 mod common;
 
+use relayhost::store::{Administration, Outbox};
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -8,6 +8,7 @@
 //! shows); any other gets 401. The token is never logged, and no request's text reaches a
 //! query but as a literal. The dashboard's pages share the listener and the check.
 
+use crate::store::{Administration, Hosts};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
@@ -29,7 +30,7 @@ use super::bulk::{self, BulkReport};
 use super::dashboard;
 use super::filters::Filters;
 use crate::dispatch::{DispatcherCounters, bury_by_operator};
-use crate::store::{DeliveryFilter, DeliveryView, Listed, Store, StoreError};
+use crate::store::{DeliveryFilter, DeliveryView, Listed, StoreError};
 
 impl AdminApi {
     /// The routes, every one behind the token.

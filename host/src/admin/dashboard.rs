@@ -8,6 +8,7 @@
 //! (`HttpOnly`, `SameSite=Strict`, so no other site's form can post with it); the API's
 //! check accepts that cookie as it accepts the bearer token. Every text shown is escaped.
 
+use crate::store::{Administration, Hosts};
 use std::fmt::Write as _;
 use std::sync::Mutex;
 use std::time::Instant;
@@ -22,7 +23,7 @@ use sha2::{Digest, Sha256};
 
 use super::access::{COOKIE, Served};
 use crate::dispatch::{DispatcherCounters, bury_by_operator};
-use crate::store::{DeliveryFilter, DeliveryStatus, Listed, Store};
+use crate::store::{DeliveryFilter, DeliveryStatus, Listed};
 
 /// This host's completions at the last look, for the throughput since.
 pub(super) static LAST_LOOK: Mutex<Option<(Instant, u64)>> = Mutex::new(None);

@@ -78,6 +78,7 @@ fn waits(every: Duration) -> impl Iterator<Item = Duration> {
 
 #[cfg(test)]
 mod tests {
+    use crate::store::Hosts;
     use super::*;
     use crate::store::StoreOptions;
     use crate::store::memory::MemoryStore;

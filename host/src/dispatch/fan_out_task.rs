@@ -138,6 +138,7 @@ pub(super) async fn join_fan_out<T>(task: &mut Option<JoinHandle<Result<T, Store
 
 #[cfg(test)]
 mod tests {
+    use crate::store::{Administration, Outbox};
     use super::*;
     use crate::event::NewEvent;
     use crate::lane::lane_for_event;

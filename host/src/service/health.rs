@@ -10,6 +10,7 @@
 //! them for [`STATISTICS_MAX_AGE`]: however often and however many scrapers ask, the
 //! deliveries collection is aggregated at most once in that time.
 
+use crate::store::{Administration, Hosts};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -35,7 +36,7 @@ use crate::dispatch::{DispatcherCounters, KnownHandlers};
 use crate::metrics::{DeliveryMetrics, HandlerLabel};
 use crate::plugin::PluginRegistry;
 use crate::store::mongo::MongoStore;
-use crate::store::{HandlerStatistics, RegisteredHandler, Store, StoreError};
+use crate::store::{HandlerStatistics, RegisteredHandler, StoreError};
 
 /// How long `/metrics` reuses the per-handler delivery counts.
 pub const STATISTICS_MAX_AGE: Duration = Duration::from_secs(5);

@@ -9,6 +9,7 @@ mod embedded;
 mod health;
 mod retention;
 
+use crate::store::Outbox;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,7 +24,7 @@ use crate::mongod::cache_dir;
 use crate::plugin::{Change, PluginError, PluginRegistry, PluginRuntime};
 use crate::plugin_runner::PluginRunner;
 use crate::store::mongo::{EventWakeups, MongoLocation, MongoStore};
-use crate::store::{Store, StoreError, StoreOptions};
+use crate::store::{StoreError, StoreOptions};
 use crate::telemetry::{Telemetry, TelemetryError};
 
 #[derive(Debug, thiserror::Error)]

@@ -1,6 +1,10 @@
 //! The outbox store: events, their per-handler deliveries, lanes and leases.
 //!
-//! This module owns the [`Store`] trait and the types that cross it. Two implementations
+//! This module owns the [`Store`] trait, in three parts: the [`Outbox`] (publish, fan-out,
+//! claims, outcomes, transactions, and the claim's scheduler hints), the [`Hosts`] (their
+//! announcements and turns, the handler registry, who holds which lane) and the
+//! [`Administration`] (statistics, listing, requeue, bury, purge, retire); and the types that
+//! cross them. Two implementations
 //! keep the same semantics: [`mongo::MongoStore`] (the product) and [`memory::MemoryStore`]
 //! (in process, for plugin authors' tests and fast unit tests); one contract suite
 //! (`host/tests/store_contract.rs`) runs against both. The store must never know about
@@ -364,7 +368,9 @@ pub trait StoreTransaction: Send {
 
 /// The outbox. Every method that changes a delivery takes the lease it was claimed with and
 /// changes nothing when that lease is no longer current.
-pub trait Store: Send + Sync + 'static {
+/// The outbox: publishing, fan-out, claims, outcomes and transactions, with the claim's
+/// scheduler hints.
+pub trait Outbox: Send + Sync + 'static {
     type Tx: StoreTransaction + HandlerDocuments;
 
     /// Creates collections, indexes and lane documents; idempotent, safe to run from several
@@ -486,6 +492,11 @@ pub trait Store: Send + Sync + 'static {
     /// Extends the lanes of still-current leases to `now + lease_duration`; one flag per lease.
     fn extend_lease(&self, leases: &[Lease], now: DateTime)
     -> impl Future<Output = Result<Vec<bool>, StoreError>> + Send;
+}
+
+/// The hosts' membership: their announcements and turns, the handler registry they declare
+/// to, lanes handed back, and who holds what.
+pub trait Hosts: Send + Sync + 'static {
 
     /// Hands every lane this instance holds back at once, and withdraws its announcement
     /// (graceful stop): the other hosts take its share of the lanes at their next look.
@@ -515,6 +526,19 @@ pub trait Store: Send + Sync + 'static {
 
     /// The registry: every handler ever declared, with the live hosts serving each.
     fn registered_handlers(&self, now: DateTime) -> impl Future<Output = Result<Vec<RegisteredHandler>, StoreError>> + Send;
+
+    /// Takes `job`'s turn for `turn` from `now`, unless another instance holds it: a job that
+    /// one host at a time does (the scheduled purge). A turn is not handed back; the next
+    /// is taken once it lapses, by whichever host asks first.
+    fn take_turn(&self, job: &str, turn: Duration, now: DateTime) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// The live hosts and every lane's holder (while its lease is live), for operators.
+    fn membership(&self, now: DateTime) -> impl Future<Output = Result<Membership, StoreError>> + Send;
+}
+
+/// Administration: what operators read and do (statistics, listing, requeue, bury, purge,
+/// retire).
+pub trait Administration: Outbox {
 
     /// Operator action: retires `handler` (refused while a live host serves it, or if it was
     /// never registered): fan-outs create no more of its deliveries once their hosts read the
@@ -548,20 +572,12 @@ pub trait Store: Send + Sync + 'static {
     fn purge_preview(&self, options: &PurgeOptions, now: DateTime)
     -> impl Future<Output = Result<PurgeReport, StoreError>> + Send;
 
-    /// Takes `job`'s turn for `turn` from `now`, unless another instance holds it: a job that
-    /// one host at a time does (the scheduled purge). A turn is not handed back; the next
-    /// is taken once it lapses, by whichever host asks first.
-    fn take_turn(&self, job: &str, turn: Duration, now: DateTime) -> impl Future<Output = Result<bool, StoreError>> + Send;
-
     /// Per-handler counts.
     fn statistics(&self, now: DateTime) -> impl Future<Output = Result<Vec<HandlerStatistics>, StoreError>> + Send;
 
     /// Committed events no fan-out has made deliveries of yet. A host fans a backlog out only
     /// as fast as it can hand it out (see the dispatcher), so this is where a backlog waits.
     fn unfanned_events(&self) -> impl Future<Output = Result<u64, StoreError>> + Send;
-
-    /// The live hosts and every lane's holder (while its lease is live), for operators.
-    fn membership(&self, now: DateTime) -> impl Future<Output = Result<Membership, StoreError>> + Send;
 
     /// The event `event_id` as stored, and its completions (with completion history); the id
     /// is matched as a literal string.
@@ -571,6 +587,11 @@ pub trait Store: Send + Sync + 'static {
     fn list_deliveries(&self, filter: &DeliveryFilter)
     -> impl Future<Output = Result<DeliveryPage, StoreError>> + Send;
 }
+
+/// A store: the outbox, its membership and its administration, in three parts.
+pub trait Store: Outbox + Hosts + Administration {}
+
+impl<T: Outbox + Hosts + Administration> Store for T {}
 
 #[cfg(test)]
 mod tests {

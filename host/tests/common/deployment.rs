@@ -2,6 +2,7 @@
 //! directory with copies of this repository's plugins, a configuration, and `relayhost run`
 //! processes with their logs, signals and stop counters.
 
+use relayhost::store::Administration;
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -12,7 +13,6 @@ use std::time::{Duration, Instant};
 use bson::{Document, doc};
 use futures::TryStreamExt;
 use relayhost::event::NewEvent;
-use relayhost::store::Store;
 
 use super::{Fixture, MongoFixture, keyed, plugins_dir, publish_all};
 

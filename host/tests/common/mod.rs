@@ -1,11 +1,12 @@
 //! Fixtures for the store contract suite: the same test functions run against a
 //! [`MemoryStore`] and a [`MongoStore`] on a real replica set started from the pinned wheel.
 
-#![allow(dead_code, async_fn_in_trait)]
+#![allow(dead_code, unused_imports, async_fn_in_trait)]
 
 pub mod deployment;
 pub mod receiver;
 
+use relayhost::store::{Administration, Outbox};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 

@@ -5,6 +5,7 @@
 //! owns, or starting it for the command's duration), does one thing, and prints the result.
 //! Ids and filters typed here reach the store as literal values only.
 
+use relayhost::store::{Administration, Hosts, Outbox};
 use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
@@ -16,7 +17,7 @@ use relayhost::event::NewEvent;
 use relayhost::plugin::Change;
 use relayhost::service::{connect, registry_for, store_for};
 use relayhost::store::mongo::MongoStore;
-use relayhost::store::{DeliveryFilter, DeliveryStatus, Disposal, Published, RegisteredHandler, Store, run_in_transaction};
+use relayhost::store::{DeliveryFilter, DeliveryStatus, Disposal, Published, RegisteredHandler, run_in_transaction};
 
 #[derive(Subcommand)]
 pub enum DeadCommand {

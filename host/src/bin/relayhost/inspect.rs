@@ -2,6 +2,7 @@
 //! `events show`. Every filter value reaches the store as a literal (never a query operator);
 //! the bulk actions say how many they would change and act only with `--yes`.
 
+use relayhost::store::Administration;
 use std::process::ExitCode;
 
 use anyhow::{Result, bail};
@@ -10,7 +11,7 @@ use clap::Subcommand;
 use relayhost::admin::bulk::{self, BulkReport};
 use relayhost::admin::filters::Filters;
 use relayhost::config::Config;
-use relayhost::store::{DeliveryFilter, DeliveryView, Listed, Store};
+use relayhost::store::{DeliveryFilter, DeliveryView, Listed};
 
 use super::admin::with_store;
 

@@ -10,6 +10,7 @@
 //! One file past 600 lines, test code only: every test drives the one fault-injecting
 //! backend ([`Faulty`]) and shares its setups, and `takeover_states` reuses its helpers.
 
+use crate::store::Outbox;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 

@@ -6,6 +6,7 @@
 //! before its fan-out committed, which never did. Each must end with every delivery run once
 //! more and nothing waiting.
 
+use crate::store::Outbox;
 use bson::oid::ObjectId;
 use bson::{Bson, DateTime, doc};
 

@@ -208,9 +208,10 @@ impl State {
 
 #[cfg(test)]
 mod tests {
+    use crate::store::Outbox;
     use super::*;
     use crate::event::NewEvent;
-    use crate::store::{Store, StoreOptions, Subscription, run_in_transaction};
+    use crate::store::{StoreOptions, Subscription, run_in_transaction};
 
     #[tokio::test]
     async fn a_plain_mark_leaves_an_event_another_fan_out_marked() {

@@ -12,6 +12,7 @@
 //! (`fan_out.rs`), its claim primitives (`lanes.rs`), its deliveries without a record
 //! (`unstored.rs`) and the operator reads and purge (`operations.rs`).
 
+use crate::store::{Administration, Hosts, Outbox};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
@@ -24,7 +25,7 @@ use super::claim::{Claimer, HandlerKey, InFlight, LaneSearch, LaneState, Settled
 use super::fan_out::{FanOutPlan, NewDelivery, WithoutDocuments, id_text};
 use super::{
     Capacity, ClaimedDelivery, DeliveryFilter, DeliveryId, DeliveryPage, DeliveryStatus, DeliveryView, EarlyHandOuts, FanOutReport,
-    HandlerStatistics, Lease, PurgeOptions, PurgeReport, Published, Settlement, Store, StoreError, StoreOptions,
+    HandlerStatistics, Lease, PurgeOptions, PurgeReport, Published, Settlement, StoreError, StoreOptions,
     StoreTransaction, Subscriptions,
 };
 use crate::event::{NewEvent, field};
@@ -210,7 +211,7 @@ impl Drop for MemoryTx {
     }
 }
 
-impl Store for MemoryStore {
+impl Outbox for MemoryStore {
     type Tx = MemoryTx;
 
     async fn setup(&self) -> Result<(), StoreError> {
@@ -404,6 +405,9 @@ impl Store for MemoryStore {
         }
         Ok(results)
     }
+}
+
+impl Hosts for MemoryStore {
 
     async fn relinquish(&self) -> Result<(), StoreError> {
         let held = self.claimer.take_held().await;
@@ -445,6 +449,42 @@ impl Store for MemoryStore {
     async fn registered_handlers(&self, now: DateTime) -> Result<Vec<super::RegisteredHandler>, StoreError> {
         Ok(self.registered(now).await)
     }
+
+    async fn membership(&self, now: DateTime) -> Result<super::Membership, StoreError> {
+        let state = self.state.lock().await;
+        let hosts = state.hosts.iter().filter(|(_, until)| **until > now).map(|(host, until)| (host.clone(), *until)).collect();
+        let lanes = state
+            .lanes
+            .iter()
+            .map(|lane| {
+                let live = lane.lease_expires_at > now;
+                super::LaneView {
+                    lane: lane.id,
+                    holder: lane.owner.clone().zip(lane.instance.clone()).filter(|_| live).map(|(owner, instance)| format!("{owner}/{instance}")),
+                    lease_expires_at: lane.lease_expires_at,
+                    epoch: lane.epoch,
+                    in_flight: if live { lane.in_flight.len() } else { 0 },
+                }
+            })
+            .collect();
+        Ok(super::Membership { hosts, lanes })
+    }
+
+    async fn take_turn(&self, job: &str, turn: std::time::Duration, now: DateTime) -> Result<bool, StoreError> {
+        let me = self.claimer.host_id();
+        let mut state = self.state.lock().await;
+        let until = DateTime::from_millis(now.timestamp_millis() + turn.as_millis() as i64);
+        match state.turns.get(job) {
+            Some((holder, lapses)) if *holder != me && *lapses > now => Ok(false),
+            _ => {
+                state.turns.insert(job.to_string(), (me, until));
+                Ok(true)
+            }
+        }
+    }
+}
+
+impl Administration for MemoryStore {
 
     async fn retire(&self, handler: &str, disposal: super::Disposal, now: DateTime) -> Result<super::RetireReport, StoreError> {
         self.retire_handler(handler, disposal, now).await
@@ -514,26 +554,6 @@ impl Store for MemoryStore {
         Ok(self.state.lock().await.purge(options))
     }
 
-    async fn membership(&self, now: DateTime) -> Result<super::Membership, StoreError> {
-        let state = self.state.lock().await;
-        let hosts = state.hosts.iter().filter(|(_, until)| **until > now).map(|(host, until)| (host.clone(), *until)).collect();
-        let lanes = state
-            .lanes
-            .iter()
-            .map(|lane| {
-                let live = lane.lease_expires_at > now;
-                super::LaneView {
-                    lane: lane.id,
-                    holder: lane.owner.clone().zip(lane.instance.clone()).filter(|_| live).map(|(owner, instance)| format!("{owner}/{instance}")),
-                    lease_expires_at: lane.lease_expires_at,
-                    epoch: lane.epoch,
-                    in_flight: if live { lane.in_flight.len() } else { 0 },
-                }
-            })
-            .collect();
-        Ok(super::Membership { hosts, lanes })
-    }
-
     async fn event_history(&self, event_id: &str) -> Result<super::EventHistory, StoreError> {
         let state = self.state.lock().await;
         let mut completions: Vec<(String, DateTime)> = state
@@ -548,19 +568,6 @@ impl Store for MemoryStore {
 
     async fn purge_preview(&self, options: &PurgeOptions, _now: DateTime) -> Result<PurgeReport, StoreError> {
         Ok(self.state.lock().await.purge_preview(options))
-    }
-
-    async fn take_turn(&self, job: &str, turn: std::time::Duration, now: DateTime) -> Result<bool, StoreError> {
-        let me = self.claimer.host_id();
-        let mut state = self.state.lock().await;
-        let until = DateTime::from_millis(now.timestamp_millis() + turn.as_millis() as i64);
-        match state.turns.get(job) {
-            Some((holder, lapses)) if *holder != me && *lapses > now => Ok(false),
-            _ => {
-                state.turns.insert(job.to_string(), (me, until));
-                Ok(true)
-            }
-        }
     }
 
     async fn unfanned_events(&self) -> Result<u64, StoreError> {

@@ -49,6 +49,7 @@ mod wakeup;
 
 pub use wakeup::EventWakeups;
 
+use crate::store::{Administration, Hosts, Outbox};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -64,7 +65,7 @@ use super::registry::{Declaration, Disposal, RegisteredHandler, RetireReport};
 use crate::lane::LaneId;
 use super::{
     Capacity, ClaimedDelivery, DeliveryFilter, DeliveryPage, EarlyHandOuts, FanOutReport, HandlerStatistics, Lease, PurgeOptions,
-    PurgeReport, Published, Settlement, Store, StoreError, StoreOptions, StoreTransaction, Subscriptions,
+    PurgeReport, Published, Settlement, StoreError, StoreOptions, StoreTransaction, Subscriptions,
 };
 use crate::event::NewEvent;
 use crate::publish::{DEFAULT_PREFIX, Publisher};
@@ -367,7 +368,7 @@ impl StoreTransaction for MongoTx {
     }
 }
 
-impl Store for MongoStore {
+impl Outbox for MongoStore {
     type Tx = MongoTx;
 
     async fn setup(&self) -> Result<(), StoreError> {
@@ -478,6 +479,9 @@ impl Store for MongoStore {
     async fn extend_lease(&self, leases: &[Lease], now: DateTime) -> Result<Vec<bool>, StoreError> {
         outcome::extend_lease(self, leases, now).await
     }
+}
+
+impl Hosts for MongoStore {
 
     async fn relinquish(&self) -> Result<(), StoreError> {
         outcome::relinquish(self).await?;
@@ -500,6 +504,17 @@ impl Store for MongoStore {
         registry::handlers_now(self, now).await
     }
 
+    async fn membership(&self, now: DateTime) -> Result<crate::store::Membership, StoreError> {
+        operations::membership(self, now).await
+    }
+
+    async fn take_turn(&self, job: &str, turn: std::time::Duration, now: DateTime) -> Result<bool, StoreError> {
+        hosts::take_turn(self, job, turn, now).await
+    }
+}
+
+impl Administration for MongoStore {
+
     async fn retire(&self, handler: &str, disposal: Disposal, now: DateTime) -> Result<RetireReport, StoreError> {
         registry::retire(self, handler, disposal, now).await
     }
@@ -516,20 +531,12 @@ impl Store for MongoStore {
         operations::purge(self, options, now).await
     }
 
-    async fn membership(&self, now: DateTime) -> Result<crate::store::Membership, StoreError> {
-        operations::membership(self, now).await
-    }
-
     async fn event_history(&self, event_id: &str) -> Result<crate::store::EventHistory, StoreError> {
         operations::event_history(self, event_id).await
     }
 
     async fn purge_preview(&self, options: &PurgeOptions, now: DateTime) -> Result<PurgeReport, StoreError> {
         operations::purge_preview(self, options, now).await
-    }
-
-    async fn take_turn(&self, job: &str, turn: std::time::Duration, now: DateTime) -> Result<bool, StoreError> {
-        hosts::take_turn(self, job, turn, now).await
     }
 
     async fn statistics(&self, now: DateTime) -> Result<Vec<HandlerStatistics>, StoreError> {

@@ -14,6 +14,7 @@ mod purge;
 mod server;
 mod tracing_cost;
 
+use relayhost::store::Outbox;
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::future::Future;
@@ -33,7 +34,7 @@ use relayhost::mongod::{Mongod, MongodOptions, find_binary};
 use relayhost::plugin::{PluginPolicy, PluginRegistry, PluginRuntime};
 use relayhost::plugin_runner::PluginRunner;
 use relayhost::store::mongo::{EventWakeups, MongoLocation, MongoStore};
-use relayhost::store::{ClaimedDelivery, Store, StoreOptions, StoreTransaction, run_in_transaction};
+use relayhost::store::{ClaimedDelivery, StoreOptions, StoreTransaction, run_in_transaction};
 use server::{Server, ServerWork};
 
 #[derive(Args, Clone)]

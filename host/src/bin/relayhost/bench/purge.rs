@@ -4,6 +4,7 @@
 //! with the drain's clock, on its own store instance), and the drain with it is compared with
 //! the mean of the two without, measured in the same run.
 
+use relayhost::store::Administration;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -11,7 +12,7 @@ use anyhow::Result;
 use bson::{DateTime, doc};
 use relayhost::plugin::{PluginPolicy, PluginRegistry, PluginRuntime};
 use relayhost::store::mongo::MongoStore;
-use relayhost::store::{PurgeOptions, PurgeReport, Store, StoreOptions};
+use relayhost::store::{PurgeOptions, PurgeReport, StoreOptions};
 use tokio::task::JoinHandle;
 
 use super::{BenchArgs, Server, Workload, drain};
