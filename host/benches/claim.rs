@@ -7,12 +7,13 @@
 //! `cargo bench -p relayhost --bench claim` (set RELAYHOST_MONGOD or run
 //! scripts/ensure-mongod.sh first).
 
+use relayhost::store::{Administration, Hosts, Outbox};
 use std::time::{Duration, Instant};
 
 use bson::{DateTime, Document, doc};
 use mongodb::Client;
 use relayhost::store::mongo::{MongoLocation, MongoStore};
-use relayhost::store::{Store, StoreOptions, Subscription, Subscriptions};
+use relayhost::store::{StoreOptions, Subscription, Subscriptions};
 
 const ROUNDS: usize = 40;
 const BATCH: usize = 100;
