@@ -1,5 +1,5 @@
-//! A host's announcements to the others, beside the claim loop (see [`Store::announce`]), and
-//! its looks at theirs between them (see [`Store::look`]): the live hosts split the lanes.
+//! A host's announcements to the others, beside the claim loop (see [`Hosts::announce`]), and
+//! its looks at theirs between them (see [`Hosts::look`]): the live hosts split the lanes.
 //! With each announcement it declares what it serves to the handler registry and reads it
 //! ([`KnownHandlers::refresh`]). It must never hold back the loop: it only wakes it when the
 //! number of live hosts changed.
@@ -21,9 +21,9 @@ pub(super) type Declared = Arc<dyn Fn() -> Vec<Declaration> + Send + Sync>;
 /// Looks at the live hosts between two announcements.
 const LOOKS_PER_ANNOUNCEMENT: u32 = 10;
 
-/// Announces this host to the others (see [`Store::announce`]) every [`ANNOUNCE_EVERY`]
+/// Announces this host to the others (see [`Hosts::announce`]) every [`ANNOUNCE_EVERY`]
 /// (or tenth of a lease, if shorter), and more often just after it started ([`waits`]), and
-/// looks at the live hosts every tenth of that between ([`Store::look`], a read): a host that
+/// looks at the live hosts every tenth of that between ([`Hosts::look`], a read): a host that
 /// joins is learned of within a tenth of the interval, not at the next announcement, so that
 /// the others leave it its share's lanes before its fan-outs meet them held. Runs beside the
 /// claim loop so that its ticks never hold back the loop's poll; wakes the loop when the

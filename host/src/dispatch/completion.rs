@@ -20,11 +20,11 @@ use crate::store::{Lease, Settlement, Store, StoreError};
 pub(super) struct Written {
     pub completed: usize,
     /// The lanes of the keyed deliveries among them whose keys may have deliveries waiting
-    /// for a claim ([`Store::followers_may_wait`]): those, in the same lanes, may be
+    /// for a claim ([`Outbox::followers_may_wait`]): those, in the same lanes, may be
     /// claimable there now.
     pub keyed_lanes: BTreeSet<LaneId>,
     /// Some of their keys have events a fan-out left unfanned while they ran here
-    /// ([`Store::unfanned_may_wait`]): fan out again.
+    /// ([`Outbox::unfanned_may_wait`]): fan out again.
     pub fan_out: bool,
 }
 

@@ -1,46 +1,35 @@
-//! The claim loop: fan out, claim up to free capacity, run each delivery, settle it.
+//! The claim loop ([`Dispatcher::run`]): each turn waits for one thing and does its step.
 //!
-//! Fan-out and completion run beside the loop as background steps, at most one of each at a
-//! time, so claiming, fanning out and completing overlap instead of taking turns (the
-//! batching of completions lives in [`super::completion`]). A fan-out may hand out up to the
-//! free capacity (run slots and `claim_ahead`) of what it creates, and then reads no more
-//! events than that (see [`Store::fan_out_early`]): those start like claimed ones, even
-//! before the fan-out's commit is acknowledged; such a run reports its outcome only once the
-//! word comes that it committed (as not run if it did not), and a transactional handler's
-//! run starts only then. While its batches are handed out whole, under a backlog the next one
-//! waits until half the capacity is free, so that a drain's deliveries are handed out instead
-//! of left to claims (a hand-out costs the store less; in MongoDB it writes no delivery
-//! document); after a batch that was not (lanes another host holds, keyed events), the rest of
-//! the backlog is fanned out at once, for claims. A claim never overlaps a batch that hands
-//! out, since both need the lanes' lists; one wanted under a backlog goes before the next.
-//! A claim may take up to `claim_ahead` more deliveries than there are free run slots: those
-//! wait for a slot under a lease that is renewed like a running one. Finished runs waiting for
-//! their completion to be written may fill as many places again; beyond that each takes a
-//! place from the claims, so claims never outrun completions. A throttled handler's deliveries
-//! are never handed out; a claim takes no more of them than its throttle leaves (the claim is
-//! told each one's room), and a run of theirs that ends, or the opening of a full rate window,
-//! asks for the next claim. Claims and hand-outs take handlers of a higher priority first.
-//! Failures are rescheduled with the handler's backoff or buried with a dead letter; a
-//! delivery whose attempts are used up (its workers kept dying) is buried without running
-//! again. A retry's due time sets a timer that wakes the loop. A stop ends claiming, lets a
-//! running fan-out finish its batch (up to the stop's timeout), hands back at once what has
-//! not started (what that fan-out handed out included), lets running deliveries finish up to
-//! a timeout, cancels the rest and hands them and the lanes back without charging an attempt.
+//! - **Take work** (`dispatch`): fan out in the background (`fan_out_task`; at most one at a
+//!   time; a fan-out hands out up to the free capacity of what it creates, see
+//!   [`Outbox::fan_out_early`]) and claim up to the free run slots plus `claim_ahead`
+//!   (`claim`). Under a backlog the next hand-out batch waits until half the capacity is free,
+//!   so a drain's deliveries are handed out rather than claimed; once a batch could not be
+//!   (another host's lanes, keyed events) the rest goes to claims at once. A claim never
+//!   overlaps a hand-out (both write the lanes' lists). Throttled handlers are never handed
+//!   out and claimed within their room; higher priorities go first.
+//! - **Start** (`start`, `start_handed_out`): each delivery in its own task under a run slot.
+//!   A run handed out before its fan-out committed reports its outcome only after the word
+//!   that it did (as not run otherwise); a transactional one starts only then.
+//! - **Settle** (`settle`): completions are batched (`completion`); failures are rescheduled
+//!   with the handler's backoff or buried with a dead letter (`settle.rs`); a delivery out of
+//!   attempts (its workers kept dying) is buried without running again. A retry's due time
+//!   sets the timer that wakes the loop; finished runs waiting for their completion take
+//!   places from the claims past a capacity's worth, so claims never outrun completions.
+//! - **Renew** (`renew`): the leases of what runs and what waits for a slot.
+//! - **Stop** (`stop`): no more claims; a running fan-out finishes its batch; what has not
+//!   started is handed back at once; running deliveries get the timeout, the rest are
+//!   cancelled; all handed back, uncharged, with the lanes.
 //!
-//! Store errors inside the loop (a network blip, an election) are logged and the loop goes
-//! on at the next poll: a completion that could not be written is tried again, and so is any
-//! other outcome (a reschedule, a burial, a hand-back) that could not be written, while the
-//! delivery stays in flight with its lane renewed; the handler does not run again for it.
-//! A delivery whose host dies before its outcome is written is retried after its lease
-//! expires, so nothing is lost.
+//! A store error inside the loop is logged and the step tried again at the next poll (an
+//! outcome that could not be written stays in flight, its lane renewed; the handler does not
+//! run again); a host that dies leaves its leases to expire, so nothing is lost.
 //!
-//! Every step of the loop here (claim, start, settle, renew, stop) reads and changes the one
-//! loop state (`flight.rs`), which is why they are one file, a little past 600 lines; the
-//! pieces that need none of it live beside it: what a
-//! dispatcher is given (`runner`, `options`), the background fan-out (`fan_out_task`), the
-//! announcements, the registry as this host knows it (`known_handlers`: a fan-out subscribes
-//! every registered handler, those not served here claims-only), `completion`, `starts`,
-//! `sequence_watch`, `settle` and `throttle`.
+//! One file, a little past 600 lines, because every step reads and changes the one loop state
+//! (`flight.rs`). What needs none of it lives beside it: what a dispatcher is given
+//! (`runner`, `options`), `fan_out_task`, `announcements`, `known_handlers` (the registry as
+//! this host knows it: a fan-out subscribes every registered handler, those not served here
+//! claims-only), `completion`, `starts`, `sequence_watch`, `settle` and `throttle`.
 
 use std::cmp::Reverse;
 use std::collections::HashMap;

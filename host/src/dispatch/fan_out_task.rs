@@ -22,7 +22,7 @@ pub(super) struct FannedOut {
     pub(super) new_deliveries: bool,
     /// Their lanes, when it was one batch touching at most [`CLAIM_IN_MAX_LANES`] lanes.
     pub(super) lanes: Option<BTreeSet<LaneId>>,
-    /// What its first batch handed out (see [`Store::fan_out`]): claimed, to be run.
+    /// What its first batch handed out (see [`Outbox::fan_out`]): claimed, to be run.
     pub(super) claimed: Vec<ClaimedDelivery>,
     /// Its last batch was full (it stopped early to hand out, or for a stop): more may wait.
     pub(super) more: bool,

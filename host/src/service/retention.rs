@@ -1,5 +1,5 @@
 //! The scheduled purge: every `retention.every`, the host whose turn it is (one at a time,
-//! see [`Store::take_turn`]) deletes what `[retention]` no longer keeps, in the store's
+//! see [`Hosts::take_turn`]) deletes what `[retention]` no longer keeps, in the store's
 //! bounded batches, and logs what went. It owns the schedule only: what may go, and how, is
 //! the store's purge; it never runs two purges at once on one host.
 

@@ -1,7 +1,7 @@
 //! Which lanes are whose: the 256 lanes split among the live hosts, so that hosts do not race
 //! for the same events.
 //!
-//! Every host announces itself in the store ([`crate::store::Store::announce`]) and reads
+//! Every host announces itself in the store ([`crate::store::Hosts::announce`]) and reads
 //! who else is live; each lane then belongs to the host whose rendezvous hash of (host, lane)
 //! is highest. Every host computes the same split from the same list, a host that joins or
 //! leaves moves only its own share (about `256 / hosts` lanes), and no coordinator is

@@ -88,7 +88,7 @@ impl Listed {
     }
 }
 
-/// Filters for [`Store::list_deliveries`](super::Store::list_deliveries). Every field is matched as a literal string.
+/// Filters for [`Administration::list_deliveries`](super::Administration::list_deliveries). Every field is matched as a literal string.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DeliveryFilter {
     pub status: Option<DeliveryStatus>,

@@ -45,7 +45,7 @@ pub use transaction::{Retrying, TRANSACTION_RETRY_LIMIT, run_in_transaction};
 use crate::event::{EventRecord, NewEvent};
 use crate::lane::LaneId;
 
-/// How often at most a host announces itself (see [`Store::announce`]); a host that joins
+/// How often at most a host announces itself (see [`Hosts::announce`]); a host that joins
 /// is seen by the others within that.
 pub const ANNOUNCE_EVERY: Duration = Duration::from_secs(1);
 
@@ -116,7 +116,7 @@ fn default_owner() -> String {
 pub struct Subscription {
     pub handler: String,
     pub event_types: BTreeSet<String>,
-    /// Its deliveries complete in its own transaction ([`Store::complete_in`]).
+    /// Its deliveries complete in its own transaction ([`Outbox::complete_in`]).
     pub in_transaction: bool,
     /// Its deliveries are only ever claimed, never handed out by their fan-out: its host
     /// limits how many of them it takes (see `dispatch::Throttle`), which a claim is told and
@@ -210,7 +210,7 @@ impl Subscriptions {
     }
 }
 
-/// A delivery handed to a worker by [`Store::claim`].
+/// A delivery handed to a worker by [`Outbox::claim`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct ClaimedDelivery {
     pub lease: Lease,
@@ -223,7 +223,7 @@ pub struct ClaimedDelivery {
     /// may only have waited for a slot.
     pub started: bool,
     /// A host died while it was claimed ahead and may have been running it (see
-    /// `Candidate::suspect`): claimed ahead, it records its start ([`Store::record_starts`])
+    /// `Candidate::suspect`): claimed ahead, it records its start ([`Outbox::record_starts`])
     /// before it runs, so that its next death is charged.
     pub suspect: bool,
 }
@@ -249,13 +249,13 @@ pub struct FanOutReport {
     /// Each malformed event (its id and what is wrong with it): its deliveries are dead, and
     /// their deaths announced.
     pub malformed_events: Vec<(String, String)>,
-    /// The lanes of the new deliveries that are left to a claim (for [`Store::claim_in`]):
+    /// The lanes of the new deliveries that are left to a claim (for [`Outbox::claim_in`]):
     /// all of them but those handed out.
     pub lanes: BTreeSet<LaneId>,
     /// New deliveries handed out to this store instance as the fan-out committed them: claimed,
-    /// under leases like those of [`Store::claim`].
+    /// under leases like those of [`Outbox::claim`].
     pub claimed: Vec<ClaimedDelivery>,
-    /// New deliveries handed out before the commit instead (see [`Store::fan_out_early`]).
+    /// New deliveries handed out before the commit instead (see [`Outbox::fan_out_early`]).
     pub sent_early: usize,
     /// Unfanned events of this host's lanes may remain beyond the batch although it was not
     /// full (it read past other hosts' events): fan out again at once.
@@ -263,15 +263,15 @@ pub struct FanOutReport {
     /// The batch read every unfanned event there was (of any host's lanes).
     pub read_to_the_end: bool,
     /// The keys (with their handlers) of the keyed deliveries it left to claims: their store
-    /// notes them (see [`Store::followers_may_wait`]).
+    /// notes them (see [`Outbox::followers_may_wait`]).
     pub(crate) left_to_claims: Vec<(String, String)>,
     /// The keys (with their handlers) whose heads it handed out: nothing of theirs was pending
     /// in the store, so none of their deliveries waits for a claim but those it left to
-    /// claims itself (see [`Store::followers_may_wait`]).
+    /// claims itself (see [`Outbox::followers_may_wait`]).
     pub(crate) handed_out_keys: Vec<(String, String)>,
     /// The ordering keys whose unfanned events a batch that may hand out left unfanned, since a
     /// delivery of theirs ran on this instance (named only by a read that reached the end of
-    /// the rest): their store notes them (see [`Store::unfanned_may_wait`]).
+    /// the rest): their store notes them (see [`Outbox::unfanned_may_wait`]).
     pub(crate) deferred_keys: Vec<String>,
 }
 
@@ -295,7 +295,7 @@ impl FanOutReport {
 }
 
 /// Deliveries a fan-out handed out as soon as it had marked their events and listed them in
-/// their lanes, before it inserted them and committed (see [`Store::fan_out_early`]).
+/// their lanes, before it inserted them and committed (see [`Outbox::fan_out_early`]).
 #[derive(Debug)]
 pub struct EarlyHandOut {
     pub claimed: Vec<ClaimedDelivery>,
@@ -325,7 +325,7 @@ impl FanOutCommit {
 /// Where a fan-out sends what it hands out early.
 pub type EarlyHandOuts = tokio::sync::mpsc::UnboundedSender<EarlyHandOut>;
 
-/// Retention cutoffs for [`Store::purge`].
+/// Retention cutoffs for [`Administration::purge`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PurgeOptions {
     /// Delete dead deliveries whose last change is older.
@@ -398,7 +398,7 @@ pub trait Outbox: Send + Sync + 'static {
     fn fan_out(&self, subscriptions: &Subscriptions, limit: usize, hand_out: impl Into<Capacity> + Send, now: DateTime)
     -> impl Future<Output = Result<FanOutReport, StoreError>> + Send;
 
-    /// Like [`Store::fan_out`], but it may send what it hands out to `early` as soon as it
+    /// Like [`Outbox::fan_out`], but it may send what it hands out to `early` as soon as it
     /// holds their events (no other fan-out can create them) and has listed them in their
     /// lanes, before the deliveries are written and committed (the inserts' and the commit's
     /// round trips sooner); those are not in the report's `claimed`. Their runs must wait for
@@ -422,7 +422,7 @@ pub trait Outbox: Send + Sync + 'static {
     fn claim(&self, handlers: &[String], limit: impl Into<Capacity> + Send, now: DateTime)
     -> impl Future<Output = Result<Vec<ClaimedDelivery>, StoreError>> + Send;
 
-    /// Claims like [`Store::claim`], but takes new lanes only among `lanes` (those a fan-out
+    /// Claims like [`Outbox::claim`], but takes new lanes only among `lanes` (those a fan-out
     /// just filled, see [`FanOutReport::lanes`]) instead of searching every free lane: the
     /// short path from a commit to its handler. Lanes held already are claimed from as usual.
     fn claim_in(&self, handlers: &[String], lanes: &[LaneId], limit: impl Into<Capacity> + Send, now: DateTime)
@@ -484,7 +484,7 @@ pub trait Outbox: Send + Sync + 'static {
     fn bury(&self, lease: &Lease, reason: &str, charge_attempt: bool, now: DateTime)
     -> impl Future<Output = Result<Settlement, StoreError>> + Send;
 
-    /// [`Store::bury`] inside the caller's transaction (for a dead-letter event published in
+    /// [`Outbox::bury`] inside the caller's transaction (for a dead-letter event published in
     /// the same transaction). Fails with [`StoreError::LeaseLost`].
     fn bury_in(&self, tx: &mut Self::Tx, lease: &Lease, reason: &str, charge_attempt: bool, now: DateTime)
     -> impl Future<Output = Result<(), StoreError>> + Send;
@@ -512,7 +512,7 @@ pub trait Hosts: Send + Sync + 'static {
     fn announce(&self, now: DateTime) -> impl Future<Output = Result<usize, StoreError>> + Send;
 
     /// Reads which hosts are live and takes this instance's share of the lanes among them, as
-    /// [`Store::announce`] does, without announcing anything (it writes nothing). A host's
+    /// [`Hosts::announce`] does, without announcing anything (it writes nothing). A host's
     /// dispatcher looks every tenth of the announcement interval, so that it learns of a host
     /// that joined long before its own next announcement.
     fn look(&self, now: DateTime) -> impl Future<Output = Result<usize, StoreError>> + Send;
@@ -566,7 +566,7 @@ pub trait Administration: Outbox {
     fn purge(&self, options: &PurgeOptions, now: DateTime)
     -> impl Future<Output = Result<PurgeReport, StoreError>> + Send;
 
-    /// What [`Store::purge`] would delete, counted, deleting nothing: the dead deliveries and
+    /// What [`Administration::purge`] would delete, counted, deleting nothing: the dead deliveries and
     /// history records past their cutoffs, and the events past theirs (some of which stay, while
     /// something refers to them); no key counters.
     fn purge_preview(&self, options: &PurgeOptions, now: DateTime)

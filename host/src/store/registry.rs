@@ -70,7 +70,7 @@ pub enum Disposal {
 /// The `lastError` of a delivery buried by its handler's retirement.
 pub const RETIRED: &str = "its handler was retired by an operator";
 
-/// What [`crate::store::Store::retire`] did.
+/// What [`crate::store::Administration::retire`] did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RetireReport {
     /// Waiting deliveries buried or dropped.

@@ -253,10 +253,10 @@ impl Claimer {
     }
 
     /// Whether this instance holds lanes of another live host's share (see
-    /// [`Store::holds_lanes_of_another_host`]); false while a claim holds the lanes' lock
+    /// [`Outbox::holds_lanes_of_another_host`]); false while a claim holds the lanes' lock
     /// (that claim hands back those that ran empty).
     ///
-    /// [`Store::holds_lanes_of_another_host`]: crate::store::Store::holds_lanes_of_another_host
+    /// [`Outbox::holds_lanes_of_another_host`]: crate::store::Outbox::holds_lanes_of_another_host
     pub fn holds_lanes_of_another_host(&self) -> bool {
         let assignment = self.assignment();
         self.held.try_lock().is_ok_and(|held| held.keys().any(|lane| !assignment.is_mine(*lane)))

@@ -121,7 +121,7 @@ pub(crate) struct Collections {
     pub hosts: Collection<Document>,
     /// The handler registry (see `registry`).
     pub handlers: Collection<Document>,
-    /// Whose turn a job that one host at a time does is (see `Store::take_turn`).
+    /// Whose turn a job that one host at a time does is (see `Hosts::take_turn`).
     pub turns: Collection<Document>,
 }
 
