@@ -230,7 +230,7 @@ pub async fn run(wasm: &Path, file: &EventsFile, config: &Config, send_http: boo
                 RunResult::CompletedInTransaction => Reported::Completed,
                 RunResult::NotRun => Reported::NotRun { why: "no loaded plugin offers its handler".into() },
                 RunResult::LeaseLost => Reported::NotRun { why: "its lease was lost".into() },
-                RunResult::Attempt(result) => match decide(result, attempt, &policy, now) {
+                RunResult::Attempt(result) => match decide(result, attempt, &policy, now, fastrand::f64()) {
                     Settle::Complete => {
                         store.complete_many(&[lease], now).await?;
                         Reported::Completed
@@ -291,8 +291,7 @@ async fn candidate(wasm: &Path, config: &Config, recording: &Recording) -> Resul
 
 /// The retry policy `config` gives the plugin `name`.
 fn retry_policy(config: &Config, name: &str) -> RetryPolicy {
-    let retry = config.retry_for(name);
-    RetryPolicy { max_attempts: retry.max_attempts, initial_backoff: retry.initial_backoff.0, max_backoff: retry.max_backoff.0 }
+    config.retry_for(name).policy()
 }
 
 /// A replay of one handler on a stored event, beside its delivery's state.
@@ -338,7 +337,7 @@ pub async fn replay<S: Store>(
         let stored = store.list_deliveries(&filter).await?.deliveries.into_iter().next();
         let attempt = stored.as_ref().map_or(1, |d| d.attempts + 1);
         let (result, run) = runner.try_on(&handler, &event, attempt).await.expect("the candidate offers the handler");
-        let outcome = match decide(result, attempt, &policy, DateTime::now()) {
+        let outcome = match decide(result, attempt, &policy, DateTime::now(), fastrand::f64()) {
             Settle::Complete => Reported::Completed,
             Settle::Reschedule { due_at, reason } => Reported::Retry { at: due_at.timestamp_millis(), reason },
             Settle::Bury { reason } => Reported::Dead { reason },

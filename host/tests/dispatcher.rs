@@ -91,7 +91,7 @@ fn spec(handler: &str, types: &[&str], retry: RetryPolicy) -> HandlerSpec {
 }
 
 fn quick_retry(max_attempts: u32) -> RetryPolicy {
-    RetryPolicy { max_attempts, initial_backoff: Duration::from_millis(20), max_backoff: Duration::from_millis(80) }
+    RetryPolicy { max_attempts, initial_backoff: Duration::from_millis(20), max_backoff: Duration::from_millis(80), ..RetryPolicy::default() }
 }
 
 fn options(concurrency: usize) -> DispatcherOptions {

@@ -465,6 +465,17 @@ mod tests {
     }
 
     #[test]
+    fn a_retry_policy_names_its_backoff_and_jitter() {
+        let config = load("[plugin.webhook]\nretry = { max_attempts = 3, backoff = \"linear\", jitter = \"none\" }\n", &[]).unwrap();
+        let policy = config.retry_for("webhook").policy();
+        assert_eq!((policy.max_attempts, policy.backoff, policy.jitter), (3, crate::dispatch::Backoff::Linear, crate::dispatch::Jitter::None));
+        let defaults = config.retry_for("other").policy();
+        assert_eq!((defaults.backoff, defaults.jitter), (crate::dispatch::Backoff::Exponential, crate::dispatch::Jitter::Full));
+        let error = load("[plugin.webhook]\nretry = { backoff = \"quadratic\" }\n", &[]).unwrap_err().to_string();
+        assert!(error.contains("quadratic") && error.contains("exponential"), "{error}");
+    }
+
+    #[test]
     fn the_environment_overrides_by_name_and_refuses_strangers() {
         let overrides = [("RELAYHOST_MONGODB_URI", "embedded"), ("RELAYHOST_HOST_CONCURRENCY", "8"), ("RELAYHOST_HOST_CLAIM_AHEAD", "0")];
         let config = load(EXAMPLE, &overrides).unwrap();

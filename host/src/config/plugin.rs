@@ -9,6 +9,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::{ConfigError, Size, Span, invalid};
+use crate::dispatch::{Backoff, Jitter, RetryPolicy};
 use crate::plugin::MAX_MEMORY_BYTES;
 use crate::plugin::capability::transaction;
 
@@ -19,11 +20,30 @@ pub struct RetryConfig {
     pub max_attempts: u32,
     pub initial_backoff: Span,
     pub max_backoff: Span,
+    /// `fixed`, `linear` or `exponential` (the default).
+    pub backoff: Backoff,
+    /// `full` (the default: each pause drawn between nothing and its bound) or `none`.
+    pub jitter: Jitter,
 }
 
 impl Default for RetryConfig {
     fn default() -> Self {
-        Self { max_attempts: 5, initial_backoff: Span(Duration::from_secs(1)), max_backoff: Span(Duration::from_secs(60)) }
+        let policy = RetryPolicy::default();
+        Self {
+            max_attempts: policy.max_attempts,
+            initial_backoff: Span(policy.initial_backoff),
+            max_backoff: Span(policy.max_backoff),
+            backoff: policy.backoff,
+            jitter: policy.jitter,
+        }
+    }
+}
+
+impl RetryConfig {
+    /// The dispatcher's policy this describes.
+    pub fn policy(&self) -> RetryPolicy {
+        let Self { max_attempts, initial_backoff, max_backoff, backoff, jitter } = *self;
+        RetryPolicy { max_attempts, initial_backoff: initial_backoff.0, max_backoff: max_backoff.0, backoff, jitter }
     }
 }
 

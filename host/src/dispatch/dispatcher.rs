@@ -455,7 +455,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 RunResult::Attempt(attempt) => attempt.clone(),
             };
             let policy = specs.iter().find(|s| s.handler == delivery.handler).map(|s| s.retry).unwrap_or_default();
-            let written = match decide(attempt, delivery.attempts + 1, &policy, now) {
+            let written = match decide(attempt, delivery.attempts + 1, &policy, now, fastrand::f64()) {
                 Settle::Complete => {
                     let key = delivery.event.key.clone().map(|key| (delivery.handler.clone(), key));
                     flight.completions.push(delivery.lease, key);

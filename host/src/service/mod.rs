@@ -82,7 +82,7 @@ fn retry_policies(config: &Config) -> Arc<dyn Fn(&str) -> RetryPolicy + Send + S
     let config = config.clone();
     Arc::new(move |plugin: &str| {
         let retry = config.retry_for(plugin);
-        RetryPolicy { max_attempts: retry.max_attempts, initial_backoff: retry.initial_backoff.0, max_backoff: retry.max_backoff.0 }
+        retry.policy()
     })
 }
 
