@@ -98,6 +98,9 @@ pub enum EventError {
     HeaderTooLong { name: String, bytes: usize, max: usize },
     #[error("header {name}'s value contains a control character")]
     HeaderValueControlCharacter { name: String },
+    /// The payload does not match its type's JSON Schema (see `crate::event_schema`).
+    #[error("{0}")]
+    Schema(String),
     #[error("`chainDepth` must be a non-negative integer, found {0}")]
     BadChainDepth(String),
     #[error("`chainBudget` must be a non-negative integer, found {0}")]

@@ -12,6 +12,7 @@ pub mod config;
 pub mod death;
 pub mod dispatch;
 pub mod event;
+pub mod event_schema;
 pub mod handler_transaction;
 pub mod lane;
 pub mod metrics;

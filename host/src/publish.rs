@@ -25,6 +25,7 @@ pub struct Publisher {
     events: Collection<Document>,
     key_sequences: Collection<Document>,
     max_payload_bytes: usize,
+    schemas: crate::event_schema::Schemas,
 }
 
 impl Publisher {
@@ -33,7 +34,14 @@ impl Publisher {
             events: database.collection(&format!("{collection_prefix}events")),
             key_sequences: database.collection(&format!("{collection_prefix}key_sequences")),
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
+            schemas: crate::event_schema::Schemas::default(),
         }
+    }
+
+    /// The same, refusing a payload that does not match its type's schema (the failing path
+    /// in the error), as the hosts' fan-out would make it dead.
+    pub fn with_schemas(self, schemas: crate::event_schema::Schemas) -> Self {
+        Self { schemas, ..self }
     }
 
     pub fn with_max_payload_bytes(mut self, max: usize) -> Self {
@@ -49,6 +57,7 @@ impl Publisher {
     /// its own, apart from the business data.
     pub async fn publish(&self, session: &mut ClientSession, event: &NewEvent) -> Result<Published, StoreError> {
         event.validate(self.max_payload_bytes)?;
+        self.schemas.check(&event.event_type, &event.payload).map_err(|e| StoreError::InvalidEvent(crate::event::EventError::Schema(e)))?;
         ensure_transaction(&self.events, session).await?;
         let existing =
             self.events.find_one(doc! { field::ID: &event.id }).projection(doc! { field::ID: 1 }).session(&mut *session).await?;

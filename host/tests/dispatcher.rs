@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::*;
-use relayhost::dispatch::{
+use relayhost::dispatch::{Jitter, 
     AttemptResult, DEAD_LETTER_EVENT_TYPE, Dispatcher, DispatcherOptions, HandlerSpec, RetryPolicy, RunResult, Runner,
     Throttle,
 };
@@ -91,7 +91,8 @@ fn spec(handler: &str, types: &[&str], retry: RetryPolicy) -> HandlerSpec {
 }
 
 fn quick_retry(max_attempts: u32) -> RetryPolicy {
-    RetryPolicy { max_attempts, initial_backoff: Duration::from_millis(20), max_backoff: Duration::from_millis(80), ..RetryPolicy::default() }
+    // Without jitter: the tests count on the backoff's bounds.
+    RetryPolicy { max_attempts, initial_backoff: Duration::from_millis(20), max_backoff: Duration::from_millis(80), jitter: Jitter::None, ..RetryPolicy::default() }
 }
 
 fn options(concurrency: usize) -> DispatcherOptions {

@@ -322,3 +322,33 @@ async fn metrics_parse_as_openmetrics_and_each_run_is_one_sample_of_each_histogr
     assert_eq!(value("relayhost_handler_hosts_serving", Some("noop")), 1.0);
     host.stop();
 }
+
+/// Event schemas, as an operator configures them: `relayhost publish` refuses an invalid
+/// payload with its failing path and writes nothing; an invalid event another driver
+/// published is dead at fan-out for its handler, announced, while valid ones run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_that_break_their_types_schema_are_refused_at_publish_and_dead_at_fan_out() {
+    let schema = std::env::temp_dir().join(format!("relayhost-operating-schema-{}.json", std::process::id()));
+    std::fs::write(&schema, r#"{"type": "object", "required": ["orderId"], "properties": {"total": {"type": "number", "minimum": 0}}}"#).unwrap();
+    let extra = format!("poll_interval = \"200ms\"\n\n[schemas]\n\"order.placed\" = {:?}", schema.display().to_string());
+    let deployment = Deployment::new(&["audit_log"], &extra).await;
+    let host = deployment.start("host");
+    let refused = deployment.relayhost(&["publish", "--type", "order.placed", "--id", "refused", "--payload", r#"{"orderId": "o-0", "total": -1}"#]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && stderr.contains("at /total") && stderr.contains("nothing was published"), "{stderr}");
+    let store = deployment.fixture.store();
+    assert!(store.events_collection().find_one(doc! { "_id": "refused" }).await.unwrap().is_none());
+    // Another driver knows nothing of schemas.
+    common::publish_all(store, vec![
+        relayhost::event::NewEvent::new("bad", "order.placed", doc! { "total": 5 }),
+        relayhost::event::NewEvent::new("good", "order.placed", doc! { "orderId": "o-1", "total": 5 }),
+    ]).await;
+    deployment.wait_until("both settled", Duration::from_secs(30), async |d| d.drained().await).await;
+    host.stop();
+    let dead = store.list_deliveries(&DeliveryFilter { status: Some(DeliveryStatus::Dead), ..DeliveryFilter::default() }).await.unwrap();
+    assert_eq!(dead.deliveries.len(), 1);
+    let reason = dead.deliveries[0].last_error.clone().unwrap_or_default();
+    assert!(dead.deliveries[0].event_id == "bad" && reason.contains("orderId"), "{reason}");
+    assert!(store.event_history("good").await.unwrap().completions.iter().any(|(handler, _)| handler == "audit-log"));
+    std::fs::remove_file(&schema).unwrap();
+}

@@ -54,6 +54,7 @@ contract!(
     fan_out_creates_one_delivery_per_subscribed_handler_once,
     a_handler_that_completed_an_event_never_gets_it_again,
     malformed_event_documents_are_dead_lettered_and_block_nothing,
+    an_event_that_breaks_its_types_schema_is_dead_at_fan_out_for_each_handler_and_announced,
     skewed_clocks_and_split_batches_keep_sequence_order,
     per_key_rules_hold_within_one_claim,
     a_claim_keeps_to_each_handlers_room_and_leaves_the_rest_as_it_was,
@@ -308,6 +309,43 @@ async fn malformed_event_documents_are_dead_lettered_and_block_nothing<F: Fixtur
     assert!(letters.iter().all(|letter| letter.event.causation_id.as_deref() == letter.event.payload.get_str("eventId").ok()));
     // Nothing is left unfanned: a malformed document never holds the fan-out back.
     assert_eq!(store.fan_out(&hook, 100, 0, at(T0)).await.unwrap().events, 0);
+}
+
+/// An event another driver published against its type's schema is dead at fan-out for each
+/// of its handlers, the failing path in the reason, its deaths announced; its key's next
+/// event is not held back, and events that match run.
+async fn an_event_that_breaks_its_types_schema_is_dead_at_fan_out_for_each_handler_and_announced<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    let dir = std::env::temp_dir().join(format!("relayhost-contract-schemas-{}-{}", std::process::id(), F::name()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("order.json");
+    std::fs::write(&file, r#"{"type": "object", "required": ["orderId"], "properties": {"total": {"type": "number", "minimum": 0}}}"#).unwrap();
+    let schemas = relayhost::event_schema::Schemas::load(&BTreeMap::from([("order.placed".to_string(), file)])).unwrap();
+    let subscriptions = subs(&[("mailer", &["order.placed"]), ("ledger", &["order.placed"])]).with_schemas(schemas.clone());
+    let order = |id: &str, payload: bson::Document| NewEvent::new(id, "order.placed", payload).with_key("customer-1");
+    publish_all(store, vec![order("bad", doc! { "orderId": "o-1", "total": -5 }), order("good", doc! { "orderId": "o-2", "total": 5 })]).await;
+    let report = store.fan_out(&subscriptions, 100, 0, at(T0)).await.unwrap();
+    assert_eq!((report.events, report.malformed), (2, 1));
+    let dead = dead(store).await;
+    let mut dead_for: Vec<&str> = dead.iter().map(|d| d.handler.as_str()).collect();
+    dead_for.sort();
+    assert_eq!(dead_for, ["ledger", "mailer"], "dead for each of its handlers");
+    for delivery in &dead {
+        assert_eq!(delivery.event_id, "bad");
+        let reason = delivery.last_error.as_deref().unwrap_or_default();
+        assert!(reason.contains("at /total") && reason.contains("minimum"), "{reason}");
+    }
+    // The key's next event, which matches, runs for both handlers.
+    let claimed = store.claim(&handlers(&["mailer", "ledger"]), 10, at(T0)).await.unwrap();
+    assert_eq!(claimed.iter().filter(|c| c.event.id == "good").count(), 2);
+    // Both deaths are announced.
+    let hook = subs(&[("dead-letters", &[relayhost::dispatch::DEAD_LETTER_EVENT_TYPE])]).with_schemas(schemas);
+    assert_eq!(store.fan_out(&hook, 100, 0, at(T0)).await.unwrap().events, 2);
+    let letters = store.claim(&handlers(&["dead-letters"]), 10, at(T0)).await.unwrap();
+    assert_eq!(letters.len(), 2);
+    assert!(letters.iter().all(|l| l.event.payload.get_str("lastError").unwrap().contains("at /total")));
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 async fn skewed_clocks_and_split_batches_keep_sequence_order<F: Fixture>() {

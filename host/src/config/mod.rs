@@ -194,6 +194,9 @@ pub struct Config {
     pub retention: RetentionConfig,
     pub admin: AdminConfig,
     pub telemetry: TelemetryConfig,
+    /// A JSON Schema file per event type (`"order.placed" = "schemas/order-placed.json"`,
+    /// relative to the configuration file's folder): payloads must match it.
+    pub schemas: BTreeMap<String, PathBuf>,
 }
 
 /// A secret from the configuration: never printed, not even by `Debug`.
@@ -240,6 +243,11 @@ impl Config {
             None => (String::new(), "the default configuration".to_string()),
         };
         let mut config = Self::parse(&text, &origin)?;
+        if let Some(folder) = path.and_then(Path::parent) {
+            for file in config.schemas.values_mut().filter(|file| file.is_relative()) {
+                *file = folder.join(&*file);
+            }
+        }
         config.apply_environment(environment)?;
         config.validate()?;
         Ok(config)
@@ -247,6 +255,11 @@ impl Config {
 
     pub fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
         toml::from_str(text).map_err(|e| ConfigError::Parse { path: origin.to_string(), message: e.to_string() })
+    }
+
+    /// The event types' schemas, read and compiled.
+    pub fn event_schemas(&self) -> Result<crate::event_schema::Schemas, ConfigError> {
+        crate::event_schema::Schemas::load(&self.schemas).map_err(|message| invalid("schemas", message))
     }
 
     /// Checks values serde cannot: ranges, names, combinations.
@@ -277,6 +290,7 @@ impl Config {
         {
             return Err(invalid("admin.token", "must be at least 16 characters, without spaces or control characters"));
         }
+        self.event_schemas()?;
         if let Some(problem) = self.telemetry.problem() {
             return Err(invalid("telemetry", problem));
         }

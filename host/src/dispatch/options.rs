@@ -20,6 +20,8 @@ pub struct DispatcherOptions {
     pub lease_duration: Duration,
     /// How long a stop waits for running deliveries.
     pub shutdown_timeout: Duration,
+    /// The event types' schemas fan-outs check payloads against.
+    pub schemas: crate::event_schema::Schemas,
 }
 
 /// The default `claim_ahead` per run slot. Claims of a few times the run slots cost about as
@@ -49,6 +51,7 @@ impl Default for DispatcherOptions {
             fan_out_batch: 200,
             lease_duration: Duration::from_secs(30),
             shutdown_timeout: Duration::from_secs(10),
+            schemas: Default::default(),
         }
     }
 }

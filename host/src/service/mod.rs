@@ -41,6 +41,8 @@ pub enum ServiceError {
     Admin { address: std::net::SocketAddr, source: std::io::Error },
     #[error(transparent)]
     Telemetry(#[from] TelemetryError),
+    #[error("{0}")]
+    Schemas(String),
 }
 
 /// Time a transaction of the store may take: a transactional handler runs inside one, so it
@@ -134,6 +136,7 @@ async fn serve(
         poll_interval: config.host.poll_interval.0,
         lease_duration: config.host.lease.0,
         shutdown_timeout: config.host.shutdown_timeout.0,
+        schemas: config.event_schemas().map_err(|e| ServiceError::Schemas(e.to_string()))?,
         ..DispatcherOptions::default()
     };
     let dispatcher = Dispatcher::new(store.clone(), runner, options);

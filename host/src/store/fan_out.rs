@@ -296,8 +296,15 @@ pub(crate) fn plan(batch: &[Document], subscriptions: &Subscriptions) -> FanOutP
         let parsed = size.and_then(|()| EventRecord::from_document(doc));
         let (targets, record, dead_reason) = match parsed {
             Ok(record) => {
-                let targets: Vec<String> = subscriptions.handlers_for(&record.event_type).cloned().collect();
-                (targets, Some(record), None)
+                let mut targets: Vec<String> = subscriptions.handlers_for(&record.event_type).cloned().collect();
+                let violation = subscriptions.schema_violation(&record);
+                if violation.is_some() {
+                    plan.malformed += 1;
+                    if targets.is_empty() {
+                        targets.push(MALFORMED_EVENT_HANDLER.to_string());
+                    }
+                }
+                (targets, Some(record), violation)
             }
             Err(error) => {
                 plan.malformed += 1;

@@ -24,10 +24,11 @@ pub mod registry;
 pub mod memory;
 pub mod mongo;
 mod retention;
+mod subscriptions;
 mod transaction;
 mod unstored;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::future::Future;
 use std::time::Duration;
 
@@ -38,6 +39,7 @@ pub use capacity::{Capacity, Priorities, Room, Rooms};
 pub use error::StoreError;
 pub use handler_documents::HandlerDocuments;
 pub use lease::Lease;
+pub use subscriptions::{Subscription, Subscriptions};
 pub use registry::{Declaration, Disposal, RegisteredHandler, RetireReport};
 pub use listing::{DeliveryFilter, DeliveryPage, DeliveryView, EventHistory, HandlerStatistics, LaneView, Listed, Membership, PurgeReport};
 pub use transaction::{Retrying, TRANSACTION_RETRY_LIMIT, run_in_transaction};
@@ -109,105 +111,6 @@ fn default_owner() -> String {
         .map(|h| h.trim().to_string())
         .unwrap_or_else(|_| "host".to_string());
     format!("{host}:{}", std::process::id())
-}
-
-/// One handler's interest in event types.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Subscription {
-    pub handler: String,
-    pub event_types: BTreeSet<String>,
-    /// Its deliveries complete in its own transaction ([`Outbox::complete_in`]).
-    pub in_transaction: bool,
-    /// Its deliveries are only ever claimed, never handed out by their fan-out: its host
-    /// limits how many of them it takes (see `dispatch::Throttle`), which a claim is told and
-    /// a hand-out is not.
-    pub claims_only: bool,
-}
-
-impl Subscription {
-    pub fn new<I, T>(handler: impl Into<String>, event_types: I) -> Self
-    where
-        I: IntoIterator<Item = T>,
-        T: Into<String>,
-    {
-        Self {
-            handler: handler.into(),
-            event_types: event_types.into_iter().map(Into::into).collect(),
-            in_transaction: false,
-            claims_only: false,
-        }
-    }
-
-    /// The same, its deliveries completing in its own transaction if `in_transaction`.
-    pub fn completing_in_transaction(self, in_transaction: bool) -> Self {
-        Self { in_transaction, ..self }
-    }
-
-    /// The same, its deliveries only ever claimed if `claims_only`.
-    pub fn claimed_only(self, claims_only: bool) -> Self {
-        Self { claims_only, ..self }
-    }
-}
-
-/// The subscriptions fan-out uses: which handlers receive which event types.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Subscriptions {
-    by_type: BTreeMap<String, BTreeSet<String>>,
-    handlers: BTreeSet<String>,
-    in_transaction: BTreeSet<String>,
-    claims_only: BTreeSet<String>,
-}
-
-impl Subscriptions {
-    /// Validates handler ids (non-empty, bounded, no control characters, unique).
-    pub fn new(subscriptions: impl IntoIterator<Item = Subscription>) -> Result<Self, StoreError> {
-        let mut result = Self::default();
-        for subscription in subscriptions {
-            let handler = &subscription.handler;
-            if handler.is_empty()
-                || handler.chars().count() > MAX_HANDLER_CHARS
-                || handler.chars().any(char::is_control)
-                || handler == MALFORMED_EVENT_HANDLER
-            {
-                return Err(StoreError::InvalidArgument(format!(
-                    "handler id {handler:?} must be 1-{MAX_HANDLER_CHARS} printable characters and not {MALFORMED_EVENT_HANDLER:?}"
-                )));
-            }
-            if !result.handlers.insert(handler.clone()) {
-                return Err(StoreError::InvalidArgument(format!("handler id {handler:?} is subscribed twice")));
-            }
-            if subscription.in_transaction {
-                result.in_transaction.insert(handler.clone());
-            }
-            if subscription.claims_only {
-                result.claims_only.insert(handler.clone());
-            }
-            for event_type in subscription.event_types {
-                result.by_type.entry(event_type).or_default().insert(handler.clone());
-            }
-        }
-        Ok(result)
-    }
-
-    /// Handlers subscribed to `event_type`, in name order.
-    pub fn handlers_for(&self, event_type: &str) -> impl Iterator<Item = &String> {
-        self.by_type.get(event_type).into_iter().flatten()
-    }
-
-    /// Every subscribed handler, in name order.
-    pub fn handlers(&self) -> Vec<String> {
-        self.handlers.iter().cloned().collect()
-    }
-
-    /// Whether `handler`'s deliveries complete in its own transaction.
-    pub fn completes_in_transaction(&self, handler: &str) -> bool {
-        self.in_transaction.contains(handler)
-    }
-
-    /// Whether `handler`'s deliveries are only ever claimed, never handed out.
-    pub fn claims_only(&self, handler: &str) -> bool {
-        self.claims_only.contains(handler)
-    }
 }
 
 /// A delivery handed to a worker by [`Outbox::claim`].
@@ -366,10 +269,9 @@ pub trait StoreTransaction: Send {
     fn abort(self) -> impl Future<Output = Result<(), StoreError>> + Send;
 }
 
-/// The outbox. Every method that changes a delivery takes the lease it was claimed with and
-/// changes nothing when that lease is no longer current.
 /// The outbox: publishing, fan-out, claims, outcomes and transactions, with the claim's
-/// scheduler hints.
+/// scheduler hints. Every method that changes a delivery takes the lease it was claimed with
+/// and changes nothing when that lease is no longer current.
 pub trait Outbox: Send + Sync + 'static {
     type Tx: StoreTransaction + HandlerDocuments;
 

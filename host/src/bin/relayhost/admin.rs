@@ -405,6 +405,10 @@ pub async fn publish(config: &Config, args: PublishArgs) -> Result<ExitCode> {
     if let Some(key) = args.key {
         event = event.with_key(key);
     }
+    // The schema is checked before anything is written, as a host's fan-out would check it.
+    if let Err(reason) = config.event_schemas()?.check(&event.event_type, &event.payload) {
+        bail!("{reason}; nothing was published");
+    }
     with_store(config, async |store| {
         store.setup().await?;
         // Retried like any publisher's transaction: another transaction holding the key's

@@ -6,13 +6,12 @@
 //! Transactions are serializable: a transaction holds the whole state until it commits or
 //! aborts, so never claim from inside one. Nothing here survives the process.
 //!
-//! This file holds the state and the `Store` over it, each method a few lines against it, so
-//! that its semantics can be read side by side with the MongoDB store's; beside it, as in the
-//! MongoDB store: the state changes several methods share (`state.rs`), its two fan-outs
-//! (`fan_out.rs`), its claim primitives (`lanes.rs`), its deliveries without a record
-//! (`unstored.rs`) and the operator reads and purge (`operations.rs`).
+//! This file holds the state and the store's three parts over it, each method a few lines
+//! against it, so that its semantics can be read side by side with the MongoDB store's; beside
+//! it, as in the MongoDB store: the state changes several methods share (`state.rs`), its two
+//! fan-outs (`fan_out.rs`), its claim primitives (`lanes.rs`), its deliveries without a record
+//! (`unstored.rs`), operators' reads and purge (`operations.rs`), handlers' collections.
 
-use crate::store::{Administration, Hosts, Outbox};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
@@ -24,9 +23,9 @@ use tokio::sync::{Mutex, OwnedMutexGuard};
 use super::claim::{Claimer, HandlerKey, InFlight, LaneSearch, LaneState, Settled, Unpark, Unstored};
 use super::fan_out::{FanOutPlan, NewDelivery, WithoutDocuments, id_text};
 use super::{
-    Capacity, ClaimedDelivery, DeliveryFilter, DeliveryId, DeliveryPage, DeliveryStatus, DeliveryView, EarlyHandOuts, FanOutReport,
+    Administration, Capacity, ClaimedDelivery, DeliveryFilter, DeliveryId, DeliveryPage, DeliveryStatus, DeliveryView, EarlyHandOuts, FanOutReport,
     HandlerStatistics, Lease, PurgeOptions, PurgeReport, Published, Settlement, StoreError, StoreOptions,
-    StoreTransaction, Subscriptions,
+    Hosts, Outbox, StoreTransaction, Subscriptions,
 };
 use crate::event::{NewEvent, field};
 use crate::lane::{LANE_COUNT, LaneId};
