@@ -186,9 +186,11 @@ pub async fn run(wasm: &Path, file: &EventsFile, config: &Config, send_http: boo
         .recorded_in(records.clone());
     let offered = registry.subscriptions();
     let handlers: Vec<String> = offered.iter().map(|s| s.handler.clone()).collect();
+    let schemas = config.event_schemas().map_err(|e| TrialError::Plugin(e.to_string()))?;
     let subscriptions = Subscriptions::new(
         offered.into_iter().map(|s| Subscription::new(s.handler, s.event_types).completing_in_transaction(s.transactional)),
-    )?;
+    )?
+    .with_schemas(schemas);
     let mut reports = Vec::new();
     let mut order: BTreeMap<String, (usize, Option<Expected>)> = BTreeMap::new();
     for (position, (event, expected)) in file.events.iter().enumerate() {

@@ -187,3 +187,20 @@ fn a_malformed_events_file_is_refused_with_its_line() {
     assert!(!output.status.success());
     assert!(stderr.contains("line 2") && stderr.contains("missing field `type`"), "{stderr}");
 }
+
+#[test]
+fn an_event_that_breaks_its_types_schema_is_dead_as_on_a_host() {
+    let events = "{\"id\": \"o-1\", \"type\": \"order.placed\", \"payload\": {\"orderId\": \"o-1\"}}\n\
+                  {\"id\": \"o-2\", \"type\": \"order.placed\", \"payload\": {\"total\": 5}, \"expect\": \"dead\"}\n";
+    let config = "[plugin.audit_log]\ngrants = { collections = [\"audit_log\", \"audit_order\"] }\n\n\
+                  [schemas]\n\"order.placed\" = \"order.json\"\n";
+    let dir = folder("schema", events, config);
+    std::fs::write(dir.join("order.json"), r#"{"type": "object", "required": ["orderId"]}"#).unwrap();
+    let output = test_plugin(&dir, "audit_log", &["--json"]);
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    let report = report_of(&output);
+    assert_eq!(find(&report, "o-1", "audit-log")["result"]["outcome"], "completed");
+    let dead = find(&report, "o-2", "audit-log");
+    assert!(dead["result"]["reason"].as_str().unwrap().contains("orderId"), "{dead}");
+    assert!(dead["writes"].as_array().unwrap().is_empty(), "it never ran");
+}
