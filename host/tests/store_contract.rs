@@ -4,6 +4,7 @@
 
 #![allow(async_fn_in_trait)]
 
+#[macro_use]
 mod common;
 
 use relayhost::store::{Administration, Hosts, Outbox};
@@ -20,28 +21,8 @@ use relayhost::store::{
     RegisteredHandler,
 };
 
-macro_rules! contract {
-    ($($name:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name::<super::MemoryFixture>().await
-                }
-            )*
-        }
-        mod mongo {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name::<super::MongoFixture>().await
-                }
-            )*
-        }
-    };
-}
 
-contract!(
+both_stores!(
     purge_deletes_a_keys_counter_only_once_none_of_its_events_remains,
     one_instance_at_a_time_holds_a_jobs_turn,
     listing_filters_by_running_parked_and_age_and_takes_operators_text_as_data,

@@ -4,6 +4,7 @@
 //! stores (the memory store's transaction is what `relayhost test-plugin` uses); the rest are
 //! about MongoDB's own conflicts, on a real replica set.
 
+#[macro_use]
 mod common;
 
 use relayhost::store::{Administration, Outbox};
@@ -28,28 +29,8 @@ async fn ids_in<S: Store>(store: &S, collection: &str) -> Vec<String> {
     ids
 }
 
-macro_rules! on_both_stores {
-    ($($name:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name::<super::MemoryFixture>().await
-                }
-            )*
-        }
-        mod mongo {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $name() {
-                    super::$name::<super::MongoFixture>().await
-                }
-            )*
-        }
-    };
-}
 
-on_both_stores!(the_handlers_write_and_the_completion_commit_together, the_dispatcher_runs_plugins_into_an_exact_projection);
+both_stores!(the_handlers_write_and_the_completion_commit_together, the_dispatcher_runs_plugins_into_an_exact_projection);
 
 async fn the_handlers_write_and_the_completion_commit_together<F: Fixture>() {
     let fixture = F::new().await;

@@ -1,7 +1,30 @@
 //! Fixtures for the store contract suite: the same test functions run against a
 //! [`MemoryStore`] and a [`MongoStore`] on a real replica set started from the pinned wheel.
 
-#![allow(dead_code, unused_imports, async_fn_in_trait)]
+#![allow(dead_code, unused_imports, unused_macros, async_fn_in_trait)]
+
+/// Each named `async fn name<F: Fixture>()` as two tests, `memory::name` and `mongo::name`:
+/// one behaviour, both stores (the store contract's way).
+macro_rules! both_stores {
+    ($($name:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name::<super::MemoryFixture>().await
+                }
+            )*
+        }
+        mod mongo {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name::<super::MongoFixture>().await
+                }
+            )*
+        }
+    };
+}
 
 pub mod deployment;
 pub mod receiver;
