@@ -34,7 +34,9 @@ async fn a_fixed_candidate_replayed_on_a_dead_event_succeeds_the_old_plugin_repr
                  [plugin.hostile]\nretry = { max_attempts = 1 }\ngrants = { environment = [\"HOSTILE_SQUAT\"] }\n\n\
                  [plugin.audit_log]\ngrants = { collections = [\"audit_log\", \"audit_order\"] }";
     let deployment = Deployment::new(&["hostile"], extra).await;
-    let host = deployment.start_with("host", &[("HOSTILE_SQUAT", "1")]);
+    // Beside a Kubernetes Service named `relayhost`, whose variables the host passes over.
+    let kubernetes = [("RELAYHOST_SERVICE_HOST", "10.0.0.7"), ("RELAYHOST_SERVICE_PORT", "8080"), ("RELAYHOST_PORT_8080_TCP_ADDR", "10.0.0.7")];
+    let host = deployment.start_with("host", &[[("HOSTILE_SQUAT", "1")].as_slice(), &kubernetes].concat());
     let store = deployment.fixture.store();
     publish_all(store, vec![keyed("order-1", "order.placed", "customer-1")]).await;
     let dead = DeliveryFilter { status: Some(DeliveryStatus::Dead), ..DeliveryFilter::default() };
