@@ -25,7 +25,7 @@ use bson::DateTime;
 use relayhost::event::NewEvent;
 use relayhost::lane::LaneId;
 use relayhost::store::{
-    Capacity, ClaimedDelivery, DeliveryFilter, DeliveryPage, DeliveryView, EarlyHandOut, EarlyHandOuts, FanOutCommit, FanOutReport,
+    Capacity, ClaimedDelivery, DeliveryFilter, DeliveryPage, DeliveryView, EarlyHandOuts, FanOutCommit, FanOutReport,
     HandlerStatistics, Lease, Published, PurgeOptions, PurgeReport, Settlement, Store, StoreError, StoreOptions,
     Subscription, Subscriptions, Declaration, Disposal, RegisteredHandler, RetireReport,
 };
@@ -391,7 +391,11 @@ impl Outbox for FaultyStore {
         let Some(word) = self.early_words.lock().unwrap().pop() else { return Ok(report) };
         let (tell, commit) = FanOutCommit::channel();
         report.sent_early = report.claimed.len();
-        early.send(EarlyHandOut { claimed: std::mem::take(&mut report.claimed), commit }).unwrap();
+        let mut claimed = std::mem::take(&mut report.claimed);
+        for delivery in &mut claimed {
+            delivery.before_commit = Some(commit.clone());
+        }
+        early.send(claimed).unwrap();
         let given = self.words_given.clone();
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(100)).await;

@@ -21,7 +21,7 @@ use mongodb::options::ClientOptions;
 use relayhost::publish::Publisher;
 use relayhost::store::mongo::{EventWakeups, MongoLocation, MongoStore};
 use relayhost::store::{
-    DeliveryFilter, FanOutReport, PurgeOptions, Published, Settlement, StoreError, StoreOptions, StoreTransaction, Subscriptions,
+    ClaimedDelivery, DeliveryFilter, FanOutReport, PurgeOptions, Published, Settlement, StoreError, StoreOptions, StoreTransaction, Subscriptions,
 };
 
 fn repo_root() -> std::path::PathBuf {
@@ -1226,8 +1226,8 @@ async fn a_backlog_batch_handed_out_whole_is_listed_first_and_marked_without_a_t
     let report = store.fan_out_early(&subscriptions, 150, 150, &early, at(T0 + 1_000)).await.unwrap();
     assert_eq!((report.events, report.sent_early, report.lanes.len()), (150, 150, 0));
     let handed = sent.try_recv().unwrap();
-    assert_eq!(handed.claimed.len(), 150);
-    assert!(handed.commit.committed().await);
+    assert_eq!(handed.len(), 150);
+    assert!(commit_word(&handed).committed().await);
 
     let commands: Vec<(String, Document)> = log.lock().unwrap()[before..].to_vec();
     assert!(commands.iter().all(|(name, _)| name != "commitTransaction" && name != "abortTransaction"), "{commands:?}");
@@ -1244,7 +1244,7 @@ async fn a_backlog_batch_handed_out_whole_is_listed_first_and_marked_without_a_t
     assert!(lane_write.unwrap() < first_mark.unwrap());
     assert_eq!(events.count_documents(doc! { "fanOut": { "$exists": true }, "handedOut": "h" }).await.unwrap(), 150);
 
-    let leases: Vec<_> = handed.claimed.iter().map(|c| c.lease).collect();
+    let leases: Vec<_> = handed.iter().map(|c| c.lease).collect();
     assert!(store.complete_many(&leases, at(T0 + 2_000)).await.unwrap().iter().all(|s| *s == Settlement::Completed));
     assert_eq!(events.count_documents(doc! { "handedOut.0": { "$exists": true } }).await.unwrap(), 0);
     assert!(list_all(&store, DeliveryFilter::default()).await.is_empty());
@@ -1315,12 +1315,19 @@ async fn refuse_marks_but_of(db: &mongodb::Database, allowed: Document) {
     db.run_command(doc! { "collMod": "relayhost_events", "validator": validator, "validationAction": "error" }).await.unwrap();
 }
 
+/// The word of the fan-out commit that `handed`, sent together before it, all carry.
+fn commit_word(handed: &[ClaimedDelivery]) -> relayhost::store::FanOutCommit {
+    let word = handed[0].before_commit.clone().expect("handed out before the commit, with its word");
+    assert!(handed.iter().all(|c| c.before_commit.as_ref() == Some(&word)), "one word for the batch");
+    word
+}
+
 /// Does with a hand-out whose fan-out failed what the dispatcher does: hands its `expected`
 /// deliveries back, uncharged.
-async fn hand_back_as_not_run(store: &MongoStore, handed: relayhost::store::EarlyHandOut, expected: usize) {
-    assert_eq!(handed.claimed.len(), expected);
-    assert!(!handed.commit.committed().await, "their fan-out is not done");
-    let leases: Vec<_> = handed.claimed.iter().map(|c| c.lease).collect();
+async fn hand_back_as_not_run(store: &MongoStore, handed: Vec<ClaimedDelivery>, expected: usize) {
+    assert_eq!(handed.len(), expected);
+    assert!(!commit_word(&handed).committed().await, "their fan-out is not done");
+    let leases: Vec<_> = handed.iter().map(|c| c.lease).collect();
     store.release(&leases, at(T0 + 1_000)).await.unwrap();
 }
 

@@ -1322,9 +1322,11 @@ async fn racing_plain_marks_of_one_backlog_run_every_event_once<F: Fixture>() {
             // fan-out is done.
             listed_first += usize::from(report.sent_early > 0 && report.claimed.is_empty() && report.lanes.is_empty());
             while let Ok(handed) = sent.try_recv() {
-                assert!(handed.commit.committed().await);
-                ran.extend(handed.claimed.iter().map(|c| c.event.id.clone()));
-                leases.extend(handed.claimed.iter().map(|c| c.lease));
+                for claimed in handed {
+                    assert!(claimed.before_commit.clone().expect("sent early with its word").committed().await);
+                    ran.push(claimed.event.id.clone());
+                    leases.push(claimed.lease);
+                }
             }
             assert!(store.complete_many(&leases, at(T0 + 1_000)).await.unwrap().iter().all(|s| *s == Settlement::Completed));
             if report.events == 0 {
@@ -1367,8 +1369,11 @@ async fn a_fan_out_that_may_hand_out_early_hands_out_each_once_with_word_of_its_
     // Before its commit, with its word (MongoDB), or after it, in the report (memory): each
     // delivery once, and nothing left to a claim.
     let mut handed = report.claimed.clone();
-    while let Ok(relayhost::store::EarlyHandOut { claimed, commit }) = sent.try_recv() {
-        assert!(commit.committed().await, "the fan-out committed");
+    assert!(report.claimed.iter().all(|c| c.before_commit.is_none()), "handed out after the commit");
+    while let Ok(claimed) = sent.try_recv() {
+        for delivery in &claimed {
+            assert!(delivery.before_commit.clone().expect("with its word").committed().await, "the fan-out committed");
+        }
         handed.extend(claimed);
     }
     assert_eq!(report.claimed.len() + report.sent_early, 2);

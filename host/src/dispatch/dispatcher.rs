@@ -8,7 +8,7 @@
 //!   (another host's lanes, keyed events) the rest goes to claims at once. A claim never
 //!   overlaps a hand-out (both write the lanes' lists). Throttled handlers are never handed
 //!   out and claimed within their room; higher priorities go first.
-//! - **Start** (`start`, `start_handed_out`): each delivery in its own task under a run slot.
+//! - **Start** (`start`): each delivery, claimed or handed out, in its own task under a run slot.
 //!   A run handed out before its fan-out committed reports its outcome only after the word
 //!   that it did (as not run otherwise); a transactional one starts only then.
 //! - **Settle** (`settle`): completions are batched (`completion`); failures are rescheduled
@@ -53,7 +53,7 @@ use super::starts::StartRecorder;
 use super::{Settle, bury_with_dead_letter, decide};
 use crate::lane::LaneId;
 use crate::store::{
-    Capacity, ClaimedDelivery, DeliveryId, EarlyHandOut, EarlyHandOuts, FanOutCommit, Lease, Priorities, Store, StoreError,
+    Capacity, ClaimedDelivery, DeliveryId, EarlyHandOuts, Lease, Priorities, Store, StoreError,
 };
 
 /// The claim loop of one store instance.
@@ -90,7 +90,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         tokio::pin!(stop);
         let permits = Arc::new(Semaphore::new(self.options.concurrency));
         let (finished_tx, mut finished) = mpsc::unbounded_channel::<(ClaimedDelivery, RunResult)>();
-        let (early_tx, mut early) = mpsc::unbounded_channel::<EarlyHandOut>();
+        let (early_tx, mut early) = mpsc::unbounded_channel::<Vec<ClaimedDelivery>>();
         let fanned = Arc::new(Notify::new());
         let completions = Completions::new(self.store.clone(), self.options.poll_interval);
         let mut flight = Flight::new(completions, StartRecorder::spawn(self.store.clone()));
@@ -159,11 +159,11 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                         }
                         flight.fan_out |= done.more;
                         flight.fan_out_waits = done.handed_out_full;
-                        flight.handed_out.push((done.claimed, None));
+                        flight.handed_out.extend(done.claimed);
                     })
                 }
-                Some(EarlyHandOut { claimed, commit }) = early.recv() => {
-                    flight.handed_out.push((claimed, Some(commit)));
+                Some(claimed) = early.recv() => {
+                    flight.handed_out.extend(claimed);
                     Ok(())
                 }
                 // A key's next delivery is in its key's lane, which this host holds: a claim
@@ -207,7 +207,8 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
     ) -> Result<(), StoreError> {
         flight.completions.start();
         let specs = self.runner.handlers();
-        self.start_handed_out(&specs, permits, finished_tx, flight).await?;
+        let handed_out = std::mem::take(&mut flight.handed_out);
+        self.start(handed_out, &specs, permits, finished_tx, flight).await?;
         // A host that serves nothing still fans out its share for the handlers the registry
         // keeps subscribed.
         if specs.is_empty() && !self.known.any_active() {
@@ -338,32 +339,18 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 }
             }
         }
-        self.start(claimed, None, specs, permits, finished_tx, flight).await
+        self.start(claimed, specs, permits, finished_tx, flight).await
     }
 
-    /// Starts what fan-outs handed out, before their commit (each with its word) or after.
-    async fn start_handed_out(
-        &self,
-        specs: &[HandlerSpec],
-        permits: &Arc<Semaphore>,
-        finished_tx: &mpsc::UnboundedSender<(ClaimedDelivery, RunResult)>,
-        flight: &mut Flight<S>,
-    ) -> Result<(), StoreError> {
-        for (claimed, commit) in std::mem::take(&mut flight.handed_out) {
-            self.start(claimed, commit, specs, permits, finished_tx, flight).await?;
-        }
-        Ok(())
-    }
-
-    /// Starts runs of claimed deliveries (each waits for a run slot), or buries those whose
-    /// attempts are used up. Deliveries handed out before their fan-out's `commit` report
-    /// their run only once it is known, as not run if it failed (they may not exist then); a
-    /// transactional handler's run waits for it before it starts, since its completion
-    /// deletes the delivery in its own transaction.
+    /// Starts runs of leased deliveries, claimed or handed out (each waits for a run slot), or
+    /// buries those whose attempts are used up. The one place that reads a lease's
+    /// [`ClaimedDelivery::before_commit`]: a delivery handed out before its fan-out committed
+    /// reports its run only once the commit is known, as not run if it failed (it may not
+    /// exist then); a transactional handler's run waits for it before it starts, since its
+    /// completion deletes the delivery in its own transaction.
     async fn start(
         &self,
         claimed: Vec<ClaimedDelivery>,
-        commit: Option<FanOutCommit>,
         specs: &[HandlerSpec],
         permits: &Arc<Semaphore>,
         finished_tx: &mpsc::UnboundedSender<(ClaimedDelivery, RunResult)>,
@@ -383,7 +370,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             }
             let (runner, finished_tx, permits) = (self.runner.clone(), finished_tx.clone(), permits.clone());
             let (lease, delivery_handler) = (delivery.lease, delivery.handler.clone());
-            let (commit, transactional) = (commit.clone(), spec.transactional);
+            let (commit, transactional) = (delivery.before_commit.clone(), spec.transactional);
             if flight.sequences.starts(&delivery) {
                 DispatcherCounters::add(&self.counters.out_of_order, 1);
             }
@@ -520,7 +507,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         finished_tx: &mpsc::UnboundedSender<(ClaimedDelivery, RunResult)>,
         flight: &mut Flight<S>,
         finished: &mut mpsc::UnboundedReceiver<(ClaimedDelivery, RunResult)>,
-        early: &mut mpsc::UnboundedReceiver<EarlyHandOut>,
+        early: &mut mpsc::UnboundedReceiver<Vec<ClaimedDelivery>>,
     ) -> Result<(), StoreError> {
         // Deliveries still waiting for a run slot come back as not run, and are released.
         permits.close();
@@ -532,17 +519,18 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         if let Some(mut fanning) = flight.fanning.take() {
             match tokio::time::timeout_at(deadline, &mut fanning).await {
                 Ok(done) => match step_result(done, "the fan-out") {
-                    Ok(done) => flight.handed_out.push((done.claimed, None)),
+                    Ok(done) => flight.handed_out.extend(done.claimed),
                     Err(error) => tracing::warn!(%error, "the last fan-out failed during the stop"),
                 },
                 Err(_) => fanning.abort(),
             }
         }
-        while let Ok(EarlyHandOut { claimed, commit }) = early.try_recv() {
-            flight.handed_out.push((claimed, Some(commit)));
+        while let Ok(claimed) = early.try_recv() {
+            flight.handed_out.extend(claimed);
         }
         let specs = self.runner.handlers();
-        self.start_handed_out(&specs, permits, finished_tx, flight).await?;
+        let handed_out = std::mem::take(&mut flight.handed_out);
+        self.start(handed_out, &specs, permits, finished_tx, flight).await?;
         // Runs in flight that did not finish yet (the unsettled ones did).
         while flight.running.len() > flight.unsettled.len() {
             match tokio::time::timeout_at(deadline, finished.recv()).await {

@@ -16,7 +16,7 @@ use super::sequence_watch::SequenceWatch;
 use super::starts::StartRecorder;
 use super::throttle::StartWindows;
 use crate::lane::LaneId;
-use crate::store::{ClaimedDelivery, DeliveryId, FanOutCommit, Lease, Store, StoreError};
+use crate::store::{ClaimedDelivery, DeliveryId, Lease, Store, StoreError};
 
 /// A claimed delivery, running or waiting for a run slot.
 pub(super) struct Running {
@@ -55,9 +55,9 @@ pub(super) struct Flight<S: Store> {
     pub(super) fanning_hands_out: Arc<AtomicBool>,
     /// Asks the background fan-out to end after its current batch (a stop).
     pub(super) stop_fanning: Arc<AtomicBool>,
-    /// Deliveries fan-outs handed out, started by the next dispatch step; those handed out
-    /// before their fan-out's commit with its word.
-    pub(super) handed_out: Vec<(Vec<ClaimedDelivery>, Option<FanOutCommit>)>,
+    /// Deliveries fan-outs handed out, started by the next dispatch step (those handed out
+    /// before their fan-out's commit carry its word).
+    pub(super) handed_out: Vec<ClaimedDelivery>,
     /// Lanes a fan-out just put a few new deliveries in: the next claim looks only there.
     pub(super) claim_lanes: BTreeSet<LaneId>,
     /// Successful runs, completed in batches in the background.

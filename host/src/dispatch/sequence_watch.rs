@@ -66,6 +66,7 @@ mod tests {
             event: EventRecord::from_document(&document).unwrap(),
             started: true,
             suspect: false,
+            before_commit: None,
         }
     }
 

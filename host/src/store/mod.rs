@@ -129,6 +129,12 @@ pub struct ClaimedDelivery {
     /// `Candidate::suspect`): claimed ahead, it records its start ([`Outbox::record_starts`])
     /// before it runs, so that its next death is charged.
     pub suspect: bool,
+    /// Handed out before its fan-out committed: the word of that commit, which its run waits
+    /// for before its outcome is written (as not run if the commit failed: it may not exist),
+    /// and a transactional handler's run before it starts (its completion deletes the
+    /// delivery in its own transaction). `None` for every other lease: it may run and settle
+    /// at once. The dispatcher checks it in one place (its `start`).
+    pub before_commit: Option<FanOutCommit>,
 }
 
 /// The result of settling one lease.
@@ -197,17 +203,16 @@ impl FanOutReport {
     }
 }
 
-/// Deliveries a fan-out handed out as soon as it had marked their events and listed them in
-/// their lanes, before it inserted them and committed (see [`Outbox::fan_out_early`]).
-#[derive(Debug)]
-pub struct EarlyHandOut {
-    pub claimed: Vec<ClaimedDelivery>,
-    pub commit: FanOutCommit,
-}
-
 /// The word of an early hand-out's commit; its clones share it.
 #[derive(Debug, Clone)]
 pub struct FanOutCommit(tokio::sync::watch::Receiver<Option<bool>>);
+
+/// Two words are equal when they are the word of one commit.
+impl PartialEq for FanOutCommit {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.same_channel(&other.0)
+    }
+}
 
 impl FanOutCommit {
     /// The word the returned sender gives: `Some(true)` once the fan-out committed,
@@ -225,8 +230,11 @@ impl FanOutCommit {
     }
 }
 
-/// Where a fan-out sends what it hands out early.
-pub type EarlyHandOuts = tokio::sync::mpsc::UnboundedSender<EarlyHandOut>;
+/// Where a fan-out sends the deliveries it hands out as soon as it had marked their events
+/// and listed them in their lanes, before it inserted them and committed (see
+/// [`Outbox::fan_out_early`]); each carries the word of that commit
+/// ([`ClaimedDelivery::before_commit`]).
+pub type EarlyHandOuts = tokio::sync::mpsc::UnboundedSender<Vec<ClaimedDelivery>>;
 
 /// Retention cutoffs for [`Administration::purge`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

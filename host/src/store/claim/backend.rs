@@ -149,7 +149,7 @@ pub(crate) struct HandedOut<T> {
     pub committed: T,
     /// The deliveries handed out once it committed.
     pub claimed: Vec<ClaimedDelivery>,
-    /// Those sent early instead (see [`EarlyHandOut`]).
+    /// Those sent early instead (see [`ClaimedDelivery::before_commit`]).
     pub sent_early: Vec<DeliveryId>,
 }
 

@@ -552,7 +552,8 @@ async fn lists_lost_before_the_mark<S: Store + Parts>(a: &S, _b: &S, c: &S) {
     };
     let fresh = vec![super::Fresh { candidate, event }];
     assert_eq!(claimer.hand_out_listed_first(&faulty, fresh, mark, &early, now).await.unwrap(), Some(vec![run]));
-    assert!(sent.try_recv().unwrap().commit.committed().await, "handed out");
+    let handed = sent.try_recv().unwrap();
+    assert!(handed[0].before_commit.clone().expect("the mark's word").committed().await, "handed out");
     let lane = held[0].lease.lane;
     let listed = faulty.lanes(&[lane]).await.unwrap().remove(0).in_flight;
     assert!(listed.iter().any(|entry| entry.delivery == run), "listed again: {listed:?}");
@@ -575,21 +576,22 @@ async fn early_hand_outs<S: Store + Parts>(a: &S, _b: &S, c: &S) {
     let failing = async { Ok(|_: &HashSet<DeliveryId>| async { Err::<(), _>(injected()) }) };
     assert!(claimer.hand_out(&backend, vec![fresh(&backend, now).await], &claimer.before_idle_read().await, failing, Some(&early), now).await.is_err());
     let handed = sent.try_recv().expect("handed out before the commit");
-    assert_eq!(handed.claimed.len(), 1);
-    assert!(!handed.commit.committed().await, "its runs hear that the commit failed");
+    assert_eq!(handed.len(), 1);
+    let word = handed[0].before_commit.clone().expect("handed out before the commit, with its word");
+    assert!(!word.committed().await, "its runs hear that the commit failed");
     // Handed back as not run, it is handed out again (uncharged), this time committed.
-    assert_eq!(a.release(&[handed.claimed[0].lease], DateTime::from_millis(T0 + 1)).await.unwrap(), 1);
+    assert_eq!(a.release(&[handed[0].lease], DateTime::from_millis(T0 + 1)).await.unwrap(), 1);
     let now = DateTime::from_millis(T0 + 2);
     let committing = async { Ok(|_: &HashSet<DeliveryId>| async { Ok(()) }) };
     let done = claimer.hand_out(&backend, vec![fresh(&backend, now).await], &claimer.before_idle_read().await, committing, Some(&early), now).await.unwrap();
     let handed = sent.try_recv().expect("handed out before the commit");
     assert!(done.claimed.is_empty());
-    assert_eq!(done.sent_early, [handed.claimed[0].lease.delivery]);
-    assert_eq!(handed.claimed[0].attempts, 0);
-    assert!(handed.commit.committed().await);
+    assert_eq!(done.sent_early, [handed[0].lease.delivery]);
+    assert_eq!(handed[0].attempts, 0);
+    assert!(handed[0].before_commit.clone().expect("its word").committed().await);
     // Its lease is as good as a claim's: nobody else gets it, and it completes it.
     assert!(c.claim(&["h".to_string()], 1, DateTime::from_millis(T0 + 3)).await.unwrap().is_empty());
-    let settled = a.complete_many(&[handed.claimed[0].lease], DateTime::from_millis(T0 + 4)).await.unwrap();
+    let settled = a.complete_many(&[handed[0].lease], DateTime::from_millis(T0 + 4)).await.unwrap();
     assert_eq!(settled, [Settlement::Completed]);
 }
 

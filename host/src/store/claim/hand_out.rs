@@ -50,9 +50,9 @@ impl Claimer {
     /// whose leases are issued (a store may leave those without a document, see
     /// [`Candidate::unstored`]; it writes every other one). The leases are issued
     /// once the commit is done, or, given `early`, as soon as the first stage and the lists
-    /// are, and sent there with a word of the commit to come (see [`EarlyHandOut`]). The way
-    /// from a commit to its handler is then no durable write long, not a fan-out's and then
-    /// a claim's.
+    /// are, and sent there, each with the word of the commit to come
+    /// ([`ClaimedDelivery::before_commit`]). The way from a commit to its handler is then no
+    /// durable write long, not a fan-out's and then a claim's.
     ///
     /// Returns what the commit returned and the deliveries handed out (not those sent early).
     /// Fresh deliveries it does not hand out (their lane is another instance's, or its list is
@@ -132,7 +132,7 @@ impl Claimer {
             .flat_map(|lane| by_lane[&lane].iter().map(|entry| entry.delivery))
             .collect();
         // Issues the leases of what was listed, and knows those lanes' lists again.
-        let issue_listed = |held: &mut BTreeMap<LaneId, Held>, records: Vec<LaneRecord>| {
+        let issue_listed = |held: &mut BTreeMap<LaneId, Held>, records: Vec<LaneRecord>, before_commit: Option<&FanOutCommit>| {
             let mut listed: Vec<(LaneId, i64, Vec<InFlight>)> = Vec::new();
             for (record, ok) in records.into_iter().zip(flags) {
                 if ok {
@@ -143,12 +143,12 @@ impl Claimer {
             }
             listed.extend(taken.iter().map(|(lane, epoch)| (*lane, *epoch, by_lane[lane].clone())));
             // Not issued, a listed delivery counts as running nowhere: a claim takes it.
-            self.issue_listed(held, listed, &by_lane, fresh, |id| !(requeued && keyed.contains(id)), now)
+            self.issue_listed(held, listed, &by_lane, fresh, |id| !(requeued && keyed.contains(id)), before_commit, now)
         };
         let Some(early) = early else {
             // Issued once committed: each lease names a delivery that exists.
             return match commit(&handed).await {
-                Ok(committed) => Ok(HandedOut { committed, claimed: issue_listed(&mut held, records), sent_early: Vec::new() }),
+                Ok(committed) => Ok(HandedOut { committed, claimed: issue_listed(&mut held, records, None), sent_early: Vec::new() }),
                 Err(error) => {
                     let taken = Ok(taken.clone());
                     let tried = Tried { records: &records, to_take: &to_take, events_lanes: &events_lanes };
@@ -156,18 +156,19 @@ impl Claimer {
                 }
             };
         };
-        let claimed = issue_listed(&mut held, records);
+        let (tell, commit_word) = FanOutCommit::channel();
+        let claimed = issue_listed(&mut held, records, Some(&commit_word));
         // The lists are written: claims need not wait for the commit.
         drop(held);
-        let (tell, commit_word) = FanOutCommit::channel();
         let sending: Vec<DeliveryId> = claimed.iter().map(|c| c.lease.delivery).collect();
         let (kept, sent_early) = if claimed.is_empty() {
             (Vec::new(), Vec::new())
         } else {
-            // A dispatcher that stopped listening gets them with the report instead.
-            match early.send(EarlyHandOut { claimed, commit: commit_word }) {
+            // A dispatcher that stopped listening gets them with the report instead, each
+            // still with the word of the commit.
+            match early.send(claimed) {
                 Ok(()) => (Vec::new(), sending),
-                Err(unsent) => (unsent.0.claimed, Vec::new()),
+                Err(unsent) => (unsent.0, Vec::new()),
             }
         };
         // Should the commit fail, what was sent is handed back as not run by whoever runs
@@ -233,13 +234,12 @@ impl Claimer {
         // write of their list leaves them out.
         let issued_for = |delivery: &DeliveryId| marked.as_ref().map_or(true, |ours| ours.contains(delivery));
         let listed = records.into_iter().map(|record| (record.lane, record.epoch, record.in_flight)).collect();
-        let claimed = self.issue_listed(&mut held, listed, &by_lane, fresh, issued_for, now);
-        let done = marked.is_ok();
+        let (tell, commit) = FanOutCommit::channel();
+        let _ = tell.send(Some(marked.is_ok()));
+        let claimed = self.issue_listed(&mut held, listed, &by_lane, fresh, issued_for, Some(&commit), now);
         drop(held);
         let sent: Vec<DeliveryId> = claimed.iter().map(|c| c.lease.delivery).collect();
-        let (tell, commit) = FanOutCommit::channel();
-        let _ = tell.send(Some(done));
-        if !claimed.is_empty() && early.send(EarlyHandOut { claimed, commit }).is_err() {
+        if !claimed.is_empty() && early.send(claimed).is_err() {
             // The dispatcher stopped: its stop hands back what this instance holds.
             tracing::debug!(deliveries = sent.len(), "a hand-out found the dispatcher gone");
         }
@@ -277,8 +277,9 @@ impl Claimer {
     }
 
     /// Issues the leases of those of `fresh` that `issued_for` admits, in the lanes of `listed`
-    /// (each with the epoch and the whole list written), and counts those lanes as held with
-    /// these lists.
+    /// (each with the epoch and the whole list written), before the fan-out's commit if
+    /// `before_commit` is its word, and counts those lanes as held with these lists.
+    #[allow(clippy::too_many_arguments)]
     fn issue_listed(
         &self,
         held: &mut BTreeMap<LaneId, Held>,
@@ -286,22 +287,22 @@ impl Claimer {
         by_lane: &BTreeMap<LaneId, Vec<InFlight>>,
         fresh: Vec<Fresh>,
         issued_for: impl Fn(&DeliveryId) -> bool,
+        before_commit: Option<&FanOutCommit>,
         now: DateTime,
     ) -> Vec<ClaimedDelivery> {
         let until = self.lease_until(now);
         let mut events: HashMap<DeliveryId, (Candidate, EventRecord)> =
             fresh.into_iter().map(|Fresh { candidate, event }| (candidate.id, (candidate, event))).collect();
-        let mut claimed = Vec::new();
-        let mut issued = self.issued.lock().expect("issued leases");
+        let mut picks = Vec::new();
         for (lane, epoch, in_flight) in listed {
             for entry in by_lane.get(&lane).into_iter().flatten().filter(|entry| issued_for(&entry.delivery)) {
                 if let Some((candidate, event)) = events.remove(&entry.delivery) {
-                    claimed.push(issue(&mut issued, candidate, epoch, event, now));
+                    picks.push((candidate, epoch, event));
                 }
             }
             held.insert(lane, Held { epoch, known: Some(Listed { in_flight, lease_until: until }) });
         }
-        claimed
+        self.issue_leases(picks, before_commit, now)
     }
 
     /// After a hand-out whose fan-out or lane writes failed: learns what it cannot know

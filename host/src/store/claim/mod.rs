@@ -28,7 +28,7 @@ use bson::{Bson, DateTime, Document};
 
 use super::answered;
 use super::assignment::Assignment;
-use super::{Capacity, ClaimedDelivery, DeliveryId, EarlyHandOut, EarlyHandOuts, FanOutCommit, FanOutReport, Lease, Priorities, Rooms, StoreError};
+use super::{Capacity, ClaimedDelivery, DeliveryId, EarlyHandOuts, FanOutCommit, FanOutReport, Lease, Priorities, Rooms, StoreError};
 
 mod backend;
 mod hand_out;
@@ -542,6 +542,39 @@ impl Claimer {
         }
     }
 
+    /// Issues the leases of `picks`, each in its lane at the epoch given, counted as issued
+    /// at `now` and handed out with its event: the one place a lease is made, whatever the
+    /// work came from (a claim's picks, in named lanes or a search of free ones, or a
+    /// fan-out's fresh batch, see [`Claimer::hand_out`]). `before_commit` is the word of the
+    /// fan-out commit the leases were issued before, if they were (see
+    /// [`ClaimedDelivery::before_commit`]).
+    fn issue_leases(
+        &self,
+        picks: impl IntoIterator<Item = (Candidate, i64, EventRecord)>,
+        before_commit: Option<&FanOutCommit>,
+        now: DateTime,
+    ) -> Vec<ClaimedDelivery> {
+        let mut issued = self.issued.lock().expect("issued leases");
+        picks
+            .into_iter()
+            .map(|(pick, epoch, event)| {
+                let lease = Lease { delivery: pick.id, lane: pick.lane, epoch, claims: pick.claims };
+                let key = pick.handler_key();
+                let unstored = pick.unstored.map(|event| Unstored { event, handler: pick.handler.clone(), key: pick.key.clone() });
+                issued.insert(pick.id, Issued { lease, at: now, key, unstored });
+                ClaimedDelivery {
+                    lease,
+                    handler: pick.handler,
+                    attempts: pick.attempts,
+                    event,
+                    started: pick.started,
+                    suspect: pick.suspect,
+                    before_commit: before_commit.cloned(),
+                }
+            })
+            .collect()
+    }
+
     /// Charges `entries` (see [`ClaimBackend::charge_lost`]), waiting at most `wait`, and
     /// counts the charge, made or not ([`Claimer::takeovers_charged`]; a charge cut short may
     /// still land). A charge cut short is made again in full later: each of its writes applies
@@ -566,16 +599,6 @@ impl Claimer {
         self.takeovers_charged.fetch_add(1, Ordering::SeqCst);
         charged
     }
-}
-
-/// The lease of `pick` in its lane at `epoch`, counted as issued at `now`, handed out with
-/// its event.
-fn issue(issued: &mut HashMap<DeliveryId, Issued>, pick: Candidate, epoch: i64, event: EventRecord, now: DateTime) -> ClaimedDelivery {
-    let lease = Lease { delivery: pick.id, lane: pick.lane, epoch, claims: pick.claims };
-    let key = pick.handler_key();
-    let unstored = pick.unstored.map(|event| Unstored { event, handler: pick.handler.clone(), key: pick.key.clone() });
-    issued.insert(pick.id, Issued { lease, at: now, key, unstored });
-    ClaimedDelivery { lease, handler: pick.handler, attempts: pick.attempts, event, started: pick.started, suspect: pick.suspect }
 }
 
 /// Counts lanes just taken as held, with nothing of theirs running; returns their ids.

@@ -81,14 +81,11 @@ impl Claimer {
         let mut known = plan.into_known_heads();
         self.drop_forgotten_heads(&mut known, true);
         *self.known_heads.lock().expect("known heads") = known;
-        let mut issued = self.issued.lock().expect("issued leases");
-        Ok(runnable
-            .into_iter()
-            .map(|(pick, event)| {
-                let epoch = mine[&pick.lane].epoch;
-                issue(&mut issued, pick, epoch, event, now)
-            })
-            .collect())
+        let picks = runnable.into_iter().map(|(pick, event)| {
+            let epoch = mine[&pick.lane].epoch;
+            (pick, epoch, event)
+        });
+        Ok(self.issue_leases(picks, None, now))
     }
 
     /// The lanes this instance still holds, and what of theirs still runs (as its last claim
