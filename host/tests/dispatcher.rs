@@ -486,6 +486,14 @@ impl Hosts for FaultyStore {
     async fn take_turn(&self, job: &str, turn: Duration, now: DateTime) -> Result<bool, StoreError> {
         self.inner.take_turn(job, turn, now).await
     }
+    async fn lease_share(
+        &self,
+        handler: &str,
+        request: &relayhost::store::limiter::ShareRequest,
+        now: DateTime,
+    ) -> Result<relayhost::store::limiter::ShareGrant, StoreError> {
+        self.inner.lease_share(handler, request, now).await
+    }
 }
 
 impl Administration for FaultyStore {

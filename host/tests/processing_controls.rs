@@ -129,7 +129,7 @@ async fn a_handler_holds_to_its_concurrency_and_the_others_never_wait_behind_it(
     let mut events: Vec<_> = (0..12).map(|n| event(&format!("u-{n}"), "order.placed")).collect();
     events.extend((0..8).map(|n| keyed(&format!("k-{n}"), "order.placed", if n % 2 == 0 { "even" } else { "odd" })));
     publish_all(&*store, events).await;
-    let two_at_once = Throttle { concurrency: Some(2), rate: None };
+    let two_at_once = Throttle { concurrency: Some(2), ..Default::default() };
     let probe = Probe::new(
         vec![spec("slow", two_at_once), spec("quick", Throttle::default())],
         &[("slow", Duration::from_millis(60)), ("quick", Duration::from_millis(5))],
@@ -161,7 +161,7 @@ async fn a_handler_starts_no_more_than_its_rate_in_any_window_and_the_others_nev
     let store = store();
     publish_all(&*store, (0..12).map(|n| event(&format!("e-{n}"), "order.placed")).collect()).await;
     let window = Duration::from_millis(300);
-    let three_a_window = Throttle { concurrency: None, rate: Some(RateLimit { max: 3, per: window }) };
+    let three_a_window = Throttle { rate: Some(RateLimit { max: 3, per: window }), ..Default::default() };
     let probe = Probe::new(vec![spec("paced", three_a_window), spec("quick", Throttle::default())], &[]);
     run_until_ran(store, probe.clone(), 24).await;
 

@@ -11,6 +11,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::dispatch::{DispatcherOptions, RateLimit, Throttle};
+use crate::store::limiter::GlobalRate;
 
 mod plugin;
 mod environment;
@@ -378,9 +379,16 @@ impl Config {
     pub fn throttle_for(&self, plugin: &str) -> Throttle {
         let own = self.plugin.get(plugin);
         let rate = own.and_then(|p| p.rate_per_host).or(self.defaults.rate_per_host);
+        let global_rate = own.and_then(|p| p.rate).or(self.defaults.rate);
         Throttle {
             concurrency: own.and_then(|p| p.concurrency_per_host).or(self.defaults.concurrency_per_host),
             rate: rate.map(|rate| RateLimit { max: rate.max, per: rate.per.0 }),
+            global_concurrency: own.and_then(|p| p.concurrency).or(self.defaults.concurrency),
+            global_rate: global_rate.map(|rate| GlobalRate {
+                max: rate.max,
+                per_ms: rate.per.0.as_millis() as i64,
+                burst: rate.burst.unwrap_or(rate.max),
+            }),
         }
     }
 
@@ -465,14 +473,19 @@ mod tests {
         assert_eq!(config.throttle_for("webhook"), Throttle::default());
         let throttled = load(
             "[defaults]\nconcurrency_per_host = 4\n[plugin.mailer]\nrate_per_host = { max = 10, per = \"1m\" }\n\
-             [plugin.hook]\nconcurrency_per_host = 1",
+             [plugin.hook]\nconcurrency_per_host = 1\n[plugin.api]\nconcurrency = 64\nrate = { max = 100, per = \"1s\", burst = 20 }\n\
+             [plugin.paced]\nrate = { max = 5, per = \"1m\" }",
             &[],
         )
         .unwrap();
         let ten_a_minute = Some(RateLimit { max: 10, per: Duration::from_secs(60) });
-        assert_eq!(throttled.throttle_for("mailer"), Throttle { concurrency: Some(4), rate: ten_a_minute });
-        assert_eq!(throttled.throttle_for("hook"), Throttle { concurrency: Some(1), rate: None });
-        assert_eq!(throttled.throttle_for("stranger"), Throttle { concurrency: Some(4), rate: None });
+        assert_eq!(throttled.throttle_for("mailer"), Throttle { concurrency: Some(4), rate: ten_a_minute, ..Default::default() });
+        assert_eq!(throttled.throttle_for("hook"), Throttle { concurrency: Some(1), ..Default::default() });
+        assert_eq!(throttled.throttle_for("stranger"), Throttle { concurrency: Some(4), ..Default::default() });
+        let api = throttled.throttle_for("api");
+        assert_eq!((api.global_concurrency, api.global_rate), (Some(64), Some(GlobalRate { max: 100, per_ms: 1_000, burst: 20 })));
+        // The burst is the rate's max unless given.
+        assert_eq!(throttled.throttle_for("paced").global_rate, Some(GlobalRate { max: 5, per_ms: 60_000, burst: 5 }));
         let prioritized = load("[defaults]\npriority = -1\n[plugin.urgent]\npriority = 10", &[]).unwrap();
         assert_eq!((prioritized.priority_for("urgent"), prioritized.priority_for("other")), (10, -1));
         assert_eq!(config.priority_for("webhook"), 0);
@@ -569,6 +582,10 @@ mod tests {
             ("[plugin.x]\nrate_per_host = { max = 5, per = \"2days\" }", "plugin.x.rate_per_host.per"),
             ("[plugin.x]\nrate_per_host = { max = 5 }", "per"),
             ("[plugin.x]\nrate_per_host = { max = 5, per = \"1s\", burst = 2 }", "burst"),
+            ("[plugin.x]\nconcurrency = 0", "plugin.x.concurrency"),
+            ("[plugin.x]\nrate = { max = 0, per = \"1s\" }", "plugin.x.rate.max"),
+            ("[plugin.x]\nrate = { max = 5, per = \"1s\", burst = 0 }", "plugin.x.rate.burst"),
+            ("[plugin.x]\nrate = { max = 5, per = \"3days\" }", "plugin.x.rate.per"),
         ];
         for (text, field) in cases {
             let error = load(text, &[]).unwrap_err().to_string();

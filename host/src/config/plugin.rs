@@ -55,6 +55,16 @@ pub struct RateConfig {
     pub per: Span,
 }
 
+/// At most `max` starts in any window of `per` across all hosts, up to `burst` of them at
+/// once (`max` unless given).
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct GlobalRateConfig {
+    pub max: usize,
+    pub per: Span,
+    pub burst: Option<usize>,
+}
+
 /// What the operator grants one plugin.
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
@@ -103,6 +113,10 @@ pub struct PluginConfig {
     pub concurrency_per_host: Option<usize>,
     /// The most deliveries of each of its handlers one host starts in a window.
     pub rate_per_host: Option<RateConfig>,
+    /// The most deliveries of each of its handlers held at once across all hosts.
+    pub concurrency: Option<usize>,
+    /// The most deliveries of each of its handlers started in a window across all hosts.
+    pub rate: Option<GlobalRateConfig>,
     /// Of due deliveries, those of its handlers go before those of lower priorities.
     pub priority: Option<i32>,
     pub grants: GrantsConfig,
@@ -147,6 +161,14 @@ pub(super) fn validate_plugin(section: &str, plugin: &PluginConfig) -> Result<()
     range("concurrency_per_host", plugin.concurrency_per_host.map(|n| n as u64), 1, 10_000, "between 1 and 10000")?;
     if plugin.priority.is_some_and(|priority| !(-1_000..=1_000).contains(&priority)) {
         return Err(invalid(format!("{section}.priority"), "must be between -1000 and 1000"));
+    }
+    range("concurrency", plugin.concurrency.map(|n| n as u64), 1, 100_000, "between 1 and 100000")?;
+    if let Some(rate) = &plugin.rate {
+        range("rate.max", Some(rate.max as u64), 1, 100_000, "between 1 and 100000")?;
+        range("rate.burst", rate.burst.map(|n| n as u64), 1, 100_000, "between 1 and 100000")?;
+        if rate.per.0 < Duration::from_millis(1) || rate.per.0 > Duration::from_secs(24 * 3600) {
+            return Err(invalid(format!("{section}.rate.per"), "must be between 1ms and 24h"));
+        }
     }
     if let Some(rate) = &plugin.rate_per_host {
         range("rate_per_host.max", Some(rate.max as u64), 1, 100_000, "between 1 and 100000")?;

@@ -45,6 +45,7 @@ use tokio::time::Instant;
 use super::completion::{Completions, step_result};
 use super::fan_out_task::{FanOutTask, join_fan_out};
 use super::flight::{Flight, Running};
+use super::global_limits::GlobalShares;
 use super::options::{DispatcherCounters, DispatcherOptions};
 use super::runner::{HandlerSpec, RunResult, Runner};
 use super::announcements;
@@ -176,7 +177,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                     // hands them back, so that their host can hand out there.
                     flight.claim |= self.store.holds_lanes_of_another_host();
                 }),
-                _ = renewal.tick() => self.renew(&flight.running).await,
+                _ = renewal.tick() => self.renew(&mut flight).await,
                 // A new split of the lanes may leave this host events it did not fan out so far.
                 () = hosts_changed.notified() => { flight.fan_out = true; flight.claim = true; Ok(()) }
             };
@@ -313,9 +314,10 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         let lanes: Vec<LaneId> = std::mem::take(&mut flight.claim_lanes).into_iter().collect();
         let handlers: Vec<String> = specs.iter().map(|s| s.handler.clone()).collect();
         let capacity = self.capacity(flight);
-        let held = |handler: &str| flight.running.values().filter(|r| r.handler == handler).count();
-        let (rooms, wait_for_slots) = flight.start_windows.rooms(specs, capacity.run_now, held);
+        let (rooms, wait_for_slots) = flight.start_windows.rooms(specs, capacity.run_now, |h| held(&flight.running, h));
         flight.throttled_wait_for_slots = wait_for_slots;
+        // Of a handler limited across hosts, no more than its share and tokens leave.
+        let rooms = flight.global_shares.before_claim(&*self.store, specs, rooms, capacity.total, |h| held(&flight.running, h)).await;
         let started = Instant::now();
         let capacity = capacity.within(rooms.clone()).ordered_by(priorities(specs));
         let claimed = if search_all {
@@ -339,7 +341,17 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 }
             }
         }
-        self.start(claimed, specs, permits, finished_tx, flight).await
+        let taken = GlobalShares::taken(specs, &claimed);
+        self.start(claimed, specs, permits, finished_tx, flight).await?;
+        flight.global_shares.after_claim(&*self.store, specs, &taken, |h| held(&flight.running, h)).await;
+        // Short of tokens across hosts: look again once the bucket may hold one more.
+        if let Some(wait) = flight.global_shares.next_token_in(specs) {
+            let at = Instant::now() + wait;
+            if !flight.claim_timers.iter().any(|Reverse(timer)| *timer <= at) {
+                flight.claim_timers.push(Reverse(at));
+            }
+        }
+        Ok(())
     }
 
     /// Starts runs of leased deliveries, claimed or handed out (each waits for a run slot), or
@@ -493,8 +505,12 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         first_error.map_or(Ok(()), Err)
     }
 
-    async fn renew(&self, running: &HashMap<DeliveryId, Running>) -> Result<(), StoreError> {
-        let leases: Vec<Lease> = running.values().filter(|r| r.renew).map(|r| r.lease).collect();
+    /// Renews the leases of what runs and waits for a slot, and this host's shares of the
+    /// limits across hosts.
+    async fn renew(&self, flight: &mut Flight<S>) -> Result<(), StoreError> {
+        let leases: Vec<Lease> = flight.running.values().filter(|r| r.renew).map(|r| r.lease).collect();
+        let specs = self.runner.handlers();
+        flight.global_shares.renew(&*self.store, &specs, |h| held(&flight.running, h), false).await;
         if !leases.is_empty() {
             self.store.extend_lease(&leases, DateTime::now()).await?;
         }
@@ -563,6 +579,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             let released = self.store.release(&leases, DateTime::now()).await?;
             DispatcherCounters::add(&self.counters.released, released);
         }
+        flight.global_shares.renew(&*self.store, &self.runner.handlers(), |_| 0, true).await;
         self.store.relinquish().await
     }
 }
@@ -580,6 +597,11 @@ fn settle_batch<S: Store>(
         batch.push(more);
     }
     batch
+}
+
+/// How many deliveries of `handler` this host holds (running or waiting for a run slot).
+fn held(running: &HashMap<DeliveryId, Running>, handler: &str) -> usize {
+    running.values().filter(|r| r.handler == handler).count()
 }
 
 /// The handlers' priorities, as claims and hand-outs take them.

@@ -14,6 +14,7 @@ use super::fan_out_task::FannedOut;
 use super::runner::RunResult;
 use super::sequence_watch::SequenceWatch;
 use super::starts::StartRecorder;
+use super::global_limits::GlobalShares;
 use super::throttle::StartWindows;
 use crate::lane::LaneId;
 use crate::store::{ClaimedDelivery, DeliveryId, Lease, Store, StoreError};
@@ -35,6 +36,8 @@ pub(super) struct Flight<S: Store> {
     pub(super) claim_timers: BinaryHeap<Reverse<Instant>>,
     /// The starts of each rate-limited handler in its window.
     pub(super) start_windows: StartWindows,
+    /// This host's shares of the limits across hosts.
+    pub(super) global_shares: GlobalShares,
     /// A rate-limited handler found fewer free run slots than its window left it at the last
     /// claim: a run that ends asks for the next.
     pub(super) throttled_wait_for_slots: bool,
@@ -77,6 +80,7 @@ impl<S: Store> Flight<S> {
             claim_timers: BinaryHeap::new(),
             start_windows: StartWindows::default(),
             throttled_wait_for_slots: false,
+            global_shares: GlobalShares::default(),
             fan_out: true,
             claim: true,
             backlog: false,

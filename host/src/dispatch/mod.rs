@@ -11,6 +11,7 @@ mod dead_letter;
 mod dispatcher;
 mod fan_out_task;
 mod flight;
+mod global_limits;
 mod known_handlers;
 mod options;
 mod runner;

@@ -1,7 +1,8 @@
-//! A handler's processing limits on one host, as the operator sets them: how many of its
-//! deliveries the host holds at once (running or claimed ahead of a run slot), and how many of
-//! them it starts in any window of a given length. With several hosts, each holds to them on
-//! its own.
+//! A handler's processing limits, as the operator sets them: how many of its deliveries a
+//! host holds at once (running or claimed ahead of a run slot), and how many of them it
+//! starts in any window of a given length, on each host; and the same across every host (the
+//! global `concurrency` and `rate`, held through the store's limiter documents, see
+//! [`crate::store::limiter`]; the claim asks for them in `dispatcher.rs`).
 //!
 //! A throttled handler's deliveries are only ever claimed, never handed out by their fan-out,
 //! and a claim takes at most the room its limits leave (the claim is told each handler's
@@ -17,15 +18,22 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::HandlerSpec;
+use crate::store::limiter::GlobalRate;
 use crate::store::{Room, Rooms};
 
-/// What the operator limits one handler to, on each host. The default limits nothing.
+/// What the operator limits one handler to, on each host and across all. The default limits
+/// nothing.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Throttle {
-    /// At most this many of its deliveries held at once, running or waiting for a run slot.
+    /// At most this many of its deliveries held at once on each host, running or waiting for
+    /// a run slot.
     pub concurrency: Option<usize>,
-    /// At most so many starts in any window.
+    /// At most so many starts in any window, on each host.
     pub rate: Option<RateLimit>,
+    /// At most this many held at once across all hosts.
+    pub global_concurrency: Option<usize>,
+    /// At most so many starts a window across all hosts, with a burst.
+    pub global_rate: Option<GlobalRate>,
 }
 
 /// At most `max` starts in any window of `per`.
@@ -38,7 +46,17 @@ pub struct RateLimit {
 impl Throttle {
     /// Whether it limits anything.
     pub fn limits(&self) -> bool {
-        self.concurrency.is_some() || self.rate.is_some()
+        self.concurrency.is_some() || self.rate.is_some() || self.global()
+    }
+
+    /// Whether it limits anything across hosts (its claims ask the store's limiter first).
+    pub fn global(&self) -> bool {
+        self.global_concurrency.is_some() || self.global_rate.is_some()
+    }
+
+    /// Whether each start is counted as it is claimed, so it must start at once.
+    fn counts_starts(&self) -> bool {
+        self.rate.is_some() || self.global_rate.is_some()
     }
 }
 
@@ -75,7 +93,7 @@ impl StartWindows {
         let mut rooms = Vec::new();
         for spec in specs.iter().filter(|spec| spec.throttle.limits()) {
             let mut most = self.room(&spec.handler, &spec.throttle, held(&spec.handler), now).unwrap_or(0);
-            let start_now = spec.throttle.rate.is_some();
+            let start_now = spec.throttle.counts_starts();
             if start_now {
                 wait_for_slots |= most > run_slots;
                 most = most.min(run_slots);
@@ -125,7 +143,7 @@ mod tests {
         let mut windows = StartWindows::default();
         let now = Instant::now();
         assert_eq!(windows.room("h", &Throttle::default(), 100, now), None, "unthrottled");
-        let both = Throttle { concurrency: Some(3), rate: Some(RateLimit { max: 5, per: SECOND }) };
+        let both = Throttle { concurrency: Some(3), rate: Some(RateLimit { max: 5, per: SECOND }), ..Default::default() };
         assert_eq!(windows.room("h", &both, 0, now), Some(3));
         assert_eq!(windows.room("h", &both, 2, now), Some(1));
         assert_eq!(windows.room("h", &both, 7, now), Some(0), "held beyond a lowered limit");
@@ -144,12 +162,12 @@ mod tests {
             priority: 0,
             transactional: false,
         };
-        let paced = Throttle { concurrency: None, rate: Some(RateLimit { max: 4, per: SECOND }) };
+        let paced = Throttle { rate: Some(RateLimit { max: 4, per: SECOND }), ..Default::default() };
         let specs = [
             spec("free", Throttle::default()),
             spec("a", paced),
             spec("b", paced),
-            spec("held", Throttle { concurrency: Some(10), rate: None }),
+            spec("held", Throttle { concurrency: Some(10), ..Default::default() }),
         ];
         let mut windows = StartWindows::default();
         let (rooms, wait_for_slots) = windows.rooms(&specs, 6, |handler| if handler == "held" { 3 } else { 0 });
@@ -165,7 +183,7 @@ mod tests {
     #[test]
     fn a_full_window_opens_when_its_oldest_start_leaves_it() {
         let mut windows = StartWindows::default();
-        let rate = Throttle { concurrency: None, rate: Some(RateLimit { max: 2, per: SECOND }) };
+        let rate = Throttle { rate: Some(RateLimit { max: 2, per: SECOND }), ..Default::default() };
         let t0 = Instant::now();
         windows.started("h", &rate, 1, t0);
         assert_eq!(windows.opening("h", &rate, t0), None, "room left");
@@ -179,7 +197,7 @@ mod tests {
         assert_eq!(windows.room("h", &rate, 0, opens), Some(1));
         assert_eq!(windows.room("h", &rate, 0, t0 + 3 * SECOND), Some(2));
         // Concurrency alone counts no starts.
-        let held = Throttle { concurrency: Some(1), rate: None };
+        let held = Throttle { concurrency: Some(1), ..Default::default() };
         windows.started("c", &held, 5, t0);
         assert_eq!(windows.opening("c", &held, t0), None);
         assert_eq!(windows.room("c", &held, 0, t0), Some(1));

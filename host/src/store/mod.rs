@@ -19,6 +19,7 @@ mod error;
 mod fan_out;
 pub mod handler_documents;
 mod lease;
+pub mod limiter;
 mod listing;
 pub mod registry;
 pub mod memory;
@@ -444,6 +445,15 @@ pub trait Hosts: Send + Sync + 'static {
 
     /// The live hosts and every lane's holder (while its lease is live), for operators.
     fn membership(&self, now: DateTime) -> impl Future<Output = Result<Membership, StoreError>> + Send;
+
+    /// This instance's ask of `handler`'s limits across all hosts at `now`: its share of the
+    /// global concurrency, lasting a lease, and the rate's tokens (see [`limiter`]).
+    fn lease_share(
+        &self,
+        handler: &str,
+        request: &limiter::ShareRequest,
+        now: DateTime,
+    ) -> impl Future<Output = Result<limiter::ShareGrant, StoreError>> + Send;
 }
 
 /// Administration: what operators read and do (statistics, listing, requeue, bury, purge,

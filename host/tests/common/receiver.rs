@@ -13,6 +13,8 @@ pub struct Receiver {
     pub hold: Arc<AtomicBool>,
     pub delay_ms: Arc<std::sync::atomic::AtomicU64>,
     bodies: Arc<Mutex<Vec<serde_json::Value>>>,
+    /// When each request arrived.
+    arrivals: Arc<Mutex<Vec<std::time::Instant>>>,
     /// Requests being answered now, and the most ever at once.
     answering: Arc<Mutex<(usize, usize)>>,
 }
@@ -30,12 +32,14 @@ impl Receiver {
         let (hold, bodies) = (Arc::new(AtomicBool::new(true)), Arc::<Mutex<Vec<serde_json::Value>>>::default());
         let delay_ms = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let answering: Arc<Mutex<(usize, usize)>> = Arc::default();
-        let (holding, delay, log, counts) = (hold.clone(), delay_ms.clone(), bodies.clone(), answering.clone());
+        let arrivals: Arc<Mutex<Vec<std::time::Instant>>> = Arc::default();
+        let (holding, delay, log, counts, arrived) = (hold.clone(), delay_ms.clone(), bodies.clone(), answering.clone(), arrivals.clone());
         std::thread::spawn(move || {
             let mut held = Vec::new();
             for stream in listener.incoming() {
                 let Ok(mut stream) = stream else { continue };
                 let body = read_request_body(&mut stream);
+                arrived.lock().unwrap().push(std::time::Instant::now());
                 log.lock().unwrap().push(serde_json::from_slice(&body).unwrap_or_default());
                 if holding.load(Ordering::SeqCst) {
                     held.push(stream);
@@ -55,7 +59,12 @@ impl Receiver {
                 }
             }
         });
-        Self { address, hold, delay_ms, bodies, answering }
+        Self { address, hold, delay_ms, bodies, arrivals, answering }
+    }
+
+    /// When each request arrived, in order.
+    pub fn arrivals(&self) -> Vec<std::time::Instant> {
+        self.arrivals.lock().unwrap().clone()
     }
 
     pub fn bodies(&self) -> Vec<serde_json::Value> {

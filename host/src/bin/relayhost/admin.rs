@@ -156,6 +156,13 @@ fn processing(config: &Config, plugin: &str) -> String {
     if let Some(rate) = throttle.rate {
         said.push(format!("at most {} starts per {} per host", rate.max, humantime::format_duration(rate.per)));
     }
+    if let Some(concurrency) = throttle.global_concurrency {
+        said.push(format!("at most {concurrency} at once across hosts"));
+    }
+    if let Some(rate) = throttle.global_rate {
+        let per = humantime::format_duration(std::time::Duration::from_millis(rate.per_ms as u64));
+        said.push(format!("at most {} starts per {per} across hosts (burst {})", rate.max, rate.burst));
+    }
     match config.priority_for(plugin) {
         0 => {}
         priority => said.push(format!("priority {priority}")),

@@ -21,6 +21,7 @@ use bson::{Bson, DateTime, Document};
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use super::claim::{Claimer, HandlerKey, InFlight, LaneSearch, LaneState, Settled, Unpark, Unstored};
+use super::limiter;
 use super::fan_out::{FanOutPlan, NewDelivery, WithoutDocuments, id_text};
 use super::{
     Administration, Capacity, ClaimedDelivery, DeliveryFilter, DeliveryId, DeliveryPage, DeliveryStatus, DeliveryView, EarlyHandOuts, FanOutReport,
@@ -33,6 +34,7 @@ use crate::lane::{LANE_COUNT, LaneId};
 mod fan_out;
 mod handler_documents;
 mod lanes;
+mod limiters;
 mod operations;
 mod query;
 mod registry;
@@ -107,6 +109,8 @@ struct State {
     serves: BTreeMap<String, Vec<super::registry::Served>>,
     /// Jobs one host at a time does: the holder of each turn, until when.
     turns: BTreeMap<String, (String, DateTime)>,
+    /// Limits across hosts, by handler (see `crate::store::limiter`).
+    limiters: BTreeMap<String, super::limiter::LimiterState>,
     /// Handlers' collections by name, each in insertion order (see `handler_documents`).
     collections: BTreeMap<String, Vec<Document>>,
 }
@@ -480,6 +484,11 @@ impl Hosts for MemoryStore {
                 Ok(true)
             }
         }
+    }
+
+    async fn lease_share(&self, handler: &str, request: &limiter::ShareRequest, now: DateTime) -> Result<limiter::ShareGrant, StoreError> {
+        let lease_ms = self.claimer.lease_duration.as_millis() as i64;
+        limiter::lease_share(&limiters::Limiters { store: self }, &self.claimer.host_id(), handler, request, now, lease_ms).await
     }
 }
 

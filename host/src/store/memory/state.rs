@@ -102,6 +102,7 @@ impl State {
             handlers: BTreeMap::new(),
             serves: BTreeMap::new(),
             turns: BTreeMap::new(),
+            limiters: BTreeMap::new(),
             collections: BTreeMap::new(),
         }
     }

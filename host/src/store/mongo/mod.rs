@@ -38,6 +38,7 @@ mod heard;
 mod hosts;
 mod lane_statements;
 mod lanes;
+mod limiters;
 mod operations;
 mod outcome;
 mod registry;
@@ -61,6 +62,7 @@ use mongodb::options::{
 use mongodb::{Client, ClientSession, Collection, Database};
 
 use super::claim::{Claimer, LaneSearch};
+use super::limiter::{self, ShareGrant, ShareRequest};
 use super::registry::{Declaration, Disposal, RegisteredHandler, RetireReport};
 use crate::lane::LaneId;
 use super::{
@@ -123,6 +125,8 @@ pub(crate) struct Collections {
     pub handlers: Collection<Document>,
     /// Whose turn a job that one host at a time does is (see `Hosts::take_turn`).
     pub turns: Collection<Document>,
+    /// Limits across hosts, one document per limited handler (see `limiters`).
+    pub limiters: Collection<Document>,
 }
 
 impl Collections {
@@ -143,6 +147,7 @@ impl Collections {
             hosts: collection("hosts"),
             handlers: collection("handlers"),
             turns: collection("turns"),
+            limiters: collection("limiters"),
         }
     }
 }
@@ -510,6 +515,11 @@ impl Hosts for MongoStore {
 
     async fn take_turn(&self, job: &str, turn: std::time::Duration, now: DateTime) -> Result<bool, StoreError> {
         hosts::take_turn(self, job, turn, now).await
+    }
+
+    async fn lease_share(&self, handler: &str, request: &ShareRequest, now: DateTime) -> Result<ShareGrant, StoreError> {
+        let lease_ms = self.claimer.lease_duration.as_millis() as i64;
+        limiter::lease_share(&limiters::Limiters { store: self }, &self.claimer.host_id(), handler, request, now, lease_ms).await
     }
 }
 

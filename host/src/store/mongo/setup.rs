@@ -55,6 +55,7 @@ pub(super) async fn run(client: &Client, collections: &Collections, location: &M
         &collections.hosts,
         &collections.handlers,
         &collections.turns,
+        &collections.limiters,
     ] {
         create_collection(&database, collection.name()).await?;
     }

@@ -1,0 +1,210 @@
+//! Limits that hold across every host: a handler's global `concurrency` and `rate`, kept in
+//! one limiter document per limited handler, which each host leases a share of.
+//!
+//! - **Concurrency.** Each host's share is the most deliveries of the handler it may hold at
+//!   once (running or claimed ahead). A host claims within its share; it asks for a bigger one
+//!   when its claims could take more, and shrinks it to what it holds when they could not. The
+//!   shares of all live hosts never add up to more than the limit: a share grows only into
+//!   what the others' leave free, in one conditional write of the document. A share lasts a
+//!   lease and is renewed with the host's leases, so a dead host's share comes back when its
+//!   lane leases (and so its deliveries) do. A host that waits (its ask was cut short by the
+//!   others' shares) says so in its share; the others then shrink to an even part of the
+//!   limit as their runs end, so no host starves.
+//! - **Rate.** A token bucket in the same document: `max` tokens a `per`, up to `burst` kept.
+//!   A claim takes the tokens its room may use and gives back, with its next ask, those its
+//!   picks did not use; each start costs one token, whichever host makes it.
+//!
+//! This module owns the arithmetic ([`LimiterState::lease`]) and the one way both stores
+//! apply it ([`lease_share`]: read, compute, write if unchanged, again on a race). It never
+//! claims and never counts what runs: the dispatcher tells it what its host holds.
+
+use std::future::Future;
+
+use bson::DateTime;
+
+use super::StoreError;
+
+/// What one host asks of a limited handler's limiter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ShareRequest {
+    /// The global concurrency limit, if there is one.
+    pub concurrency: Option<usize>,
+    /// Deliveries of the handler this host holds now (its share is never cut below).
+    pub held: usize,
+    /// The most it would hold after its next claim.
+    pub wanted: usize,
+    /// The global rate, if there is one.
+    pub rate: Option<GlobalRate>,
+    /// Tokens it would take for its next claim.
+    pub tokens_wanted: usize,
+    /// Tokens its last claim took and did not use.
+    pub tokens_returned: usize,
+}
+
+/// At most `max` starts a `per` across all hosts, with up to `burst` at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GlobalRate {
+    pub max: usize,
+    pub per_ms: i64,
+    pub burst: usize,
+}
+
+/// What a host may do after its ask.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ShareGrant {
+    /// Its share: the most deliveries it may hold (`usize::MAX` without a concurrency limit).
+    pub share: usize,
+    /// Tokens it took: the most deliveries it may start now (`usize::MAX` without a rate).
+    pub tokens: usize,
+}
+
+/// One host's share of a limiter.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Share {
+    pub host: String,
+    /// The most deliveries it may hold.
+    pub share: usize,
+    /// What it asked for; more than `share` while it waits for the others.
+    pub wanted: usize,
+    /// When the share lapses unless renewed (ms since the epoch).
+    pub until_ms: i64,
+}
+
+/// A limiter document: the live shares and the bucket, and the version its writes check.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct LimiterState {
+    /// `None` before the first write.
+    pub version: Option<i64>,
+    pub shares: Vec<Share>,
+    pub tokens: f64,
+    pub refilled_at_ms: i64,
+}
+
+impl LimiterState {
+    /// Applies `host`'s ask at `now_ms`, its share lasting until `until_ms`; returns the grant.
+    /// Lapsed shares are dropped first. The sum of the live shares never exceeds the limit
+    /// unless it did before (a limit lowered under running work), and a share never drops
+    /// below what its host holds.
+    pub fn lease(&mut self, host: &str, request: &ShareRequest, now_ms: i64, until_ms: i64) -> ShareGrant {
+        self.shares.retain(|share| share.until_ms > now_ms && share.host != host);
+        let share = match request.concurrency {
+            None => usize::MAX,
+            Some(limit) => {
+                let others: usize = self.shares.iter().map(|share| share.share).sum();
+                let free = limit.saturating_sub(others);
+                // While others wait, each host keeps to an even part of the limit.
+                let waiting = self.shares.iter().filter(|share| share.wanted > share.share).count();
+                let even = if waiting == 0 { usize::MAX } else { limit.div_ceil(waiting + 1) };
+                let share = request.wanted.min(free).min(even).max(request.held);
+                if share > 0 || request.wanted > 0 {
+                    self.shares.push(Share { host: host.to_string(), share, wanted: request.wanted, until_ms });
+                }
+                share
+            }
+        };
+        let tokens = match request.rate {
+            None => usize::MAX,
+            Some(rate) => {
+                let elapsed = now_ms.saturating_sub(self.refilled_at_ms).max(0) as f64;
+                let refill = elapsed * rate.max as f64 / rate.per_ms.max(1) as f64;
+                let burst = rate.burst as f64;
+                let tokens = if self.version.is_none() { burst } else { self.tokens + refill + request.tokens_returned as f64 };
+                let tokens = tokens.min(burst);
+                let taken = (request.tokens_wanted as f64).min(tokens.floor()).max(0.0);
+                self.tokens = tokens - taken;
+                self.refilled_at_ms = now_ms;
+                taken as usize
+            }
+        };
+        ShareGrant { share, tokens }
+    }
+}
+
+/// How a store keeps limiter documents: read one, and write it only if its version is the
+/// one read (a document not there yet: only if still not there).
+pub trait LimiterBackend: Sync {
+    fn read(&self, handler: &str) -> impl Future<Output = Result<LimiterState, StoreError>> + Send;
+    /// Writes `state` as `version + 1` (1 for a new document); whether it did.
+    fn write_if(&self, handler: &str, state: &LimiterState) -> impl Future<Output = Result<bool, StoreError>> + Send;
+}
+
+/// How often an ask is tried again after another host's write raced it.
+const RACES: usize = 16;
+
+/// `host`'s ask of `handler`'s limiter at `now`, its share lasting `lease_ms`: read,
+/// [`LimiterState::lease`], write if unchanged, again after a race.
+pub async fn lease_share<B: LimiterBackend>(
+    backend: &B,
+    host: &str,
+    handler: &str,
+    request: &ShareRequest,
+    now: DateTime,
+    lease_ms: i64,
+) -> Result<ShareGrant, StoreError> {
+    let now_ms = now.timestamp_millis();
+    for race in 0..RACES {
+        let mut state = backend.read(handler).await?;
+        let grant = state.lease(host, request, now_ms, now_ms.saturating_add(lease_ms));
+        if backend.write_if(handler, &state).await? {
+            return Ok(grant);
+        }
+        // Hosts asking at once take turns, a little apart.
+        tokio::time::sleep(std::time::Duration::from_millis(1 + (race as u64 % 4))).await;
+    }
+    Err(StoreError::Raced(format!("the limiter of {handler} changed under {RACES} asks in a row")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ask(concurrency: usize, held: usize, wanted: usize) -> ShareRequest {
+        ShareRequest { concurrency: Some(concurrency), held, wanted, ..Default::default() }
+    }
+
+    #[test]
+    fn shares_never_add_up_past_the_limit_and_a_waiting_host_gets_an_even_part() {
+        let mut state = LimiterState::default();
+        assert_eq!(state.lease("a", &ask(4, 0, 10), 0, 1_000).share, 4);
+        // b finds nothing free and waits.
+        assert_eq!(state.lease("b", &ask(4, 0, 10), 1, 1_000).share, 0);
+        // a still holds 4; as its runs end it keeps to half.
+        assert_eq!(state.lease("a", &ask(4, 4, 10), 2, 1_000).share, 4);
+        assert_eq!(state.lease("a", &ask(4, 1, 10), 3, 1_000).share, 2);
+        assert_eq!(state.lease("b", &ask(4, 0, 10), 4, 1_000).share, 2);
+        let total: usize = state.shares.iter().map(|s| s.share).sum();
+        assert_eq!(total, 4);
+    }
+
+    #[test]
+    fn a_lapsed_share_comes_back_and_an_idle_host_hands_its_share_back() {
+        let mut state = LimiterState::default();
+        assert_eq!(state.lease("a", &ask(3, 0, 3), 0, 1_000).share, 3);
+        assert_eq!(state.lease("b", &ask(3, 0, 3), 999, 2_000).share, 0);
+        assert_eq!(state.lease("b", &ask(3, 0, 3), 1_000, 3_000).share, 3, "a's share lapsed");
+        assert_eq!(state.lease("b", &ask(3, 0, 0), 1_001, 3_000).share, 0);
+        assert!(state.shares.is_empty(), "an idle host leaves no share");
+    }
+
+    #[test]
+    fn a_share_never_drops_below_what_its_host_holds() {
+        let mut state = LimiterState::default();
+        state.lease("a", &ask(5, 0, 5), 0, 1_000);
+        // The limit was lowered to 2 while a ran 5.
+        assert_eq!(state.lease("a", &ask(2, 5, 5), 1, 1_000).share, 5);
+        assert_eq!(state.lease("b", &ask(2, 0, 2), 2, 1_000).share, 0);
+    }
+
+    #[test]
+    fn the_bucket_refills_at_the_rate_up_to_its_burst_and_takes_back_what_was_not_used() {
+        let rate = GlobalRate { max: 10, per_ms: 1_000, burst: 5 };
+        let take = |wanted, returned| ShareRequest { rate: Some(rate), tokens_wanted: wanted, tokens_returned: returned, ..Default::default() };
+        let mut state = LimiterState::default();
+        assert_eq!(state.lease("a", &take(8, 0), 0, 1_000).tokens, 5, "a burst at first");
+        state.version = Some(1);
+        assert_eq!(state.lease("b", &take(8, 0), 100, 1_000).tokens, 1, "one token in 100 ms");
+        assert_eq!(state.lease("a", &take(8, 0), 100, 1_000).tokens, 0);
+        assert_eq!(state.lease("a", &take(8, 3), 100, 1_000).tokens, 3, "given back, taken again");
+        assert_eq!(state.lease("a", &take(8, 0), 10_000, 1_000).tokens, 5, "never more than the burst");
+    }
+}

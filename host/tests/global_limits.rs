@@ -1,0 +1,180 @@
+//! Limits across hosts: the limiter's contract on both stores (shares that never add up past
+//! the limit, even asked at once; a waiting host's even part; a lapsed share back; one bucket
+//! of tokens for all), and host processes on a real replica set held to a global concurrency
+//! and rate while hosts are killed.
+
+#![allow(async_fn_in_trait)]
+
+#[macro_use]
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use bson::{DateTime, doc};
+use common::deployment::Deployment;
+use common::receiver::Receiver;
+use common::*;
+use relayhost::event::NewEvent;
+use relayhost::store::Hosts;
+use relayhost::store::limiter::{GlobalRate, ShareRequest};
+
+both_stores!(
+    shares_asked_at_once_never_add_up_past_the_limit,
+    a_waiting_host_gets_an_even_part_as_the_others_runs_end,
+    a_dead_hosts_share_comes_back_when_its_lease_lapses,
+    every_host_takes_from_one_bucket_of_tokens,
+);
+
+const T0: i64 = 1_800_000_000_000;
+
+fn at(ms: i64) -> DateTime {
+    DateTime::from_millis(ms)
+}
+
+fn ask(limit: usize, held: usize, wanted: usize) -> ShareRequest {
+    ShareRequest { concurrency: Some(limit), held, wanted, ..Default::default() }
+}
+
+async fn shares_asked_at_once_never_add_up_past_the_limit<F: Fixture>() {
+    let fixture = F::new().await;
+    let hosts: Vec<Arc<F::S>> = (0..6).map(|n| Arc::new(fixture.worker(&format!("host-{n}")))).collect();
+    // Six hosts ask for 4 each of a limit of 5, all at once, three rounds.
+    for round in 0..3 {
+        let asks = hosts.iter().map(|host| {
+            let host = host.clone();
+            async move { host.lease_share("h", &ask(5, 0, 4), at(T0 + round)).await.unwrap().share }
+        });
+        let shares = futures::future::join_all(asks).await;
+        assert_eq!(shares.iter().sum::<usize>(), 5, "round {round}: {shares:?}");
+        // Each hands its share back, one at a time.
+        for host in &hosts {
+            host.lease_share("h", &ask(5, 0, 0), at(T0 + round)).await.unwrap();
+        }
+    }
+}
+
+async fn a_waiting_host_gets_an_even_part_as_the_others_runs_end<F: Fixture>() {
+    let fixture = F::new().await;
+    let (a, b) = (fixture.worker("a"), fixture.worker("b"));
+    assert_eq!(a.lease_share("h", &ask(4, 0, 8), at(T0)).await.unwrap().share, 4);
+    assert_eq!(b.lease_share("h", &ask(4, 0, 8), at(T0 + 1)).await.unwrap().share, 0, "nothing free: b waits");
+    // a's runs end one by one; seeing b wait, a keeps to half.
+    assert_eq!(a.lease_share("h", &ask(4, 3, 8), at(T0 + 2)).await.unwrap().share, 3);
+    assert_eq!(a.lease_share("h", &ask(4, 1, 8), at(T0 + 3)).await.unwrap().share, 2);
+    assert_eq!(b.lease_share("h", &ask(4, 0, 8), at(T0 + 4)).await.unwrap().share, 2);
+    // A limiter of another handler is its own.
+    assert_eq!(b.lease_share("other", &ask(1, 0, 1), at(T0 + 5)).await.unwrap().share, 1);
+}
+
+async fn a_dead_hosts_share_comes_back_when_its_lease_lapses<F: Fixture>() {
+    let fixture = F::new().await;
+    let (a, b) = (fixture.worker("a"), fixture.worker("b"));
+    let lease = options().lease_duration.as_millis() as i64;
+    assert_eq!(a.lease_share("h", &ask(3, 0, 3), at(T0)).await.unwrap().share, 3);
+    // a dies holding it all: b gets nothing for a lease, then everything.
+    assert_eq!(b.lease_share("h", &ask(3, 0, 3), at(T0 + lease - 1)).await.unwrap().share, 0);
+    assert_eq!(b.lease_share("h", &ask(3, 0, 3), at(T0 + lease)).await.unwrap().share, 3);
+    // A renewal keeps a share: a comes back and finds none free.
+    assert_eq!(b.lease_share("h", &ask(3, 3, 3), at(T0 + 2 * lease - 1)).await.unwrap().share, 3);
+    assert_eq!(a.lease_share("h", &ask(3, 0, 3), at(T0 + 2 * lease)).await.unwrap().share, 0);
+}
+
+async fn every_host_takes_from_one_bucket_of_tokens<F: Fixture>() {
+    let fixture = F::new().await;
+    let (a, b) = (fixture.worker("a"), fixture.worker("b"));
+    let rate = GlobalRate { max: 10, per_ms: 1_000, burst: 5 };
+    let take = |wanted: usize, returned: usize| ShareRequest { rate: Some(rate), tokens_wanted: wanted, tokens_returned: returned, ..Default::default() };
+    assert_eq!(a.lease_share("h", &take(8, 0), at(T0)).await.unwrap().tokens, 5, "the burst");
+    assert_eq!(b.lease_share("h", &take(8, 0), at(T0)).await.unwrap().tokens, 0, "a took it all");
+    assert_eq!(b.lease_share("h", &take(8, 0), at(T0 + 200)).await.unwrap().tokens, 2, "two tokens in 200 ms");
+    // a used 3 of its 5: the 2 it gives back are b's to take.
+    assert_eq!(a.lease_share("h", &take(0, 2), at(T0 + 200)).await.unwrap().tokens, 0);
+    assert_eq!(b.lease_share("h", &take(8, 0), at(T0 + 200)).await.unwrap().tokens, 2);
+    // Hours later, still no more than the burst.
+    assert_eq!(a.lease_share("h", &take(100, 0), at(T0 + 3_600_000)).await.unwrap().tokens, 5);
+}
+
+// ---- host processes ----
+
+/// The webhook plugin, called by every host, limited across hosts by `limits`.
+fn webhook_config(receiver: &Receiver, limits: &str) -> String {
+    format!(
+        "concurrency = 8\nlease = \"2s\"\npoll_interval = \"100ms\"\n\n[plugin.webhook]\nwall_time = \"30s\"\n{limits}\n\
+         grants = {{ environment = [\"WEBHOOK_URL\"], http_hosts = [\"{}\"], private_networks = true }}",
+        receiver.address
+    )
+}
+
+fn orders(count: usize) -> Vec<NewEvent> {
+    (0..count).map(|n| NewEvent::new(format!("order-{n}"), "order.placed", doc! { "n": n as i32 })).collect()
+}
+
+/// Every order's id the receiver was called with, once each at least.
+fn assert_every_order_called(receiver: &Receiver, count: usize) {
+    let mut called: Vec<String> = receiver.bodies().iter().map(|b| b["id"].as_str().unwrap_or("?").to_string()).collect();
+    called.sort();
+    called.dedup();
+    assert_eq!(called.len(), count, "every order called");
+}
+
+/// Three hosts share a global limit of three calls at once. Under a backlog the receiver
+/// sees three at once and never four, while one host is killed mid-run and another started:
+/// the dead host's share comes back within a lease, and every order is called.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_hosts_keep_to_a_global_concurrency_while_one_is_killed() {
+    let receiver = Receiver::start();
+    receiver.hold.store(false, Ordering::SeqCst);
+    receiver.delay_ms.store(200, Ordering::SeqCst);
+    let deployment = Deployment::new(&["webhook"], &webhook_config(&receiver, "concurrency = 3")).await;
+    let url = format!("http://{}/hooks", receiver.address);
+    let env = [("WEBHOOK_URL", url.as_str())];
+    let hosts: Vec<_> = (0..3).map(|n| deployment.start_with(&format!("host-{n}"), &env)).collect();
+    publish_all(deployment.fixture.store(), orders(60)).await;
+    // Kill one once a third of the orders were called.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while receiver.bodies().len() < 20 {
+        assert!(Instant::now() < deadline, "the hosts did not call:\n{}", hosts[0].log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    hosts[0].signal(libc::SIGKILL);
+    let replacement = deployment.start_with("host-3", &env);
+    deployment.wait_until("every order was delivered", Duration::from_secs(120), async |d| d.drained().await).await;
+    assert_every_order_called(&receiver, 60);
+    assert_eq!(receiver.most_at_once(), 3, "three calls at once across the hosts, never more");
+    // The work was shared: the hosts that lived through it both took part.
+    let counters: Vec<_> = hosts.into_iter().skip(1).chain([replacement]).map(|host| host.stop()).collect();
+    assert!(counters[0]["completed"] > 0 && counters[1]["completed"] > 0, "{counters:?}");
+}
+
+/// Three hosts share a global rate of 10 calls a second (a burst of 10): over ten seconds of a
+/// backlog the receiver sees at most the burst plus the rate (and the calls whose tokens were
+/// taken just before), and not much less than the rate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_hosts_keep_to_a_global_rate() {
+    let receiver = Receiver::start();
+    receiver.hold.store(false, Ordering::SeqCst);
+    let config = webhook_config(&receiver, "rate = { max = 10, per = \"1s\" }");
+    let deployment = Deployment::new(&["webhook"], &config).await;
+    let url = format!("http://{}/hooks", receiver.address);
+    let env = [("WEBHOOK_URL", url.as_str())];
+    let hosts: Vec<_> = (0..3).map(|n| deployment.start_with(&format!("host-{n}"), &env)).collect();
+    publish_all(deployment.fixture.store(), orders(400)).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while receiver.arrivals().is_empty() {
+        assert!(Instant::now() < deadline, "the hosts did not call:\n{}", hosts[0].log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    let arrivals = receiver.arrivals();
+    let first = arrivals[0];
+    let within = arrivals.iter().filter(|at| at.duration_since(first) < Duration::from_secs(10)).count();
+    // Tolerance: any window of W allows the burst plus W at the rate, and a token is taken by
+    // its claim a little before its call (half a second allowed: 5 calls).
+    assert!(within <= 10 + 100 + 5, "{within} calls in 10 s");
+    assert!(within >= 80, "only {within} calls in 10 s");
+    // Every host took part.
+    let counters: Vec<_> = hosts.into_iter().map(|host| host.stop()).collect();
+    assert!(counters.iter().all(|c| c["completed"] > 0), "{counters:?}");
+}
