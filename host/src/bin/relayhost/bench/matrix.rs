@@ -96,7 +96,7 @@ pub(super) async fn run(args: &BenchArgs, server: &Server, plugins: &Path) -> Re
         let mut drains = 0;
         let mut run = async |hosts: u16, store_only: bool| -> Result<Drained> {
             let database = format!("bench_matrix_{workload_number}_{drains}");
-            let workload = Workload { events: args.events, keys, hot_every, hosts, store_only, database, purged_beside: 0, traced_to: None };
+            let workload = Workload { events: args.events, keys, hot_every, hosts, store_only, database, purged_beside: 0, traced_to: None, limited: false };
             drains += 1;
             let drained = drain(args, &workload, server, &registry).await?;
             let alone = if store_only { ", store only," } else { "" };

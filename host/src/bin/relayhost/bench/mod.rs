@@ -28,12 +28,13 @@ use anyhow::{Context, Result, bail};
 use bson::{Document, doc};
 use clap::Args;
 use futures::{StreamExt, TryStreamExt};
-use relayhost::dispatch::{AttemptResult, Dispatcher, DispatcherCounters, DispatcherOptions, HandlerSpec, RetryPolicy, RunResult, Runner};
+use relayhost::dispatch::{AttemptResult, Dispatcher, DispatcherCounters, DispatcherOptions, HandlerSpec, RetryPolicy, RunResult, Runner, Throttle};
 use relayhost::event::NewEvent;
 use relayhost::mongod::{Mongod, MongodOptions, find_binary};
 use relayhost::plugin::{PluginPolicy, PluginRegistry, PluginRuntime};
 use relayhost::plugin_runner::PluginRunner;
 use relayhost::store::mongo::{EventWakeups, MongoLocation, MongoStore};
+use relayhost::store::limiter::GlobalRate;
 use relayhost::store::{ClaimedDelivery, StoreOptions, StoreTransaction, run_in_transaction};
 use server::{Server, ServerWork};
 
@@ -83,6 +84,10 @@ pub struct BenchArgs {
     /// still run the plugin). The matrix measures both.
     #[arg(long)]
     store_only: bool,
+    /// Limit the drained handler across hosts to 64 at once and a rate far above the drain's
+    /// (a million a second): what keeping to limits across hosts costs when they do not bind.
+    #[arg(long)]
+    limited: bool,
     /// Run the whole matrix instead (unkeyed, keyed, a hot key; 1, 2 and 4 hosts; latency
     /// unkeyed and keyed on 1 and 2 hosts) and print one table with ratios and goals.
     #[arg(long)]
@@ -118,6 +123,9 @@ struct Workload {
     purged_beside: usize,
     /// Each attempt traced, exported to this OTLP/HTTP base address (see `--tracing-cost`).
     traced_to: Option<String>,
+    /// The drained handler limited across hosts, far above what the drain reaches (see
+    /// `--limited`).
+    limited: bool,
 }
 
 impl Workload {
@@ -131,6 +139,7 @@ impl Workload {
             database: "bench_drain".into(),
             purged_beside: 0,
             traced_to: None,
+            limited: args.limited,
         }
     }
 
@@ -311,6 +320,14 @@ fn hosts(store: &Arc<MongoStore>, count: u16) -> Vec<Arc<MongoStore>> {
         .collect()
 }
 
+/// The limits across hosts of a `--limited` drain: 64 at once, a rate far above the drain's.
+const LIMITED: Throttle = Throttle {
+    concurrency: None,
+    rate: None,
+    global_concurrency: Some(64),
+    global_rate: Some(GlobalRate { max: 1_000_000, per_ms: 1_000, burst: 1_000_000 }),
+};
+
 fn dispatcher_options(args: &BenchArgs) -> DispatcherOptions {
     // No busy polling: new events arrive by change stream, the poll is a slow safety net.
     DispatcherOptions {
@@ -370,6 +387,7 @@ async fn drain(args: &BenchArgs, workload: &Workload, server: &Server, registry:
                 Some(endpoint) => runner.traced_by(tracing_cost::telemetry(endpoint, &store.options().owner)?),
                 None => runner,
             };
+            let runner = if workload.limited { runner.throttled_by(Arc::new(|_: &str| LIMITED)) } else { runner };
             let runner = DrainRunner {
                 plugin: runner,
                 store_only: workload.store_only,
