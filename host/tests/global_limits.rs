@@ -149,8 +149,8 @@ async fn three_hosts_keep_to_a_global_concurrency_while_one_is_killed() {
 }
 
 /// Three hosts share a global rate of 10 calls a second (a burst of 10): over ten seconds of a
-/// backlog the receiver sees at most the burst plus the rate (and the calls whose tokens were
-/// taken just before), and not much less than the rate.
+/// backlog the receiver sees at most twice the burst plus the rate (the stated tolerance), and
+/// not much less than the rate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_hosts_keep_to_a_global_rate() {
     let receiver = Receiver::start();
@@ -170,9 +170,10 @@ async fn three_hosts_keep_to_a_global_rate() {
     let arrivals = receiver.arrivals();
     let first = arrivals[0];
     let within = arrivals.iter().filter(|at| at.duration_since(first) < Duration::from_secs(10)).count();
-    // Tolerance: any window of W allows the burst plus W at the rate, and a token is taken by
-    // its claim a little before its call (half a second allowed: 5 calls).
-    assert!(within <= 10 + 100 + 5, "{within} calls in 10 s");
+    eprintln!("{within} calls in the first 10 s");
+    // The stated tolerance: any window of W allows the burst in the bucket, the tokens hosts
+    // took from it before the window (at most another burst), and W at the rate.
+    assert!(within <= 2 * 10 + 100, "{within} calls in 10 s");
     assert!(within >= 80, "only {within} calls in 10 s");
     // Every host took part.
     let counters: Vec<_> = hosts.into_iter().map(|host| host.stop()).collect();

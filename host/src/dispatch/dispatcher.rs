@@ -91,10 +91,10 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         tokio::pin!(stop);
         let permits = Arc::new(Semaphore::new(self.options.concurrency));
         let (finished_tx, mut finished) = mpsc::unbounded_channel::<(ClaimedDelivery, RunResult)>();
-        let (early_tx, mut early) = mpsc::unbounded_channel::<Vec<ClaimedDelivery>>();
+        let (early_tx, early) = mpsc::unbounded_channel::<Vec<ClaimedDelivery>>();
         let fanned = Arc::new(Notify::new());
         let completions = Completions::new(self.store.clone(), self.options.poll_interval);
-        let mut flight = Flight::new(completions, StartRecorder::spawn(self.store.clone()));
+        let mut flight = Flight::new(completions, StartRecorder::spawn(self.store.clone()), early);
         let mut renewal = tokio::time::interval(self.options.lease_duration / 3);
         renewal.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // An interval, not a sleep made again at every turn: a loop kept turning faster than
@@ -163,7 +163,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                         flight.handed_out.extend(done.claimed);
                     })
                 }
-                Some(claimed) = early.recv() => {
+                Some(claimed) = flight.early.recv() => {
                     flight.handed_out.extend(claimed);
                     Ok(())
                 }
@@ -193,7 +193,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             }
         }
         announcing.abort();
-        self.stop(&permits, &finished_tx, &mut flight, &mut finished, &mut early).await
+        self.stop(&permits, &finished_tx, &mut flight, &mut finished).await
     }
 
     /// Starts a fan-out when one is wanted and none runs, claims up to the free capacity and
@@ -208,6 +208,11 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
     ) -> Result<(), StoreError> {
         flight.completions.start();
         let specs = self.runner.handlers();
+        // What a fan-out sent before its commit is started before any claim counts rooms: a
+        // hand-out that ended sent it already.
+        while let Ok(claimed) = flight.early.try_recv() {
+            flight.handed_out.extend(claimed);
+        }
         let handed_out = std::mem::take(&mut flight.handed_out);
         self.start(handed_out, &specs, permits, finished_tx, flight).await?;
         // A host that serves nothing still fans out its share for the handlers the registry
@@ -276,7 +281,14 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             // What it hands out runs at once or waits for a run slot, like a claim's picks.
             flight.fanning_hands_out.store(free > 0, Ordering::SeqCst);
             let hands_out = flight.fanning_hands_out.clone();
-            let capacity = self.capacity(flight).ordered_by(priorities(specs));
+            // A throttled handler's deliveries are handed out within the room a claim would
+            // have: its throttles', and across hosts what this host has in hand (wanting
+            // more, it asks at the next claim).
+            let capacity = self.capacity(flight);
+            let (rooms, _) = flight.start_windows.rooms(specs, capacity.run_now, |h| held(&flight.running, h));
+            let (rooms, short) = flight.global_shares.within_hand(specs, rooms, capacity.total, |h| held(&flight.running, h));
+            flight.claim |= short;
+            let capacity = capacity.within(rooms).ordered_by(priorities(specs));
             let task = FanOutTask {
                 store: self.store.clone(),
                 batch: self.options.fan_out_batch,
@@ -327,23 +339,24 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         };
         tracing::trace!(elapsed_us = started.elapsed().as_micros() as u64, count = claimed.len(), "claimed");
         flight.backlog = claimed.len() >= free;
+        let taken = GlobalShares::taken(specs, &claimed);
+        let filled: Vec<&HandlerSpec> = specs
+            .iter()
+            .filter(|s| s.throttle.rate.is_some())
+            .filter(|s| rooms.of(&s.handler).is_some_and(|room| claimed.iter().filter(|c| c.handler == s.handler).count() >= room.most))
+            .collect();
+        self.start(claimed, specs, permits, finished_tx, flight).await?;
+        // A rate-limited handler's room was filled: more may wait, to claim once the window
+        // lets one start (a run that ends asks for a claim anyway).
         let now = Instant::now();
-        for spec in specs.iter().filter(|s| s.throttle.rate.is_some()) {
-            let Some(room) = rooms.of(&spec.handler) else { continue };
-            let count = claimed.iter().filter(|c| c.handler == spec.handler).count();
-            flight.start_windows.started(&spec.handler, &spec.throttle, count, now);
-            // Its room was filled: more may wait, to claim once the window lets one start (a
-            // run that ends asks for a claim anyway).
-            if count >= room.most {
-                let opens = flight.start_windows.opening(&spec.handler, &spec.throttle, now);
-                if let Some(opens) = opens.filter(|opens| !flight.claim_timers.iter().any(|Reverse(at)| at == opens)) {
-                    flight.claim_timers.push(Reverse(opens));
-                }
+        for spec in filled {
+            let opens = flight.start_windows.opening(&spec.handler, &spec.throttle, now);
+            if let Some(opens) = opens.filter(|opens| !flight.claim_timers.iter().any(|Reverse(at)| at == opens)) {
+                flight.claim_timers.push(Reverse(opens));
             }
         }
-        let taken = GlobalShares::taken(specs, &claimed);
-        self.start(claimed, specs, permits, finished_tx, flight).await?;
-        flight.global_shares.after_claim(&*self.store, specs, &taken, |h| held(&flight.running, h)).await;
+        let fanning_out = flight.fan_out || flight.fan_out_waits || flight.fanning.is_some();
+        flight.global_shares.after_claim(&*self.store, specs, &taken, fanning_out, |h| held(&flight.running, h)).await;
         // Short of tokens across hosts: look again once the bucket may hold one more.
         if let Some(wait) = flight.global_shares.next_token_in(specs) {
             let at = Instant::now() + wait;
@@ -379,6 +392,11 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 flight.fan_out = true;
                 flight.claim = true;
                 continue;
+            }
+            // Every start counts in its handler's rate windows, here and across hosts.
+            if spec.throttle.limits() {
+                flight.start_windows.started(&spec.handler, &spec.throttle, 1, Instant::now());
+                flight.global_shares.started(&spec.handler);
             }
             let (runner, finished_tx, permits) = (self.runner.clone(), finished_tx.clone(), permits.clone());
             let (lease, delivery_handler) = (delivery.lease, delivery.handler.clone());
@@ -523,7 +541,6 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         finished_tx: &mpsc::UnboundedSender<(ClaimedDelivery, RunResult)>,
         flight: &mut Flight<S>,
         finished: &mut mpsc::UnboundedReceiver<(ClaimedDelivery, RunResult)>,
-        early: &mut mpsc::UnboundedReceiver<Vec<ClaimedDelivery>>,
     ) -> Result<(), StoreError> {
         // Deliveries still waiting for a run slot come back as not run, and are released.
         permits.close();
@@ -541,7 +558,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 Err(_) => fanning.abort(),
             }
         }
-        while let Ok(claimed) = early.try_recv() {
+        while let Ok(claimed) = flight.early.try_recv() {
             flight.handed_out.extend(claimed);
         }
         let specs = self.runner.handlers();

@@ -6,6 +6,7 @@ use std::collections::{BTreeSet, BinaryHeap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
+use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::task::{AbortHandle, JoinHandle};
 use tokio::time::Instant;
 
@@ -61,6 +62,8 @@ pub(super) struct Flight<S: Store> {
     /// Deliveries fan-outs handed out, started by the next dispatch step (those handed out
     /// before their fan-out's commit carry its word).
     pub(super) handed_out: Vec<ClaimedDelivery>,
+    /// Where fan-outs send what they hand out before their commit.
+    pub(super) early: UnboundedReceiver<Vec<ClaimedDelivery>>,
     /// Lanes a fan-out just put a few new deliveries in: the next claim looks only there.
     pub(super) claim_lanes: BTreeSet<LaneId>,
     /// Successful runs, completed in batches in the background.
@@ -74,8 +77,9 @@ pub(super) struct Flight<S: Store> {
 }
 
 impl<S: Store> Flight<S> {
-    pub(super) fn new(completions: Completions<S>, starts: StartRecorder) -> Self {
+    pub(super) fn new(completions: Completions<S>, starts: StartRecorder, early: UnboundedReceiver<Vec<ClaimedDelivery>>) -> Self {
         Self {
+            early,
             running: HashMap::new(),
             claim_timers: BinaryHeap::new(),
             start_windows: StartWindows::default(),

@@ -1,12 +1,13 @@
-//! The claim's side of limits across hosts ([`crate::store::limiter`]): before a claim, each
-//! handler limited across hosts asks its limiter for the share and tokens the claim could use,
-//! which narrow its room; after the claim, what it did not use goes back; the shares are
-//! renewed with the leases and handed back at a stop.
+//! This host's side of limits across hosts ([`crate::store::limiter`]): before a claim, each
+//! handler limited across hosts asks its limiter for the share and tokens the claim could use
+//! (and as many again, for the hand-outs until the next claim), which narrow its room; a
+//! fan-out hands out within the share and tokens in hand, without asking; each start spends a
+//! token; after a claim that did not fill its room, the share shrinks to what is held and the
+//! tokens go back; the shares are renewed with the leases and handed back at a stop.
 //!
-//! This module owns what this host last asked of each limiter and the tokens it holds
-//! unused. It never claims and never counts what runs (the loop tells it what it holds). A
-//! limiter that cannot be asked leaves its handler no room for that claim, and nothing else
-//! waits for it.
+//! This module owns what this host last asked of each limiter and the tokens in hand. It
+//! never claims and never counts what runs (the loop tells it what it holds). A limiter that
+//! cannot be asked leaves its handler no room for that claim, and nothing else waits for it.
 
 use std::collections::HashMap;
 
@@ -31,7 +32,7 @@ struct Asked {
     wanted: usize,
     /// The room the last claim was given.
     room: usize,
-    /// Tokens taken and not used yet.
+    /// Tokens taken and not spent yet (each start spends one).
     unused_tokens: usize,
     /// The last ask got fewer tokens than it wanted.
     short_of_tokens: bool,
@@ -63,14 +64,14 @@ impl GlobalShares {
                 held,
                 wanted: held + more,
                 rate: spec.throttle.global_rate,
-                tokens_wanted: if spec.throttle.global_rate.is_some() { more } else { 0 },
+                tokens_wanted: if spec.throttle.global_rate.is_some() { more.saturating_mul(2) } else { 0 },
                 tokens_returned: std::mem::take(&mut asked.unused_tokens),
             };
             room.most = match store.lease_share(handler, &request, DateTime::now()).await {
                 Ok(ShareGrant { share, tokens }) => {
                     let most = more.min(share.saturating_sub(held)).min(tokens);
                     let rated = request.rate.is_some();
-                    let short_of_tokens = rated && tokens < request.tokens_wanted;
+                    let short_of_tokens = rated && tokens < more;
                     *asked = Asked { share, wanted: request.wanted, room: most, unused_tokens: if rated { tokens } else { 0 }, short_of_tokens };
                     most
                 }
@@ -83,6 +84,35 @@ impl GlobalShares {
         Rooms::new(narrowed)
     }
 
+    /// Narrows `rooms` for a fan-out's hand-out of up to `total` deliveries to what this host
+    /// has in hand of each handler's share and tokens (`held` of its deliveries held), without
+    /// asking its limiter. Also whether one wanted more than it had: the next claim asks.
+    pub(super) fn within_hand(&self, specs: &[HandlerSpec], rooms: Rooms, total: usize, held: impl Fn(&str) -> usize) -> (Rooms, bool) {
+        if !specs.iter().any(|spec| spec.throttle.global()) {
+            return (rooms, false);
+        }
+        let mut short = false;
+        let mut narrowed: Vec<(String, Room)> = rooms.iter().map(|(handler, room)| (handler.clone(), *room)).collect();
+        for (handler, room) in narrowed.iter_mut() {
+            let Some(spec) = specs.iter().find(|spec| spec.handler == *handler && spec.throttle.global()) else { continue };
+            let asked = self.by_handler.get(handler).copied().unwrap_or_default();
+            let share = if spec.throttle.global_concurrency.is_some() { asked.share } else { usize::MAX };
+            let tokens = if spec.throttle.global_rate.is_some() { asked.unused_tokens } else { usize::MAX };
+            let more = room.most.min(total);
+            let most = more.min(share.saturating_sub(held(handler))).min(tokens);
+            short |= most < more;
+            room.most = most;
+        }
+        (Rooms::new(narrowed), short)
+    }
+
+    /// Spends a token of `handler`'s, whose delivery starts now.
+    pub(super) fn started(&mut self, handler: &str) {
+        if let Some(asked) = self.by_handler.get_mut(handler) {
+            asked.unused_tokens = asked.unused_tokens.saturating_sub(1);
+        }
+    }
+
     /// How many of `claimed` each handler limited across hosts took (nothing is counted
     /// without such a handler).
     pub(super) fn taken(specs: &[HandlerSpec], claimed: &[ClaimedDelivery]) -> HashMap<String, usize> {
@@ -93,21 +123,25 @@ impl GlobalShares {
         taken
     }
 
-    /// After a claim that took `taken` of each (see [`GlobalShares::taken`]): the tokens it did
-    /// not use are kept to give back, and a handler whose room the claim did not fill (no more
-    /// of its work was due) shrinks its share to what this host holds now (`held`), so that
-    /// other hosts may take the rest.
+    /// After a claim that took `taken` of each (see [`GlobalShares::taken`]; their starts
+    /// spent their tokens): a handler whose room the claim did not fill (no more of its work was
+    /// due) shrinks its share to what this host holds now (`held`) and gives its tokens back,
+    /// so that other hosts may take the rest; unless its fan-outs still have events to hand
+    /// out (`fanning_out`), which the share and tokens in hand are for.
     pub(super) async fn after_claim<S: Store>(
         &mut self,
         store: &S,
         specs: &[HandlerSpec],
         taken: &HashMap<String, usize>,
+        fanning_out: bool,
         held: impl Fn(&str) -> usize,
     ) {
+        if fanning_out {
+            return;
+        }
         for spec in specs.iter().filter(|spec| spec.throttle.global()) {
             let Some(asked) = self.by_handler.get_mut(&spec.handler) else { continue };
             let count = taken.get(&spec.handler).copied().unwrap_or(0);
-            asked.unused_tokens = asked.unused_tokens.saturating_sub(count);
             if count < asked.room {
                 let held = held(&spec.handler);
                 let request = ShareRequest {

@@ -70,7 +70,6 @@ impl KnownHandlers {
         let local = specs.iter().map(|s| {
             Subscription::new(s.handler.clone(), s.event_types.iter().cloned())
                 .completing_in_transaction(s.transactional)
-                .claimed_only(s.throttle.limits())
         });
         Some(fan_out_subscriptions(local, &known))
     }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 /// at once (`run_now`, the free run slots): the others are claimed ahead, to wait for a
 /// slot, and are listed as not started, so that a host that dies is charged only for what it
 /// ran (see [`ClaimedDelivery::started`]). A plain count takes that many, all started.
-/// A claim also keeps to `rooms`: at most so many of a named handler's deliveries. Both take
+/// Both keep to `rooms`: at most so many of a named handler's deliveries. Both take
 /// the deliveries of handlers of a higher priority first, and give them the places that start
 /// at once first.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -73,6 +73,11 @@ impl Rooms {
     /// claim's capacity.
     pub fn of(&self, handler: &str) -> Option<Room> {
         self.0.as_ref()?.get(handler).copied()
+    }
+
+    /// Whether it names no handler.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_none()
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (&String, &Room)> {

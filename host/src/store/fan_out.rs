@@ -453,8 +453,10 @@ pub(crate) fn heads_of_idle_keys(
 /// with the events of `batch` they are for: live unkeyed ones, and the heads of the keys in
 /// `idle` (keys of [`keyed_heads`] of which nothing is pending in the store: nothing runs
 /// there and nothing precedes them; their followers in the batch are created parked behind
-/// them); never a claims-only handler's. Those of handlers of a higher priority go first; the
-/// first `budget.run_now` of them start at once, the others are claimed ahead.
+/// them); never a claims-only handler's, and of a handler with a room in `budget.rooms` no
+/// more than it (as a claim keeps to it). Those whose room says they must start at once go
+/// first, then those of handlers of a higher priority; the first `budget.run_now` of them
+/// start at once, the others are claimed ahead.
 pub(crate) fn fresh(plan: &FanOutPlan, batch: &[Document], budget: Capacity, idle: &HashSet<HandlerKey>, now: DateTime) -> Vec<Fresh> {
     if budget.total == 0 {
         return Vec::new();
@@ -485,11 +487,24 @@ pub(crate) fn fresh(plan: &FanOutPlan, batch: &[Document], budget: Capacity, idl
             };
             Some(Fresh { candidate, event })
         });
-    let mut fresh: Vec<Fresh> = if budget.priorities.is_empty() {
+    let mut fresh: Vec<Fresh> = if budget.priorities.is_empty() && budget.rooms.is_empty() {
         fresh.take(budget.total).collect()
     } else {
-        let mut all: Vec<Fresh> = fresh.collect();
-        all.sort_by_key(|fresh| std::cmp::Reverse(budget.priorities.of(&fresh.candidate.handler)));
+        let mut taken: HashMap<String, usize> = HashMap::new();
+        let mut all: Vec<Fresh> = fresh
+            .filter(|fresh| match budget.rooms.of(&fresh.candidate.handler) {
+                None => true,
+                Some(room) => {
+                    let taken = taken.entry(fresh.candidate.handler.clone()).or_default();
+                    *taken += 1;
+                    *taken <= room.most
+                }
+            })
+            .collect();
+        let starts_now = |handler: &str| budget.rooms.of(handler).is_some_and(|room| room.start_now);
+        // Those that must start at once take the places that do first (their rooms are at
+        // most those places), as a claim's picks do.
+        all.sort_by_key(|fresh| (!starts_now(&fresh.candidate.handler), std::cmp::Reverse(budget.priorities.of(&fresh.candidate.handler))));
         all.truncate(budget.total);
         all
     };

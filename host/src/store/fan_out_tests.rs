@@ -105,6 +105,24 @@ fn a_claims_only_handlers_deliveries_are_never_handed_out() {
 }
 
 #[test]
+fn a_hand_out_keeps_to_each_handlers_room_and_starts_those_that_must_start_at_once_first() {
+    let subscriptions = Subscriptions::new([Subscription::new("h", ["t"]), Subscription::new("paced", ["t"])]).unwrap();
+    let batch: Vec<Document> = (0..4).map(|n| NewEvent::new(format!("u{n}"), "t", doc! {}).to_document(None, DateTime::now())).collect();
+    let plan = plan(&batch, &subscriptions);
+    let rooms = crate::store::Rooms::new([("paced".to_string(), crate::store::Room { most: 2, start_now: true })]);
+    let budget = Capacity::new(5, 2).within(rooms);
+    let handed = fresh(&plan, &batch, budget, &HashSet::new(), DateTime::now());
+    let handed: Vec<(&str, bool)> = handed.iter().map(|f| (f.candidate.handler.as_str(), f.candidate.started)).collect();
+    // Two of the paced handler's, first, in the places that start at once; the rest of the
+    // five places go to the other handler, claimed ahead.
+    assert_eq!(handed, [("paced", true), ("paced", true), ("h", false), ("h", false), ("h", false)]);
+    // No room: none of its deliveries.
+    let closed = crate::store::Rooms::new([("paced".to_string(), crate::store::Room { most: 0, start_now: false })]);
+    let handed = fresh(&plan, &batch, Capacity::from(10).within(closed), &HashSet::new(), DateTime::now());
+    assert!(handed.iter().all(|f| f.candidate.handler == "h") && handed.len() == 4);
+}
+
+#[test]
 fn listed_handlers_are_skipped_and_malformed_events_are_dead_letters() {
     let subscriptions =
         Subscriptions::new([Subscription::new("h1", ["t"]), Subscription::new("h2", ["t"])]).unwrap();
