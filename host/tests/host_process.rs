@@ -851,7 +851,16 @@ fn bench_matrix_prints_every_workload_against_its_goal() {
         .collect();
     assert_eq!(
         drains,
-        [("unkeyed", "1"), ("unkeyed", "2"), ("unkeyed", "4"), ("1,000 keys", "1"), ("1,000 keys", "2"), ("1,000 keys", "4"), ("hot key + 1,000 keys", "1")],
+        [
+            ("unkeyed", "1"),
+            ("unkeyed", "2"),
+            ("unkeyed", "4"),
+            ("unkeyed, limited across hosts", "1"),
+            ("1,000 keys", "1"),
+            ("1,000 keys", "2"),
+            ("1,000 keys", "4"),
+            ("hot key + 1,000 keys", "1")
+        ],
         "{text}"
     );
     for row in rows.iter().filter(|row| row.split('|').count() == 13) {
@@ -862,10 +871,14 @@ fn bench_matrix_prints_every_workload_against_its_goal() {
     // Each several-host drain runs between two one-host drains of its workload, which it is
     // divided by.
     let order: Vec<&str> = text.lines().filter_map(|line| line.strip_prefix("  ")?.split(':').next()).collect();
-    // Then, for the unkeyed and the keyed workload, one drain without plugin runs.
+    // The unkeyed drain limited across hosts too, before another one-host drain. Then, for
+    // the unkeyed and the keyed workload, one drain without plugin runs.
     let mut expected = Vec::new();
     for name in ["unkeyed", "1,000 keys"] {
         expected.extend(["1", "2", "1", "4", "1"].map(|count| format!("{name} on {count} host(s)")));
+        if name == "unkeyed" {
+            expected.extend([format!("{name}, limited across hosts, on 1 host(s)"), format!("{name} on 1 host(s)")]);
+        }
         expected.push(format!("{name}, store only, on 1 host(s)"));
     }
     expected.push("hot key + 1,000 keys on 1 host(s)".to_string());

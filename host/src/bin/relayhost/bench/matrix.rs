@@ -7,6 +7,10 @@
 //! on a machine whose speed drifts within a run, a one-host figure measured minutes earlier
 //! would move the ratio more than the hosts do. The one-host row is the mean of all of them.
 //!
+//! The unkeyed workload drains once more with its handler limited across hosts (`--limited`:
+//! 64 at once, a rate far above the drain's), between one-host drains, and is compared with
+//! them (its goal: within 10 %).
+//!
 //! After its one-host and several-host drains, the unkeyed and the keyed workload each drain
 //! once more on one host with every delivery completed at once, no plugin run
 //! (`--store-only`): a second table sets what the store and the dispatcher alone reach beside
@@ -27,6 +31,9 @@ use super::{BenchArgs, Drained, Server, ServerWork, Workload, drain, latency, ra
 const KEYS: usize = 1_000;
 /// Every tenth event on one hot key: 2,000 of 20,000.
 const HOT_EVERY: usize = 10;
+
+/// The unkeyed drain's handler limited across hosts (64 at once, a rate far above the drain's).
+const LIMITED_ROW: &str = "unkeyed, limited across hosts";
 
 /// One row of the table: the mean of one or more drains of a workload on `hosts` hosts.
 struct Row {
@@ -94,22 +101,36 @@ pub(super) async fn run(args: &BenchArgs, server: &Server, plugins: &Path) -> Re
     for (workload_number, (name, keys, hot_every)) in workloads.into_iter().enumerate() {
         let several: &[u16] = if hot_every > 0 { &[] } else { &[2, 4] };
         let mut drains = 0;
-        let mut run = async |hosts: u16, store_only: bool| -> Result<Drained> {
+        let mut run = async |hosts: u16, store_only: bool, limited: bool| -> Result<Drained> {
             let database = format!("bench_matrix_{workload_number}_{drains}");
-            let workload = Workload { events: args.events, keys, hot_every, hosts, store_only, database, purged_beside: 0, traced_to: None, limited: false };
+            let workload = Workload { events: args.events, keys, hot_every, hosts, store_only, database, purged_beside: 0, traced_to: None, limited };
             drains += 1;
             let drained = drain(args, &workload, server, &registry).await?;
-            let alone = if store_only { ", store only," } else { "" };
+            let alone = match (store_only, limited) {
+                (true, _) => ", store only,",
+                (_, true) => ", limited across hosts,",
+                _ => "",
+            };
             println!("  {name}{alone} on {hosts} host(s): {:.0} deliveries/s", drained.rate);
             Ok(drained)
         };
-        let mut one_host = vec![run(1, false).await?];
+        let mut one_host = vec![run(1, false, false).await?];
         let mut more = Vec::new();
         for &hosts in several {
-            let drained = run(hosts, false).await?;
-            one_host.push(run(1, false).await?);
+            let drained = run(hosts, false, false).await?;
+            one_host.push(run(1, false, false).await?);
             let around = &one_host[one_host.len() - 2..];
             let mut row = Row::of(name, hosts, &[&drained], args.events);
+            row.one_host = Some(Box::new(Row::of(name, 1, &around.iter().collect::<Vec<_>>(), args.events)));
+            more.push(row);
+        }
+        // The unkeyed drain once more with its handler limited across hosts, far above what it
+        // reaches (`--limited`), against the one-host drains around it.
+        if keys == 0 {
+            let drained = run(1, false, true).await?;
+            one_host.push(run(1, false, false).await?);
+            let around = &one_host[one_host.len() - 2..];
+            let mut row = Row::of(LIMITED_ROW, 1, &[&drained], args.events);
             row.one_host = Some(Box::new(Row::of(name, 1, &around.iter().collect::<Vec<_>>(), args.events)));
             more.push(row);
         }
@@ -118,7 +139,7 @@ pub(super) async fn run(args: &BenchArgs, server: &Server, plugins: &Path) -> Re
         rows.push(one_host);
         rows.extend(more);
         if hot_every == 0 {
-            let alone = run(1, true).await?;
+            let alone = run(1, true, false).await?;
             store_only.push((Row::of(name, 1, &[&alone], args.events), with_plugin.0, with_plugin.1));
         }
     }
@@ -141,6 +162,7 @@ pub(super) async fn run(args: &BenchArgs, server: &Server, plugins: &Path) -> Re
                 let others = row.others_rate.unwrap_or(0.0) / keyed.rate;
                 (format!("other keys at the keyed rate: {:.2}×", others), others >= 0.9)
             }
+            (LIMITED_ROW, _) => ("≥ 0.9× unlimited".to_string(), speedup >= 0.9),
             _ => ("≥ 0.9× 1 host, CPU ≤ 1.25×".to_string(), speedup >= 0.9 && cpu_ratio <= 1.25),
         };
         let per = |n: i64| n as f64 / row.deliveries.max(1) as f64;
