@@ -500,6 +500,12 @@ impl Administration for FaultyStore {
     async fn retire(&self, handler: &str, disposal: Disposal, now: DateTime) -> Result<RetireReport, StoreError> {
         self.inner.retire(handler, disposal, now).await
     }
+    async fn reopen_for(&self, handler: &str, types: &[String], since: Option<DateTime>, limit: usize) -> Result<Vec<bson::Bson>, StoreError> {
+        self.inner.reopen_for(handler, types, since, limit).await
+    }
+    async fn unfanned_among(&self, events: &[bson::Bson]) -> Result<usize, StoreError> {
+        self.inner.unfanned_among(events).await
+    }
     async fn event_history(&self, event_id: &str) -> Result<relayhost::store::EventHistory, StoreError> {
         self.inner.event_history(event_id).await
     }

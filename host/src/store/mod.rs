@@ -12,6 +12,7 @@
 //! decisions in, the store applies them atomically and fenced.
 
 mod answered;
+pub(crate) mod backfill;
 mod assignment;
 mod capacity;
 mod claim;
@@ -467,6 +468,24 @@ pub trait Administration: Outbox {
     /// handler again keeps its retirement's time and disposes of what a fan-out created since.
     fn retire(&self, handler: &str, disposal: Disposal, now: DateTime)
     -> impl Future<Output = Result<RetireReport, StoreError>> + Send;
+
+    /// Operator action (backfill): reopens for fan-out up to `limit` of the events of `types`
+    /// created at `since` or later that were fanned out without a delivery for `handler`
+    /// (and have none handed out without a document now), oldest first; returns their ids.
+    /// The next fan-outs give each a delivery for every subscribed handler it never had; an
+    /// event is never reopened for a handler it lists, so a backfill run again reopens
+    /// nothing twice (see [`backfill`]).
+    fn reopen_for(
+        &self,
+        handler: &str,
+        types: &[String],
+        since: Option<DateTime>,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<bson::Bson>, StoreError>> + Send;
+
+    /// How many of `events` (ids as [`Administration::reopen_for`] returned them) wait for a
+    /// fan-out.
+    fn unfanned_among(&self, events: &[bson::Bson]) -> impl Future<Output = Result<usize, StoreError>> + Send;
 
     /// Operator action: makes a dead delivery pending and due now, with its attempts reset.
     fn requeue(&self, delivery_id: &str, now: DateTime) -> impl Future<Output = Result<(), StoreError>> + Send;

@@ -5,6 +5,7 @@
 //! else.
 
 mod admin;
+mod backfill;
 mod bench;
 mod inspect;
 mod trial;
@@ -58,6 +59,9 @@ enum Command {
     Purge(admin::PurgeArgs),
     /// Publishes one event in its own transaction, to try things.
     Publish(admin::PublishArgs),
+    /// Gives a handler added later the older events it never had (through the running hosts'
+    /// fan-outs, in bounded batches, in per-key order, each event once).
+    Backfill(backfill::BackfillArgs),
     /// Measures drain throughput and wakeup latency against the raw floor of the same mongod.
     Bench(bench::BenchArgs),
     /// Writes a new plugin project (a handler, its WIT, sample events, a README) into a new
@@ -158,6 +162,7 @@ async fn run_with_config(config: Option<PathBuf>, command: Command) -> Result<Ex
                 Command::Deliveries(command) => inspect::deliveries(&config, command).await,
                 Command::Events(command) => inspect::events(&config, command).await,
                 Command::Publish(args) => admin::publish(&config, args).await,
+                Command::Backfill(args) => backfill::backfill(&config, args).await,
                 Command::Replay(args) => trial::replay(&config, args).await,
                 Command::Run | Command::Bench(_) | Command::TestPlugin(_) | Command::New { .. } | Command::Build { .. } => {
                     unreachable!("handled above")

@@ -498,6 +498,14 @@ impl Administration for MemoryStore {
         self.retire_handler(handler, disposal, now).await
     }
 
+    async fn reopen_for(&self, handler: &str, types: &[String], since: Option<DateTime>, limit: usize) -> Result<Vec<Bson>, StoreError> {
+        Ok(self.state.lock().await.reopen_for(handler, types, since, limit))
+    }
+
+    async fn unfanned_among(&self, events: &[Bson]) -> Result<usize, StoreError> {
+        Ok(self.state.lock().await.unfanned_among(events))
+    }
+
     async fn requeue(&self, delivery_id: &str, now: DateTime) -> Result<(), StoreError> {
         let not_found = || StoreError::DeliveryNotFound(delivery_id.to_string());
         let id = ObjectId::parse_str(delivery_id).map_err(|_| not_found())?;

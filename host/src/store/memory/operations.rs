@@ -8,10 +8,40 @@ use bson::{Bson, DateTime, Document};
 use super::{Delivery, LaneKind, State};
 use crate::event::field;
 use crate::store::fan_out::id_text;
+use crate::store::backfill::may_reopen;
 use crate::store::retention::event_expired;
 use crate::store::{DeliveryFilter, DeliveryId, DeliveryPage, DeliveryStatus, DeliveryView, HandlerStatistics, PurgeOptions, PurgeReport};
 
 impl State {
+    /// Reopens for fan-out up to `limit` of the events a backfill of `handler` may reopen,
+    /// oldest first (see [`crate::store::backfill`]); returns their ids.
+    pub(super) fn reopen_for(&mut self, handler: &str, types: &[String], since: Option<DateTime>, limit: usize) -> Vec<Bson> {
+        let mut reopenable: Vec<(DateTime, String)> = self
+            .events
+            .iter()
+            .filter(|(_, event)| may_reopen(event, handler, types, since))
+            .map(|(id, event)| (event.get_datetime(field::CREATED_AT).copied().unwrap_or(DateTime::MIN), id.clone()))
+            .collect();
+        reopenable.sort();
+        reopenable.truncate(limit);
+        let mut ids = Vec::new();
+        for (_, id) in reopenable {
+            let event = self.events.get_mut(&id).expect("found above");
+            event.remove(field::FANNED_OUT_AT);
+            event.remove(field::FAN_OUT);
+            ids.push(event.get(field::ID).cloned().unwrap_or(Bson::Null));
+        }
+        ids
+    }
+
+    /// How many of `events` wait for a fan-out.
+    pub(super) fn unfanned_among(&self, events: &[Bson]) -> usize {
+        events
+            .iter()
+            .filter(|id| self.events.get(&id_text(id)).is_some_and(|event| !event.contains_key(field::FANNED_OUT_AT)))
+            .count()
+    }
+
     pub(super) fn purge(&mut self, options: &PurgeOptions) -> PurgeReport {
         let mut report = PurgeReport::default();
         if let Some(cutoff) = options.dead_before {

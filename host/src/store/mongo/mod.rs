@@ -55,7 +55,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use bson::{DateTime, Document};
+use bson::{Bson, DateTime, Document};
 use mongodb::options::{
     CollectionOptions, ReadConcern, ReadPreference, SelectionCriteria, TransactionOptions, WriteConcern,
 };
@@ -531,6 +531,14 @@ impl Administration for MongoStore {
 
     async fn requeue(&self, delivery_id: &str, now: DateTime) -> Result<(), StoreError> {
         outcome::requeue(self, delivery_id, now).await
+    }
+
+    async fn reopen_for(&self, handler: &str, types: &[String], since: Option<DateTime>, limit: usize) -> Result<Vec<Bson>, StoreError> {
+        operations::reopen_for(self, handler, types, since, limit).await
+    }
+
+    async fn unfanned_among(&self, events: &[Bson]) -> Result<usize, StoreError> {
+        operations::unfanned_among(self, events).await
     }
 
     async fn bury_pending_in(&self, tx: &mut MongoTx, delivery_id: &str, reason: &str, now: DateTime) -> Result<crate::store::DeliveryView, StoreError> {

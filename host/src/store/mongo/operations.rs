@@ -434,3 +434,52 @@ pub(super) async fn listed_by_live_leases(store: &MongoStore, now: DateTime) -> 
         .filter_map(|entry| entry.as_document()?.get_object_id(documents::entry::DELIVERY).ok())
         .collect())
 }
+
+/// The events a backfill of `handler` may reopen (see [`crate::store::backfill::may_reopen`],
+/// the rule this filter says).
+fn reopenable(handler: &str, types: &[String], since: Option<DateTime>) -> Document {
+    let mut filter = doc! {
+        field::TYPE: { "$in": types },
+        field::FANNED_OUT_AT: { "$type": "date" },
+        field::HANDLERS: { "$ne": handler },
+        format!("{}.0", field::HANDED_OUT): { "$exists": false },
+    };
+    if let Some(since) = since {
+        filter.insert(field::CREATED_AT, doc! { "$gte": since });
+    }
+    filter
+}
+
+pub(super) async fn reopen_for(
+    store: &MongoStore,
+    handler: &str,
+    types: &[String],
+    since: Option<DateTime>,
+    limit: usize,
+) -> Result<Vec<Bson>, StoreError> {
+    let filter = reopenable(handler, types, since);
+    let found: Vec<Document> = store
+        .collections
+        .events
+        .find(filter.clone())
+        .sort(doc! { field::CREATED_AT: 1, field::ID: 1 })
+        .limit(i64::try_from(limit).unwrap_or(i64::MAX))
+        .projection(doc! { field::ID: 1 })
+        .await?
+        .try_collect()
+        .await?;
+    let ids: Vec<Bson> = found.iter().filter_map(|event| event.get(field::ID).cloned()).collect();
+    if ids.is_empty() {
+        return Ok(ids);
+    }
+    // The rule again in the update: an event fanned out anew meanwhile is left as it is.
+    let mut update = filter;
+    update.insert(field::ID, doc! { "$in": ids.clone() });
+    store.collections.events.update_many(update, doc! { "$unset": { field::FANNED_OUT_AT: "", field::FAN_OUT: "" } }).await?;
+    Ok(ids)
+}
+
+pub(super) async fn unfanned_among(store: &MongoStore, events: &[Bson]) -> Result<usize, StoreError> {
+    let filter = doc! { field::ID: { "$in": events }, field::FANNED_OUT_AT: Bson::Null };
+    Ok(store.collections.events.count_documents(filter).await? as usize)
+}
