@@ -6,17 +6,20 @@
 //!   (`claim`). Under a backlog the next hand-out batch waits until half the capacity is free,
 //!   so a drain's deliveries are handed out rather than claimed; once a batch could not be
 //!   (another host's lanes, keyed events) the rest goes to claims at once. A claim never
-//!   overlaps a hand-out (both write the lanes' lists). Throttled handlers are never handed
-//!   out and claimed within their room; higher priorities go first.
-//! - **Start** (`start`): each delivery, claimed or handed out, in its own task under a run slot.
-//!   A run handed out before its fan-out committed reports its outcome only after the word
-//!   that it did (as not run otherwise); a transactional one starts only then.
+//!   overlaps a hand-out (both write the lanes' lists). Both keep to each throttled
+//!   handler's room (`throttle`; across hosts, `global_limits`: a claim asks the limiter, a
+//!   hand-out keeps to what is in hand); higher priorities go first.
+//! - **Start** (`start`): each delivery, claimed or handed out, in its own task under a run slot,
+//!   counted against its handler's rate limits. A run handed out before its fan-out committed
+//!   reports its outcome only after the word that it did (as not run otherwise); a
+//!   transactional one starts only then.
 //! - **Settle** (`settle`): completions are batched (`completion`); failures are rescheduled
 //!   with the handler's backoff or buried with a dead letter (`settle.rs`); a delivery out of
 //!   attempts (its workers kept dying) is buried without running again. A retry's due time
 //!   sets the timer that wakes the loop; finished runs waiting for their completion take
 //!   places from the claims past a capacity's worth, so claims never outrun completions.
-//! - **Renew** (`renew`): the leases of what runs and what waits for a slot.
+//! - **Renew** (`renew`): the leases of what runs and what waits for a slot, and this host's
+//!   shares of the limits across hosts.
 //! - **Stop** (`stop`): no more claims; a running fan-out finishes its batch; what has not
 //!   started is handed back at once; running deliveries get the timeout, the rest are
 //!   cancelled; all handed back, uncharged, with the lanes.
@@ -25,7 +28,7 @@
 //! outcome that could not be written stays in flight, its lane renewed; the handler does not
 //! run again); a host that dies leaves its leases to expire, so nothing is lost.
 //!
-//! One file, a little past 600 lines, because every step reads and changes the one loop state
+//! One file, past 600 lines, because every step reads and changes the one loop state
 //! (`flight.rs`). What needs none of it lives beside it: what a dispatcher is given
 //! (`runner`, `options`), `fan_out_task`, `announcements`, `known_handlers` (the registry as
 //! this host knows it: a fan-out subscribes every registered handler, those not served here
