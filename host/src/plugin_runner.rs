@@ -27,14 +27,14 @@ use crate::plugin::{DeliveryInfo, LoadedPlugin, Outcome, PluginRegistry, Ran};
 use crate::store::{self, ClaimedDelivery, Declaration, Retrying, Store, StoreError};
 use crate::telemetry::Telemetry;
 
-/// The retry policy of a plugin, by its name.
-pub type RetryPolicies = dyn Fn(&str) -> RetryPolicy + Send + Sync;
+/// The retry policy of a handler, by its plugin's name and its id.
+pub type RetryPolicies = dyn Fn(&str, &str) -> RetryPolicy + Send + Sync;
 
-/// The throttle of a plugin's handlers, by its name.
-pub type Throttles = dyn Fn(&str) -> Throttle + Send + Sync;
+/// The throttle of a handler, by its plugin's name and its id.
+pub type Throttles = dyn Fn(&str, &str) -> Throttle + Send + Sync;
 
-/// The priority of a plugin's handlers, by its name.
-pub type Priorities = dyn Fn(&str) -> i32 + Send + Sync;
+/// The priority of a handler, by its plugin's name and its id.
+pub type Priorities = dyn Fn(&str, &str) -> i32 + Send + Sync;
 
 pub struct PluginRunner<S> {
     registry: Arc<PluginRegistry>,
@@ -76,7 +76,7 @@ pub type RunRecords = Arc<std::sync::Mutex<Vec<RunRecord>>>;
 
 impl<S: Store> PluginRunner<S> {
     pub fn new(registry: Arc<PluginRegistry>, store: Arc<S>, retry_for: Arc<RetryPolicies>) -> Self {
-        let (throttle_for, priority_for) = (Arc::new(|_: &str| Throttle::default()), Arc::new(|_: &str| 0));
+        let (throttle_for, priority_for) = (Arc::new(|_: &str, _: &str| Throttle::default()), Arc::new(|_: &str, _: &str| 0));
         let (created, metrics, telemetry) = (Arc::default(), DeliveryMetrics::default(), Telemetry::off());
         Self { registry, store, retry_for, throttle_for, priority_for, created, metrics, telemetry, records: None }
     }
@@ -93,7 +93,7 @@ impl<S: Store> PluginRunner<S> {
     /// plugin offers `handler`.
     pub async fn try_on(&self, handler: &str, event: &EventRecord, attempt: u32) -> Option<(AttemptResult, RunRecord)> {
         let plugin = self.registry.plugin_for(handler)?;
-        let max_attempts = (self.retry_for)(&plugin.name).max_attempts;
+        let max_attempts = (self.retry_for)(&plugin.name, handler).max_attempts;
         let deadline = DateTime::now().timestamp_millis() + plugin.policy.limits.wall_time.as_millis() as i64;
         let info = DeliveryInfo { handler: handler.to_string(), attempt, max_attempts, deadline, trace_context: Vec::new() };
         if !plugin.subscription(handler).is_some_and(|s| s.transactional) {
@@ -207,11 +207,11 @@ impl<S: Store> Runner for PluginRunner<S> {
         for subscription in self.registry.subscriptions() {
             let Some(plugin) = self.registry.plugin_for(&subscription.handler) else { continue };
             specs.push(HandlerSpec {
+                retry: (self.retry_for)(&plugin.name, &subscription.handler),
+                throttle: (self.throttle_for)(&plugin.name, &subscription.handler),
+                priority: (self.priority_for)(&plugin.name, &subscription.handler),
                 handler: subscription.handler,
                 event_types: subscription.event_types,
-                retry: (self.retry_for)(&plugin.name),
-                throttle: (self.throttle_for)(&plugin.name),
-                priority: (self.priority_for)(&plugin.name),
                 transactional: subscription.transactional,
             });
         }
@@ -244,7 +244,7 @@ impl<S: Store> Runner for PluginRunner<S> {
             let info = DeliveryInfo {
                 handler: delivery.handler.clone(),
                 attempt: delivery.attempts + 1,
-                max_attempts: retry_for(&plugin.name).max_attempts,
+                max_attempts: retry_for(&plugin.name, &delivery.handler).max_attempts,
                 deadline: DateTime::now().timestamp_millis() + plugin.policy.limits.wall_time.as_millis() as i64,
                 trace_context: attempt.trace_context(),
             };

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use bson::{Bson, DateTime, Document};
 
 use crate::config::Config;
-use crate::dispatch::{RetryPolicy, RunResult, Runner, Settle, decide};
+use crate::dispatch::{RunResult, Runner, Settle, decide};
 use crate::event::NewEvent;
 use crate::plugin::capability::http::recording::{Fixture, Recorded, Recording};
 use crate::plugin::{Change, PluginRegistry, PluginRuntime, RuntimeOptions};
@@ -180,9 +180,9 @@ pub async fn run(wasm: &Path, file: &EventsFile, config: &Config, send_http: boo
     let (registry, name) = candidate(wasm, config, &recording).await?;
     let store = Arc::new(MemoryStore::new(StoreOptions::default()));
     store.setup().await?;
-    let policy = retry_policy(config, &name);
     let records = RunRecords::default();
-    let runner = crate::plugin_runner::PluginRunner::new(registry.clone(), store.clone(), Arc::new(move |_: &str| policy))
+    let policies = retry_policies(config, &name);
+    let runner = crate::plugin_runner::PluginRunner::new(registry.clone(), store.clone(), policies.clone())
         .recorded_in(records.clone());
     let offered = registry.subscriptions();
     let handlers: Vec<String> = offered.iter().map(|s| s.handler.clone()).collect();
@@ -232,7 +232,7 @@ pub async fn run(wasm: &Path, file: &EventsFile, config: &Config, send_http: boo
                 RunResult::CompletedInTransaction => Reported::Completed,
                 RunResult::NotRun => Reported::NotRun { why: "no loaded plugin offers its handler".into() },
                 RunResult::LeaseLost => Reported::NotRun { why: "its lease was lost".into() },
-                RunResult::Attempt(result) => match decide(result, attempt, &policy, now, fastrand::f64()) {
+                RunResult::Attempt(result) => match decide(result, attempt, &policies(&name, &handler), now, fastrand::f64()) {
                     Settle::Complete => {
                         store.complete_many(&[lease], now).await?;
                         Reported::Completed
@@ -291,9 +291,11 @@ async fn candidate(wasm: &Path, config: &Config, recording: &Recording) -> Resul
     Ok((registry, name))
 }
 
-/// The retry policy `config` gives the plugin `name`.
-fn retry_policy(config: &Config, name: &str) -> RetryPolicy {
-    config.retry_for(name).policy()
+/// The retry policies `config` gives the handlers of the plugin `name` (the candidate's file
+/// may be named otherwise).
+fn retry_policies(config: &Config, name: &str) -> Arc<crate::plugin_runner::RetryPolicies> {
+    let (config, name) = (config.clone(), name.to_string());
+    Arc::new(move |_: &str, handler: &str| config.retry_for(&name, handler).policy())
 }
 
 /// A replay of one handler on a stored event, beside its delivery's state.
@@ -321,7 +323,6 @@ pub async fn replay<S: Store>(
         .map_err(|e| TrialError::Plugin(format!("event {event_id:?} is malformed: {e}")))?;
     let recording = Recording::new(Vec::new(), false);
     let (registry, name) = candidate(wasm, config, &recording).await?;
-    let policy = retry_policy(config, &name);
     let handlers: Vec<String> = registry
         .subscriptions()
         .into_iter()
@@ -332,14 +333,15 @@ pub async fn replay<S: Store>(
         let which = handler.map_or_else(|| "no handler".to_string(), |h| format!("no handler {h:?}"));
         return Err(TrialError::Plugin(format!("{} offers {which} of event type {:?}", wasm.display(), event.event_type)));
     }
-    let runner = crate::plugin_runner::PluginRunner::new(registry, store.clone(), Arc::new(move |_: &str| policy));
+    let policies = retry_policies(config, &name);
+    let runner = crate::plugin_runner::PluginRunner::new(registry, store.clone(), policies.clone());
     let mut replayed = Vec::new();
     for handler in handlers {
         let filter = DeliveryFilter { event_id: Some(event_id.to_string()), handler: Some(handler.clone()), limit: 10, ..DeliveryFilter::default() };
         let stored = store.list_deliveries(&filter).await?.deliveries.into_iter().next();
         let attempt = stored.as_ref().map_or(1, |d| d.attempts + 1);
         let (result, run) = runner.try_on(&handler, &event, attempt).await.expect("the candidate offers the handler");
-        let outcome = match decide(result, attempt, &policy, DateTime::now(), fastrand::f64()) {
+        let outcome = match decide(result, attempt, &policies(&name, &handler), DateTime::now(), fastrand::f64()) {
             Settle::Complete => Reported::Completed,
             Settle::Reschedule { due_at, reason } => Reported::Retry { at: due_at.timestamp_millis(), reason },
             Settle::Bury { reason } => Reported::Dead { reason },

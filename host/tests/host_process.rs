@@ -733,13 +733,14 @@ async fn the_embedded_server_keeps_its_data_and_admin_commands_join_a_running_ho
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_names_every_problem_and_exits_non_zero() {
     let throttled = "\n[plugin.noop]\nconcurrency_per_host = 3\nrate_per_host = { max = 20, per = \"1s\" }\npriority = 7\n\
-                     concurrency = 16\nrate = { max = 50, per = \"1s\", burst = 5 }";
+                     concurrency = 16\nrate = { max = 50, per = \"1s\", burst = 5 }\n\
+                     [plugin.noop.handler.noop]\npriority = 9";
     let deployment = Deployment::new(&["noop"], throttled).await;
     let ok = deployment.relayhost(&["check"]);
     assert!(ok.status.success(), "{}", stdout(&ok));
     assert!(stdout(&ok).contains("noop"), "{}", stdout(&ok));
     let said = "[at most 3 at once per host, at most 20 starts per 1s per host, at most 16 at once across hosts, \
-                at most 50 starts per 1s across hosts (burst 5), priority 7]";
+                at most 50 starts per 1s across hosts (burst 5), priority 9]";
     assert!(stdout(&ok).contains(said), "{}", stdout(&ok));
 
     std::fs::write(deployment.dir.join("plugins/broken.wasm"), b"\0asm not really").unwrap();

@@ -198,3 +198,32 @@ async fn a_busy_host_starts_every_delivery_of_a_higher_priority_first() {
     let first_bulk = probe.runs_of("bulk").iter().map(|r| r.started).min().unwrap();
     assert!(last_urgent <= first_bulk, "a bulk delivery started {:?} before the last urgent one", last_urgent - first_bulk);
 }
+
+/// A plugin's handlers get their own settings from `[plugin.<name>.handler.<id>]`, over the
+/// plugin's: the runner asks by plugin and handler id, as the dispatcher's specs show.
+#[tokio::test]
+async fn a_runner_gives_each_handler_the_settings_of_its_own_section() {
+    use relayhost::config::Config;
+    use relayhost::plugin::{PluginPolicy, PluginRegistry};
+    use relayhost::plugin_runner::PluginRunner;
+
+    let plugins = std::env::temp_dir().join(format!("relayhost-handler-settings-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&plugins);
+    std::fs::create_dir_all(&plugins).unwrap();
+    std::fs::copy(plugins_dir().join("noop.wasm"), plugins.join("noop.wasm")).unwrap();
+    let registry = Arc::new(PluginRegistry::new(Arc::new(plugin_runtime()), &plugins, |_| PluginPolicy::default()));
+    registry.scan().await.unwrap();
+    let toml = "[plugin.noop]\npriority = 3\nconcurrency_per_host = 2\n[plugin.noop.handler.noop]\npriority = 8\nretry = { max_attempts = 2 }";
+    let file = plugins.join("relayhost.toml");
+    std::fs::write(&file, toml).unwrap();
+    let config = Config::load(Some(&file), std::iter::empty::<(String, String)>()).unwrap();
+    let (retries, throttles, priorities) = (config.clone(), config.clone(), config.clone());
+    let store = Arc::new(MemoryStore::new(StoreOptions::default()));
+    let runner = PluginRunner::new(registry, store, Arc::new(move |p: &str, h: &str| retries.retry_for(p, h).policy()))
+        .throttled_by(Arc::new(move |p: &str, h: &str| throttles.throttle_for(p, h)))
+        .prioritized_by(Arc::new(move |p: &str, h: &str| priorities.priority_for(p, h)));
+    let specs = runner.handlers();
+    let noop = specs.iter().find(|s| s.handler == "noop").expect("the noop plugin's handler");
+    assert_eq!((noop.priority, noop.retry.max_attempts, noop.throttle.concurrency), (8, 2, Some(2)));
+    let _ = std::fs::remove_dir_all(&plugins);
+}

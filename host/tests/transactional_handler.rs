@@ -113,7 +113,7 @@ async fn the_dispatcher_runs_plugins_into_an_exact_projection<F: Fixture>() {
     let events: Vec<_> = (0..30).map(|n| keyed(&format!("order-{n}"), "order.placed", &format!("c-{}", n % 4))).collect();
     publish_all(&*store, events).await;
 
-    let runner = Arc::new(PluginRunner::new(registry, store.clone(), Arc::new(|_: &str| RetryPolicy::default())));
+    let runner = Arc::new(PluginRunner::new(registry, store.clone(), Arc::new(|_: &str, _: &str| RetryPolicy::default())));
     let options = DispatcherOptions { concurrency: 4, poll_interval: Duration::from_millis(20), ..Default::default() };
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let loop_store = store.clone();
@@ -188,7 +188,7 @@ async fn run_beside_a_conflict(reruns: u32, held: Duration) -> (relayhost::dispa
         other.abort_transaction().await.unwrap();
     });
 
-    let runner = PluginRunner::new(registry, store.clone(), Arc::new(|_: &str| RetryPolicy::default()));
+    let runner = PluginRunner::new(registry, store.clone(), Arc::new(|_: &str, _: &str| RetryPolicy::default()));
     let result = runner.run(delivery).await;
     release.await.unwrap();
     let record = audit.find_one(doc! { "_id": "order-1" }).await.unwrap();
@@ -211,7 +211,7 @@ async fn a_transactional_plugins_first_deliveries_on_a_fresh_database_run_once_e
     let claimed = store.claim(&handlers(&["audit-log"]), 8, bson::DateTime::now()).await.unwrap();
     assert_eq!(claimed.len(), 8);
 
-    let runner = PluginRunner::new(registry, store.clone(), Arc::new(|_: &str| RetryPolicy::default()));
+    let runner = PluginRunner::new(registry, store.clone(), Arc::new(|_: &str, _: &str| RetryPolicy::default()));
     let results = futures::future::join_all(claimed.into_iter().map(|delivery| runner.run(delivery))).await;
     std::fs::remove_dir_all(plugins).unwrap();
     assert!(results.iter().all(|result| *result == RunResult::CompletedInTransaction), "{results:?}");
@@ -274,7 +274,7 @@ async fn a_transactional_handler_beside_another_handler_of_unkeyed_events_runs_o
     let (fixture, store, registry, plugins) = audit_log_in_a_fresh_database(0).await;
     std::fs::copy(plugins_dir().join("noop.wasm"), plugins.join("noop.wasm")).unwrap();
     registry.scan().await.unwrap();
-    let runner = PluginRunner::new(registry, store.clone(), Arc::new(|_: &str| RetryPolicy::default()));
+    let runner = PluginRunner::new(registry, store.clone(), Arc::new(|_: &str, _: &str| RetryPolicy::default()));
     let results = Arc::default();
     let runner = Arc::new(Recording { inner: runner, results: Arc::clone(&results) });
     let options = DispatcherOptions { concurrency: 8, poll_interval: Duration::from_millis(20), ..Default::default() };

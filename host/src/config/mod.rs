@@ -18,7 +18,7 @@ mod environment;
 mod retention;
 mod telemetry;
 
-pub use plugin::{GrantsConfig, PluginConfig, RateConfig, RetryConfig};
+pub use plugin::{GrantsConfig, PluginConfig, Processing, RateConfig, RetryConfig};
 pub use retention::{Keep, RetentionConfig};
 pub use telemetry::TelemetryConfig;
 use plugin::validate_plugin;
@@ -307,6 +307,9 @@ impl Config {
         if self.defaults.grants != GrantsConfig::default() {
             return Err(invalid("defaults.grants", "grants are given per plugin, never by default"));
         }
+        if !self.defaults.handler.is_empty() {
+            return Err(invalid("defaults.handler", "handlers' own settings are given in their plugin's section"));
+        }
         validate_plugin("defaults", &self.defaults)?;
         for (name, plugin) in &self.plugin {
             if name.is_empty() || name.starts_with('.') || name.contains(['/', '\\']) {
@@ -374,16 +377,25 @@ impl Config {
         self.plugin.values().filter_map(|p| p.wall_time.map(|s| s.0)).fold(default, Duration::max)
     }
 
-    /// The effective throttle of a plugin's handlers: each field its own, or from
-    /// `[defaults]`.
-    pub fn throttle_for(&self, plugin: &str) -> Throttle {
+    /// A processing setting of `handler` (of `plugin`): its own (`[plugin.<name>.handler.<id>]`),
+    /// else its plugin's, else `[defaults]`'.
+    fn processing<T>(&self, plugin: &str, handler: &str, get: impl Fn(&Processing) -> Option<T>) -> Option<T> {
         let own = self.plugin.get(plugin);
-        let rate = own.and_then(|p| p.rate_per_host).or(self.defaults.rate_per_host);
-        let global_rate = own.and_then(|p| p.rate).or(self.defaults.rate);
+        own.and_then(|p| p.handler.get(handler))
+            .and_then(&get)
+            .or_else(|| own.and_then(|p| get(&p.processing())))
+            .or_else(|| get(&self.defaults.processing()))
+    }
+
+    /// The effective throttle of `handler` of `plugin`: each field its own, its plugin's, or
+    /// from `[defaults]`.
+    pub fn throttle_for(&self, plugin: &str, handler: &str) -> Throttle {
+        let rate = self.processing(plugin, handler, |p| p.rate_per_host);
+        let global_rate = self.processing(plugin, handler, |p| p.rate);
         Throttle {
-            concurrency: own.and_then(|p| p.concurrency_per_host).or(self.defaults.concurrency_per_host),
+            concurrency: self.processing(plugin, handler, |p| p.concurrency_per_host),
             rate: rate.map(|rate| RateLimit { max: rate.max, per: rate.per.0 }),
-            global_concurrency: own.and_then(|p| p.concurrency).or(self.defaults.concurrency),
+            global_concurrency: self.processing(plugin, handler, |p| p.concurrency),
             global_rate: global_rate.map(|rate| GlobalRate {
                 max: rate.max,
                 per_ms: rate.per.0.as_millis() as i64,
@@ -392,18 +404,16 @@ impl Config {
         }
     }
 
-    /// The effective priority of a plugin's handlers: its own, from `[defaults]`, or 0.
-    pub fn priority_for(&self, plugin: &str) -> i32 {
-        self.plugin.get(plugin).and_then(|p| p.priority).or(self.defaults.priority).unwrap_or(0)
+    /// The effective priority of `handler` of `plugin`: its own, its plugin's, from
+    /// `[defaults]`, or 0.
+    pub fn priority_for(&self, plugin: &str, handler: &str) -> i32 {
+        self.processing(plugin, handler, |p| p.priority).unwrap_or(0)
     }
 
-    /// The effective retry policy of a plugin.
-    pub fn retry_for(&self, plugin: &str) -> RetryConfig {
-        self.plugin
-            .get(plugin)
-            .and_then(|p| p.retry.clone())
-            .or_else(|| self.defaults.retry.clone())
-            .unwrap_or_default()
+    /// The effective retry policy of `handler` of `plugin` (the whole policy of the first
+    /// that sets one: its own, its plugin's, `[defaults]`').
+    pub fn retry_for(&self, plugin: &str, handler: &str) -> RetryConfig {
+        self.processing(plugin, handler, |p| p.retry.clone()).unwrap_or_default()
     }
 }
 
@@ -467,10 +477,10 @@ mod tests {
         let stranger = config.policy_for("stranger");
         assert_eq!(stranger.grants, Grants::default());
         assert_eq!(stranger.limits.wall_time, Duration::from_secs(10));
-        assert_eq!(config.retry_for("stranger").max_attempts, 8);
-        assert_eq!(Config::default().retry_for("x"), RetryConfig::default());
+        assert_eq!(config.retry_for("stranger", "h").max_attempts, 8);
+        assert_eq!(Config::default().retry_for("x", "h"), RetryConfig::default());
         // Throttles: each field the plugin's own, or from [defaults]; none unless set.
-        assert_eq!(config.throttle_for("webhook"), Throttle::default());
+        assert_eq!(config.throttle_for("webhook", "h"), Throttle::default());
         let throttled = load(
             "[defaults]\nconcurrency_per_host = 4\n[plugin.mailer]\nrate_per_host = { max = 10, per = \"1m\" }\n\
              [plugin.hook]\nconcurrency_per_host = 1\n[plugin.api]\nconcurrency = 64\nrate = { max = 100, per = \"1s\", burst = 20 }\n\
@@ -479,24 +489,49 @@ mod tests {
         )
         .unwrap();
         let ten_a_minute = Some(RateLimit { max: 10, per: Duration::from_secs(60) });
-        assert_eq!(throttled.throttle_for("mailer"), Throttle { concurrency: Some(4), rate: ten_a_minute, ..Default::default() });
-        assert_eq!(throttled.throttle_for("hook"), Throttle { concurrency: Some(1), ..Default::default() });
-        assert_eq!(throttled.throttle_for("stranger"), Throttle { concurrency: Some(4), ..Default::default() });
-        let api = throttled.throttle_for("api");
+        assert_eq!(throttled.throttle_for("mailer", "h"), Throttle { concurrency: Some(4), rate: ten_a_minute, ..Default::default() });
+        assert_eq!(throttled.throttle_for("hook", "h"), Throttle { concurrency: Some(1), ..Default::default() });
+        assert_eq!(throttled.throttle_for("stranger", "h"), Throttle { concurrency: Some(4), ..Default::default() });
+        let api = throttled.throttle_for("api", "h");
         assert_eq!((api.global_concurrency, api.global_rate), (Some(64), Some(GlobalRate { max: 100, per_ms: 1_000, burst: 20 })));
         // The burst is the rate's max unless given.
-        assert_eq!(throttled.throttle_for("paced").global_rate, Some(GlobalRate { max: 5, per_ms: 60_000, burst: 5 }));
+        assert_eq!(throttled.throttle_for("paced", "h").global_rate, Some(GlobalRate { max: 5, per_ms: 60_000, burst: 5 }));
         let prioritized = load("[defaults]\npriority = -1\n[plugin.urgent]\npriority = 10", &[]).unwrap();
-        assert_eq!((prioritized.priority_for("urgent"), prioritized.priority_for("other")), (10, -1));
-        assert_eq!(config.priority_for("webhook"), 0);
+        assert_eq!((prioritized.priority_for("urgent", "h"), prioritized.priority_for("other", "h")), (10, -1));
+        assert_eq!(config.priority_for("webhook", "h"), 0);
+    }
+
+    #[test]
+    fn a_handler_of_its_own_overrides_its_plugins_settings_field_by_field() {
+        let config = load(
+            "[defaults]\npriority = -1\n[plugin.mail]\nconcurrency_per_host = 4\nretry = { max_attempts = 3 }\n\
+             [plugin.mail.handler.receipts]\nconcurrency = 2\npriority = 5\nretry = { max_attempts = 9 }\n\
+             [plugin.mail.handler.digest]\nrate = { max = 1, per = \"1m\" }",
+            &[],
+        )
+        .unwrap();
+        let receipts = config.throttle_for("mail", "receipts");
+        assert_eq!((receipts.concurrency, receipts.global_concurrency), (Some(4), Some(2)), "its own, and its plugin's");
+        assert_eq!((config.priority_for("mail", "receipts"), config.retry_for("mail", "receipts").max_attempts), (5, 9));
+        let digest = config.throttle_for("mail", "digest");
+        assert_eq!((digest.concurrency, digest.global_concurrency, digest.global_rate.map(|r| r.max)), (Some(4), None, Some(1)));
+        // A handler not named has its plugin's settings, then the defaults'.
+        assert_eq!((config.priority_for("mail", "other"), config.retry_for("mail", "other").max_attempts), (-1, 3));
+        // A handler's settings are checked as a plugin's, and named by where they are.
+        let error = load("[plugin.mail.handler.receipts]\nconcurrency = 0", &[]).unwrap_err().to_string();
+        assert!(error.contains("plugin.mail.handler.receipts.concurrency"), "{error}");
+        let error = load("[plugin.mail.handler.receipts]\nfuel = 5", &[]).unwrap_err().to_string();
+        assert!(error.contains("fuel"), "{error}");
+        let error = load("[defaults.handler.receipts]\npriority = 1", &[]).unwrap_err().to_string();
+        assert!(error.contains("defaults.handler"), "{error}");
     }
 
     #[test]
     fn a_retry_policy_names_its_backoff_and_jitter() {
         let config = load("[plugin.webhook]\nretry = { max_attempts = 3, backoff = \"linear\", jitter = \"none\" }\n", &[]).unwrap();
-        let policy = config.retry_for("webhook").policy();
+        let policy = config.retry_for("webhook", "h").policy();
         assert_eq!((policy.max_attempts, policy.backoff, policy.jitter), (3, crate::dispatch::Backoff::Linear, crate::dispatch::Jitter::None));
-        let defaults = config.retry_for("other").policy();
+        let defaults = config.retry_for("other", "h").policy();
         assert_eq!((defaults.backoff, defaults.jitter), (crate::dispatch::Backoff::Exponential, crate::dispatch::Jitter::Full));
         let error = load("[plugin.webhook]\nretry = { backoff = \"quadratic\" }\n", &[]).unwrap_err().to_string();
         assert!(error.contains("quadratic") && error.contains("exponential"), "{error}");

@@ -81,6 +81,20 @@ pub struct GrantsConfig {
     pub publish_id_prefix: Option<String>,
 }
 
+/// How one handler's deliveries are processed: what `[plugin.<name>.handler.<id>]` sets for
+/// one handler of a plugin (absent fields come from its plugin, then `[defaults]`), and the
+/// same fields of a plugin's own section.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Processing {
+    pub retry: Option<RetryConfig>,
+    pub concurrency_per_host: Option<usize>,
+    pub rate_per_host: Option<RateConfig>,
+    pub concurrency: Option<usize>,
+    pub rate: Option<GlobalRateConfig>,
+    pub priority: Option<i32>,
+}
+
 /// Limits and retry policy of one plugin; absent fields come from `[defaults]`.
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
@@ -120,6 +134,22 @@ pub struct PluginConfig {
     /// Of due deliveries, those of its handlers go before those of lower priorities.
     pub priority: Option<i32>,
     pub grants: GrantsConfig,
+    /// Processing settings of single handlers, by handler id (a plugin may export several).
+    pub handler: std::collections::BTreeMap<String, Processing>,
+}
+
+impl PluginConfig {
+    /// Its processing settings (those a handler may set for itself).
+    pub fn processing(&self) -> Processing {
+        Processing {
+            retry: self.retry.clone(),
+            concurrency_per_host: self.concurrency_per_host,
+            rate_per_host: self.rate_per_host,
+            concurrency: self.concurrency,
+            rate: self.rate,
+            priority: self.priority,
+        }
+    }
 }
 
 /// The longest failure reason an operator may let a plugin store: its dead letter repeats it,
@@ -130,6 +160,15 @@ const MAX_REASON_BYTES: usize = 64 * 1024;
 const MAX_NOT_BEFORE_HORIZON: Duration = Duration::from_secs(365 * 24 * 3600);
 
 pub(super) fn validate_plugin(section: &str, plugin: &PluginConfig) -> Result<(), ConfigError> {
+    for (handler, processing) in &plugin.handler {
+        if handler.is_empty() || handler.chars().any(char::is_control) {
+            return Err(invalid(format!("{section}.handler"), format!("{handler:?} is not a handler id")));
+        }
+        // A handler's settings are checked as its plugin's same fields are.
+        let Processing { retry, concurrency_per_host, rate_per_host, concurrency, rate, priority } = processing.clone();
+        let alone = PluginConfig { retry, concurrency_per_host, rate_per_host, concurrency, rate, priority, ..PluginConfig::default() };
+        validate_plugin(&format!("{section}.handler.{handler}"), &alone)?;
+    }
     if plugin.fuel == Some(0) {
         return Err(invalid(format!("{section}.fuel"), "must be more than 0"));
     }

@@ -79,13 +79,10 @@ pub fn registry_for(config: &Config) -> Result<Arc<PluginRegistry>, PluginError>
     Ok(Arc::new(PluginRegistry::new(runtime, &config.plugins.directory, move |name| policies.policy_for(name))))
 }
 
-/// The retry policy of each plugin, from the configuration.
-fn retry_policies(config: &Config) -> Arc<dyn Fn(&str) -> RetryPolicy + Send + Sync> {
+/// The retry policy of each handler, from the configuration.
+fn retry_policies(config: &Config) -> Arc<dyn Fn(&str, &str) -> RetryPolicy + Send + Sync> {
     let config = config.clone();
-    Arc::new(move |plugin: &str| {
-        let retry = config.retry_for(plugin);
-        retry.policy()
-    })
+    Arc::new(move |plugin: &str, handler: &str| config.retry_for(plugin, handler).policy())
 }
 
 /// Runs the host until `stop` resolves, then stops gracefully: claiming ends, deliveries in
@@ -124,8 +121,8 @@ async fn serve(
     }
     let (throttles, priorities) = (config.clone(), config.clone());
     let runner = PluginRunner::new(registry.clone(), store.clone(), retry_policies(config))
-        .throttled_by(Arc::new(move |plugin: &str| throttles.throttle_for(plugin)))
-        .prioritized_by(Arc::new(move |plugin: &str| priorities.priority_for(plugin)))
+        .throttled_by(Arc::new(move |plugin: &str, handler: &str| throttles.throttle_for(plugin, handler)))
+        .prioritized_by(Arc::new(move |plugin: &str, handler: &str| priorities.priority_for(plugin, handler)))
         .traced_by(telemetry.clone());
     let deliveries = runner.metrics();
     let runner = Arc::new(runner);

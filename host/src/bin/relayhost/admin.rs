@@ -123,9 +123,12 @@ pub async fn check(config: &Config) -> Result<ExitCode> {
                     .subscriptions()
                     .into_iter()
                     .filter(|s| registry.plugin_for(&s.handler).is_some_and(|p| *p.name == *plugin))
-                    .map(|s| format!("{} <- {}{}", s.handler, s.event_types.join(", "), if s.transactional { " (transactional)" } else { "" }))
+                    .map(|s| {
+                        let transactional = if s.transactional { " (transactional)" } else { "" };
+                        format!("{} <- {}{transactional}{}", s.handler, s.event_types.join(", "), processing(config, &plugin, &s.handler))
+                    })
                     .collect();
-                println!("ok  {plugin} {}: {}{}", &version[..12], handlers.join("; "), processing(config, &plugin));
+                println!("ok  {plugin} {}: {}", &version[..12], handlers.join("; "));
             }
             Change::Replaced { .. } | Change::Removed { .. } => {}
         }
@@ -145,10 +148,10 @@ pub async fn check(config: &Config) -> Result<ExitCode> {
     Ok(if problems.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
-/// How the operator set a plugin's handlers to be processed, as `check` shows it: its throttle
-/// and priority, when they are not the defaults.
-fn processing(config: &Config, plugin: &str) -> String {
-    let throttle = config.throttle_for(plugin);
+/// How the operator set a handler of a plugin to be processed, as `check` shows it: its
+/// throttle and priority, when they are not the defaults.
+fn processing(config: &Config, plugin: &str, handler: &str) -> String {
+    let throttle = config.throttle_for(plugin, handler);
     let mut said = Vec::new();
     if let Some(concurrency) = throttle.concurrency {
         said.push(format!("at most {concurrency} at once per host"));
@@ -163,7 +166,7 @@ fn processing(config: &Config, plugin: &str) -> String {
         let per = humantime::format_duration(std::time::Duration::from_millis(rate.per_ms as u64));
         said.push(format!("at most {} starts per {per} across hosts (burst {})", rate.max, rate.burst));
     }
-    match config.priority_for(plugin) {
+    match config.priority_for(plugin, handler) {
         0 => {}
         priority => said.push(format!("priority {priority}")),
     }

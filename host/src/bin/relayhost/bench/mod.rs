@@ -386,12 +386,12 @@ async fn drain(args: &BenchArgs, workload: &Workload, server: &Server, registry:
     let dispatchers: Vec<_> = hosts(&store, workload.hosts)
         .into_iter()
         .map(|store| {
-            let runner = PluginRunner::new(registry.clone(), store.clone(), Arc::new(|_: &str| RetryPolicy::default()));
+            let runner = PluginRunner::new(registry.clone(), store.clone(), Arc::new(|_: &str, _: &str| RetryPolicy::default()));
             let runner = match &workload.traced_to {
                 Some(endpoint) => runner.traced_by(tracing_cost::telemetry(endpoint, &store.options().owner)?),
                 None => runner,
             };
-            let runner = if workload.limited { runner.throttled_by(Arc::new(|_: &str| LIMITED)) } else { runner };
+            let runner = if workload.limited { runner.throttled_by(Arc::new(|_: &str, _: &str| LIMITED)) } else { runner };
             let runner = DrainRunner {
                 plugin: runner,
                 store_only: workload.store_only,
@@ -554,7 +554,7 @@ async fn latency(args: &BenchArgs, keys: usize, client: &mongodb::Client, regist
     let mut running = Vec::new();
     let mut wakeups = Vec::new();
     for host in hosts(&store, args.hosts) {
-        let runner = PluginRunner::new(registry.clone(), host.clone(), Arc::new(|_: &str| RetryPolicy::default()));
+        let runner = PluginRunner::new(registry.clone(), host.clone(), Arc::new(|_: &str, _: &str| RetryPolicy::default()));
         let runner = Arc::new(Timed { inner: runner, started: started.clone(), again: again.clone() });
         let dispatcher = Dispatcher::new(host.clone(), runner, dispatcher_options(args));
         wakeups.push(EventWakeups::default().spawn(&host, dispatcher.waker()));
