@@ -530,8 +530,10 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
     /// limits across hosts.
     async fn renew(&self, flight: &mut Flight<S>) -> Result<(), StoreError> {
         let leases: Vec<Lease> = flight.running.values().filter(|r| r.renew).map(|r| r.lease).collect();
-        let specs = self.runner.handlers();
-        flight.global_shares.renew(&*self.store, &specs, |h| held(&flight.running, h), false).await;
+        if !flight.global_shares.is_empty() {
+            let specs = self.runner.handlers();
+            flight.global_shares.renew(&*self.store, &specs, |h| held(&flight.running, h), false).await;
+        }
         if !leases.is_empty() {
             self.store.extend_lease(&leases, DateTime::now()).await?;
         }
@@ -599,7 +601,9 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             let released = self.store.release(&leases, DateTime::now()).await?;
             DispatcherCounters::add(&self.counters.released, released);
         }
-        flight.global_shares.renew(&*self.store, &self.runner.handlers(), |_| 0, true).await;
+        if !flight.global_shares.is_empty() {
+            flight.global_shares.renew(&*self.store, &self.runner.handlers(), |_| 0, true).await;
+        }
         self.store.relinquish().await
     }
 }

@@ -39,6 +39,11 @@ struct Asked {
 }
 
 impl GlobalShares {
+    /// Whether this host ever asked a limiter (nothing to renew or hand back otherwise).
+    pub(super) fn is_empty(&self) -> bool {
+        self.by_handler.is_empty()
+    }
+
     /// Narrows `rooms` for a claim of up to `total` deliveries: each handler of `specs`
     /// limited across hosts gets no more than its share leaves above what this host holds
     /// (`held`), and, rate-limited, the tokens it could take.
