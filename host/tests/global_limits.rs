@@ -146,6 +146,17 @@ async fn three_hosts_keep_to_a_global_concurrency_while_one_is_killed() {
     // The work was shared: the hosts that lived through it both took part.
     let counters: Vec<_> = hosts.into_iter().skip(1).chain([replacement]).map(|host| host.stop()).collect();
     assert!(counters[0]["completed"] > 0 && counters[1]["completed"] > 0, "{counters:?}");
+    // Idle, the hosts shrank their shares to nothing (and stopped); the killed one's lapsed.
+    let limiters = deployment.documents("relayhost_limiters").await;
+    assert_eq!(limiters.len(), 1, "{limiters:?}");
+    let now = bson::DateTime::now();
+    let live: Vec<&bson::Bson> = limiters[0]
+        .get_array("shares")
+        .unwrap()
+        .iter()
+        .filter(|share| share.as_document().is_some_and(|s| *s.get_datetime("until").unwrap() > now))
+        .collect();
+    assert!(live.is_empty(), "shares left live after the stop: {live:?}");
 }
 
 /// Three hosts share a global rate of 10 calls a second (a burst of 10): over ten seconds of a
