@@ -22,6 +22,7 @@ pub mod handler_documents;
 mod lease;
 pub mod limiter;
 mod listing;
+mod outcome;
 pub mod registry;
 pub mod memory;
 pub mod mongo;

@@ -9,10 +9,9 @@
 //! This file holds the state and the store's three parts over it, each method a few lines
 //! against it, so that its semantics can be read side by side with the MongoDB store's; beside
 //! it, as in the MongoDB store: the state changes several methods share (`state.rs`), its two
-//! fan-outs (`fan_out.rs`), its claim primitives (`lanes.rs`), its deliveries without a record
-//! (`unstored.rs`), operators' reads, purge and backfill (`operations.rs`), limiter documents
-//! (`limiters.rs`), handlers' collections. It is a little past 600 lines because the three
-//! parts' methods are kept together here, one short body each, as `mongo/mod.rs` keeps its.
+//! fan-outs (`fan_out.rs`), its claim primitives (`lanes.rs`), its outcomes' primitives
+//! (`outcome.rs`), its deliveries without a record (`unstored.rs`), operators' reads, purge
+//! and backfill (`operations.rs`), limiter documents (`limiters.rs`), handlers' collections.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -22,8 +21,9 @@ use bson::oid::ObjectId;
 use bson::{Bson, DateTime, Document};
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
-use super::claim::{Claimer, HandlerKey, InFlight, LaneSearch, LaneState, Settled, Unpark, Unstored};
+use super::claim::{Claimer, HandlerKey, InFlight, LaneSearch, LaneState, Settled, Unpark};
 use super::limiter;
+use super::outcome::Change;
 use super::fan_out::{FanOutPlan, NewDelivery, WithoutDocuments, id_text};
 use super::{
     Administration, Capacity, ClaimedDelivery, DeliveryFilter, DeliveryId, DeliveryPage, DeliveryStatus, DeliveryView, EarlyHandOuts, FanOutReport,
@@ -38,6 +38,7 @@ mod handler_documents;
 mod lanes;
 mod limiters;
 mod operations;
+mod outcome;
 mod query;
 mod registry;
 mod state;
@@ -46,7 +47,7 @@ mod unstored;
 use lanes::Backend;
 use operations::to_view;
 
-use unstored::{Charge, Entry};
+use unstored::Entry;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum LaneKind {
@@ -306,92 +307,27 @@ impl Outbox for MemoryStore {
     }
 
     async fn complete_many(&self, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {
-        let mut state = self.state.lock().await;
-        let results: Vec<Settlement> = leases
-            .iter()
-            .map(|lease| {
-                if self.claimer.issued(lease) {
-                    state.complete_lease(lease, self.claimer.unstored(lease), now, self.options.completion_history)
-                } else {
-                    Settlement::LeaseLost
-                }
-            })
-            .collect();
-        let (completed, lost): (Vec<_>, Vec<_>) =
-            leases.iter().zip(&results).partition(|(_, settlement)| **settlement == Settlement::Completed);
-        self.claimer.completed(completed.into_iter().map(|(lease, _)| lease));
-        self.claimer.settled(lost.into_iter().map(|(lease, _)| lease));
-        Ok(results)
+        super::outcome::complete(self, leases, now).await
     }
 
     async fn complete_in(&self, tx: &mut MemoryTx, lease: &Lease, now: DateTime) -> Result<(), StoreError> {
-        let unstored = self.claimer.unstored(lease);
-        if !self.claimer.issued(lease)
-            || tx.state.complete_lease(lease, unstored, now, self.options.completion_history) != Settlement::Completed
-        {
-            return Err(StoreError::LeaseLost(lease.to_string()));
-        }
-        tx.settles.push(*lease);
-        Ok(())
+        super::outcome::complete_in(self, tx, lease, now).await
     }
 
     async fn reschedule(&self, lease: &Lease, due_at: DateTime, error: &str, now: DateTime) -> Result<Settlement, StoreError> {
-        let mut state = self.state.lock().await;
-        if !self.claimer.issued(lease) {
-            return Ok(Settlement::LeaseLost);
-        }
-        state.materialize_lease(lease, self.claimer.unstored(lease), now);
-        if !state.current(lease) {
-            self.claimer.settled([lease]);
-            return Ok(Settlement::LeaseLost);
-        }
-        let delivery = state.deliveries.get_mut(&lease.delivery).expect("current");
-        delivery.attempts += 1;
-        delivery.claims += 1;
-        delivery.due_at = due_at;
-        delivery.last_error = Some(error.to_string());
-        delivery.updated_at = Some(now);
-        self.claimer.settled([lease]);
-        Ok(Settlement::Completed)
+        super::outcome::settle_one(self, lease, Change::Reschedule { due_at, error }, now).await
     }
 
     async fn release(&self, leases: &[Lease], now: DateTime) -> Result<usize, StoreError> {
-        let mut state = self.state.lock().await;
-        let mut released = 0;
-        for lease in leases.iter().filter(|lease| self.claimer.issued(lease)) {
-            state.materialize_lease(lease, self.claimer.unstored(lease), now);
-            if state.current(lease) {
-                let delivery = state.deliveries.get_mut(&lease.delivery).expect("current");
-                delivery.claims += 1;
-                delivery.updated_at = Some(now);
-                released += 1;
-            }
-        }
-        self.claimer.settled(leases);
-        Ok(released)
+        super::outcome::settle(self, leases, Change::HandBack, now).await
     }
 
     async fn bury(&self, lease: &Lease, reason: &str, charge_attempt: bool, now: DateTime) -> Result<Settlement, StoreError> {
-        let mut state = self.state.lock().await;
-        if !self.claimer.issued(lease) {
-            return Ok(Settlement::LeaseLost);
-        }
-        state.materialize_lease(lease, self.claimer.unstored(lease), now);
-        let settlement = state.bury(lease, reason, charge_attempt, now);
-        self.claimer.settled([lease]);
-        Ok(settlement)
+        super::outcome::settle_one(self, lease, Change::Bury { reason, charge_attempt }, now).await
     }
 
     async fn bury_in(&self, tx: &mut MemoryTx, lease: &Lease, reason: &str, charge_attempt: bool, now: DateTime) -> Result<(), StoreError> {
-        if !self.claimer.issued(lease) {
-            return Err(StoreError::LeaseLost(lease.to_string()));
-        }
-        tx.state.materialize_lease(lease, self.claimer.unstored(lease), now);
-        if tx.state.bury(lease, reason, charge_attempt, now) != Settlement::Completed {
-            return Err(StoreError::LeaseLost(lease.to_string()));
-        }
-        tx.settles.push(*lease);
-        Ok(())
+        super::outcome::settle_in(self, tx, lease, Change::Bury { reason, charge_attempt }, now).await
     }
 
     async fn extend_lease(&self, leases: &[Lease], now: DateTime) -> Result<Vec<bool>, StoreError> {

@@ -208,44 +208,6 @@ impl State {
     }
 
     /// Completes what `lease` runs, with or without a record (the latter as `unstored` names it).
-    pub(super) fn complete_lease(&mut self, lease: &Lease, unstored: Option<Unstored>, now: DateTime, history: bool) -> Settlement {
-        match unstored {
-            Some(unstored) if !history => {
-                if self.lane_current(lease) && self.complete_unstored(&Entry::of_lease(lease, unstored), now) {
-                    Settlement::Completed
-                } else {
-                    Settlement::LeaseLost
-                }
-            }
-            unstored => {
-                self.materialize_lease(lease, unstored, now);
-                self.complete(lease, now, history)
-            }
-        }
-    }
-
-    /// Gives the delivery of `lease` its record if it runs without one (as `unstored` names
-    /// it), so that an outcome other than a completion applies.
-    pub(super) fn materialize_lease(&mut self, lease: &Lease, unstored: Option<Unstored>, now: DateTime) {
-        if let Some(unstored) = unstored {
-            self.materialize(&[Entry::of_lease(lease, unstored)], Charge::Nothing, now);
-        }
-    }
-
-    pub(super) fn bury(&mut self, lease: &Lease, reason: &str, charge_attempt: bool, now: DateTime) -> Settlement {
-        if !self.current(lease) {
-            return Settlement::LeaseLost;
-        }
-        let delivery = self.deliveries.get_mut(&lease.delivery).expect("checked above");
-        delivery.status = DeliveryStatus::Dead;
-        delivery.lane = LaneKind::Dead;
-        delivery.claims += 1;
-        delivery.attempts += u32::from(charge_attempt);
-        delivery.last_error = Some(reason.to_string());
-        delivery.updated_at = Some(now);
-        Settlement::Completed
-    }
-
     pub(super) fn publish(&mut self, event: &NewEvent, max_payload_bytes: usize) -> Result<Published, StoreError> {
         event.validate(max_payload_bytes)?;
         if self.events.contains_key(&event.id) {

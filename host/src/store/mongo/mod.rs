@@ -62,6 +62,7 @@ use mongodb::options::{
 use mongodb::{Client, ClientSession, Collection, Database};
 
 use super::claim::{Claimer, LaneSearch};
+use super::outcome::Change;
 use super::limiter::{self, ShareGrant, ShareRequest};
 use super::registry::{Declaration, Disposal, RegisteredHandler, RetireReport};
 use crate::lane::LaneId;
@@ -444,11 +445,11 @@ impl Outbox for MongoStore {
     }
 
     async fn complete_many(&self, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {
-        outcome::complete_many(self, leases, now).await
+        crate::store::outcome::complete(self, leases, now).await
     }
 
     async fn complete_in(&self, tx: &mut MongoTx, lease: &Lease, now: DateTime) -> Result<(), StoreError> {
-        outcome::complete_in(self, tx, lease, now).await
+        crate::store::outcome::complete_in(self, tx, lease, now).await
     }
 
     /// Creates those of `names` (business collections of the store's database) that do not
@@ -466,19 +467,19 @@ impl Outbox for MongoStore {
     }
 
     async fn reschedule(&self, lease: &Lease, due_at: DateTime, error: &str, now: DateTime) -> Result<Settlement, StoreError> {
-        outcome::reschedule(self, lease, due_at, error, now).await
+        crate::store::outcome::settle_one(self, lease, Change::Reschedule { due_at, error }, now).await
     }
 
     async fn release(&self, leases: &[Lease], now: DateTime) -> Result<usize, StoreError> {
-        outcome::release(self, leases, now).await
+        crate::store::outcome::settle(self, leases, Change::HandBack, now).await
     }
 
     async fn bury(&self, lease: &Lease, reason: &str, charge_attempt: bool, now: DateTime) -> Result<Settlement, StoreError> {
-        outcome::bury(self, lease, reason, charge_attempt, now).await
+        crate::store::outcome::settle_one(self, lease, Change::Bury { reason, charge_attempt }, now).await
     }
 
     async fn bury_in(&self, tx: &mut MongoTx, lease: &Lease, reason: &str, charge_attempt: bool, now: DateTime) -> Result<(), StoreError> {
-        outcome::bury_in(self, tx, lease, reason, charge_attempt, now).await
+        crate::store::outcome::settle_in(self, tx, lease, Change::Bury { reason, charge_attempt }, now).await
     }
 
     async fn extend_lease(&self, leases: &[Lease], now: DateTime) -> Result<Vec<bool>, StoreError> {

@@ -1,6 +1,7 @@
-//! Outcomes of claimed deliveries in MongoDB: complete, reschedule, release, bury, renew,
-//! and the operator's requeue. Every write is conditional on the lease's claim generation,
-//! and a lease this instance did not issue is refused without a database call.
+//! Outcomes of claimed deliveries in MongoDB: the primitives the shared outcomes
+//! (`crate::store::outcome`) are written over, the lease renewal, a stop's hand-back of its
+//! lanes, and the operator's requeue and burial. Every write is conditional on the lease's
+//! lane epoch and claim generation.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 
@@ -13,7 +14,9 @@ use super::documents::{self, delivery, generation_filter, history, lane, lane_st
 use super::{generations, unstored};
 use super::{MongoStore, MongoTx};
 use crate::lane::LaneId;
-use crate::store::{DeliveryStatus, DeliveryView, Lease, Settlement, StoreError, answered};
+use crate::store::claim::Claimer;
+use crate::store::outcome::{Change, OutcomeBackend};
+use crate::store::{DeliveryStatus, DeliveryView, Lease, StoreError};
 
 fn lease_generations<'a>(leases: impl Iterator<Item = &'a Lease>) -> Vec<(ObjectId, i64)> {
     leases.map(|lease| (lease.delivery, lease.claims)).collect()
@@ -169,119 +172,103 @@ async fn complete_each(store: &MongoStore, leases: &[Lease], now: DateTime) -> R
     Ok(completed)
 }
 
-/// Completes those of `entries` (deliveries without a document) whose lane still has their
-/// lease's epoch; see [`unstored::complete`].
-async fn complete_unstored(
-    store: &MongoStore,
-    mut session: Option<&mut ClientSession>,
-    entries: &[(Lease, unstored::Entry)],
-    now: DateTime,
-) -> Result<HashSet<ObjectId>, StoreError> {
-    if entries.is_empty() {
-        return Ok(HashSet::new());
-    }
-    let epochs = lane_epochs(store, session.as_deref_mut(), entries.iter().map(|(l, _)| l.lane)).await?;
-    let current: Vec<unstored::Entry> =
-        entries.iter().filter(|(l, _)| epochs.get(&l.lane) == Some(&l.epoch)).map(|(_, e)| e.clone()).collect();
-    if current.is_empty() {
-        return Ok(HashSet::new());
-    }
-    unstored::complete(store, &current, session, now).await
-}
+/// The primitives the shared outcomes (`crate::store::outcome`) are written over.
+impl OutcomeBackend for MongoStore {
+    type Tx = MongoTx;
 
-/// Splits issued leases into those of deliveries with a document and those without.
-fn by_storage(store: &MongoStore, leases: &[Lease]) -> (Vec<Lease>, Vec<(Lease, unstored::Entry)>) {
-    let mut stored = Vec::new();
-    let mut unstored = Vec::new();
-    for lease in leases {
-        match store.claimer.unstored(lease) {
-            Some(handed_out) => unstored.push((*lease, unstored::Entry::of_lease(lease, handed_out))),
-            None => stored.push(*lease),
+    fn claimer(&self) -> &Claimer {
+        &self.claimer
+    }
+
+    fn completion_history(&self) -> bool {
+        self.options.completion_history
+    }
+
+    async fn complete_stored(&self, tx: Option<&mut MongoTx>, leases: &[Lease], now: DateTime) -> Result<HashSet<ObjectId>, StoreError> {
+        match tx {
+            Some(tx) => complete_in_session(self, tx.session(), leases, EventStamp::Outside, now).await,
+            // A history record is written exactly when its delivery goes.
+            None if self.options.completion_history => {
+                transaction!(self, |tx| complete_in_session(self, tx.session(), leases, EventStamp::InTransaction, now).await)
+            }
+            None => complete_each(self, leases, now).await,
         }
     }
-    (stored, unstored)
-}
 
-/// Gives the deliveries of those of `leases` that have none their document (see
-/// [`unstored::materialize`]), so that an outcome other than a completion can be written.
-async fn materialize(store: &MongoStore, leases: &[Lease], now: DateTime) -> Result<(), StoreError> {
-    materialize_entries(store, by_storage(store, leases).1, now).await
-}
-
-async fn materialize_entries(store: &MongoStore, entries: Vec<(Lease, unstored::Entry)>, now: DateTime) -> Result<(), StoreError> {
-    let entries: Vec<unstored::Entry> = entries.into_iter().map(|(_, entry)| entry).collect();
-    unstored::materialize(store, &entries, unstored::Charge::Nothing, now).await
-}
-
-pub(super) async fn complete_many(store: &MongoStore, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {
-    let issued: Vec<Lease> = leases.iter().filter(|l| store.claimer.issued(l)).copied().collect();
-    let (stored, unstored) = by_storage(store, &issued);
-    let completed = if issued.is_empty() {
-        HashSet::new()
-    } else if store.options.completion_history {
-        // A history record is written exactly when its delivery goes; its deliveries all
-        // have documents (a host with history hands out none without), and any left by an
-        // earlier process are given theirs.
-        materialize_entries(store, unstored, now).await?;
-        transaction!(store, |tx| complete_in_session(store, tx.session(), &issued, EventStamp::InTransaction, now).await)?
-    } else {
-        let (stored, unstored) = answered::both(
-            async { if stored.is_empty() { Ok(HashSet::new()) } else { complete_each(store, &stored, now).await } },
-            complete_unstored(store, None, &unstored, now),
-        )
-        .await?;
-        stored.into_iter().chain(unstored).collect()
-    };
-    let (done, lost): (Vec<&Lease>, Vec<&Lease>) = leases.iter().partition(|l| completed.contains(&l.delivery));
-    store.claimer.completed(done);
-    store.claimer.settled(lost);
-    Ok(leases
-        .iter()
-        .map(|l| if completed.contains(&l.delivery) { Settlement::Completed } else { Settlement::LeaseLost })
-        .collect())
-}
-
-pub(super) async fn complete_in(store: &MongoStore, tx: &mut MongoTx, lease: &Lease, now: DateTime) -> Result<(), StoreError> {
-    if !store.claimer.issued(lease) {
-        return Err(StoreError::LeaseLost(lease.to_string()));
-    }
-    let completed = match by_storage(store, std::slice::from_ref(lease)) {
-        (_, unstored) if !unstored.is_empty() && !store.options.completion_history => {
-            complete_unstored(store, Some(tx.session()), &unstored, now).await?
+    /// See [`unstored::complete`].
+    async fn complete_unstored(
+        &self,
+        tx: Option<&mut MongoTx>,
+        entries: &[(Lease, unstored::Entry)],
+        now: DateTime,
+    ) -> Result<HashSet<ObjectId>, StoreError> {
+        let mut session = tx.map(|tx| tx.session());
+        let epochs = lane_epochs(self, session.as_deref_mut(), entries.iter().map(|(l, _)| l.lane)).await?;
+        let current: Vec<unstored::Entry> =
+            entries.iter().filter(|(l, _)| epochs.get(&l.lane) == Some(&l.epoch)).map(|(_, e)| e.clone()).collect();
+        if current.is_empty() {
+            return Ok(HashSet::new());
         }
-        _ => {
-            materialize(store, std::slice::from_ref(lease), now).await?;
-            complete_in_session(store, tx.session(), std::slice::from_ref(lease), EventStamp::Outside, now).await?
-        }
-    };
-    if completed.contains(&lease.delivery) {
-        tx.settles_on_commit(*lease);
-        Ok(())
-    } else if honoured_outside(store, lease).await? {
-        Err(StoreError::SnapshotBehind("a transactional completion".into()))
-    } else {
-        Err(StoreError::LeaseLost(lease.to_string()))
+        unstored::complete(self, &current, session, now).await
     }
-}
 
-/// Whether the latest data, read outside any transaction, still honours `lease`: its lane has
-/// its epoch, and its delivery is at its generation (or, without a document, still listed by
-/// its event). A transaction that found otherwise read a snapshot behind a write acknowledged
-/// already (a fan-out's commit or a hand-out's lane take, acknowledged once applied, or a
-/// materialization committed after the transaction began): its lease is not lost, and the
-/// transaction is to run again.
-async fn honoured_outside(store: &MongoStore, lease: &Lease) -> Result<bool, StoreError> {
-    if !lane_current(store, lease).await? {
-        return Ok(false);
+    /// In a transaction of its own (see [`unstored::materialize`]), whatever `tx`.
+    async fn materialize(&self, _tx: Option<&mut MongoTx>, entries: &[unstored::Entry], now: DateTime) -> Result<(), StoreError> {
+        unstored::materialize(self, entries, unstored::Charge::Nothing, now).await
     }
-    let (_, without_document) = by_storage(store, std::slice::from_ref(lease));
-    let entries: Vec<unstored::Entry> = without_document.into_iter().map(|(_, entry)| entry).collect();
-    if !unstored::unfinished(store, &entries).await?.is_empty() {
-        return Ok(true);
+
+    async fn change_stored(&self, tx: Option<&mut MongoTx>, leases: &[Lease], change: Change<'_>, now: DateTime) -> Result<usize, StoreError> {
+        let update = match change {
+            Change::Reschedule { due_at, error } => doc! {
+                "$inc": { delivery::ATTEMPTS: 1, delivery::CLAIMS: 1_i64 },
+                "$set": { delivery::DUE_AT: due_at, delivery::LAST_ERROR: error, delivery::UPDATED_AT: now },
+            },
+            Change::Bury { reason, charge_attempt } => burial(reason, charge_attempt, now),
+            // A graceful stop's batch: one command, fenced by the generations alone.
+            Change::HandBack => {
+                let update = doc! { "$inc": { delivery::CLAIMS: 1_i64 }, "$set": { delivery::UPDATED_AT: now } };
+                return Ok(generations::update_current(self, &lease_generations(leases.iter()), &update).await? as usize);
+            }
+        };
+        let mut session = tx.map(|tx| tx.session());
+        let epochs = lane_epochs(self, session.as_deref_mut(), leases.iter().map(|l| l.lane)).await?;
+        let mut changed = 0;
+        for lease in leases.iter().filter(|l| epochs.get(&l.lane) == Some(&l.epoch)) {
+            let mut filter = generation_filter(lease.delivery, lease.claims);
+            filter.insert(delivery::STATUS, delivery::PENDING);
+            let update = self.collections.deliveries.update_one(filter, update.clone());
+            let result = match session.as_deref_mut() {
+                Some(session) => update.session(session).await?,
+                None => update.await?,
+            };
+            changed += result.matched_count as usize;
+        }
+        Ok(changed)
     }
-    let projection = doc! { delivery::ID: 1, delivery::CLAIMS: 1 };
-    let pairs = lease_generations(std::iter::once(lease));
-    Ok(!generations::find_current(store, &pairs, Some(projection), None).await?.is_empty())
+
+    /// The lease's lane still has its epoch, and its delivery is at its generation (or,
+    /// without a document, still listed by its event). A transaction that found otherwise read
+    /// a snapshot behind a write acknowledged already (a fan-out's commit or a hand-out's lane
+    /// take, acknowledged once applied, or a materialization committed after the transaction
+    /// began).
+    async fn honoured_outside(&self, lease: &Lease) -> Result<bool, StoreError> {
+        if !lane_current(self, lease).await? {
+            return Ok(false);
+        }
+        if let Some(handed_out) = self.claimer.unstored(lease) {
+            let entry = unstored::Entry::of_lease(lease, handed_out);
+            if !unstored::unfinished(self, std::slice::from_ref(&entry)).await?.is_empty() {
+                return Ok(true);
+            }
+        }
+        let projection = doc! { delivery::ID: 1, delivery::CLAIMS: 1 };
+        let pairs = lease_generations(std::iter::once(lease));
+        Ok(!generations::find_current(self, &pairs, Some(projection), None).await?.is_empty())
+    }
+
+    fn settles_on_commit(tx: &mut MongoTx, lease: Lease) {
+        tx.settles_on_commit(lease);
+    }
 }
 
 /// Whether the lease's lane still has its epoch (read outside any transaction).
@@ -295,38 +282,6 @@ async fn lane_current(store: &MongoStore, lease: &Lease) -> Result<bool, StoreEr
         .is_some())
 }
 
-/// One conditional update of a still-current delivery; `LeaseLost` if nothing matched.
-async fn settle_one(store: &MongoStore, lease: &Lease, update: Document, now: DateTime) -> Result<Settlement, StoreError> {
-    if !store.claimer.issued(lease) {
-        return Ok(Settlement::LeaseLost);
-    }
-    materialize(store, std::slice::from_ref(lease), now).await?;
-    let settlement = if lane_current(store, lease).await? {
-        let mut filter = generation_filter(lease.delivery, lease.claims);
-        filter.insert(delivery::STATUS, delivery::PENDING);
-        let result = store.collections.deliveries.update_one(filter, update).await?;
-        if result.matched_count == 1 { Settlement::Completed } else { Settlement::LeaseLost }
-    } else {
-        Settlement::LeaseLost
-    };
-    store.claimer.settled([lease]);
-    Ok(settlement)
-}
-
-pub(super) async fn reschedule(
-    store: &MongoStore,
-    lease: &Lease,
-    due_at: DateTime,
-    error: &str,
-    now: DateTime,
-) -> Result<Settlement, StoreError> {
-    let update = doc! {
-        "$inc": { delivery::ATTEMPTS: 1, delivery::CLAIMS: 1_i64 },
-        "$set": { delivery::DUE_AT: due_at, delivery::LAST_ERROR: error, delivery::UPDATED_AT: now },
-    };
-    settle_one(store, lease, update, now).await
-}
-
 pub(super) fn burial(reason: &str, charge_attempt: bool, now: DateTime) -> Document {
     doc! {
         "$inc": { delivery::ATTEMPTS: i32::from(charge_attempt), delivery::CLAIMS: 1_i64 },
@@ -337,63 +292,6 @@ pub(super) fn burial(reason: &str, charge_attempt: bool, now: DateTime) -> Docum
             delivery::UPDATED_AT: now,
         },
     }
-}
-
-pub(super) async fn bury(
-    store: &MongoStore,
-    lease: &Lease,
-    reason: &str,
-    charge_attempt: bool,
-    now: DateTime,
-) -> Result<Settlement, StoreError> {
-    settle_one(store, lease, burial(reason, charge_attempt, now), now).await
-}
-
-pub(super) async fn bury_in(
-    store: &MongoStore,
-    tx: &mut MongoTx,
-    lease: &Lease,
-    reason: &str,
-    charge_attempt: bool,
-    now: DateTime,
-) -> Result<(), StoreError> {
-    let lost = || StoreError::LeaseLost(lease.to_string());
-    if !store.claimer.issued(lease) {
-        return Err(lost());
-    }
-    // In a transaction of its own, which the caller's may have begun before: then the burial
-    // below does not find the document, and the caller's transaction runs again (below).
-    materialize(store, std::slice::from_ref(lease), now).await?;
-    let session = tx.session();
-    let epochs = lane_epochs(store, Some(&mut *session), [lease.lane]).await?;
-    let buried = epochs.get(&lease.lane) == Some(&lease.epoch) && {
-        let mut filter = generation_filter(lease.delivery, lease.claims);
-        filter.insert(delivery::STATUS, delivery::PENDING);
-        let burial = burial(reason, charge_attempt, now);
-        store.collections.deliveries.update_one(filter, burial).session(&mut *session).await?.matched_count == 1
-    };
-    if !buried {
-        // The snapshot may also miss the lane's take by a hand-out (acknowledged once applied).
-        if honoured_outside(store, lease).await? {
-            return Err(StoreError::SnapshotBehind("a burial".into()));
-        }
-        return Err(lost());
-    }
-    tx.settles_on_commit(*lease);
-    Ok(())
-}
-
-pub(super) async fn release(store: &MongoStore, leases: &[Lease], now: DateTime) -> Result<usize, StoreError> {
-    let issued: Vec<Lease> = leases.iter().filter(|l| store.claimer.issued(l)).copied().collect();
-    let released = if issued.is_empty() {
-        0
-    } else {
-        materialize(store, &issued, now).await?;
-        let update = doc! { "$inc": { delivery::CLAIMS: 1_i64 }, "$set": { delivery::UPDATED_AT: now } };
-        generations::update_current(store, &lease_generations(issued.iter()), &update).await? as usize
-    };
-    store.claimer.settled(leases);
-    Ok(released)
 }
 
 pub(super) async fn extend_lease(store: &MongoStore, leases: &[Lease], now: DateTime) -> Result<Vec<bool>, StoreError> {
