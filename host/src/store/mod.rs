@@ -317,7 +317,7 @@ pub trait Outbox: Send + Sync + 'static {
     /// round trips sooner); those are not in the report's `claimed`. Their runs must wait for
     /// [`FanOutCommit::committed`] before their outcome is written, and a transactional
     /// handler's run before it starts (its completion deletes the delivery in its own
-    /// transaction). A store whose commit costs nothing hands out after it, as `fan_out`.
+    /// transaction). The default hands out after the commit, as `fan_out`.
     fn fan_out_early(
         &self,
         subscriptions: &Subscriptions,

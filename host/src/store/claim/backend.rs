@@ -144,9 +144,7 @@ pub(crate) struct LaneRecord {
 }
 
 /// What [`Claimer::hand_out`] did.
-pub(crate) struct HandedOut<T> {
-    /// What the fan-out's commit returned.
-    pub committed: T,
+pub(crate) struct HandedOut {
     /// The deliveries handed out once it committed.
     pub claimed: Vec<ClaimedDelivery>,
     /// Those sent early instead (see [`ClaimedDelivery::before_commit`]).

@@ -61,7 +61,7 @@ impl Claimer {
     /// [`KeysBeforeRead`]) are left to a claim. A list written for a commit that then failed
     /// names deliveries that may not exist: harmless, since only issued leases count as running
     /// here, and the lanes are read again by the next claim.
-    pub async fn hand_out<B: ClaimBackend, C, F, T>(
+    pub async fn hand_out<B: ClaimBackend, C, F>(
         &self,
         backend: &B,
         fresh: Vec<Fresh>,
@@ -69,17 +69,20 @@ impl Claimer {
         write: impl Future<Output = Result<C, StoreError>>,
         early: Option<&EarlyHandOuts>,
         now: DateTime,
-    ) -> Result<HandedOut<T>, StoreError>
+    ) -> Result<HandedOut, StoreError>
     where
         C: FnOnce(&HashSet<DeliveryId>) -> F,
-        F: Future<Output = Result<T, StoreError>>,
+        F: Future<Output = Result<(), StoreError>>,
     {
         #[cfg(test)]
         self.held_up(HoldUp::HandOut).await;
         let none = HashSet::new();
         let mut held = match self.held.try_lock() {
             Ok(held) if !fresh.is_empty() => held,
-            _ => return Ok(HandedOut { committed: write.await?(&none).await?, claimed: Vec::new(), sent_early: Vec::new() }),
+            _ => {
+                write.await?(&none).await?;
+                return Ok(HandedOut { claimed: Vec::new(), sent_early: Vec::new() });
+            }
         };
         let until = self.lease_until(now);
         let mut fresh = fresh;
@@ -148,7 +151,7 @@ impl Claimer {
         let Some(early) = early else {
             // Issued once committed: each lease names a delivery that exists.
             return match commit(&handed).await {
-                Ok(committed) => Ok(HandedOut { committed, claimed: issue_listed(&mut held, records, None), sent_early: Vec::new() }),
+                Ok(()) => Ok(HandedOut { claimed: issue_listed(&mut held, records, None), sent_early: Vec::new() }),
                 Err(error) => {
                     let taken = Ok(taken.clone());
                     let tried = Tried { records: &records, to_take: &to_take, events_lanes: &events_lanes };
@@ -175,7 +178,8 @@ impl Claimer {
         // it (the lists naming it are harmless: only issued leases count as running).
         let committed = commit(&handed).await;
         let _ = tell.send(Some(committed.is_ok()));
-        Ok(HandedOut { committed: committed?, claimed: kept, sent_early })
+        committed?;
+        Ok(HandedOut { claimed: kept, sent_early })
     }
 
     /// Hands out `fresh` deliveries, all of them or none, listing them *before* `mark` writes
@@ -316,14 +320,14 @@ impl Claimer {
     /// may have listed nothing there (see [`gather_unstored`]): the fan-out whose mark beat
     /// this one put its deliveries there, where only this instance can claim them (see
     /// [`Claimer::lanes_to_read`]).
-    async fn after_failed_hand_out<B: ClaimBackend, T>(
+    async fn after_failed_hand_out<B: ClaimBackend>(
         &self,
         backend: &B,
         held: &mut BTreeMap<LaneId, Held>,
         Tried { records, to_take, events_lanes }: Tried<'_>,
-        committed: Result<T, StoreError>,
+        committed: Result<(), StoreError>,
         taken: Result<Vec<(LaneId, i64)>, StoreError>,
-    ) -> Result<HandedOut<T>, StoreError> {
+    ) -> Result<HandedOut, StoreError> {
         for record in records {
             held.insert(record.lane, Held { epoch: record.epoch, known: None });
         }
@@ -351,11 +355,11 @@ impl Claimer {
             }
             Err(error) => tracing::warn!(%error, "reading the lanes a failed hand-out may have taken failed"),
         }
-        let committed = committed?;
+        committed?;
         if let Err(error) = self.reconcile(backend).await {
             tracing::warn!(%error, "reconciling lanes after a failed hand-out failed");
         }
-        taken.map(|_| HandedOut { committed, claimed: Vec::new(), sent_early: Vec::new() })
+        taken.map(|_| HandedOut { claimed: Vec::new(), sent_early: Vec::new() })
     }
 }
 

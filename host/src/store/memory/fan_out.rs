@@ -1,28 +1,30 @@
-//! Fan-outs in memory, the two ways the MongoDB store makes them (`store/mongo/fan_out.rs`),
-//! so that the contract suite runs both on both stores: a batch written at once while the
-//! claimer lists what it hands out (the transaction's way), and a backlog batch handed out
-//! whole, listed in held lanes first and then marked (the plain mark's way, given a sender for
-//! early hand-outs). It must never write a delivery record for what it hands out (see
-//! `unstored`), nor mark an event another fan-out marked.
+//! The fan-out's primitives in memory (orchestrated once, in `crate::store::fan_out`), as
+//! `store/mongo/fan_out.rs` writes them in MongoDB, so that the contract suite runs each way
+//! of a fan-out on both stores. A fan-out's transaction is its hold on the state, from its
+//! read to its first stage (the mark): the claimer lists what it hands out once the mark lets
+//! the state go, as a MongoDB fan-out's lane writes run beside its mark. It must never write
+//! a delivery record for what it hands out (see `unstored`), nor mark an event another
+//! fan-out marked.
 
 use std::collections::HashSet;
 
 use bson::{Bson, DateTime, Document};
+use tokio::sync::OwnedMutexGuard;
 
 use super::unstored::{Charge, Entry};
 use super::{Backend, MemoryStore, State};
 use crate::event::field;
-use crate::store::fan_out::{self, FannedEvent, WithoutDocuments, id_text, string_key};
-use crate::store::claim::HandlerKey;
-use crate::store::{Capacity, DeliveryId, DeliveryStatus, EarlyHandOuts, FanOutReport, StoreError, Subscriptions};
+use crate::store::claim::{ClaimBackend, Claimer, HandlerKey};
+use crate::store::fan_out::{self, FanOutBackend, FanOutPlan, FannedEvent, PlainMarks, Reach, Read, WithoutDocuments, id_text, string_key};
+use crate::store::{DeliveryId, DeliveryStatus, StoreError, StoreTransaction};
 
 impl MemoryStore {
     /// The next batch of this host's share of the unfanned events, in `(createdAt, _id)`
     /// order, completed with the lowest unfanned events of every key in it (up to
     /// [`fan_out::prefixes_to_read`]); given `hands_out`, less the keys that run here, which
     /// it names when it read the rest to its end, and with the keys left out before read apart
-    /// (as `mongo/unfanned.rs` does). Returns the batch, those keys, and the keys read apart.
-    fn read_batch(&self, state: &State, limit: usize, hands_out: bool, now: DateTime) -> (Vec<Document>, Vec<String>, Vec<String>) {
+    /// (as `mongo/unfanned.rs` does).
+    fn read_batch(&self, state: &State, limit: usize, hands_out: bool, now: DateTime) -> Read {
         let (assignment, stale_before) = (self.claimer.assignment(), self.claimer.stale_before(now));
         let running = if hands_out { self.claimer.keys_running_here() } else { HashSet::new() };
         let asked = if hands_out { fan_out::keys_to_ask(self.claimer.keys_left_out(), |key| running.contains(key), limit) } else { Vec::new() };
@@ -51,106 +53,7 @@ impl MemoryStore {
         fan_out::drop_asked_keys_not_ours(&mut prefixes, &asked, |doc| assignment.fans_out(doc, stale_before));
         prefixes.sort_by_key(|doc| (string_key(doc).map(str::to_string), doc.get_i64(field::SEQUENCE).ok()));
         let prefixes: Vec<Document> = prefixes.into_iter().take(limit.saturating_mul(4)).cloned().collect();
-        (fan_out::assemble(first, prefixes), deferred, asked)
-    }
-
-    /// A batch written at once, handing out up to `hand_out` of its deliveries that nothing can
-    /// be ahead of (unkeyed ones, and the heads of idle keys).
-    pub(super) async fn fan_out_handing_out(
-        &self,
-        subscriptions: &Subscriptions,
-        limit: usize,
-        hand_out: Capacity,
-        now: DateTime,
-    ) -> Result<FanOutReport, StoreError> {
-        // Before the state is read (see `KeysBeforeRead`).
-        let keys = self.claimer.before_idle_read().await;
-        let mut state = self.state.lock().await;
-        let (batch, mut deferred, asked) = self.read_batch(&state, limit, hand_out.total > 0, now);
-        let plan = fan_out::plan(&batch, subscriptions);
-        let mut idle = HashSet::new();
-        if hand_out.total > 0 {
-            idle = state.idle_keys(fan_out::keyed_heads(&plan));
-            idle.retain(|key| !keys.running.contains(key));
-        }
-        // Of an idle key, only its head: the rest waits unfanned for the head to settle here.
-        let (batch, left_out) = if idle.is_empty() { (batch, Vec::new()) } else { fan_out::heads_of_idle_keys(batch, &plan, &idle) };
-        let plan = if left_out.is_empty() { plan } else { fan_out::plan(&batch, subscriptions) };
-        deferred.extend(self.claimer.note_left_out(&asked, &batch, &left_out));
-        let mut fresh = fan_out::fresh(&plan, &batch, hand_out, &idle, now);
-        // What is handed out gets no record (see `unstored`), unless every completion is to be
-        // recorded, as in MongoDB.
-        let without =
-            if self.options.completion_history { WithoutDocuments::default() } else { WithoutDocuments::of(&plan, &mut fresh) };
-        // The first stage is written while the claimer waits to list what it hands out (it
-        // locks the state after this), as a MongoDB fan-out marks its events while the lists
-        // are written; the commit stage, told what was handed out, gives the rest their records.
-        let shared = self.state.clone();
-        let write = async move {
-            state.write_fan_out(&plan, &without, now);
-            drop(state);
-            Ok(move |handed: &HashSet<DeliveryId>| {
-                let not_handed: Vec<Entry> = without
-                    .deliveries
-                    .iter()
-                    .filter(|(id, _)| !handed.contains(*id))
-                    .map(|(id, (event, handler, key))| Entry {
-                        delivery: *id,
-                        event: event.clone(),
-                        fan_out: Some(without.fan_out),
-                        handler: handler.clone(),
-                        key: key.clone(),
-                        started: false,
-                    })
-                    .collect();
-                async move {
-                    shared.lock().await.materialize(&not_handed, Charge::Nothing, now);
-                    Ok(plan)
-                }
-            })
-        };
-        let handed = self.claimer.hand_out(&Backend(&self.state), fresh, &keys, write, None, now).await?;
-        let mut report = handed.committed.report(handed.claimed, &handed.sent_early);
-        report.deferred_keys = deferred;
-        Ok(report)
-    }
-
-    /// A backlog batch handed out whole: listed in lanes this instance holds, then marked
-    /// (only the events still unfanned, or marked by this very fan-out), its leases sent to
-    /// `early`. `None`, having written nothing, when the batch cannot be handed out whole (see
-    /// `Claimer::hand_out_listed_first`). The state is not held from the read to the mark, so
-    /// another fan-out may mark some of its events first, as in MongoDB.
-    pub(super) async fn fan_out_plainly(
-        &self,
-        subscriptions: &Subscriptions,
-        limit: usize,
-        hand_out: Capacity,
-        early: &EarlyHandOuts,
-        now: DateTime,
-    ) -> Result<Option<FanOutReport>, StoreError> {
-        let (plan, mut fresh, deferred) = {
-            let state = self.state.lock().await;
-            let (batch, deferred, _) = self.read_batch(&state, limit, true, now);
-            let plan = fan_out::plan(&batch, subscriptions);
-            // Every delivery of such a batch is unkeyed.
-            let fresh = fan_out::fresh(&plan, &batch, hand_out, &HashSet::new(), now);
-            (plan, fresh, deferred)
-        };
-        let deferred_report = |report: FanOutReport| FanOutReport { deferred_keys: deferred.clone(), ..report };
-        if plan.events.is_empty() {
-            return Ok(Some(deferred_report(plan.report(Vec::new(), &[]))));
-        }
-        if !plan.handed_out_whole_without_documents(&fresh) {
-            return Ok(None);
-        }
-        let without = WithoutDocuments::of(&plan, &mut fresh);
-        let (written, without) = (&plan, &without);
-        let mark = || async move {
-            let ours = self.state.lock().await.mark_plainly(&written.events, without, now);
-            Ok(written.deliveries.iter().filter(|d| ours.contains(&id_text(&d.event_id))).map(|d| d.id).collect())
-        };
-        let sent = self.claimer.hand_out_listed_first(&Backend(&self.state), fresh, mark, early, now).await?;
-        Ok(sent.map(|sent| deferred_report(plan.report(Vec::new(), &sent))))
+        Read { batch: fan_out::assemble(first, prefixes), reach: Reach { deferred, ..Reach::default() }, asked }
     }
 
     /// The plain mark of the fan-out `fan_out`, which listed `event`'s delivery to `handler`
@@ -161,6 +64,102 @@ impl MemoryStore {
         let fanned = FannedEvent { id: Bson::String(event.to_string()), new_handlers: handlers.clone(), handlers: handlers.clone() };
         let without = WithoutDocuments { fan_out, handlers: [(event.to_string(), handlers)].into(), ..Default::default() };
         self.state.lock().await.mark_plainly(&[fanned], &without, now).contains(event)
+    }
+}
+
+/// A fan-out's hold on the state, from its read to its mark (see the module's doc).
+pub(crate) struct FanOutHold(Option<OwnedMutexGuard<State>>);
+
+impl FanOutHold {
+    fn state(&mut self) -> &mut State {
+        self.0.as_mut().expect("a fan-out reads and marks before it lets the state go")
+    }
+}
+
+/// Nothing to commit or undo: every write of a fan-out here is made whole, under the lock.
+impl StoreTransaction for FanOutHold {
+    async fn commit(self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    async fn abort(self) -> Result<(), StoreError> {
+        Ok(())
+    }
+}
+
+impl FanOutBackend for MemoryStore {
+    type Tx = FanOutHold;
+
+    fn claimer(&self) -> &Claimer {
+        &self.claimer
+    }
+
+    fn lanes(&self) -> impl ClaimBackend + '_ {
+        Backend(&self.state)
+    }
+
+    fn completion_history(&self) -> bool {
+        self.options.completion_history
+    }
+
+    /// A batch read twice costs nothing here: the plain way is always tried first.
+    fn plain_marks(&self) -> Option<&PlainMarks> {
+        None
+    }
+
+    async fn begin(&self) -> Result<FanOutHold, StoreError> {
+        Ok(FanOutHold(Some(self.state.clone().lock_owned().await)))
+    }
+
+    async fn read(&self, tx: Option<&mut FanOutHold>, limit: usize, hands_out: bool, now: DateTime) -> Result<Read, StoreError> {
+        Ok(match tx {
+            Some(tx) => self.read_batch(tx.state(), limit, hands_out, now),
+            None => self.read_batch(&*self.state.lock().await, limit, hands_out, now),
+        })
+    }
+
+    async fn idle_keys(&self, tx: &mut FanOutHold, heads: Vec<HandlerKey>) -> Result<HashSet<HandlerKey>, StoreError> {
+        Ok(tx.state().idle_keys(heads))
+    }
+
+    /// Writes the whole plan but the deliveries of `without`, which their events list, and
+    /// lets the state go.
+    async fn mark(&self, tx: &mut FanOutHold, plan: &FanOutPlan, without: &WithoutDocuments, now: DateTime) -> Result<u64, StoreError> {
+        tx.state().write_fan_out(plan, without, now);
+        tx.0 = None;
+        Ok(plan.events.len() as u64)
+    }
+
+    /// Gives those of `without` not handed out their records.
+    async fn write_rest(
+        &self,
+        _tx: &mut FanOutHold,
+        _plan: &FanOutPlan,
+        without: &WithoutDocuments,
+        handed: &HashSet<DeliveryId>,
+        now: DateTime,
+    ) -> Result<(), StoreError> {
+        let not_handed: Vec<Entry> = without
+            .deliveries
+            .iter()
+            .filter(|(id, _)| !handed.contains(*id))
+            .map(|(id, (event, handler, key))| Entry {
+                delivery: *id,
+                event: event.clone(),
+                fan_out: Some(without.fan_out),
+                handler: handler.clone(),
+                key: key.clone(),
+                started: false,
+            })
+            .collect();
+        if !not_handed.is_empty() {
+            self.state.lock().await.materialize(&not_handed, Charge::Nothing, now);
+        }
+        Ok(())
+    }
+
+    async fn mark_plainly(&self, events: &[FannedEvent], without: &WithoutDocuments, now: DateTime) -> Result<HashSet<String>, StoreError> {
+        Ok(self.state.lock().await.mark_plainly(events, without, now))
     }
 }
 
@@ -211,7 +210,7 @@ mod tests {
     use crate::store::Outbox;
     use super::*;
     use crate::event::NewEvent;
-    use crate::store::{StoreOptions, Subscription, run_in_transaction};
+    use crate::store::{Capacity, StoreOptions, Subscription, Subscriptions, run_in_transaction};
 
     #[tokio::test]
     async fn a_plain_mark_leaves_an_event_another_fan_out_marked() {
@@ -222,7 +221,7 @@ mod tests {
         let subscriptions = Subscriptions::new([Subscription::new("h", ["t"])]).unwrap();
         let now = DateTime::from_millis(1_000);
         let mut state = store.state.lock().await;
-        let (batch, ..) = store.read_batch(&state, 10, true, now);
+        let Read { batch, .. } = store.read_batch(&state, 10, true, now);
         let plan = fan_out::plan(&batch, &subscriptions);
         let mut fresh = fan_out::fresh(&plan, &batch, Capacity::from(10), &HashSet::new(), now);
         let (first, second) = (WithoutDocuments::of(&plan, &mut fresh), WithoutDocuments::of(&plan, &mut fresh));

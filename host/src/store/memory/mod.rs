@@ -249,7 +249,7 @@ impl Outbox for MemoryStore {
         hand_out: impl Into<Capacity> + Send,
         now: DateTime,
     ) -> Result<FanOutReport, StoreError> {
-        let report = self.fan_out_handing_out(subscriptions, limit, hand_out.into(), now).await?;
+        let report = super::fan_out::fan_out(self, subscriptions, limit, hand_out.into(), None, now).await?;
         self.claimer.note_fan_out(&report);
         Ok(report)
     }
@@ -262,16 +262,7 @@ impl Outbox for MemoryStore {
         early: &EarlyHandOuts,
         now: DateTime,
     ) -> Result<FanOutReport, StoreError> {
-        let hand_out = hand_out.into();
-        let plainly = hand_out.total > 0 && !self.options.completion_history;
-        let report = match plainly {
-            true => self.fan_out_plainly(subscriptions, limit, hand_out.clone(), early, now).await?,
-            false => None,
-        };
-        let report = match report {
-            Some(report) => report,
-            None => self.fan_out_handing_out(subscriptions, limit, hand_out, now).await?,
-        };
+        let report = super::fan_out::fan_out(self, subscriptions, limit, hand_out.into(), Some(early), now).await?;
         self.claimer.note_fan_out(&report);
         Ok(report)
     }

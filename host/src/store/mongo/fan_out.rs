@@ -1,26 +1,25 @@
-//! Fan-out in MongoDB: one transaction reads a batch of unfanned events (completed per key,
-//! see [`crate::store::fan_out`]), marks them fanned out and inserts their deliveries. Two
-//! hosts fanning out the same event both mark it, so one of them conflicts and, on retry,
-//! no longer sees it as unfanned. The mark comes first so that, once it succeeded, the
-//! fan-out is the only one of its events; what it hands out early is sent from there.
+//! The fan-out's primitives in MongoDB (orchestrated once, in [`crate::store::fan_out`]), and
+//! the way it takes what the change stream heard. A fan-out's transaction reads a batch of
+//! unfanned events, marks them fanned out and inserts their deliveries. Two hosts fanning out
+//! the same event both mark it, so one of them conflicts and, on retry, no longer sees it as
+//! unfanned. The mark comes first so that, once it succeeded, the fan-out is the only one of
+//! its events; what it hands out early is sent from there.
 //!
 //! The commit is acknowledged once applied, without waiting for the journal or a majority:
 //! nothing a claim takes from a fan-out runs before the claim's lane list names it, a
 //! majority write, and a fan-out lost in a crash or a failover leaves its events unfanned, to
-//! be fanned out again (see [`handing_out`] for the deliveries a fan-out hands out itself).
+//! be fanned out again. A handed-out delivery may then start before its fan-out is durable;
+//! should a failover lose the fan-out, its events are fanned out and run again, which
+//! at-least-once allows. A transactional handler's completion cannot commit without it: it
+//! deletes the delivery the fan-out inserted, later in the same oplog.
 //!
 //! A fan-out that may hand out first takes the unkeyed events its host's change stream
 //! reported ([`Heard`]) instead of reading them, and checks in its transaction that each is
 //! still unfanned. The way from a commit to its handler is then the transaction's mark beside
 //! one lane write, with nothing read first; the inserts and the commit follow while the
 //! handler runs.
-//!
-//! A backlog batch that can be handed out whole writes no delivery document, so it needs no
-//! transaction at all ([`plain`]): its lanes are listed first, then its events are marked by
-//! plain updates that each apply only while the event is unfanned.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use bson::oid::ObjectId;
 use bson::{Bson, DateTime, Document, doc};
@@ -29,12 +28,13 @@ use futures::TryStreamExt;
 use mongodb::ClientSession;
 
 use super::generations::WriteIn;
-use super::{Commit, MongoStore, generations, heads, lanes};
+use super::{Commit, MongoStore, MongoTx, generations, heads, lanes};
 use super::documents::new_delivery_document;
-use super::unfanned::{Reach, Read, read_batch};
+use super::unfanned::read_batch;
 use crate::event::field;
-use crate::store::fan_out::{self, FanOutPlan, FannedEvent, WithoutDocuments, id_text};
-use crate::store::{Capacity, DeliveryId, EarlyHandOuts, FanOutReport, StoreError, StoreTransaction, Subscriptions, answered};
+use crate::store::claim::{ClaimBackend, Claimer, HandlerKey};
+use crate::store::fan_out::{self, Batch, FanOutBackend, FanOutPlan, FannedEvent, PlainMarks, Read, WithoutDocuments, id_text};
+use crate::store::{Capacity, DeliveryId, EarlyHandOuts, FanOutReport, StoreError, Subscriptions, answered};
 
 pub(super) async fn run(
     store: &MongoStore,
@@ -74,7 +74,7 @@ pub(super) async fn run(
             return Ok(report);
         }
         if !batch.is_empty() {
-            match handing_out(store, subscriptions, Batch::Heard(fan_out::in_key_order(batch)), hand_out.clone(), early, now).await {
+            match fan_out::handing_out(store, subscriptions, Batch::Heard(fan_out::in_key_order(batch)), hand_out.clone(), early, now).await {
                 Ok(heard) if left.is_empty() && !store.heard.behind() => return Ok(heard),
                 Ok(heard) => report = heard,
                 Err(error) => {
@@ -91,7 +91,7 @@ pub(super) async fn run(
     // The split first: a read under a split that changed since counts for none (see `Heard`).
     let under = store.claimer.assignment();
     let since = store.heard.misses();
-    match read(store, subscriptions, limit, hand_out, early, now).await {
+    match fan_out::fan_out(store, subscriptions, limit, hand_out, early, now).await {
         Ok(read) => {
             store.heard.read(since, under, read.read_to_the_end);
             Ok(report.and(read))
@@ -108,123 +108,77 @@ pub(super) async fn run(
     }
 }
 
-/// A fan-out of what is read from the collection: handing out up to `hand_out` if it may,
-/// retrying as a plain fan-out should that conflict with another.
-async fn read(
-    store: &MongoStore,
-    subscriptions: &Subscriptions,
-    limit: usize,
-    hand_out: Capacity,
-    early: Option<&EarlyHandOuts>,
-    now: DateTime,
-) -> Result<FanOutReport, StoreError> {
-    let mut lanes_to_read = Vec::new();
-    if hand_out.total > 0 {
-        let plainly = early.filter(|_| !store.options.completion_history && store.plain_marks.worth_trying());
-        if let Some(early) = plainly {
-            match plain(store, subscriptions, limit, hand_out.clone(), early, now).await {
-                Ok(Some(report)) => return Ok(report),
-                Ok(None) => {}
-                // Nothing of it was written, or what was is handed back: read again.
-                Err(error) if error.is_transient() => {}
-                Err(error) => return Err(error),
-            }
-        }
-        match handing_out(store, subscriptions, Batch::Read(limit), hand_out.clone(), early, now).await {
-            // Another fan-out wrote the same events first: the retrying path sorts it out,
-            // and a claim looks at the lanes this one took or listed in (see `run`).
-            Err(error) if error.is_transient() => lanes_to_read = store.claimer.lanes_to_read(),
-            done => return done,
-        }
-    }
-    // After a hand-out that failed, the batch read is bounded as that hand-out's was.
-    let mut report = transaction!(store, Commit::Applied, |tx| {
-        let Read { batch, reach, .. } = read_batch(store, Some(tx.session()), limit, hand_out.total > 0, now).await?;
-        let plan = fan_out::plan(&batch, subscriptions);
-        write(store, tx.session(), &plan, now).await?;
-        Ok(reach.on(plan.report(Vec::new(), &[])))
-    })?;
-    report.lanes.extend(lanes_to_read);
-    Ok(report)
-}
+/// The primitives the one fan-out (`crate::store::fan_out`) is orchestrated over.
+impl FanOutBackend for MongoStore {
+    type Tx = MongoTx;
 
-/// The time a hand-out's leases run from, once its batch is read: the fan-out's `now`, or the
-/// clock if that moved on. A read held up (by a failover, say) would otherwise list what it
-/// hands out under a lease that lapsed, or nearly, as it was written, and another host would
-/// take the lane over from a live holder (which loses nothing, see `unstored::materialize`,
-/// but charges runs that did not fail).
-fn after_read(now: DateTime) -> DateTime {
-    now.max(DateTime::now())
-}
-
-/// Whether a fan-out tries its batch the plain way first ([`plain`]). A batch that cannot be
-/// handed out whole is read twice, so after one whose events do not allow it (keyed events,
-/// several handlers, too few run slots, malformed events) the next [`PLAIN_SKIPS`] go
-/// straight to the transaction.
-#[derive(Debug, Default)]
-pub(super) struct PlainMarks {
-    skips: AtomicU64,
-}
-
-/// Batches a fan-out reads in a transaction after one whose events could not be handed out
-/// whole.
-const PLAIN_SKIPS: u64 = 16;
-
-impl PlainMarks {
-    fn worth_trying(&self) -> bool {
-        self.skips.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |skips| skips.checked_sub(1)).is_err()
+    fn claimer(&self) -> &Claimer {
+        &self.claimer
     }
 
-    fn skip(&self, batches: u64) {
-        self.skips.store(batches, Ordering::SeqCst);
+    fn lanes(&self) -> impl ClaimBackend + '_ {
+        lanes::Backend { store: self }
     }
-}
 
-/// A backlog batch handed out whole without a transaction: read, listed in lanes this
-/// instance holds, then marked fanned out by plain updates ([`mark_plainly`]), its leases
-/// sent to `early` once the mark is done. `None`, having written nothing that counts, when
-/// the batch cannot be handed out whole (see [`Claimer::hand_out_listed_first`]).
-///
-/// Every delivery of such a batch is unkeyed, handed out and without a document, so the
-/// mark is all a fan-out writes besides the lists, and it needs no transaction: each event
-/// is marked by one statement that matches it only while unfanned, so of two racing
-/// fan-outs exactly one marks it, and the lists, written first, name every delivery a
-/// marked event's `handedOut` lists. `mongod` checks every index of a collection against
-/// its durable catalog for each document a transaction writes that changes an index (the
-/// mark takes the event out of `unfanned`), and runs a transaction's statements one after
-/// the other; outside one, the mark costs less and runs on two threads.
-///
-/// [`Claimer::hand_out_listed_first`]: crate::store::claim::Claimer::hand_out_listed_first
-async fn plain(
-    store: &MongoStore,
-    subscriptions: &Subscriptions,
-    limit: usize,
-    hand_out: Capacity,
-    early: &EarlyHandOuts,
-    now: DateTime,
-) -> Result<Option<FanOutReport>, StoreError> {
-    let Read { batch, reach, .. } = read_batch(store, None, limit, true, now).await?;
-    let now = after_read(now);
-    let plan = fan_out::plan(&batch, subscriptions);
-    // Every delivery of such a batch is unkeyed.
-    let mut fresh = fan_out::fresh(&plan, &batch, hand_out, &HashSet::new(), now);
-    if plan.events.is_empty() {
-        return Ok(Some(reach.on(plan.report(Vec::new(), &[]))));
+    fn completion_history(&self) -> bool {
+        self.options.completion_history
     }
-    if !plan.handed_out_whole_without_documents(&fresh) {
-        store.plain_marks.skip(PLAIN_SKIPS);
-        return Ok(None);
+
+    fn plain_marks(&self) -> Option<&PlainMarks> {
+        Some(&self.plain_marks)
     }
-    let unstored = WithoutDocuments::of(&plan, &mut fresh);
-    let (plan, handed_out, fan_out) = (&plan, &unstored.handlers, unstored.fan_out);
-    let mark = || async move {
-        let ours = mark_plainly(store, &plan.events, handed_out, fan_out, now).await?;
-        Ok(plan.deliveries.iter().filter(|d| ours.contains(&id_text(&d.event_id))).map(|d| d.id).collect())
-    };
-    // `None`: the lanes held have no room for it (the transaction's hand-out takes some), or
-    // a claim owns them now.
-    let sent = store.claimer.hand_out_listed_first(&lanes::Backend { store }, fresh, mark, early, now).await?;
-    Ok(sent.map(|sent| reach.on(plan.report(Vec::new(), &sent))))
+
+    /// Acknowledged once applied (see the module's doc).
+    async fn begin(&self) -> Result<MongoTx, StoreError> {
+        self.begin_with(Commit::Applied).await
+    }
+
+    async fn read(&self, tx: Option<&mut MongoTx>, limit: usize, hands_out: bool, now: DateTime) -> Result<Read, StoreError> {
+        read_batch(self, tx.map(|tx| tx.session()), limit, hands_out, now).await
+    }
+
+    async fn idle_keys(&self, tx: &mut MongoTx, heads: Vec<HandlerKey>) -> Result<HashSet<HandlerKey>, StoreError> {
+        heads::idle_keys(self, tx.session(), heads).await
+    }
+
+    async fn mark(&self, tx: &mut MongoTx, plan: &FanOutPlan, without: &WithoutDocuments, now: DateTime) -> Result<u64, StoreError> {
+        mark(self, tx.session(), plan, without, now).await
+    }
+
+    async fn write_rest(
+        &self,
+        tx: &mut MongoTx,
+        plan: &FanOutPlan,
+        without: &WithoutDocuments,
+        handed: &HashSet<DeliveryId>,
+        now: DateTime,
+    ) -> Result<(), StoreError> {
+        let without_document: HashSet<DeliveryId> = handed.iter().filter(|id| without.deliveries.contains_key(id)).copied().collect();
+        insert(self, tx.session(), plan, &without_document, now).await?;
+        without.not_handed_out(self, tx.session(), &without_document).await
+    }
+
+    /// Outside a transaction: `mongod` checks every index of a collection against its
+    /// durable catalog for each document a transaction writes that changes an index (the mark
+    /// takes the event out of `unfanned`), and runs a transaction's statements one after the
+    /// other; outside one, the mark costs less and runs on two threads.
+    async fn mark_plainly(&self, events: &[FannedEvent], without: &WithoutDocuments, now: DateTime) -> Result<HashSet<String>, StoreError> {
+        mark_plainly(self, events, &without.handlers, without.fan_out, now).await
+    }
+
+    /// The time a hand-out's leases run from, once its batch is read: the fan-out's `now`, or the
+    /// clock if that moved on. A read held up (by a failover, say) would otherwise list what it
+    /// hands out under a lease that lapsed, or nearly, as it was written, and another host would
+    /// take the lane over from a live holder (which loses nothing, see `unstored::materialize`,
+    /// but charges runs that did not fail).
+    fn after_read(&self, now: DateTime) -> DateTime {
+        now.max(DateTime::now())
+    }
+
+    /// Its events are not all fanned out: the change stream's are no longer all there is.
+    fn left_some_unfanned(&self) {
+        self.heard.missed_some();
+    }
 }
 
 /// Marks `events` fanned out by `fan_out` with plain updates, two commands at once (one per
@@ -291,128 +245,13 @@ pub(super) async fn mark_late(store: &MongoStore, event: &str, handler: &str, fa
     let statements = mark_statements(&[fanned], &handed_out, Some(Stamp::InTransaction(fan_out)), now);
     let marked = generations::update_each(store, store.collections.events.name(), statements, WriteIn::Transaction(tx.session()));
     let marked = marked.await.unwrap();
-    tx.commit().await.unwrap();
+    crate::store::StoreTransaction::commit(tx).await.unwrap();
     marked == 1
 }
 
 /// How often a plain mark is sent again after an error before the fan-out gives up (and
 /// hands what it listed back as not run).
 const PLAIN_MARK_ATTEMPTS: u32 = 4;
-
-/// Where a fan-out's batch comes from.
-enum Batch {
-    /// Unkeyed events the change stream reported.
-    Heard(Vec<Document>),
-    /// Read from the collection, up to this many (and the lower events of their keys).
-    Read(usize),
-}
-
-/// One fan-out transaction that hands out what it creates (see [`Claimer::hand_out`]): the
-/// lane lists are written while the events are marked. Tried once: an error aborts it, and a
-/// conflict leaves the batch to the retrying path.
-///
-/// Its commit, like the lane writes ([`LaneWrite::Applied`]), is acknowledged once applied. A
-/// handed-out delivery may then start before its fan-out is durable; should a failover lose
-/// the fan-out, its events are fanned out and run again, which at-least-once allows. A
-/// transactional handler's completion cannot commit without it: it deletes the delivery the
-/// fan-out inserted, later in the same oplog.
-///
-/// [`LaneWrite::Applied`]: crate::store::claim::LaneWrite::Applied
-///
-/// [`Claimer::hand_out`]: crate::store::claim::Claimer::hand_out
-async fn handing_out(
-    store: &MongoStore,
-    subscriptions: &Subscriptions,
-    batch: Batch,
-    hand_out: Capacity,
-    early: Option<&EarlyHandOuts>,
-    now: DateTime,
-) -> Result<FanOutReport, StoreError> {
-    // Before the transaction's first read, which takes its snapshot (see `KeysBeforeRead`).
-    let keys = store.claimer.before_idle_read().await;
-    let mut tx = store.begin_with(Commit::Applied).await?;
-    let (batch, limit, reach, asked) = match batch {
-        Batch::Heard(events) => (events, None, Reach::default(), Vec::new()),
-        Batch::Read(limit) => match read_batch(store, Some(tx.session()), limit, hand_out.total > 0, now).await {
-            Ok(Read { batch, reach, asked }) => (batch, Some(limit), reach, asked),
-            Err(error) => {
-                let _ = tx.abort().await;
-                return Err(error);
-            }
-        },
-    };
-    let now = after_read(now);
-    let plan = fan_out::plan(&batch, subscriptions);
-    let heads = if hand_out.total == 0 { Vec::new() } else { fan_out::keyed_heads(&plan) };
-    let idle = match heads.is_empty() {
-        true => HashSet::new(),
-        false => match heads::idle_keys(store, tx.session(), heads).await {
-            Ok(idle) => idle,
-            Err(error) => {
-                let _ = tx.abort().await;
-                return Err(error);
-            }
-        },
-    };
-    let mut idle = idle;
-    idle.retain(|key| !keys.running.contains(key));
-    // Of an idle key, only its head: the rest waits unfanned for the head to settle here.
-    let (batch, left_out) = if idle.is_empty() { (batch, Vec::new()) } else { fan_out::heads_of_idle_keys(batch, &plan, &idle) };
-    let plan = if left_out.is_empty() { plan } else { fan_out::plan(&batch, subscriptions) };
-    if !left_out.is_empty() {
-        // Its events are not all fanned out: the change stream's are no longer all there is.
-        store.heard.missed_some();
-    }
-    let noted = store.claimer.note_left_out(&asked, &batch, &left_out);
-    let mut fresh = fan_out::fresh(&plan, &batch, hand_out, &idle, now);
-    // What is handed out gets no document (see `super::unstored`), unless every completion is to be
-    // recorded: the history copies the delivery's document.
-    let unstored = if store.options.completion_history { WithoutDocuments::default() } else { WithoutDocuments::of(&plan, &mut fresh) };
-    let (written, unstored) = (&plan, &unstored);
-    // The first stage is the mark, which makes this fan-out the only one of its events; the
-    // inserts go with the commit, so that a hand-out sent early need not wait for them.
-    let write = async move {
-        let marked = mark(store, tx.session(), written, unstored, now).await;
-        match marked {
-            // Every heard event must still have been unfanned: one that was not is another
-            // fan-out's (whose deliveries may even be completed and gone by now).
-            Ok(marked) if marked == written.events.len() as u64 || limit.is_some() => Ok(move |handed: &HashSet<DeliveryId>| {
-                let without_document: HashSet<DeliveryId> =
-                    handed.iter().filter(|id| unstored.deliveries.contains_key(id)).copied().collect();
-                async move {
-                    let inserted = async {
-                        insert(store, tx.session(), written, &without_document, now).await?;
-                        unstored.not_handed_out(store, tx.session(), &without_document).await
-                    };
-                    if let Err(error) = inserted.await {
-                        let _ = tx.abort().await;
-                        return Err(error);
-                    }
-                    tx.commit().await
-                }
-            }),
-            outcome => {
-                let _ = tx.abort().await;
-                Err(outcome.err().unwrap_or_else(|| StoreError::Raced("a heard event was fanned out already".into())))
-            }
-        }
-    };
-    let handed = store.claimer.hand_out(&lanes::Backend { store }, fresh, &keys, write, early, now).await?;
-    let mut report = reach.on(plan.report(handed.claimed, &handed.sent_early));
-    if !left_out.is_empty() {
-        report.read_to_the_end = false;
-    }
-    report.deferred_keys.extend(noted);
-    Ok(report)
-}
-
-/// Marks the plan's events fanned out and inserts their deliveries; returns how many it
-/// marked (those still unfanned).
-async fn write(store: &MongoStore, session: &mut ClientSession, plan: &FanOutPlan, now: DateTime) -> Result<u64, StoreError> {
-    let marked = mark(store, session, plan, &WithoutDocuments::default(), now).await?;
-    insert(store, session, plan, &HashSet::new(), now).await?;
-    Ok(marked)
-}
 
 /// In MongoDB, the commit stage of a hand-out takes back what it did not hand out.
 impl WithoutDocuments {

@@ -163,7 +163,7 @@ pub struct MongoStore {
     /// Inserted events the change stream reported, for the next fan-out (see `fan_out`).
     heard: Arc<heard::Heard>,
     /// Whether a fan-out tries its plain mark first (see `fan_out`).
-    plain_marks: Arc<fan_out::PlainMarks>,
+    plain_marks: Arc<crate::store::fan_out::PlainMarks>,
     /// Sessions of hosts that stopped announcing themselves this instance ended (see `hosts`).
     dead_hosts_sessions_ended: Arc<AtomicU64>,
     options: StoreOptions,

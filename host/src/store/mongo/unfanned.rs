@@ -13,41 +13,12 @@ use mongodb::options::Hint;
 
 use super::{MongoStore, setup};
 use crate::event::field;
-use crate::store::{FanOutReport, StoreError};
-use crate::store::fan_out::{self, id_text};
+use crate::store::StoreError;
+use crate::store::fan_out::{self, Reach, Read, id_text};
 
 /// Pages of unfanned events a batch reads at most while most of what it finds is other
 /// hosts' (see [`crate::store::assignment`]).
 const PAGES: usize = 4;
-
-/// A batch read, how far the read went ([`Reach`]), and the keys it read apart (see
-/// [`Claimer::keys_left_out`]).
-///
-/// [`Claimer::keys_left_out`]: crate::store::claim::Claimer::keys_left_out
-pub(super) struct Read {
-    pub batch: Vec<Document>,
-    pub reach: Reach,
-    pub asked: Vec<String>,
-}
-
-/// Whether unfanned events of this host's may remain beyond a batch (`more`: read again at
-/// once), whether its read reached the end of the unfanned events (`to_the_end`: the change
-/// stream can be trusted again, see [`super::heard`]), and the keys whose events it left
-/// unfanned because they run here (`deferred`, named only by a read that reached the end of
-/// the rest).
-#[derive(Debug, Clone, Default)]
-pub(super) struct Reach {
-    more: bool,
-    to_the_end: bool,
-    deferred: Vec<String>,
-}
-
-impl Reach {
-    /// `report` (of a fan-out of the batch), saying how far its read went.
-    pub fn on(self, report: FanOutReport) -> FanOutReport {
-        FanOutReport { more: self.more, read_to_the_end: self.to_the_end, deferred_keys: self.deferred, ..report }
-    }
-}
 
 /// A batch of unfanned events of this host's lanes (or stale ones of any): the first in
 /// [`fan_out::unfanned_order`] (the `unfanned_by_depth` index's),

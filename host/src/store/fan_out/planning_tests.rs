@@ -1,4 +1,4 @@
-//! The fan-out planning's unit tests (see `fan_out.rs`).
+//! The fan-out planning's unit tests (see `planning.rs`).
 
 use super::*;
 use crate::event::NewEvent;

@@ -7,7 +7,7 @@
 //! publishers' clocks said (a lower sequence always committed first, so it is visible).
 //! This module is pure: it decides, the stores write.
 //!
-//! It is one file of about 540 lines (its unit tests are in `fan_out_tests.rs`) because every
+//! It is one file of about 540 lines (its unit tests are in `planning_tests.rs`) because every
 //! decision here is over the same batch, in the order a fan-out takes them: what to read
 //! (`prefixes_to_read`, `keys_to_ask`), which deliveries (`plan`), which of a key's events to
 //! leave for later (`heads_of_idle_keys`), and what may be handed out (`fresh`). Split apart,
@@ -18,8 +18,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use bson::oid::ObjectId;
 use bson::{Bson, DateTime, Document};
 
-use super::claim::{Candidate, EventOf, Fresh, HandOutOf, HandlerKey};
-use super::{Capacity, ClaimedDelivery, DeliveryId, MALFORMED_EVENT_HANDLER, Subscriptions};
+use crate::store::claim::{Candidate, EventOf, Fresh, HandOutOf, HandlerKey};
+use crate::store::{Capacity, ClaimedDelivery, DeliveryId, MALFORMED_EVENT_HANDLER, Subscriptions};
 use crate::death::Death;
 pub(crate) use crate::event::{id_text, string_key};
 use crate::event::{EventRecord, NewEvent, field};
@@ -89,11 +89,11 @@ impl FanOutPlan {
 
     /// What carrying out this plan did, `claimed` being the deliveries it handed out once
     /// committed and `sent_early` those it handed out before.
-    pub fn report(&self, claimed: Vec<ClaimedDelivery>, sent_early: &[DeliveryId]) -> super::FanOutReport {
+    pub fn report(&self, claimed: Vec<ClaimedDelivery>, sent_early: &[DeliveryId]) -> crate::store::FanOutReport {
         let handed_out: HashSet<DeliveryId> =
             claimed.iter().map(|c| c.lease.delivery).chain(sent_early.iter().copied()).collect();
         let left = |d: &&NewDelivery| d.dead_reason.is_none() && !handed_out.contains(&d.id);
-        super::FanOutReport {
+        crate::store::FanOutReport {
             events: self.events.len(),
             deliveries: self.deliveries.len(),
             malformed: self.malformed,
@@ -160,7 +160,7 @@ pub(crate) fn unfanned_order(doc: &Document) -> (u8, i64, Option<DateTime>, Stri
 /// of its events. Several keys are read up to their bounds all the same: read to their ends
 /// they would fill a batch with followers parked for claims (four hosts' keyed drain did).
 ///
-/// [`Claimer::keys_left_out`]: super::claim::Claimer::keys_left_out
+/// [`Claimer::keys_left_out`]: crate::store::claim::Claimer::keys_left_out
 pub(crate) fn prefixes_to_read(first: &[Document], hands_out: bool, asked: &[(String, i64)]) -> Vec<(Vec<String>, Option<i64>)> {
     let mut bounds: BTreeMap<&str, Option<i64>> = BTreeMap::new();
     let to_the_end = first.is_empty() && asked.len() == 1;
@@ -198,7 +198,7 @@ pub(crate) fn prefixes_to_read(first: &[Document], hands_out: bool, asked: &[(St
 /// `left_out` that do not run here (`runs_here`), at most half the batch (the rest are read among the
 /// oldest, as any key), each with the sequence it is read up to.
 ///
-/// [`Claimer::keys_left_out`]: super::claim::Claimer::keys_left_out
+/// [`Claimer::keys_left_out`]: crate::store::claim::Claimer::keys_left_out
 pub(crate) fn keys_to_ask(left_out: HashMap<String, i64>, runs_here: impl Fn(&str) -> bool, limit: usize) -> Vec<(String, i64)> {
     let mut asked: Vec<(String, i64)> = left_out.into_iter().filter(|(key, _)| !runs_here(key)).collect();
     asked.sort();
@@ -397,7 +397,7 @@ pub(crate) fn keyed_heads(plan: &FanOutPlan) -> Vec<HandlerKey> {
 /// (its lowest unfanned one) is all live heads in `idle` (nothing of the key pending in the
 /// store nor running here), only that event. Its later events stay unfanned until the head
 /// settles, instead of being created parked behind it, each to wait for a claim: that
-/// settling asks for a fan-out (see [`super::Outbox::unfanned_may_wait`]), which finds the key
+/// settling asks for a fan-out (see [`crate::store::Outbox::unfanned_may_wait`]), which finds the key
 /// idle again. Returns the batch and the keys whose later events it left out, each with the
 /// lowest sequence it left out (`None` if that is not an integer).
 ///
@@ -558,5 +558,5 @@ impl WithoutDocuments {
 }
 
 #[cfg(test)]
-#[path = "fan_out_tests.rs"]
+#[path = "planning_tests.rs"]
 mod tests;
