@@ -425,15 +425,8 @@ impl Outbox for FaultyStore {
         self.starts_recorded.fetch_add(leases.len(), SeqCst);
         self.inner.record_starts(leases).await
     }
-    fn followers_may_wait(&self, handler: &str, key: &str) -> bool {
-        self.inner.followers_may_wait(handler, key)
-    }
-
-    fn unfanned_may_wait(&self, key: &str) -> bool {
-        self.inner.unfanned_may_wait(key)
-    }
-    fn holds_lanes_of_another_host(&self) -> bool {
-        self.inner.holds_lanes_of_another_host()
+    fn hints(&self) -> relayhost::store::SchedulerHints<'_> {
+        self.inner.hints()
     }
     async fn complete_many(&self, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {
         if fails(&self.completions_failing) {

@@ -1039,8 +1039,8 @@ async fn a_fan_out_hands_out_a_keys_head_only_while_nothing_of_its_key_is_pendin
     assert_eq!(ids(&report.claimed), ["idle-1/h"]);
     assert_eq!(report.claimed[0].lease.lane, relayhost::lane::lane_of("idle"));
     assert_eq!((report.events, report.deliveries), (2, 2));
-    assert!(a.unfanned_may_wait("idle") && !a.unfanned_may_wait("busy"));
-    assert!(!a.unfanned_may_wait("idle"), "asked once per note");
+    assert!(a.hints().unfanned_may_wait("idle") && !a.hints().unfanned_may_wait("busy"));
+    assert!(!a.hints().unfanned_may_wait("idle"), "asked once per note");
     // A claim meanwhile takes the busy key's head, and nothing of the idle key, which runs.
     let busy = a.claim(&handlers(&["h"]), 10, at(T0 + 2)).await.unwrap();
     assert_eq!(ids(&busy), ["busy-1/h"]);
@@ -1076,14 +1076,14 @@ async fn a_keys_later_events_wait_unfanned_while_its_head_runs_unless_nothing_el
     claimed.sort();
     assert_eq!(claimed, ["k-1/h", "u-1/h"]);
     assert_eq!(report.events, 2);
-    assert!(a.unfanned_may_wait("k") && !a.followers_may_wait("h", "k"));
+    assert!(a.hints().unfanned_may_wait("k") && !a.hints().followers_may_wait("h", "k"));
     let head = report.claimed.iter().find(|c| c.event.id == "k-1").unwrap().lease;
     // While the head runs, a fan-out that may hand out reads past the key, and names it again
     // once it read the rest to its end.
     publish_all(&a, vec![event("u-2", "t")]).await;
     let report = a.fan_out(&subscriptions, 100, 10, at(T0 + 1)).await.unwrap();
     assert_eq!((ids(&report.claimed), report.events), (vec!["u-2/h".to_string()], 1));
-    assert!(a.unfanned_may_wait("k"));
+    assert!(a.hints().unfanned_may_wait("k"));
     // Once the head settled, the key's next event is handed out. The key is read apart, up to
     // its next event: its left-out events, the oldest of all, never fill a batch (of two here)
     // and hold back younger events.
@@ -1094,7 +1094,7 @@ async fn a_keys_later_events_wait_unfanned_while_its_head_runs_unless_nothing_el
     claimed.sort();
     assert_eq!(claimed, ["k-2/h", "u-3/h"]);
     assert_eq!(report.events, 2);
-    assert!(a.unfanned_may_wait("k"));
+    assert!(a.hints().unfanned_may_wait("k"));
     // A batch of nothing but that key's events is kept whole: the one after its head is
     // created parked behind it, for a claim.
     publish_all(&a, vec![keyed("k-4", "t", "k")]).await;
@@ -1102,7 +1102,7 @@ async fn a_keys_later_events_wait_unfanned_while_its_head_runs_unless_nothing_el
     let report = a.fan_out(&subscriptions, 100, 10, at(T0 + 5)).await.unwrap();
     assert_eq!(ids(&report.claimed), ["k-3/h"]);
     assert_eq!((report.events, report.deliveries), (2, 2));
-    assert!(a.followers_may_wait("h", "k"));
+    assert!(a.hints().followers_may_wait("h", "k"));
     assert_eq!(a.complete_many(&[report.claimed[0].lease], at(T0 + 6)).await.unwrap(), [Settlement::Completed]);
     assert_eq!(ids(&a.claim(&handlers(&["h"]), 10, at(T0 + 7)).await.unwrap()), ["k-4/h"]);
 }
@@ -1119,7 +1119,7 @@ async fn a_key_that_waited_for_claims_once_is_awaited_no_more_once_its_head_is_h
     publish_all(&a, vec![keyed("k-1", "t", "k")]).await;
     let report = a.fan_out(&subscriptions, 100, 0, at(T0)).await.unwrap();
     assert_eq!((report.deliveries, report.claimed.len()), (1, 0));
-    assert!(a.followers_may_wait("h", "k"));
+    assert!(a.hints().followers_may_wait("h", "k"));
     let claimed = a.claim(&handlers(&["h"]), 10, at(T0 + 1)).await.unwrap();
     assert_eq!(ids(&claimed), ["k-1/h"]);
     assert_eq!(a.complete_many(&[claimed[0].lease], at(T0 + 2)).await.unwrap(), [Settlement::Completed]);
@@ -1127,13 +1127,13 @@ async fn a_key_that_waited_for_claims_once_is_awaited_no_more_once_its_head_is_h
     publish_all(&a, vec![keyed("k-2", "t", "k")]).await;
     let report = a.fan_out(&subscriptions, 100, 10, at(T0 + 3)).await.unwrap();
     assert_eq!(ids(&report.claimed), ["k-2/h"]);
-    assert!(!a.followers_may_wait("h", "k"), "a key handed out with nothing pending waits for no claim");
+    assert!(!a.hints().followers_may_wait("h", "k"), "a key handed out with nothing pending waits for no claim");
     // A fan-out that hands out its head and leaves its follower to claims notes it again.
     assert_eq!(a.complete_many(&[report.claimed[0].lease], at(T0 + 4)).await.unwrap(), [Settlement::Completed]);
     publish_all(&a, vec![keyed("k-3", "t", "k"), keyed("k-4", "t", "k")]).await;
     let report = a.fan_out(&subscriptions, 100, 10, at(T0 + 5)).await.unwrap();
     assert_eq!((ids(&report.claimed), report.deliveries), (vec!["k-3/h".to_string()], 2));
-    assert!(a.followers_may_wait("h", "k"), "its follower waits for a claim");
+    assert!(a.hints().followers_may_wait("h", "k"), "its follower waits for a claim");
 }
 
 async fn a_key_read_apart_that_a_new_split_gave_another_host_is_left_to_it<F: Fixture>() {
@@ -1198,7 +1198,7 @@ async fn a_held_lane_a_new_split_gave_another_host_takes_no_new_work_and_goes_ba
     let subscriptions = subs(&[("h", &["t"])]);
     let h = handlers(&["h"]);
     let (running, by_b, theirs) = a_joiners_lanes_held(fixture.store(), &a, &b, T0 + 4).await;
-    assert!(a.holds_lanes_of_another_host() && !b.holds_lanes_of_another_host());
+    assert!(a.hints().holds_lanes_of_another_host() && !b.hints().holds_lanes_of_another_host());
     // a hands its share's out into lanes it holds of its own share, or takes free ones.
     let by_a = a.fan_out(&subscriptions, 1_000, 1_000, at(T0 + 4)).await.unwrap();
     assert_eq!(by_a.events + by_b.events, 200);
@@ -1212,9 +1212,9 @@ async fn a_held_lane_a_new_split_gave_another_host_takes_no_new_work_and_goes_ba
     // delivery of its share.
     let leases: Vec<_> = running.iter().chain(&by_a.claimed).chain(&claimed).map(|c| c.lease).collect();
     a.complete_many(&leases, at(T0 + 6)).await.unwrap();
-    assert!(a.holds_lanes_of_another_host(), "until its next claim");
+    assert!(a.hints().holds_lanes_of_another_host(), "until its next claim");
     assert!(a.claim(&h, 1_000, at(T0 + 7)).await.unwrap().is_empty());
-    assert!(!a.holds_lanes_of_another_host());
+    assert!(!a.hints().holds_lanes_of_another_host());
     let by_b_claimed = claim_until_none_is_left(&b, &h, T0 + 8).await;
     assert_eq!(by_b_claimed.len(), by_b.deliveries, "b claims its share, in the lanes a gave back too");
     assert!(theirs.iter().all(|lane| by_b_claimed.iter().any(|c| c.lease.lane == *lane)));
@@ -1270,11 +1270,11 @@ async fn a_keys_head_handed_out_without_a_document_holds_its_key_and_leads_it_af
     publish_all(&a, vec![keyed("k-2", "t", "k"), keyed("j-2", "t", "j")]).await;
     let report = a.fan_out(&subscriptions, 100, 10, at(T0 + 1)).await.unwrap();
     assert_eq!((report.events, report.claimed.len()), (0, 0));
-    assert!(a.unfanned_may_wait("k") && a.unfanned_may_wait("j"));
+    assert!(a.hints().unfanned_may_wait("k") && a.hints().unfanned_may_wait("j"));
     // One that hands nothing out creates them, for a claim: their completions are to ask for
     // one. The heads run: a claim takes nothing (and parks them).
     assert_eq!(a.fan_out(&subscriptions, 100, 0, at(T0 + 1)).await.unwrap().deliveries, 2);
-    assert!(a.followers_may_wait("h", "k") && a.followers_may_wait("h", "j"));
+    assert!(a.hints().followers_may_wait("h", "k") && a.hints().followers_may_wait("h", "j"));
     assert!(a.claim(&handlers(&["h"]), 10, at(T0 + 2)).await.unwrap().is_empty(), "both keys run");
 
     // Another instance's claim meanwhile unparks "k"'s follower (its predecessor has no

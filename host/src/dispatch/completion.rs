@@ -20,11 +20,11 @@ use crate::store::{Lease, Settlement, Store, StoreError};
 pub(super) struct Written {
     pub completed: usize,
     /// The lanes of the keyed deliveries among them whose keys may have deliveries waiting
-    /// for a claim ([`Outbox::followers_may_wait`]): those, in the same lanes, may be
+    /// for a claim ([`crate::store::SchedulerHints::followers_may_wait`]): those, in the same lanes, may be
     /// claimable there now.
     pub keyed_lanes: BTreeSet<LaneId>,
     /// Some of their keys have events a fan-out left unfanned while they ran here
-    /// ([`Outbox::unfanned_may_wait`]): fan out again.
+    /// ([`crate::store::SchedulerHints::unfanned_may_wait`]): fan out again.
     pub fan_out: bool,
 }
 
@@ -81,10 +81,10 @@ impl<S: Store> Completions<S> {
         let (_, batch) = self.running.take().expect("a completion was running");
         match result {
             Ok(completed) => {
-                let awaited = |key: &Option<(String, String)>| key.as_ref().is_some_and(|(h, k)| self.store.followers_may_wait(h, k));
+                let awaited = |key: &Option<(String, String)>| key.as_ref().is_some_and(|(h, k)| self.store.hints().followers_may_wait(h, k));
                 let keyed_lanes = batch.iter().filter(|(_, key)| awaited(key)).map(|(lease, _)| lease.lane).collect();
                 // Every key is asked (each note is taken once asked).
-                let deferred = batch.iter().filter(|(_, key)| key.as_ref().is_some_and(|(_, k)| self.store.unfanned_may_wait(k)));
+                let deferred = batch.iter().filter(|(_, key)| key.as_ref().is_some_and(|(_, k)| self.store.hints().unfanned_may_wait(k)));
                 let fan_out = deferred.count() > 0;
                 Ok(Written { completed, keyed_lanes, fan_out })
             }

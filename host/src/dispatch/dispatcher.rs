@@ -178,7 +178,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                     flight.fan_out |= written.fan_out;
                     // Lanes a new split gave another host go back once they ran empty: a claim
                     // hands them back, so that their host can hand out there.
-                    flight.claim |= self.store.holds_lanes_of_another_host();
+                    flight.claim |= self.store.hints().holds_lanes_of_another_host();
                 }),
                 _ = renewal.tick() => self.renew(&mut flight).await,
                 // A new split of the lanes may leave this host events it did not fan out so far.

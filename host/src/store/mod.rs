@@ -175,15 +175,15 @@ pub struct FanOutReport {
     /// The batch read every unfanned event there was (of any host's lanes).
     pub read_to_the_end: bool,
     /// The keys (with their handlers) of the keyed deliveries it left to claims: their store
-    /// notes them (see [`Outbox::followers_may_wait`]).
+    /// notes them (see [`SchedulerHints::followers_may_wait`]).
     pub(crate) left_to_claims: Vec<(String, String)>,
     /// The keys (with their handlers) whose heads it handed out: nothing of theirs was pending
     /// in the store, so none of their deliveries waits for a claim but those it left to
-    /// claims itself (see [`Outbox::followers_may_wait`]).
+    /// claims itself (see [`SchedulerHints::followers_may_wait`]).
     pub(crate) handed_out_keys: Vec<(String, String)>,
     /// The ordering keys whose unfanned events a batch that may hand out left unfanned, since a
     /// delivery of theirs ran on this instance (named only by a read that reached the end of
-    /// the rest): their store notes them (see [`Outbox::unfanned_may_wait`]).
+    /// the rest): their store notes them (see [`SchedulerHints::unfanned_may_wait`]).
     pub(crate) deferred_keys: Vec<String>,
 }
 
@@ -274,6 +274,44 @@ pub enum Published {
     Duplicate,
 }
 
+/// What this instance's fan-outs and claims noted of the work they left waiting, which tells
+/// the dispatcher when a settled delivery asks for a claim or a fan-out. Kept by the shared
+/// claim; every store hands out its own ([`Outbox::hints`]).
+pub struct SchedulerHints<'a>(&'a claim::Claimer);
+
+impl<'a> SchedulerHints<'a> {
+    pub(crate) fn of(claimer: &'a claim::Claimer) -> Self {
+        Self(claimer)
+    }
+
+    /// Whether deliveries of `handler` and `key` may wait for a claim once one of theirs is
+    /// settled: this instance's fan-outs left some of them to claims, or its claims parked
+    /// some, since a fan-out last handed the key's head out (nothing of it pending then). A
+    /// completion of a key with none asks for no claim in its lane (its next event is
+    /// not fanned out yet, or is handed out by the fan-out that marks it); what another host
+    /// left there is found by the poll, and whatever stays parked by the unpark sweep.
+    pub fn followers_may_wait(&self, handler: &str, key: &str) -> bool {
+        self.0.followers_may_wait(&(handler.to_string(), key.to_string()))
+    }
+
+    /// Whether unfanned events of `key` wait for a fan-out once a delivery of theirs that ran
+    /// on this instance is settled: a fan-out that may hand out leaves the events of keys that
+    /// run here unfanned, instead of creating their deliveries parked for a claim. Asked once
+    /// per settled keyed delivery; `true` once per note. A settle between a fan-out's read and
+    /// its note is found by the next poll.
+    pub fn unfanned_may_wait(&self, key: &str) -> bool {
+        self.0.unfanned_may_wait(key)
+    }
+
+    /// Whether this instance holds lanes a new split gave another live host: they take no new
+    /// work here, and the next claim hands back those that ran empty (see
+    /// [`crate::store::assignment`]). False while a claim runs: that claim hands back those
+    /// that ran empty, and the completion of a run in one of the rest asks again.
+    pub fn holds_lanes_of_another_host(&self) -> bool {
+        self.0.holds_lanes_of_another_host()
+    }
+}
+
 /// A transaction of a store: writes made through it commit or abort together.
 pub trait StoreTransaction: Send {
     fn commit(self) -> impl Future<Output = Result<(), StoreError>> + Send;
@@ -348,26 +386,9 @@ pub trait Outbox: Send + Sync + 'static {
     /// failover may lose it, which costs that start its charge should the host die.
     fn record_starts(&self, leases: &[Lease]) -> impl Future<Output = Result<Vec<bool>, StoreError>> + Send;
 
-    /// Whether deliveries of `handler` and `key` may wait for a claim once one of theirs is
-    /// settled: this instance's fan-outs left some of them to claims, or its claims parked
-    /// some, since a fan-out last handed the key's head out (nothing of it pending then). A
-    /// completion of a key with none asks for no claim in its lane (its next event is
-    /// not fanned out yet, or is handed out by the fan-out that marks it); what another host
-    /// left there is found by the poll, and whatever stays parked by the unpark sweep.
-    fn followers_may_wait(&self, handler: &str, key: &str) -> bool;
-
-    /// Whether unfanned events of `key` wait for a fan-out once a delivery of theirs that ran
-    /// on this instance is settled: a fan-out that may hand out leaves the events of keys that
-    /// run here unfanned, instead of creating their deliveries parked for a claim. Asked once
-    /// per settled keyed delivery; `true` once per note. A settle between a fan-out's read and
-    /// its note is found by the next poll.
-    fn unfanned_may_wait(&self, key: &str) -> bool;
-
-    /// Whether this instance holds lanes a new split gave another live host: they take no new
-    /// work here, and the next claim hands back those that ran empty (see
-    /// [`crate::store::assignment`]). False while a claim runs: that claim hands back those
-    /// that ran empty, and the completion of a run in one of the rest asks again.
-    fn holds_lanes_of_another_host(&self) -> bool;
+    /// The claim's hints to the scheduler: when a settled delivery asks for a claim or a
+    /// fan-out.
+    fn hints(&self) -> SchedulerHints<'_>;
 
     /// Completes a batch in a fixed number of commands; one result per lease, in order.
     fn complete_many(&self, leases: &[Lease], now: DateTime)

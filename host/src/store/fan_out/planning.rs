@@ -397,7 +397,7 @@ pub(crate) fn keyed_heads(plan: &FanOutPlan) -> Vec<HandlerKey> {
 /// (its lowest unfanned one) is all live heads in `idle` (nothing of the key pending in the
 /// store nor running here), only that event. Its later events stay unfanned until the head
 /// settles, instead of being created parked behind it, each to wait for a claim: that
-/// settling asks for a fan-out (see [`crate::store::Outbox::unfanned_may_wait`]), which finds the key
+/// settling asks for a fan-out (see [`crate::store::SchedulerHints::unfanned_may_wait`]), which finds the key
 /// idle again. Returns the batch and the keys whose later events it left out, each with the
 /// lowest sequence it left out (`None` if that is not an integer).
 ///

@@ -432,16 +432,8 @@ impl Outbox for MongoStore {
         self.claimer.record_starts(&lanes::Backend { store: self }, leases).await
     }
 
-    fn followers_may_wait(&self, handler: &str, key: &str) -> bool {
-        self.claimer.followers_may_wait(&(handler.to_string(), key.to_string()))
-    }
-
-    fn unfanned_may_wait(&self, key: &str) -> bool {
-        self.claimer.unfanned_may_wait(key)
-    }
-
-    fn holds_lanes_of_another_host(&self) -> bool {
-        self.claimer.holds_lanes_of_another_host()
+    fn hints(&self) -> crate::store::SchedulerHints<'_> {
+        crate::store::SchedulerHints::of(&self.claimer)
     }
 
     async fn complete_many(&self, leases: &[Lease], now: DateTime) -> Result<Vec<Settlement>, StoreError> {
