@@ -12,9 +12,9 @@ use serde::Deserialize;
 
 use crate::dispatch::DispatcherOptions;
 
+mod environment;
 mod plugin;
 mod processing;
-mod environment;
 mod retention;
 mod telemetry;
 
@@ -243,8 +243,28 @@ impl Config {
             ),
             None => (String::new(), "the default configuration".to_string()),
         };
-        let mut config = Self::parse(&text, &origin)?;
-        if let Some(folder) = path.and_then(Path::parent) {
+        Self::read(&text, &origin, path.and_then(Path::parent), environment)
+    }
+
+    /// A configuration's `text` (from `origin`; its schema files relative to `folder`), with
+    /// `environment` applied, validated.
+    pub fn read(
+        text: &str,
+        origin: &str,
+        folder: Option<&Path>,
+        environment: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ConfigError> {
+        let environment: Vec<(String, String)> = environment.into_iter().collect();
+        // Only then read through a table, whose errors cannot quote the file's lines.
+        let mut config = if environment::overrides_processing(&environment) {
+            let parse_error = |e: toml::de::Error| ConfigError::Parse { path: origin.to_string(), message: e.to_string() };
+            let mut table: toml::Table = toml::from_str(text).map_err(parse_error)?;
+            environment::apply_processing_environment(&mut table, &environment)?;
+            toml::Value::Table(table).try_into().map_err(parse_error)?
+        } else {
+            Self::parse(text, origin)?
+        };
+        if let Some(folder) = folder {
             for file in config.schemas.values_mut().filter(|file| file.is_relative()) {
                 *file = folder.join(&*file);
             }
@@ -411,10 +431,7 @@ mod tests {
     "#;
 
     pub(super) fn load(text: &str, environment: &[(&str, &str)]) -> Result<Config, ConfigError> {
-        let mut config = Config::parse(text, "relayhost.toml")?;
-        config.apply_environment(environment.iter().map(|(k, v)| (k.to_string(), v.to_string())))?;
-        config.validate()?;
-        Ok(config)
+        Config::read(text, "relayhost.toml", None, environment.iter().map(|(k, v)| (k.to_string(), v.to_string())))
     }
 
     #[test]
