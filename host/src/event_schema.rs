@@ -23,6 +23,27 @@ impl std::fmt::Debug for Schemas {
     }
 }
 
+/// The schemas in force while a host runs: a reload of its configuration replaces them, and
+/// readers take the set in force at each use. Clones share it.
+#[derive(Debug, Clone, Default)]
+pub struct SchemaSource(Arc<std::sync::RwLock<Schemas>>);
+
+impl SchemaSource {
+    pub fn new(schemas: Schemas) -> Self {
+        Self(Arc::new(std::sync::RwLock::new(schemas)))
+    }
+
+    /// The schemas in force.
+    pub fn current(&self) -> Schemas {
+        self.0.read().expect("schemas").clone()
+    }
+
+    /// Puts `schemas` in force.
+    pub fn replace(&self, schemas: Schemas) {
+        *self.0.write().expect("schemas") = schemas;
+    }
+}
+
 /// Two sets of schemas are the same when they are the same load (or both empty).
 impl PartialEq for Schemas {
     fn eq(&self, other: &Self) -> bool {

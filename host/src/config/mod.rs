@@ -13,11 +13,13 @@ use serde::Deserialize;
 use crate::dispatch::DispatcherOptions;
 
 mod environment;
+mod live;
 mod plugin;
 mod processing;
 mod retention;
 mod telemetry;
 
+pub use live::{LiveConfig, Reloaded};
 pub use plugin::{GrantsConfig, PluginConfig, Processing, RateConfig, RetryConfig};
 pub use retention::{Keep, RetentionConfig};
 pub use telemetry::TelemetryConfig;

@@ -278,7 +278,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         if flight.fan_out && flight.fanning.is_none() && (worth_it || !flight.fan_out_waits) {
             // Until the registry was read, events wait unfanned (the next announcement reads it).
             let Some(subscriptions) = self.known.subscriptions(specs) else { return Ok(()) };
-            let subscriptions = subscriptions.map(|s| s.with_schemas(self.options.schemas.clone()));
+            let subscriptions = subscriptions.map(|s| s.with_schemas(self.options.schemas.current()));
             let subscriptions = subscriptions?;
             flight.fan_out = false;
             // What it hands out runs at once or waits for a run slot, like a claim's picks.

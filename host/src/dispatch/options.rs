@@ -20,8 +20,9 @@ pub struct DispatcherOptions {
     pub lease_duration: Duration,
     /// How long a stop waits for running deliveries.
     pub shutdown_timeout: Duration,
-    /// The event types' schemas fan-outs check payloads against.
-    pub schemas: crate::event_schema::Schemas,
+    /// The event types' schemas fan-outs check payloads against (the set in force at each
+    /// fan-out).
+    pub schemas: crate::event_schema::SchemaSource,
 }
 
 /// The default `claim_ahead` per run slot. Claims of a few times the run slots cost about as

@@ -238,6 +238,9 @@ impl PluginRegistry {
         for change in &changes {
             match change {
                 Change::Loaded { plugin, version } => tracing::info!(plugin, version = &version[..12], "plugin loaded"),
+                Change::Replaced { plugin, old_version, new_version } if old_version == new_version => {
+                    tracing::info!(plugin, version = &new_version[..12], "plugin loaded again under its new limits and grants")
+                }
                 Change::Replaced { plugin, old_version, new_version } => {
                     tracing::info!(plugin, old = &old_version[..12], new = &new_version[..12], "plugin replaced")
                 }
@@ -266,9 +269,12 @@ impl PluginRegistry {
             Ok(bytes) => hex::encode(Sha256::digest(bytes)),
             Err(reason) => format!("unreadable: {reason}"),
         };
+        // A version serving under other limits or grants than the operator's now is loaded
+        // again (see `reapply_policies`).
         let known = {
             let catalog = self.catalog.read().expect("catalog");
-            catalog.plugins.get(name).map(|p| &p.content_hash) == Some(&hash) || catalog.refused.get(name) == Some(&hash)
+            let serving = catalog.plugins.get(name).is_some_and(|p| p.content_hash == hash && *p.policy == (self.policy_for)(name));
+            serving || catalog.refused.get(name) == Some(&hash)
         };
         if known {
             return (hash, Read::Known);
@@ -307,6 +313,27 @@ impl PluginRegistry {
             Some(old) => Change::Replaced { plugin: name.to_string(), old_version: old.content_hash.clone(), new_version },
             None => Change::Loaded { plugin: name.to_string(), version: new_version },
         })
+    }
+
+    /// Loads again, from their files, the plugins that serve under other limits or grants
+    /// than `policy_for` gives now (the operator changed them): their next runs get the new
+    /// ones, and runs under way finish with the version they started with. A file that no
+    /// longer loads under its new policy is refused as at any scan, and its version keeps
+    /// serving.
+    pub async fn reapply_policies(&self) -> Result<Vec<Change>, PluginError> {
+        {
+            let mut catalog = self.catalog.write().expect("catalog");
+            let stale: Vec<String> =
+                catalog.plugins.iter().filter(|(name, plugin)| *plugin.policy != (self.policy_for)(name)).map(|(name, _)| name.clone()).collect();
+            if stale.is_empty() {
+                return Ok(Vec::new());
+            }
+            for name in &stale {
+                catalog.stamps.remove(name);
+            }
+            catalog.scanned = None;
+        }
+        self.scan().await
     }
 
     /// Watches the directory and scans it after every quiet period following a change, until

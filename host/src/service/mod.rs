@@ -2,15 +2,18 @@
 //!
 //! This module owns the assembly only: MongoDB (a URI or the embedded server), the store and
 //! its setup, the plugin registry and its directory watch, the dispatcher with change-stream
-//! wakeups, the scheduled purge (`retention`), the health endpoints and the admin API. It must never contain delivery logic: claims, outcomes
+//! wakeups, the configuration's reloads (`reload`), the scheduled purge (`retention`), the
+//! health endpoints and the admin API. It must never contain delivery logic: claims, outcomes
 //! and retries belong to `dispatch` and `store`, running a plugin to `plugin`.
 
 mod embedded;
 mod health;
+mod reload;
 mod retention;
 
 use crate::store::Outbox;
 use std::future::Future;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,10 +21,11 @@ pub use embedded::{ConnectError, MongoConnection, embedded_data_dir};
 pub use health::HealthState;
 
 use crate::admin::api::AdminApi;
-use crate::config::{Config, Secret};
-use crate::dispatch::{Dispatcher, DispatcherCounters, DispatcherOptions, RetryPolicy};
+use crate::config::{Config, LiveConfig, Secret};
+use crate::dispatch::{Dispatcher, DispatcherCounters, DispatcherOptions};
+use crate::event_schema::SchemaSource;
 use crate::mongod::cache_dir;
-use crate::plugin::{Change, PluginError, PluginRegistry, PluginRuntime};
+use crate::plugin::{Change, PluginError, PluginPolicy, PluginRegistry, PluginRuntime};
 use crate::plugin_runner::PluginRunner;
 use crate::store::mongo::{EventWakeups, MongoLocation, MongoStore};
 use crate::store::{StoreError, StoreOptions};
@@ -43,6 +47,8 @@ pub enum ServiceError {
     Telemetry(#[from] TelemetryError),
     #[error("{0}")]
     Schemas(String),
+    #[error("listening for configuration reloads (SIGHUP, the file's changes): {0}")]
+    Reload(std::io::Error),
 }
 
 /// Time a transaction of the store may take: a transactional handler runs inside one, so it
@@ -73,36 +79,46 @@ pub fn store_for(config: &Config, connection: &MongoConnection) -> Result<MongoS
 
 /// The plugin runtime and registry a configuration describes (nothing loaded yet).
 pub fn registry_for(config: &Config) -> Result<Arc<PluginRegistry>, PluginError> {
-    let artifacts = config.host.artifact_cache.clone().unwrap_or_else(|| cache_dir().join("artifacts"));
-    let runtime = Arc::new(PluginRuntime::new(Some(artifacts))?);
     let policies = config.clone();
-    Ok(Arc::new(PluginRegistry::new(runtime, &config.plugins.directory, move |name| policies.policy_for(name))))
+    registry_with(config, move |name| policies.policy_for(name))
 }
 
-/// The retry policy of each handler, from the configuration.
-fn retry_policies(config: &Config) -> Arc<dyn Fn(&str, &str) -> RetryPolicy + Send + Sync> {
-    let config = config.clone();
-    Arc::new(move |plugin: &str, handler: &str| config.retry_for(plugin, handler).policy())
+/// The same, each plugin's limits and grants as `policy_for` says when it is loaded.
+fn registry_with(
+    config: &Config,
+    policy_for: impl Fn(&str) -> PluginPolicy + Send + Sync + 'static,
+) -> Result<Arc<PluginRegistry>, PluginError> {
+    let artifacts = config.host.artifact_cache.clone().unwrap_or_else(|| cache_dir().join("artifacts"));
+    let runtime = Arc::new(PluginRuntime::new(Some(artifacts))?);
+    Ok(Arc::new(PluginRegistry::new(runtime, &config.plugins.directory, policy_for)))
 }
 
 /// Runs the host until `stop` resolves, then stops gracefully: claiming ends, deliveries in
 /// flight get `host.shutdown_timeout` to finish, the rest are handed back uncharged, the
 /// lanes are relinquished, and an embedded server this process started is shut down.
-pub async fn run(config: Config, stop: impl Future<Output = ()>) -> Result<(), ServiceError> {
-    let connection = connect(&config).await?;
-    let result = serve(&config, &connection, stop).await;
+///
+/// `config` was loaded from `path` (if any): SIGHUP, or a change of that file, reloads it, and
+/// its processing settings and schemas apply without a restart (see [`LiveConfig`]).
+pub async fn run(config: Config, path: Option<&Path>, stop: impl Future<Output = ()>) -> Result<(), ServiceError> {
+    let live = LiveConfig::new(config, path);
+    let connection = connect(&live.get()).await?;
+    let result = serve(&live, &connection, stop).await;
     connection.close().await;
     result
 }
 
 async fn serve(
-    config: &Config,
+    live: &Arc<LiveConfig>,
     connection: &MongoConnection,
     stop: impl Future<Output = ()>,
 ) -> Result<(), ServiceError> {
+    // What only a start applies; the processing settings are read from `live` at each use.
+    let in_force = live.get();
+    let config: &Config = &in_force;
     let store = Arc::new(store_for(config, connection)?);
     store.setup().await?;
-    let registry = registry_for(config)?;
+    let policies = live.clone();
+    let registry = registry_with(config, move |name| policies.get().policy_for(name))?;
     let changes = registry.scan().await?;
     let refused = changes.iter().filter(|c| matches!(c, Change::Refused { .. })).count();
     let handlers = registry.subscriptions();
@@ -119,10 +135,11 @@ async fn serve(
     if let Some(endpoint) = &config.telemetry.otlp_endpoint {
         tracing::info!(%endpoint, traces = config.telemetry.traces, metrics = config.telemetry.metrics, "exporting telemetry over OTLP/HTTP");
     }
-    let (throttles, priorities) = (config.clone(), config.clone());
-    let runner = PluginRunner::new(registry.clone(), store.clone(), retry_policies(config))
-        .throttled_by(Arc::new(move |plugin: &str, handler: &str| throttles.throttle_for(plugin, handler)))
-        .prioritized_by(Arc::new(move |plugin: &str, handler: &str| priorities.priority_for(plugin, handler)))
+    let (retries, throttles, priorities) = (live.clone(), live.clone(), live.clone());
+    let retry_for = Arc::new(move |plugin: &str, handler: &str| retries.get().retry_for(plugin, handler).policy());
+    let runner = PluginRunner::new(registry.clone(), store.clone(), retry_for)
+        .throttled_by(Arc::new(move |plugin: &str, handler: &str| throttles.get().throttle_for(plugin, handler)))
+        .prioritized_by(Arc::new(move |plugin: &str, handler: &str| priorities.get().priority_for(plugin, handler)))
         .traced_by(telemetry.clone());
     let deliveries = runner.metrics();
     let runner = Arc::new(runner);
@@ -133,10 +150,13 @@ async fn serve(
         poll_interval: config.host.poll_interval.0,
         lease_duration: config.host.lease.0,
         shutdown_timeout: config.host.shutdown_timeout.0,
-        schemas: config.event_schemas().map_err(|e| ServiceError::Schemas(e.to_string()))?,
+        schemas: SchemaSource::new(config.event_schemas().map_err(|e| ServiceError::Schemas(e.to_string()))?),
         ..DispatcherOptions::default()
     };
+    let schemas = options.schemas.clone();
     let dispatcher = Dispatcher::new(store.clone(), runner, options);
+    let reloading = reload::Reloading { live: live.clone(), registry: registry.clone(), schemas, dispatcher: dispatcher.waker() };
+    let _reloading = reloading.spawn().map_err(ServiceError::Reload)?;
     let counters = dispatcher.counters();
     let wakeups = EventWakeups::default().spawn(&store, dispatcher.waker());
     let health = match config.host.health_listen {

@@ -75,6 +75,12 @@ impl Receiver {
     pub fn most_at_once(&self) -> usize {
         self.answering.lock().unwrap().1
     }
+
+    /// Counts the most at once from now on (from those it is answering now).
+    pub fn reset_most(&self) {
+        let (now, most) = &mut *self.answering.lock().unwrap();
+        *most = *now;
+    }
 }
 
 /// The body of one HTTP/1.1 request, sized by `content-length` or chunked.

@@ -142,7 +142,7 @@ async fn run_with_config(config: Option<PathBuf>, command: Command) -> Result<Ex
     match cli.command {
         Command::Run => {
             init_logs(&config.host.log_format, "info");
-            relayhost::service::run(config, shutdown_signal()).await?;
+            relayhost::service::run(config, cli.config.as_deref(), shutdown_signal()).await?;
             Ok(ExitCode::SUCCESS)
         }
         // The report shows the plugin's log lines; the host's own would only repeat them.
