@@ -227,3 +227,23 @@ async fn a_runner_gives_each_handler_the_settings_of_its_own_section() {
     assert_eq!((noop.priority, noop.retry.max_attempts, noop.throttle.concurrency), (8, 2, Some(2)));
     let _ = std::fs::remove_dir_all(&plugins);
 }
+
+/// A host that stops gracefully hands its share of a limit across hosts back at once, though
+/// work of the handler is still pending: another host asking right after gets the whole limit,
+/// not a lease later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_host_hands_its_share_of_a_limit_across_hosts_back_at_once() {
+    use relayhost::store::Hosts;
+    use relayhost::store::limiter::ShareRequest;
+    let store = store();
+    let other = store.instance("other");
+    publish_all(&*store, (0..40).map(|n| event(&format!("e-{n}"), "order.placed")).collect()).await;
+    let four_across_hosts = Throttle { global_concurrency: Some(4), ..Default::default() };
+    let probe = Probe::new(vec![spec("limited", four_across_hosts)], &[("limited", Duration::from_millis(100))]);
+    run_until_ran(store.clone(), probe.clone(), 4).await;
+    assert_eq!(probe.most_at_once("limited"), 4, "the share was taken whole");
+    assert!(probe.runs_of("limited").len() < 40, "work of the handler is still pending");
+    let ask = ShareRequest { concurrency: Some(4), held: 0, wanted: 4, ..Default::default() };
+    let grant = other.lease_share("limited", &ask, bson::DateTime::now()).await.unwrap();
+    assert_eq!(grant.share, 4, "the stopped host's share came back with its stop");
+}
