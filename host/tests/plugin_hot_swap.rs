@@ -193,3 +193,36 @@ async fn a_handler_id_belongs_to_one_plugin_and_broken_files_do_not_stop_the_oth
     assert_eq!(&*registry.plugin_for("noop").unwrap().name, "a-noop");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// The operator's limits and grants change (a reload of the configuration): a plugin refused
+/// under the old limits is loaded under the new, and one serving under old grants is loaded
+/// again with the new (the same version); nothing changes while they stay the same.
+#[tokio::test]
+async fn a_change_of_the_operators_policy_loads_again_what_it_changed() {
+    let dir = scratch_dir("reapply");
+    std::fs::copy(plugins_dir().join("noop.wasm"), dir.join("noop.wasm")).unwrap();
+    let mut none = PluginPolicy::default();
+    none.limits.handlers = 0;
+    let policy = Arc::new(Mutex::new(none));
+    let in_force = policy.clone();
+    let registry = PluginRegistry::new(runtime(), &dir, move |_| in_force.lock().unwrap().clone());
+    let changes = registry.scan().await.unwrap();
+    assert!(matches!(changes.as_slice(), [Change::Refused { .. }]), "{changes:?}");
+    assert!(registry.plugin_for("noop").is_none());
+
+    *policy.lock().unwrap() = PluginPolicy::default();
+    let changes = registry.reapply_policies().await.unwrap();
+    assert!(matches!(changes.as_slice(), [Change::Loaded { .. }]), "{changes:?}");
+    let version = registry.plugin_for("noop").expect("loaded under the new limits").content_hash.clone();
+    assert!(registry.reapply_policies().await.unwrap().is_empty(), "nothing changed, nothing loaded");
+
+    let mut granted = PluginPolicy::default();
+    granted.grants.environment = vec!["WEBHOOK_URL".into()];
+    *policy.lock().unwrap() = granted.clone();
+    let changes = registry.reapply_policies().await.unwrap();
+    assert!(
+        matches!(changes.as_slice(), [Change::Replaced { old_version, new_version, .. }] if *old_version == version && *new_version == version),
+        "{changes:?}"
+    );
+    assert_eq!(*registry.plugin_for("noop").unwrap().policy, granted, "serving with the new grants");
+}

@@ -319,18 +319,21 @@ impl PluginRegistry {
     /// than `policy_for` gives now (the operator changed them): their next runs get the new
     /// ones, and runs under way finish with the version they started with. A file that no
     /// longer loads under its new policy is refused as at any scan, and its version keeps
-    /// serving.
+    /// serving; files refused before are tried again (a limit may have been what refused
+    /// them).
     pub async fn reapply_policies(&self) -> Result<Vec<Change>, PluginError> {
         {
             let mut catalog = self.catalog.write().expect("catalog");
-            let stale: Vec<String> =
+            let mut again: Vec<String> =
                 catalog.plugins.iter().filter(|(name, plugin)| *plugin.policy != (self.policy_for)(name)).map(|(name, _)| name.clone()).collect();
-            if stale.is_empty() {
+            again.extend(catalog.refused.keys().cloned());
+            if again.is_empty() {
                 return Ok(Vec::new());
             }
-            for name in &stale {
+            for name in &again {
                 catalog.stamps.remove(name);
             }
+            catalog.refused.clear();
             catalog.scanned = None;
         }
         self.scan().await
