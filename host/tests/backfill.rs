@@ -43,6 +43,8 @@ async fn events_are_reopened_once_for_a_handler_that_never_had_them_and_the_fan_
     assert_eq!(ids(&reopened), ["a", "b"]);
     assert_eq!(store.unfanned_among(&reopened).await.unwrap(), 2);
     assert!(store.reopen_for("new", &types, None, 10).await.unwrap().is_empty(), "reopened once");
+    assert_eq!(store.backfill_waiting("new", &types, None).await.unwrap(), 1, "the running one waits");
+    assert_eq!(store.backfill_waiting("old", &types, None).await.unwrap(), 0, "it lists its own handler");
     // The next fan-out gives the new handler its deliveries, and the old one nothing again.
     let after = subs(&[("old", &["t", "other"]), ("new", &["t"])]);
     let report = store.fan_out(&after, 100, 0, at(T0 + 1)).await.unwrap();

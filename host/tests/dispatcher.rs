@@ -496,6 +496,9 @@ impl Administration for FaultyStore {
     async fn reopen_for(&self, handler: &str, types: &[String], since: Option<DateTime>, limit: usize) -> Result<Vec<bson::Bson>, StoreError> {
         self.inner.reopen_for(handler, types, since, limit).await
     }
+    async fn backfill_waiting(&self, handler: &str, types: &[String], since: Option<DateTime>) -> Result<usize, StoreError> {
+        self.inner.backfill_waiting(handler, types, since).await
+    }
     async fn unfanned_among(&self, events: &[bson::Bson]) -> Result<usize, StoreError> {
         self.inner.unfanned_among(events).await
     }

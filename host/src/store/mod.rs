@@ -505,6 +505,11 @@ pub trait Administration: Outbox {
         limit: usize,
     ) -> impl Future<Output = Result<Vec<bson::Bson>, StoreError>> + Send;
 
+    /// How many events a backfill of `handler` would reopen but for a delivery of theirs that
+    /// runs without a document just now (they wait for that run to end; see [`backfill`]).
+    fn backfill_waiting(&self, handler: &str, types: &[String], since: Option<DateTime>)
+    -> impl Future<Output = Result<usize, StoreError>> + Send;
+
     /// How many of `events` (ids as [`Administration::reopen_for`] returned them) wait for a
     /// fan-out.
     fn unfanned_among(&self, events: &[bson::Bson]) -> impl Future<Output = Result<usize, StoreError>> + Send;

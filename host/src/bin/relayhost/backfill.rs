@@ -55,11 +55,27 @@ pub async fn backfill(config: &Config, args: BackfillArgs) -> Result<ExitCode> {
             bail!("handler {:?} does not subscribe to {unknown:?} (it subscribes to {:?})", args.handler, handler.event_types);
         }
         let (mut total, mut unheard, mut last): (usize, u32, Vec<Bson>) = (0, 0, Vec::new());
+        let mut waiting_since: Option<Instant> = None;
         loop {
             let ids = store.reopen_for(&args.handler, &types, since, args.batch as usize).await?;
             if ids.is_empty() {
-                break;
+                // Events whose delivery to another handler runs without a document just now
+                // are reopened once that run ended.
+                let waiting = store.backfill_waiting(&args.handler, &types, since).await?;
+                if waiting == 0 {
+                    break;
+                }
+                let waiting_since = *waiting_since.get_or_insert_with(Instant::now);
+                if waiting_since.elapsed() >= Duration::from_secs(args.wait) {
+                    bail!(
+                        "{waiting} events still have a delivery running without a document after {}s, and were not reopened: run the backfill again once those runs ended ({total} reopened)",
+                        args.wait
+                    );
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                continue;
             }
+            waiting_since = None;
             if ids == last {
                 // Fanned out again without it: the hosts may not have read the registry yet.
                 unheard += 1;

@@ -423,6 +423,10 @@ impl Administration for MemoryStore {
         Ok(self.state.lock().await.reopen_for(handler, types, since, limit))
     }
 
+    async fn backfill_waiting(&self, handler: &str, types: &[String], since: Option<DateTime>) -> Result<usize, StoreError> {
+        Ok(self.state.lock().await.backfill_waiting(handler, types, since))
+    }
+
     async fn unfanned_among(&self, events: &[Bson]) -> Result<usize, StoreError> {
         Ok(self.state.lock().await.unfanned_among(events))
     }

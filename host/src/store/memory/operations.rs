@@ -8,7 +8,7 @@ use bson::{Bson, DateTime, Document};
 use super::{Delivery, LaneKind, State};
 use crate::event::field;
 use crate::store::fan_out::id_text;
-use crate::store::backfill::may_reopen;
+use crate::store::backfill::{Backfill, backfill_of, may_reopen};
 use crate::store::retention::event_expired;
 use crate::store::{DeliveryFilter, DeliveryId, DeliveryPage, DeliveryStatus, DeliveryView, HandlerStatistics, PurgeOptions, PurgeReport};
 
@@ -32,6 +32,12 @@ impl State {
             ids.push(event.get(field::ID).cloned().unwrap_or(Bson::Null));
         }
         ids
+    }
+
+    /// How many events a backfill of `handler` leaves waiting for a run (see
+    /// [`crate::store::backfill`]).
+    pub(super) fn backfill_waiting(&self, handler: &str, types: &[String], since: Option<DateTime>) -> usize {
+        self.events.values().filter(|event| backfill_of(event, handler, types, since) == Backfill::Wait).count()
     }
 
     /// How many of `events` wait for a fan-out.

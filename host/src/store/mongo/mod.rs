@@ -530,6 +530,10 @@ impl Administration for MongoStore {
         operations::reopen_for(self, handler, types, since, limit).await
     }
 
+    async fn backfill_waiting(&self, handler: &str, types: &[String], since: Option<DateTime>) -> Result<usize, StoreError> {
+        operations::backfill_waiting(self, handler, types, since).await
+    }
+
     async fn unfanned_among(&self, events: &[Bson]) -> Result<usize, StoreError> {
         operations::unfanned_among(self, events).await
     }

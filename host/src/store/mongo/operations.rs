@@ -435,14 +435,14 @@ pub(super) async fn listed_by_live_leases(store: &MongoStore, now: DateTime) -> 
         .collect())
 }
 
-/// The events a backfill of `handler` may reopen (see [`crate::store::backfill::may_reopen`],
-/// the rule this filter says).
-fn reopenable(handler: &str, types: &[String], since: Option<DateTime>) -> Document {
+/// The events a backfill of `handler` may reopen, or, `waiting`, those that wait for a run
+/// (see [`crate::store::backfill::backfill_of`], the rule this filter says).
+fn reopenable(handler: &str, types: &[String], since: Option<DateTime>, waiting: bool) -> Document {
     let mut filter = doc! {
         field::TYPE: { "$in": types },
         field::FANNED_OUT_AT: { "$type": "date" },
         field::HANDLERS: { "$ne": handler },
-        format!("{}.0", field::HANDED_OUT): { "$exists": false },
+        format!("{}.0", field::HANDED_OUT): { "$exists": waiting },
     };
     if let Some(since) = since {
         filter.insert(field::CREATED_AT, doc! { "$gte": since });
@@ -457,7 +457,7 @@ pub(super) async fn reopen_for(
     since: Option<DateTime>,
     limit: usize,
 ) -> Result<Vec<Bson>, StoreError> {
-    let filter = reopenable(handler, types, since);
+    let filter = reopenable(handler, types, since, false);
     let found: Vec<Document> = store
         .collections
         .events
@@ -477,6 +477,10 @@ pub(super) async fn reopen_for(
     update.insert(field::ID, doc! { "$in": ids.clone() });
     store.collections.events.update_many(update, doc! { "$unset": { field::FANNED_OUT_AT: "", field::FAN_OUT: "" } }).await?;
     Ok(ids)
+}
+
+pub(super) async fn backfill_waiting(store: &MongoStore, handler: &str, types: &[String], since: Option<DateTime>) -> Result<usize, StoreError> {
+    Ok(store.collections.events.count_documents(reopenable(handler, types, since, true)).await? as usize)
 }
 
 pub(super) async fn unfanned_among(store: &MongoStore, events: &[Bson]) -> Result<usize, StoreError> {
