@@ -28,11 +28,13 @@
 //! outcome that could not be written stays in flight, its lane renewed; the handler does not
 //! run again); a host that dies leaves its leases to expire, so nothing is lost.
 //!
-//! One file, past 600 lines, because every step reads and changes the one loop state
-//! (`flight.rs`). What needs none of it lives beside it: what a dispatcher is given
-//! (`runner`, `options`), `fan_out_task`, `announcements`, `known_handlers` (the registry as
+//! The steps read and change the one loop state (`flight.rs`), so they are methods of the
+//! one [`Dispatcher`]; the last, `stop`, is in `dispatcher/stop.rs`. What needs none of the
+//! loop state lives beside it: what a dispatcher is given (`runner`, `options`), `fan_out_task`, `announcements`, `known_handlers` (the registry as
 //! this host knows it: a fan-out subscribes every registered handler, those not served here
 //! claims-only), `completion`, `starts`, `sequence_watch`, `settle` and `throttle`.
+
+mod stop;
 
 use std::cmp::Reverse;
 use std::collections::HashMap;
@@ -45,7 +47,7 @@ use bson::DateTime;
 use tokio::sync::{Notify, Semaphore, mpsc};
 use tokio::time::Instant;
 
-use super::completion::{Completions, step_result};
+use super::completion::Completions;
 use super::fan_out_task::{FanOutTask, join_fan_out};
 use super::flight::{Flight, Running};
 use super::global_limits::GlobalShares;
@@ -538,73 +540,6 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             self.store.extend_lease(&leases, DateTime::now()).await?;
         }
         Ok(())
-    }
-
-    async fn stop(
-        &self,
-        permits: &Arc<Semaphore>,
-        finished_tx: &mpsc::UnboundedSender<(ClaimedDelivery, RunResult)>,
-        flight: &mut Flight<S>,
-        finished: &mut mpsc::UnboundedReceiver<(ClaimedDelivery, RunResult)>,
-    ) -> Result<(), StoreError> {
-        // Deliveries still waiting for a run slot come back as not run, and are released.
-        permits.close();
-        let deadline = Instant::now() + self.options.shutdown_timeout;
-        // The fan-out ends after its batch, and what that handed out is released unstarted.
-        // Past the deadline it is cut short: whoever fans out next redoes an interrupted
-        // batch, whose transaction never commits.
-        flight.stop_fanning.store(true, Ordering::Relaxed);
-        if let Some(mut fanning) = flight.fanning.take() {
-            match tokio::time::timeout_at(deadline, &mut fanning).await {
-                Ok(done) => match step_result(done, "the fan-out") {
-                    Ok(done) => flight.handed_out.extend(done.claimed),
-                    Err(error) => tracing::warn!(%error, "the last fan-out failed during the stop"),
-                },
-                Err(_) => fanning.abort(),
-            }
-        }
-        while let Ok(claimed) = flight.early.try_recv() {
-            flight.handed_out.extend(claimed);
-        }
-        let specs = self.runner.handlers();
-        let handed_out = std::mem::take(&mut flight.handed_out);
-        self.start(handed_out, &specs, permits, finished_tx, flight).await?;
-        // Runs in flight that did not finish yet (the unsettled ones did).
-        while flight.running.len() > flight.unsettled.len() {
-            match tokio::time::timeout_at(deadline, finished.recv()).await {
-                Ok(Some(done)) => {
-                    let batch = settle_batch(flight, done, finished);
-                    if let Err(error) = self.settle(batch, flight).await {
-                        tracing::warn!(%error, "settling deliveries during the stop failed; their leases will expire");
-                    }
-                }
-                Ok(None) | Err(_) => break,
-            }
-        }
-        let again = std::mem::take(&mut flight.unsettled);
-        if let Err(error) = self.settle(again, flight).await {
-            tracing::warn!(%error, count = flight.unsettled.len(), "outcomes that could not be written are left to their leases, which will expire");
-            for (delivery, _) in flight.unsettled.drain(..) {
-                flight.running.remove(&delivery.lease.delivery);
-            }
-        }
-        let completed = flight.completions.flush().await?;
-        DispatcherCounters::add(&self.counters.completed, completed);
-        if !flight.running.is_empty() {
-            // The host chose to stop these runs, the handlers did not fail: cancel them and
-            // hand them back uncharged (a cancelled transactional run never commits).
-            for running in flight.running.values() {
-                running.task.abort();
-            }
-            let leases: Vec<Lease> = flight.running.values().map(|r| r.lease).collect();
-            tracing::warn!(count = leases.len(), "stop timeout reached: cancelling the deliveries still running and releasing them");
-            let released = self.store.release(&leases, DateTime::now()).await?;
-            DispatcherCounters::add(&self.counters.released, released);
-        }
-        if !flight.global_shares.is_empty() {
-            flight.global_shares.renew(&*self.store, &self.runner.handlers(), |_| 0, true).await;
-        }
-        self.store.relinquish().await
     }
 }
 
