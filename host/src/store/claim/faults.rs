@@ -7,10 +7,9 @@
 //! failed (then a stop, or a death, before it is made), and a hand-out's lists lost in a
 //! failover after they were acknowledged.
 //!
-//! One file past 600 lines, test code only: every test drives the one fault-injecting
-//! backend ([`Faulty`]) and shares its setups, and `takeover_states` reuses its helpers.
+//! Test code only: every test drives the one fault-injecting backend ([`Faulty`]) on both
+//! stores (`test_stores`).
 
-use crate::store::Outbox;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -20,10 +19,10 @@ use super::{
     Candidate, ClaimBackend, DueWork, HandlerKey, Holder, InFlight, LaneRecord, LaneSearch, LaneState, LaneWrite, Unpark,
 };
 use crate::store::memory::MemoryStore;
-use crate::store::mongo::{MongoLocation, MongoStore};
-use crate::store::{DeliveryId, Lease, Settlement, Store, StoreError, StoreOptions, Subscription, Subscriptions, run_in_transaction};
+use crate::store::{DeliveryId, Lease, Settlement, Store, StoreError, Subscription, Subscriptions, run_in_transaction};
 use crate::event::NewEvent;
 use crate::lane::LaneId;
+use super::test_stores::{Parts, T0, both_stores, mongo_store, options};
 
 #[derive(Clone, PartialEq)]
 #[allow(clippy::enum_variant_names)]
@@ -204,22 +203,6 @@ impl<B: ClaimBackend + Send, S: Store> ClaimBackend for Faulty<'_, B, S> {
     }
 }
 
-pub(super) const T0: i64 = 1_900_000_000_000;
-
-pub(super) fn options(owner: &str) -> StoreOptions {
-    StoreOptions { owner: owner.to_string(), ..StoreOptions::default() }
-}
-
-pub(super) async fn mongo_store() -> MongoStore {
-    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let uri = crate::mongod::process_server().unwrap_or_else(|e| panic!("starting the test mongod: {e}"));
-    let client = mongodb::Client::with_uri_str(uri).await.unwrap();
-    let database = format!("f{}_{}", std::process::id(), N.fetch_add(1, std::sync::atomic::Ordering::SeqCst));
-    let store = MongoStore::new(client, MongoLocation::with_default_prefix(database).unwrap(), options("a"));
-    store.setup().await.unwrap();
-    store
-}
-
 /// Deliveries of `e-1` and `e-2`, in this order, of key `k` to handler `h`.
 async fn two_of_one_key<S: Store>(store: &S) {
     run_in_transaction(store, async |tx| {
@@ -240,51 +223,6 @@ async fn one_delivery<S: Store>(store: &S) {
         .unwrap();
     let subscriptions = Subscriptions::new([Subscription::new("h", ["t"])]).unwrap();
     store.fan_out(&subscriptions, 10, 0, DateTime::from_millis(T0)).await.unwrap();
-}
-
-macro_rules! both_stores {
-    ($name:ident, $body:ident) => {
-        mod $name {
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn memory() {
-                let first = super::MemoryStore::new(super::options("a"));
-                let second = first.instance("b");
-                let third = first.instance("c");
-                super::$body(&first, &second, &third).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn mongo() {
-                let first = super::mongo_store().await;
-                let (second, third) = (first.instance("b"), first.instance("c"));
-                super::$body(&first, &second, &third).await;
-            }
-        }
-    };
-}
-pub(super) use both_stores;
-
-pub(super) trait Parts {
-    fn parts(&self) -> (impl ClaimBackend + Send + '_, &super::Claimer);
-    /// The plain mark of the fan-out `fan_out`, which listed `event`'s delivery to `handler`
-    /// and handed it out, landing only now; whether it marked the event.
-    fn mark_late(&self, event: &str, handler: &str, fan_out: bson::oid::ObjectId, now: DateTime) -> impl Future<Output = bool>;
-}
-impl Parts for MemoryStore {
-    fn parts(&self) -> (impl ClaimBackend + Send + '_, &super::Claimer) {
-        self.claim_parts()
-    }
-    fn mark_late(&self, event: &str, handler: &str, fan_out: bson::oid::ObjectId, now: DateTime) -> impl Future<Output = bool> {
-        MemoryStore::mark_late(self, event, handler, fan_out, now)
-    }
-}
-impl Parts for MongoStore {
-    fn parts(&self) -> (impl ClaimBackend + Send + '_, &super::Claimer) {
-        self.claim_parts()
-    }
-    fn mark_late(&self, event: &str, handler: &str, fan_out: bson::oid::ObjectId, _now: DateTime) -> impl Future<Output = bool> {
-        MongoStore::mark_late(self, event, handler, fan_out, false)
-    }
 }
 
 both_stores!(death_between_takeover_charge_and_record_charges_once, death_between_charge_and_record);

@@ -43,6 +43,8 @@ mod plan;
 mod faults;
 #[cfg(test)]
 mod takeover_states;
+#[cfg(test)]
+mod test_stores;
 
 pub(crate) use backend::*;
 pub(crate) use issued::Unstored;

@@ -11,7 +11,7 @@ use bson::oid::ObjectId;
 use bson::{Bson, DateTime, doc};
 
 use super::{ClaimBackend, EventOf, HandOutOf, HoldUp, InFlight, LaneRecord, LaneWrite};
-use super::faults::{Parts, T0, both_stores, mongo_store, options};
+use super::test_stores::{Parts, T0, both_stores, mongo_store, options};
 use crate::store::memory::MemoryStore;
 use crate::store::{
     Capacity, ClaimedDelivery, DeliveryFilter, DeliveryStatus, DeliveryView, Store, Subscription, Subscriptions, run_in_transaction,
