@@ -78,8 +78,8 @@ pub(crate) trait FanOutBackend: Sync {
     /// document, and none is handed out without.
     fn completion_history(&self) -> bool;
 
-    /// Whether a batch is worth trying plainly (see [`PlainMarks`]); `None`: always.
-    fn plain_marks(&self) -> Option<&PlainMarks>;
+    /// Whether a batch is worth trying plainly (see [`PlainMarks`]).
+    fn plain_marks(&self) -> &PlainMarks;
 
     fn begin(&self) -> impl Future<Output = Result<Self::Tx, StoreError>> + Send;
 
@@ -162,7 +162,7 @@ pub(crate) async fn fan_out<B: FanOutBackend>(
 ) -> Result<FanOutReport, StoreError> {
     let mut lanes_to_read = Vec::new();
     if hand_out.total > 0 {
-        let worth_trying = || !store.completion_history() && store.plain_marks().is_none_or(PlainMarks::worth_trying);
+        let worth_trying = || !store.completion_history() && store.plain_marks().worth_trying();
         if let Some(early) = early.filter(|_| worth_trying()) {
             match plainly(store, subscriptions, limit, hand_out.clone(), early, now).await {
                 Ok(Some(report)) => return Ok(report),
@@ -227,9 +227,7 @@ pub(crate) async fn plainly<B: FanOutBackend>(
         return Ok(Some(reach.on(plan.report(Vec::new(), &[]))));
     }
     if !plan.handed_out_whole_without_documents(&fresh) {
-        if let Some(marks) = store.plain_marks() {
-            marks.skip(PLAIN_SKIPS);
-        }
+        store.plain_marks().skip(PLAIN_SKIPS);
         return Ok(None);
     }
     let without = WithoutDocuments::of(&plan, &mut fresh);

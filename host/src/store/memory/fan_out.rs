@@ -102,9 +102,8 @@ impl FanOutBackend for MemoryStore {
         self.options.completion_history
     }
 
-    /// A batch read twice costs nothing here: the plain way is always tried first.
-    fn plain_marks(&self) -> Option<&PlainMarks> {
-        None
+    fn plain_marks(&self) -> &PlainMarks {
+        &self.plain_marks
     }
 
     async fn begin(&self) -> Result<FanOutHold, StoreError> {

@@ -122,19 +122,22 @@ struct State {
 pub struct MemoryStore {
     state: Arc<Mutex<State>>,
     claimer: Arc<Claimer>,
+    /// Whether a fan-out tries its plain mark first (see `crate::store::fan_out`).
+    plain_marks: super::fan_out::PlainMarks,
     options: StoreOptions,
 }
 
 impl MemoryStore {
     pub fn new(options: StoreOptions) -> Self {
         let claimer = Arc::new(Claimer::new(&options.owner, options.lease_duration));
-        Self { state: Arc::new(Mutex::new(State::new())), claimer, options }
+        Self { state: Arc::new(Mutex::new(State::new())), claimer, plain_marks: Default::default(), options }
     }
 
     /// Another worker on the same data, with its own lanes and leases (like a second host).
     pub fn instance(&self, owner: &str) -> Self {
         let options = StoreOptions { owner: owner.to_string(), ..self.options.clone() };
-        Self { state: self.state.clone(), claimer: Arc::new(Claimer::new(owner, options.lease_duration)), options }
+        let claimer = Arc::new(Claimer::new(owner, options.lease_duration));
+        Self { state: self.state.clone(), claimer, plain_marks: Default::default(), options }
     }
 
     /// Inserts an event document exactly as given, the way another driver would.

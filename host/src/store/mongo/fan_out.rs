@@ -124,8 +124,8 @@ impl FanOutBackend for MongoStore {
         self.options.completion_history
     }
 
-    fn plain_marks(&self) -> Option<&PlainMarks> {
-        Some(&self.plain_marks)
+    fn plain_marks(&self) -> &PlainMarks {
+        &self.plain_marks
     }
 
     /// Acknowledged once applied (see the module's doc).
