@@ -19,7 +19,7 @@ use tokio::sync::Mutex;
 
 use bson::DateTime;
 
-use crate::dispatch::{AttemptResult, HandlerSpec, RetryPolicy, RunResult, Runner, Throttle};
+use crate::dispatch::{AttemptResult, Controls, HandlerSpec, RetryPolicy, RunResult, Runner};
 use crate::event::{EventRecord, NewEvent};
 use crate::handler_transaction::{FollowUps, HandlerTransaction, Journal, SharedTrouble, Trouble, Write, publish_follow_ups};
 use crate::metrics::DeliveryMetrics;
@@ -30,18 +30,15 @@ use crate::telemetry::Telemetry;
 /// The retry policy of a handler, by its plugin's name and its id.
 pub type RetryPolicies = dyn Fn(&str, &str) -> RetryPolicy + Send + Sync;
 
-/// The throttle of a handler, by its plugin's name and its id.
-pub type Throttles = dyn Fn(&str, &str) -> Throttle + Send + Sync;
-
-/// The priority of a handler, by its plugin's name and its id.
-pub type Priorities = dyn Fn(&str, &str) -> i32 + Send + Sync;
+/// How a handler's deliveries are processed (throttle, priority, per key), by its plugin's
+/// name and its id.
+pub type HandlerControls = dyn Fn(&str, &str) -> Controls + Send + Sync;
 
 pub struct PluginRunner<S> {
     registry: Arc<PluginRegistry>,
     store: Arc<S>,
     retry_for: Arc<RetryPolicies>,
-    throttle_for: Arc<Throttles>,
-    priority_for: Arc<Priorities>,
+    controls_for: Arc<HandlerControls>,
     /// The collections granted to transactional plugins that are known to exist.
     created: Arc<Mutex<HashSet<String>>>,
     metrics: DeliveryMetrics,
@@ -76,9 +73,9 @@ pub type RunRecords = Arc<std::sync::Mutex<Vec<RunRecord>>>;
 
 impl<S: Store> PluginRunner<S> {
     pub fn new(registry: Arc<PluginRegistry>, store: Arc<S>, retry_for: Arc<RetryPolicies>) -> Self {
-        let (throttle_for, priority_for) = (Arc::new(|_: &str, _: &str| Throttle::default()), Arc::new(|_: &str, _: &str| 0));
+        let controls_for = Arc::new(|_: &str, _: &str| Controls::default());
         let (created, metrics, telemetry) = (Arc::default(), DeliveryMetrics::default(), Telemetry::off());
-        Self { registry, store, retry_for, throttle_for, priority_for, created, metrics, telemetry, records: None }
+        Self { registry, store, retry_for, controls_for, created, metrics, telemetry, records: None }
     }
 
     /// The same, keeping a [`RunRecord`] of every run in `records` (a plugin tried, not
@@ -136,14 +133,10 @@ impl<S: Store> PluginRunner<S> {
         self.metrics.clone()
     }
 
-    /// The same, each plugin's handlers throttled as `throttle_for` says (none by default).
-    pub fn throttled_by(self, throttle_for: Arc<Throttles>) -> Self {
-        Self { throttle_for, ..self }
-    }
-
-    /// The same, each plugin's handlers of the priority `priority_for` says (0 by default).
-    pub fn prioritized_by(self, priority_for: Arc<Priorities>) -> Self {
-        Self { priority_for, ..self }
+    /// The same, each plugin's handlers processed as `controls_for` says (throttled by
+    /// nothing, of priority 0 and one at a time per key by default).
+    pub fn controlled_by(self, controls_for: Arc<HandlerControls>) -> Self {
+        Self { controls_for, ..self }
     }
 
     /// Creates the collections the loaded transactional plugins are granted, if missing: at
@@ -206,10 +199,12 @@ impl<S: Store> Runner for PluginRunner<S> {
         let mut specs = Vec::new();
         for subscription in self.registry.subscriptions() {
             let Some(plugin) = self.registry.plugin_for(&subscription.handler) else { continue };
+            let Controls { throttle, priority, per_key } = (self.controls_for)(&plugin.name, &subscription.handler);
             specs.push(HandlerSpec {
                 retry: (self.retry_for)(&plugin.name, &subscription.handler),
-                throttle: (self.throttle_for)(&plugin.name, &subscription.handler),
-                priority: (self.priority_for)(&plugin.name, &subscription.handler),
+                throttle,
+                priority,
+                per_key,
                 handler: subscription.handler,
                 event_types: subscription.event_types,
                 transactional: subscription.transactional,
@@ -224,9 +219,11 @@ impl<S: Store> Runner for PluginRunner<S> {
             .into_iter()
             .filter_map(|subscription| {
                 let plugin = self.registry.plugin_for(&subscription.handler)?;
+                let per_key = (self.controls_for)(&plugin.name, &subscription.handler).per_key;
                 Some(Declaration {
                     subscription: store::Subscription::new(subscription.handler, subscription.event_types)
-                        .completing_in_transaction(subscription.transactional),
+                        .completing_in_transaction(subscription.transactional)
+                        .keyed_by(per_key.map(|limit| limit.key)),
                     plugin: plugin.name.to_string(),
                     version: plugin.content_hash.clone(),
                 })

@@ -204,3 +204,40 @@ async fn three_hosts_keep_to_a_global_rate() {
     let counters: Vec<_> = hosts.into_iter().map(|host| host.stop()).collect();
     assert!(counters.iter().all(|c| c["completed"] > 0), "{counters:?}");
 }
+
+/// Three hosts run up to two calls of one customer (a payload field) at once, each host
+/// allowed eight calls at once: the receiver sees two of each customer at once and never
+/// three, several customers at once, while one host is killed mid-run and another started;
+/// every order is called.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_hosts_keep_to_a_limit_per_key_while_one_is_killed() {
+    let _alone = ONE_DEPLOYMENT_AT_A_TIME.lock().await;
+    let receiver = Receiver::start();
+    receiver.hold.store(false, Ordering::SeqCst);
+    receiver.delay_ms.store(150, Ordering::SeqCst);
+    let config = webhook_config(&receiver, "per_key = { limit = 2, key = \"/customer\" }");
+    let deployment = Deployment::new(&["webhook"], &config).await;
+    let url = format!("http://{}/hooks", receiver.address);
+    let env = [("WEBHOOK_URL", url.as_str())];
+    let hosts: Vec<_> = (0..3).map(|n| deployment.start_with(&format!("host-{n}"), &env)).collect();
+    let customers = ["ada", "bob", "cy"];
+    let orders: Vec<NewEvent> = (0..90)
+        .map(|n| NewEvent::new(format!("order-{n}"), "order.placed", doc! { "n": n, "customer": customers[n as usize % 3] }))
+        .collect();
+    publish_in_batches(&deployment, orders).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while receiver.bodies().len() < 20 {
+        assert!(Instant::now() < deadline, "the hosts did not call:\n{}", hosts[0].log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    hosts[0].signal(libc::SIGKILL);
+    let replacement = deployment.start_with("host-3", &env);
+    deployment.wait_until("every order was delivered", Duration::from_secs(120), async |d| d.drained().await).await;
+    assert_every_order_called(&receiver, 90);
+    let most = receiver.most_at_once_by_customer();
+    assert_eq!(most.values().copied().collect::<Vec<_>>(), [2, 2, 2], "two calls of each customer at once, never more: {most:?}");
+    assert!(receiver.most_at_once() > 2, "customers ran beside each other: {}", receiver.most_at_once());
+    for host in hosts.into_iter().skip(1).chain([replacement]) {
+        host.stop();
+    }
+}

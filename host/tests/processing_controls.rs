@@ -84,6 +84,7 @@ fn spec(handler: &str, throttle: Throttle) -> HandlerSpec {
         retry: RetryPolicy::default(),
         throttle,
         priority: 0,
+        per_key: None,
         transactional: false,
     }
 }
@@ -217,11 +218,10 @@ async fn a_runner_gives_each_handler_the_settings_of_its_own_section() {
     let file = plugins.join("relayhost.toml");
     std::fs::write(&file, toml).unwrap();
     let config = Config::load(Some(&file), std::iter::empty::<(String, String)>()).unwrap();
-    let (retries, throttles, priorities) = (config.clone(), config.clone(), config.clone());
+    let retries = config.clone();
     let store = Arc::new(MemoryStore::new(StoreOptions::default()));
     let runner = PluginRunner::new(registry, store, Arc::new(move |p: &str, h: &str| retries.retry_for(p, h).policy()))
-        .throttled_by(Arc::new(move |p: &str, h: &str| throttles.throttle_for(p, h)))
-        .prioritized_by(Arc::new(move |p: &str, h: &str| priorities.priority_for(p, h)));
+        .controlled_by(Arc::new(move |p: &str, h: &str| config.controls_for(p, h)));
     let specs = runner.handlers();
     let noop = specs.iter().find(|s| s.handler == "noop").expect("the noop plugin's handler");
     assert_eq!((noop.priority, noop.retry.max_attempts, noop.throttle.concurrency), (8, 2, Some(2)));

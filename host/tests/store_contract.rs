@@ -16,7 +16,7 @@ use bson::doc;
 use common::*;
 use relayhost::event::{EventError, NewEvent};
 use relayhost::store::{
-    Capacity, ClaimedDelivery, DeliveryFilter, Priorities, Room, Rooms, DeliveryStatus, PurgeOptions, Published, Settlement, Store, StoreError, StoreOptions,
+    Capacity, ClaimedDelivery, DeliveryFilter, KeyLimits, PerKey, Priorities, Room, Rooms, DeliveryStatus, PurgeOptions, Published, Settlement, Store, StoreError, StoreOptions,
     StoreTransaction, Subscription, Subscriptions, MALFORMED_EVENT_HANDLER, run_in_transaction, Declaration, Disposal,
     RegisteredHandler,
 };
@@ -27,6 +27,7 @@ both_stores!(
     one_instance_at_a_time_holds_a_jobs_turn,
     listing_filters_by_running_parked_and_age_and_takes_operators_text_as_data,
     the_registry_keeps_a_handler_subscribed_while_no_host_serves_it_until_an_operator_retires_it,
+    a_host_that_does_not_serve_a_handler_fans_out_its_keys_as_its_declaration_says,
     retiring_a_handler_buries_or_drops_exactly_its_waiting_deliveries,
     setup_is_idempotent_and_safe_concurrently,
     publish_validates_events_and_numbers_keys_in_commit_order,
@@ -39,6 +40,7 @@ both_stores!(
     skewed_clocks_and_split_batches_keep_sequence_order,
     per_key_rules_hold_within_one_claim,
     a_claim_keeps_to_each_handlers_room_and_leaves_the_rest_as_it_was,
+    a_handler_limited_per_key_runs_that_many_of_a_payload_key_at_once_unordered,
     a_hand_out_and_a_claim_take_higher_priorities_first_wherever_their_lanes,
     keyed_deliveries_run_one_at_a_time_in_sequence_order,
     a_fan_out_creates_the_followers_of_a_key_parked,
@@ -411,6 +413,71 @@ async fn a_claim_keeps_to_each_handlers_room_and_leaves_the_rest_as_it_was<F: Fi
     let statistics = store.statistics(at(T0 + 2)).await.unwrap();
     let h = statistics.iter().find(|s| s.handler == "h").unwrap();
     assert_eq!((h.running, h.pending, h.parked), (7, 2, 2), "the key's followers wait parked behind its head, nothing else");
+}
+
+/// `h` runs at most two deliveries of one customer (a field of the payload) at once, in no
+/// order; `g`, beside it, keeps the event key's strict order. The customer's deliveries are all
+/// in its lane, whose holder counts them; none is handed out by its fan-out.
+async fn a_handler_limited_per_key_runs_that_many_of_a_payload_key_at_once_unordered<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    let per_customer = Some(PerKey::Payload("/customer".to_string()));
+    let subscriptions =
+        Subscriptions::new([Subscription::new("h", ["t"]).keyed_by(per_customer), Subscription::new("g", ["t"])]).unwrap();
+    let order = |id: String, customer: Option<&str>| {
+        let payload = match customer {
+            Some(customer) => doc! { "customer": customer },
+            None => doc! {},
+        };
+        NewEvent::new(id, "t", payload).with_key("one-key")
+    };
+    let mut events: Vec<NewEvent> = (0..6).map(|n| order(format!("a-{n}"), Some("alice"))).collect();
+    events.extend((0..3).map(|n| order(format!("b-{n}"), Some("bob"))));
+    events.push(order("none".to_string(), None));
+    publish_all(store, events).await;
+    let report = store.fan_out(&subscriptions, 100, Capacity::new(50, 50), at(T0)).await.unwrap();
+    assert_eq!(ids(&report.claimed), ["a-0/g"], "`h`'s never handed out; `g`'s key head is");
+    let two = || Capacity::new(50, 50).keyed_within(KeyLimits::new([("h".to_string(), 2)]));
+    let customer = |c: &ClaimedDelivery| c.event.payload.get_str("customer").unwrap_or("-").to_string();
+    let of_h = |claimed: &[ClaimedDelivery]| {
+        let mut customers: Vec<String> = claimed.iter().filter(|c| c.handler == "h").map(customer).collect();
+        customers.sort();
+        customers
+    };
+
+    let first = store.claim(&handlers(&["h", "g"]), two(), at(T0 + 1)).await.unwrap();
+    assert_eq!(of_h(&first), ["-", "alice", "alice", "bob", "bob"], "two of each customer, and the one without");
+    let alice: BTreeSet<u8> = first.iter().filter(|c| customer(c) == "alice").map(|c| c.lease.lane).collect();
+    assert_eq!(alice.len(), 1, "a customer's deliveries share its lane");
+    assert_eq!(first.iter().filter(|c| c.handler == "g").count(), 0, "`g` keeps the event key's order: its head runs");
+    assert!(store.claim(&handlers(&["h"]), two(), at(T0 + 2)).await.unwrap().is_empty(), "both customers are at their limit");
+
+    // One of alice's ends: one more of hers, and nothing of bob's.
+    let ended = first.iter().find(|c| customer(c) == "alice").unwrap().clone();
+    let done = ended.lease;
+    store.complete_many(&[done], at(T0 + 3)).await.unwrap();
+    let next = store.claim(&handlers(&["h"]), two(), at(T0 + 4)).await.unwrap();
+    assert_eq!(of_h(&next), ["alice"]);
+
+    // Drained a claim at a time, never more than two of a customer run, and each runs once.
+    let mut running: Vec<ClaimedDelivery> = first.into_iter().filter(|c| c.handler == "h" && c.lease != done).chain(next).collect();
+    let mut ran: Vec<String> = vec![ended.event.id.clone()];
+    let mut step = 5;
+    while !running.is_empty() {
+        let counts = running.iter().fold(HashMap::<String, usize>::new(), |mut counts, c| {
+            *counts.entry(customer(c)).or_default() += 1;
+            counts
+        });
+        assert!(counts.values().all(|n| *n <= 2), "{counts:?}");
+        let finished = running.remove(0);
+        ran.push(finished.event.id.clone());
+        store.complete_many(&[finished.lease], at(T0 + step)).await.unwrap();
+        running.extend(store.claim(&handlers(&["h"]), two(), at(T0 + step + 1)).await.unwrap());
+        step += 2;
+    }
+    ran.sort();
+    ran.dedup();
+    assert_eq!(ran.len(), 10, "each of h's deliveries ran once: {ran:?}");
 }
 
 async fn a_hand_out_and_a_claim_take_higher_priorities_first_wherever_their_lanes<F: Fixture>() {
@@ -845,6 +912,33 @@ async fn a_claim_in_given_lanes_takes_only_those_and_keeps_the_rules<F: Fixture>
 
 fn declaration(handler: &str, types: &[&str], version: &str) -> Declaration {
     Declaration { subscription: Subscription::new(handler, types.iter().copied()), plugin: format!("{handler}-plugin"), version: version.to_string() }
+}
+
+/// Host a declares `audit` as running up to a limit of one customer at once (a payload
+/// field); b, which does not serve it, fans its deliveries out into each customer's lane, as a
+/// would, and a's claims keep to the limit. Declared again without it, it is ordered again.
+async fn a_host_that_does_not_serve_a_handler_fans_out_its_keys_as_its_declaration_says<F: Fixture>() {
+    let fixture = F::new().await;
+    let (a, b) = (fixture.worker("a"), fixture.worker("b"));
+    a.announce(at(T0)).await.unwrap();
+    b.announce(at(T0)).await.unwrap();
+    let per_customer = PerKey::Payload("/customer".to_string());
+    let audit = Subscription::new("audit", ["order"]).keyed_by(Some(per_customer.clone()));
+    a.register(&[Declaration { subscription: audit, ..declaration("audit", &[], "v1") }], at(T0)).await.unwrap();
+    let registry = b.registered_handlers(at(T0 + 1)).await.unwrap();
+    assert_eq!(registered(&registry, "audit").per_key, Some(per_customer));
+    let subscriptions = relayhost::store::registry::fan_out_subscriptions([], &registry).unwrap();
+    let orders: Vec<NewEvent> = (0..3).map(|n| NewEvent::new(format!("o-{n}"), "order", doc! { "customer": "c" })).collect();
+    publish_all(&b, orders).await;
+    assert_eq!(b.fan_out(&subscriptions, 100, 10, at(T0 + 2)).await.unwrap().deliveries, 3);
+    let later = T0 + 120_000;
+    a.announce(at(later)).await.unwrap();
+    let one = Capacity::new(10, 10).keyed_within(KeyLimits::new([("audit".to_string(), 1)]));
+    let claimed = a.claim(&handlers(&["audit"]), one, at(later)).await.unwrap();
+    assert_eq!(claimed.len(), 1, "one of customer c at once: {:?}", ids(&claimed));
+    assert_eq!(claimed[0].lease.lane, relayhost::lane::lane_for_event("o-0", Some("c")), "in the customer's lane");
+    let registry = a.register(&[declaration("audit", &["order"], "v2")], at(later)).await.unwrap();
+    assert_eq!(registered(&registry, "audit").per_key, None, "declared without it, its keys are ordered again");
 }
 
 fn registered<'a>(registry: &'a [RegisteredHandler], handler: &str) -> &'a RegisteredHandler {

@@ -578,6 +578,9 @@ mod tests {
             ("[plugin.x]\nrate = { max = 0, per = \"1s\" }", "plugin.x.rate.max"),
             ("[plugin.x]\nrate = { max = 5, per = \"1s\", burst = 0 }", "plugin.x.rate.burst"),
             ("[plugin.x]\nrate = { max = 5, per = \"3days\" }", "plugin.x.rate.per"),
+            ("[plugin.x]\nper_key = { limit = 0 }", "plugin.x.per_key.limit"),
+            ("[plugin.x.handler.h]\nper_key = { limit = 2, key = \"customer\" }", "plugin.x.handler.h.per_key.key"),
+            ("[plugin.x]\nper_key = { limit = 2, by = \"/customer\" }", "by"),
         ];
         for (text, field) in cases {
             let error = load(text, &[]).unwrap_err().to_string();

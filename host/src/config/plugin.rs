@@ -65,6 +65,22 @@ pub struct GlobalRateConfig {
     pub burst: Option<usize>,
 }
 
+/// Up to `limit` deliveries of one key at once, unordered, instead of one at a time in order;
+/// the key is the event's, or the value at `key` (a JSON pointer) in its payload.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PerKeyConfig {
+    pub limit: usize,
+    pub key: Option<String>,
+}
+
+impl PerKeyConfig {
+    /// What the dispatcher and the fan-out are told.
+    pub fn key_limit(&self) -> crate::dispatch::KeyLimit {
+        crate::dispatch::KeyLimit { limit: self.limit, key: crate::store::PerKey::from_pointer(self.key.as_deref()) }
+    }
+}
+
 /// What the operator grants one plugin.
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
@@ -93,6 +109,7 @@ pub struct Processing {
     pub concurrency: Option<usize>,
     pub rate: Option<GlobalRateConfig>,
     pub priority: Option<i32>,
+    pub per_key: Option<PerKeyConfig>,
 }
 
 /// Limits and retry policy of one plugin; absent fields come from `[defaults]`.
@@ -133,6 +150,8 @@ pub struct PluginConfig {
     pub rate: Option<GlobalRateConfig>,
     /// Of due deliveries, those of its handlers go before those of lower priorities.
     pub priority: Option<i32>,
+    /// Several deliveries of one key at once, unordered (one at a time in order when absent).
+    pub per_key: Option<PerKeyConfig>,
     pub grants: GrantsConfig,
     /// Processing settings of single handlers, by handler id (a plugin may export several).
     pub handler: std::collections::BTreeMap<String, Processing>,
@@ -148,6 +167,7 @@ impl PluginConfig {
             concurrency: self.concurrency,
             rate: self.rate,
             priority: self.priority,
+            per_key: self.per_key.clone(),
         }
     }
 }
@@ -165,8 +185,9 @@ pub(super) fn validate_plugin(section: &str, plugin: &PluginConfig) -> Result<()
             return Err(invalid(format!("{section}.handler"), format!("{handler:?} is not a handler id")));
         }
         // A handler's settings are checked as its plugin's same fields are.
-        let Processing { retry, concurrency_per_host, rate_per_host, concurrency, rate, priority } = processing.clone();
-        let alone = PluginConfig { retry, concurrency_per_host, rate_per_host, concurrency, rate, priority, ..PluginConfig::default() };
+        let Processing { retry, concurrency_per_host, rate_per_host, concurrency, rate, priority, per_key } = processing.clone();
+        let alone =
+            PluginConfig { retry, concurrency_per_host, rate_per_host, concurrency, rate, priority, per_key, ..PluginConfig::default() };
         validate_plugin(&format!("{section}.handler.{handler}"), &alone)?;
     }
     if plugin.fuel == Some(0) {
@@ -202,6 +223,16 @@ pub(super) fn validate_plugin(section: &str, plugin: &PluginConfig) -> Result<()
         return Err(invalid(format!("{section}.priority"), "must be between -1000 and 1000"));
     }
     range("concurrency", plugin.concurrency.map(|n| n as u64), 1, 100_000, "between 1 and 100000")?;
+    if let Some(per_key) = &plugin.per_key {
+        range("per_key.limit", Some(per_key.limit as u64), 1, 10_000, "between 1 and 10000")?;
+        let pointer = per_key.key.as_deref().unwrap_or("/");
+        if !pointer.starts_with('/') || pointer.len() > 256 || pointer.chars().any(char::is_control) {
+            return Err(invalid(
+                format!("{section}.per_key.key"),
+                "must be a JSON pointer into the payload, such as \"/customer/id\" (at most 256 bytes)",
+            ));
+        }
+    }
     if let Some(rate) = &plugin.rate {
         range("rate.max", Some(rate.max as u64), 1, 100_000, "between 1 and 100000")?;
         range("rate.burst", rate.burst.map(|n| n as u64), 1, 100_000, "between 1 and 100000")?;

@@ -36,6 +36,22 @@ impl Config {
         }
     }
 
+    /// How `handler` of `plugin` has its deliveries processed: its throttle, priority and
+    /// `per_key`, each as resolved below (read once per handler where it is asked often).
+    pub fn controls_for(&self, plugin: &str, handler: &str) -> crate::dispatch::Controls {
+        crate::dispatch::Controls {
+            throttle: self.throttle_for(plugin, handler),
+            priority: self.priority_for(plugin, handler),
+            per_key: self.per_key_for(plugin, handler),
+        }
+    }
+
+    /// How many deliveries of one key `handler` of `plugin` runs at once, and by which key
+    /// (`None`: one at a time, in order): its own, its plugin's, or `[defaults]`' `per_key`.
+    pub fn per_key_for(&self, plugin: &str, handler: &str) -> Option<crate::dispatch::KeyLimit> {
+        self.processing(plugin, handler, |p| p.per_key.as_ref().map(super::plugin::PerKeyConfig::key_limit))
+    }
+
     /// The effective priority of `handler` of `plugin`: its own, its plugin's, from
     /// `[defaults]`, or 0.
     pub fn priority_for(&self, plugin: &str, handler: &str) -> i32 {
@@ -76,5 +92,20 @@ mod tests {
         assert!(error.contains("fuel"), "{error}");
         let error = load("[defaults.handler.receipts]\npriority = 1", &[]).unwrap_err().to_string();
         assert!(error.contains("defaults.handler"), "{error}");
+    }
+
+    #[test]
+    fn per_key_is_read_as_a_limit_and_where_the_key_comes_from() {
+        use crate::dispatch::KeyLimit;
+        use crate::store::PerKey;
+        let config = load(
+            "[plugin.mail]\nper_key = { limit = 3 }\n[plugin.mail.handler.receipts]\nper_key = { limit = 2, key = \"/customer/id\" }",
+            &[],
+        )
+        .unwrap();
+        let receipts = KeyLimit { limit: 2, key: PerKey::Payload("/customer/id".to_string()) };
+        assert_eq!(config.controls_for("mail", "receipts").per_key, Some(receipts));
+        assert_eq!(config.per_key_for("mail", "digest"), Some(KeyLimit { limit: 3, key: PerKey::EventKey }));
+        assert_eq!(config.per_key_for("other", "h"), None, "one at a time, in order, unless set");
     }
 }

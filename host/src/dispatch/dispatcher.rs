@@ -59,7 +59,7 @@ use super::starts::StartRecorder;
 use super::{Settle, bury_with_dead_letter, decide};
 use crate::lane::LaneId;
 use crate::store::{
-    Capacity, ClaimedDelivery, DeliveryId, EarlyHandOuts, Lease, Priorities, Store, StoreError,
+    Capacity, ClaimedDelivery, DeliveryId, EarlyHandOuts, KeyLimits, Lease, Priorities, Store, StoreError,
 };
 
 /// The claim loop of one store instance.
@@ -336,7 +336,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         // Of a handler limited across hosts, no more than its share and tokens leave.
         let rooms = flight.global_shares.before_claim(&*self.store, specs, rooms, capacity.total, |h| held(&flight.running, h)).await;
         let started = Instant::now();
-        let capacity = capacity.within(rooms.clone()).ordered_by(priorities(specs));
+        let capacity = capacity.within(rooms.clone()).ordered_by(priorities(specs)).keyed_within(key_limits(specs));
         let claimed = if search_all {
             self.store.claim(&handlers, capacity, DateTime::now()).await?
         } else {
@@ -453,9 +453,10 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         let mut not_run = Vec::new();
         let mut first_error = None;
         for (delivery, result) in batch {
-            // A throttled handler's run that ended leaves room for its next delivery, and a
-            // run slot for one that waited for a slot.
-            flight.claim |= flight.throttled_wait_for_slots || specs.iter().any(|s| s.handler == delivery.handler && s.throttle.limits());
+            // A throttled handler's run that ended leaves room for its next delivery (of its key,
+            // for one limited per key), and a run slot for one that waited for a slot.
+            flight.claim |= flight.throttled_wait_for_slots
+                || specs.iter().any(|s| s.handler == delivery.handler && (s.throttle.limits() || s.per_key.is_some()));
             // A keyed delivery that ended may let its key's next one go: at once, or (for a
             // completion written in the background) once that is written.
             let keyed = delivery.event.key.is_some();
@@ -561,6 +562,11 @@ fn settle_batch<S: Store>(
 /// How many deliveries of `handler` this host holds (running or waiting for a run slot).
 fn held(running: &HashMap<DeliveryId, Running>, handler: &str) -> usize {
     running.values().filter(|r| r.handler == handler).count()
+}
+
+/// The most of one key at once of the handlers that run several of a key, as claims take it.
+fn key_limits(specs: &[HandlerSpec]) -> KeyLimits {
+    KeyLimits::new(specs.iter().filter_map(|spec| Some((spec.handler.clone(), spec.per_key.as_ref()?.limit))))
 }
 
 /// The handlers' priorities, as claims and hand-outs take them.

@@ -70,6 +70,7 @@ impl KnownHandlers {
         let local = specs.iter().map(|s| {
             Subscription::new(s.handler.clone(), s.event_types.iter().cloned())
                 .completing_in_transaction(s.transactional)
+                .keyed_by(s.per_key.as_ref().map(|limit| limit.key.clone()))
         });
         Some(fan_out_subscriptions(local, &known))
     }

@@ -23,7 +23,7 @@ mod throttle;
 pub use dispatcher::Dispatcher;
 pub use known_handlers::KnownHandlers;
 pub use options::{DispatcherCounters, DispatcherOptions};
-pub use runner::{HandlerSpec, RunResult, Runner};
+pub use runner::{Controls, HandlerSpec, KeyLimit, RunResult, Runner};
 pub use dead_letter::{DEAD_LETTER_EVENT_TYPE, bury_by_operator, bury_with_dead_letter, dead_letter_event};
 pub use settle::{AttemptResult, Backoff, Jitter, RetryPolicy, Settle, decide};
 pub use throttle::{RateLimit, Throttle};

@@ -6,6 +6,24 @@ use std::future::Future;
 use std::pin::Pin;
 
 use super::{AttemptResult, RetryPolicy, Throttle};
+use crate::store::PerKey;
+
+/// How the operator has one handler's deliveries processed: its throttle, its priority, and
+/// how many of one key run at once (see [`HandlerSpec`]). The default limits nothing, puts
+/// every handler at priority 0 and runs each key's deliveries one at a time, in order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Controls {
+    pub throttle: Throttle,
+    pub priority: i32,
+    pub per_key: Option<KeyLimit>,
+}
+
+/// At most `limit` deliveries of one key at once, across every host, the key taken by `key`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyLimit {
+    pub limit: usize,
+    pub key: PerKey,
+}
 use crate::store::{ClaimedDelivery, Declaration, Subscription};
 
 /// A handler the runner offers, with its retry policy, throttle and priority.
@@ -15,6 +33,8 @@ pub struct HandlerSpec {
     pub event_types: Vec<String>,
     pub retry: RetryPolicy,
     pub throttle: Throttle,
+    /// Runs up to a limit of one key at once, unordered (`None`: one at a time, in order).
+    pub per_key: Option<KeyLimit>,
     /// Of due deliveries, those of handlers of a higher priority are claimed, handed out and
     /// started first (0 by default).
     pub priority: i32,
@@ -45,7 +65,9 @@ pub trait Runner: Send + Sync + 'static {
         self.handlers()
             .into_iter()
             .map(|spec| Declaration {
-                subscription: Subscription::new(spec.handler, spec.event_types).completing_in_transaction(spec.transactional),
+                subscription: Subscription::new(spec.handler, spec.event_types)
+                    .completing_in_transaction(spec.transactional)
+                    .keyed_by(spec.per_key.map(|limit| limit.key)),
                 plugin: String::new(),
                 version: String::new(),
             })

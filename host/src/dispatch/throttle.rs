@@ -160,6 +160,7 @@ mod tests {
             retry: Default::default(),
             throttle,
             priority: 0,
+            per_key: None,
             transactional: false,
         };
         let paced = Throttle { rate: Some(RateLimit { max: 4, per: SECOND }), ..Default::default() };

@@ -135,11 +135,10 @@ async fn serve(
     if let Some(endpoint) = &config.telemetry.otlp_endpoint {
         tracing::info!(%endpoint, traces = config.telemetry.traces, metrics = config.telemetry.metrics, "exporting telemetry over OTLP/HTTP");
     }
-    let (retries, throttles, priorities) = (live.clone(), live.clone(), live.clone());
+    let (retries, controls) = (live.clone(), live.clone());
     let retry_for = Arc::new(move |plugin: &str, handler: &str| retries.get().retry_for(plugin, handler).policy());
     let runner = PluginRunner::new(registry.clone(), store.clone(), retry_for)
-        .throttled_by(Arc::new(move |plugin: &str, handler: &str| throttles.get().throttle_for(plugin, handler)))
-        .prioritized_by(Arc::new(move |plugin: &str, handler: &str| priorities.get().priority_for(plugin, handler)))
+        .controlled_by(Arc::new(move |plugin: &str, handler: &str| controls.get().controls_for(plugin, handler)))
         .traced_by(telemetry.clone());
     let deliveries = runner.metrics();
     let runner = Arc::new(runner);

@@ -1,5 +1,6 @@
 //! How much a claim or a fan-out's hand-out may take, and what first: a count of places,
-//! those that start at once, a room per throttled handler, and the handlers' priorities. Only
+//! those that start at once, a room per throttled handler, how many of one key a handler runs
+//! at once, and the handlers' priorities. Only
 //! what callers pass in; the claim keeps to it (`claim/plan.rs`), so does a hand-out
 //! (`fan_out::fresh`), and nothing here decides a limit or a priority.
 
@@ -19,12 +20,26 @@ pub struct Capacity {
     pub run_now: usize,
     pub rooms: Rooms,
     pub priorities: Priorities,
+    /// The most of one key running at once, of handlers that run several of a key unordered
+    /// (see [`crate::store::PerKey`]): a claim keeps to it in the key's lane.
+    pub per_key: KeyLimits,
 }
 
 impl Capacity {
     /// `total` places of which the first `run_now` (at most `total`) start at once.
     pub fn new(total: usize, run_now: usize) -> Self {
-        Self { total, run_now: run_now.min(total), rooms: Rooms::default(), priorities: Priorities::default() }
+        Self {
+            total,
+            run_now: run_now.min(total),
+            rooms: Rooms::default(),
+            priorities: Priorities::default(),
+            per_key: KeyLimits::default(),
+        }
+    }
+
+    /// The same, keeping to `per_key`: at most so many of one key of a handler at once.
+    pub fn keyed_within(self, per_key: KeyLimits) -> Self {
+        Self { per_key, ..self }
     }
 
     /// The same, a claim of it keeping to `rooms`.
@@ -82,6 +97,23 @@ impl Rooms {
 
     pub fn iter(&self) -> impl Iterator<Item = (&String, &Room)> {
         self.0.iter().flat_map(|rooms| rooms.iter())
+    }
+}
+
+/// The most deliveries of one key a handler runs at once, for handlers that run several of a
+/// key unordered; a handler not named runs its keys one at a time, in order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KeyLimits(Option<Arc<BTreeMap<String, usize>>>);
+
+impl KeyLimits {
+    pub fn new(limits: impl IntoIterator<Item = (String, usize)>) -> Self {
+        let limits: BTreeMap<String, usize> = limits.into_iter().collect();
+        Self((!limits.is_empty()).then(|| Arc::new(limits)))
+    }
+
+    /// The limit of `handler`, if it has one.
+    pub fn of(&self, handler: &str) -> Option<usize> {
+        self.0.as_ref()?.get(handler).copied()
     }
 }
 

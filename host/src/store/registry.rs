@@ -38,6 +38,8 @@ pub struct RegisteredHandler {
     /// serving it declares (hosts running two versions in a rolling deploy: both versions').
     pub event_types: BTreeSet<String>,
     pub in_transaction: bool,
+    /// How its deliveries of one key run, as declared last (see [`Subscription::per_key`]).
+    pub per_key: Option<super::PerKey>,
     /// The plugin and version that declared it last.
     pub plugin: String,
     pub version: String,
@@ -151,6 +153,7 @@ pub fn fan_out_subscriptions(
         all.push(
             Subscription::new(record.handler.clone(), record.event_types.iter().cloned())
                 .completing_in_transaction(record.in_transaction)
+                .keyed_by(record.per_key.clone())
                 .claimed_only(true),
         );
     }
@@ -166,6 +169,7 @@ mod tests {
             handler: handler.to_string(),
             event_types: types.iter().map(|t| t.to_string()).collect(),
             in_transaction: false,
+            per_key: None,
             plugin: "p".to_string(),
             version: "v".to_string(),
             first_seen: DateTime::from_millis(0),

@@ -18,6 +18,66 @@ pub struct Subscription {
     /// limits how many of them it takes (see `dispatch::Throttle`), which a claim is told and
     /// a hand-out is not.
     pub claims_only: bool,
+    /// How its deliveries of one key run: `None`, one at a time in their key's order (the
+    /// event's key); else several at once, unordered, by the key [`PerKey`] names.
+    pub per_key: Option<PerKey>,
+}
+
+/// The key a handler's deliveries are counted by when it runs up to a limit of one key at
+/// once, unordered (`per_key = { limit = N }`), instead of one at a time in order: its event's
+/// key, or a field of its payload (a JSON pointer). A fan-out computes it once, as the
+/// delivery's `group`, and puts the delivery in that key's lane, so that the one holder of the
+/// lane counts what of the key runs, across every host (see `claim/plan.rs`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PerKey {
+    EventKey,
+    Payload(String),
+}
+
+impl PerKey {
+    /// `pointer` (a JSON pointer into the payload), or the event's key when `None`.
+    pub fn from_pointer(pointer: Option<&str>) -> Self {
+        pointer.map_or(Self::EventKey, |pointer| Self::Payload(pointer.to_string()))
+    }
+
+    /// The pointer it takes its key from, `None` for the event's key.
+    pub fn pointer(&self) -> Option<&str> {
+        match self {
+            Self::EventKey => None,
+            Self::Payload(pointer) => Some(pointer),
+        }
+    }
+
+    /// `event`'s key under it: the event's key, or the payload's value at the pointer (a
+    /// string as it is, any other value as its relaxed extended JSON); `None` when there is
+    /// none (the delivery is then limited by nothing but its handler's throttles).
+    pub fn key_of(&self, event: &EventRecord) -> Option<String> {
+        match self {
+            Self::EventKey => event.key.clone(),
+            Self::Payload(pointer) => {
+                let value = pointer_into(&event.payload, pointer)?;
+                Some(match value {
+                    bson::Bson::String(text) => text.clone(),
+                    other => other.clone().into_relaxed_extjson().to_string(),
+                })
+            }
+        }
+    }
+}
+
+/// The value at a JSON pointer (RFC 6901) in a BSON document; `""` names the document itself,
+/// which is no key.
+fn pointer_into<'a>(document: &'a bson::Document, pointer: &str) -> Option<&'a bson::Bson> {
+    let mut tokens = pointer.strip_prefix('/')?.split('/').map(|token| token.replace("~1", "/").replace("~0", "~"));
+    let mut value = document.get(tokens.next()?)?;
+    for token in tokens {
+        value = match value {
+            bson::Bson::Document(inner) => inner.get(&token)?,
+            bson::Bson::Array(items) => items.get(token.parse::<usize>().ok()?)?,
+            _ => return None,
+        };
+    }
+    Some(value)
 }
 
 impl Subscription {
@@ -31,7 +91,13 @@ impl Subscription {
             event_types: event_types.into_iter().map(Into::into).collect(),
             in_transaction: false,
             claims_only: false,
+            per_key: None,
         }
+    }
+
+    /// The same, its deliveries of one key running several at once, by `per_key`'s key.
+    pub fn keyed_by(self, per_key: Option<PerKey>) -> Self {
+        Self { per_key, ..self }
     }
 
     /// The same, its deliveries completing in its own transaction if `in_transaction`.
@@ -54,6 +120,7 @@ pub struct Subscriptions {
     handlers: BTreeSet<String>,
     in_transaction: BTreeSet<String>,
     claims_only: BTreeSet<String>,
+    per_key: BTreeMap<String, PerKey>,
 }
 
 impl Subscriptions {
@@ -88,8 +155,13 @@ impl Subscriptions {
             if subscription.in_transaction {
                 result.in_transaction.insert(handler.clone());
             }
-            if subscription.claims_only {
+            // Counted by the holder of their key's lane, they are never handed out by a
+            // fan-out, which may run in another host's lane.
+            if subscription.claims_only || subscription.per_key.is_some() {
                 result.claims_only.insert(handler.clone());
+            }
+            if let Some(per_key) = subscription.per_key {
+                result.per_key.insert(handler.clone(), per_key);
             }
             for event_type in subscription.event_types {
                 result.by_type.entry(event_type).or_default().insert(handler.clone());
@@ -113,9 +185,42 @@ impl Subscriptions {
         self.in_transaction.contains(handler)
     }
 
+    /// How `handler`'s deliveries of one key run several at once (see [`PerKey`]); `None`
+    /// for one at a time in order.
+    pub fn per_key(&self, handler: &str) -> Option<&PerKey> {
+        self.per_key.get(handler)
+    }
+
     /// Whether `handler`'s deliveries are only ever claimed, never handed out.
     pub fn claims_only(&self, handler: &str) -> bool {
         self.claims_only.contains(handler)
     }
 }
 
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(payload: bson::Document, key: Option<&str>) -> EventRecord {
+        let mut event = crate::event::NewEvent::new("e", "t", payload);
+        if let Some(key) = key {
+            event = event.with_key(key);
+        }
+        EventRecord::from_document(&event.to_document(Some(1), bson::DateTime::from_millis(0))).unwrap()
+    }
+
+    #[test]
+    fn a_per_key_key_is_the_events_or_the_payloads_value_at_a_json_pointer() {
+        let payload = bson::doc! { "customer": { "id": "c-7", "n": 42, "tags": ["x", "y"], "a/b": "slash" } };
+        let with = |pointer: &str| PerKey::Payload(pointer.to_string()).key_of(&event(payload.clone(), Some("k")));
+        assert_eq!(with("/customer/id").as_deref(), Some("c-7"));
+        assert_eq!(with("/customer/n").as_deref(), Some("42"), "a number as its JSON");
+        assert_eq!(with("/customer/tags/1").as_deref(), Some("y"));
+        assert_eq!(with("/customer/a~1b").as_deref(), Some("slash"), "escaped as RFC 6901 says");
+        assert_eq!(with("/customer/missing"), None, "no key: limited by nothing per key");
+        assert_eq!(with("/customer/id/deeper"), None);
+        assert_eq!(PerKey::EventKey.key_of(&event(payload.clone(), Some("k"))).as_deref(), Some("k"));
+        assert_eq!(PerKey::EventKey.key_of(&event(payload, None)), None);
+    }
+}

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 /// A webhook receiver that holds every request open while `hold` is set and answers 200
 /// otherwise (after `delay_ms`); it records each request body, and the most requests it was
-/// answering at once.
+/// answering at once, in all and of one customer (a webhook body's `/payload/customer`).
 pub struct Receiver {
     pub address: std::net::SocketAddr,
     pub hold: Arc<AtomicBool>,
@@ -17,6 +17,8 @@ pub struct Receiver {
     arrivals: Arc<Mutex<Vec<std::time::Instant>>>,
     /// Requests being answered now, and the most ever at once.
     answering: Arc<Mutex<(usize, usize)>>,
+    /// The same, by customer.
+    by_customer: Arc<Mutex<std::collections::HashMap<String, (usize, usize)>>>,
 }
 
 impl Receiver {
@@ -33,14 +35,18 @@ impl Receiver {
         let delay_ms = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let answering: Arc<Mutex<(usize, usize)>> = Arc::default();
         let arrivals: Arc<Mutex<Vec<std::time::Instant>>> = Arc::default();
+        let by_customer: Arc<Mutex<std::collections::HashMap<String, (usize, usize)>>> = Arc::default();
         let (holding, delay, log, counts, arrived) = (hold.clone(), delay_ms.clone(), bodies.clone(), answering.clone(), arrivals.clone());
+        let customers = by_customer.clone();
         std::thread::spawn(move || {
             let mut held = Vec::new();
             for stream in listener.incoming() {
                 let Ok(mut stream) = stream else { continue };
                 let body = read_request_body(&mut stream);
                 arrived.lock().unwrap().push(std::time::Instant::now());
-                log.lock().unwrap().push(serde_json::from_slice(&body).unwrap_or_default());
+                let body: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+                let customer = body.pointer("/payload/customer").and_then(|c| c.as_str()).map(str::to_string);
+                log.lock().unwrap().push(body);
                 if holding.load(Ordering::SeqCst) {
                     held.push(stream);
                 } else {
@@ -50,16 +56,25 @@ impl Receiver {
                         *now += 1;
                         *most = (*most).max(*now);
                     }
-                    let counts = counts.clone();
+                    if let Some(customer) = &customer {
+                        let mut customers = customers.lock().unwrap();
+                        let (now, most) = customers.entry(customer.clone()).or_default();
+                        *now += 1;
+                        *most = (*most).max(*now);
+                    }
+                    let (counts, customers) = (counts.clone(), customers.clone());
                     std::thread::spawn(move || {
                         std::thread::sleep(delay);
+                        if let Some(customer) = &customer {
+                            customers.lock().unwrap().get_mut(customer).expect("counted").0 -= 1;
+                        }
                         counts.lock().unwrap().0 -= 1;
                         let _ = stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n");
                     });
                 }
             }
         });
-        Self { address, hold, delay_ms, bodies, arrivals, answering }
+        Self { address, hold, delay_ms, bodies, arrivals, answering, by_customer }
     }
 
     /// When each request arrived, in order.
@@ -74,6 +89,11 @@ impl Receiver {
     /// The most requests it was answering at once (held ones are not counted).
     pub fn most_at_once(&self) -> usize {
         self.answering.lock().unwrap().1
+    }
+
+    /// The most requests of one customer it was answering at once, by customer.
+    pub fn most_at_once_by_customer(&self) -> std::collections::BTreeMap<String, usize> {
+        self.by_customer.lock().unwrap().iter().map(|(customer, (_, most))| (customer.clone(), *most)).collect()
     }
 
     /// Counts the most at once from now on (from those it is answering now).

@@ -149,9 +149,9 @@ pub async fn check(config: &Config) -> Result<ExitCode> {
 }
 
 /// How the operator set a handler of a plugin to be processed, as `check` shows it: its
-/// throttle and priority, when they are not the defaults.
+/// throttle, per-key limit and priority, when they are not the defaults.
 fn processing(config: &Config, plugin: &str, handler: &str) -> String {
-    let throttle = config.throttle_for(plugin, handler);
+    let relayhost::dispatch::Controls { throttle, priority, per_key } = config.controls_for(plugin, handler);
     let mut said = Vec::new();
     if let Some(concurrency) = throttle.concurrency {
         said.push(format!("at most {concurrency} at once per host"));
@@ -166,9 +166,12 @@ fn processing(config: &Config, plugin: &str, handler: &str) -> String {
         let per = humantime::format_duration(std::time::Duration::from_millis(rate.per_ms as u64));
         said.push(format!("at most {} starts per {per} across hosts (burst {})", rate.max, rate.burst));
     }
-    match config.priority_for(plugin, handler) {
-        0 => {}
-        priority => said.push(format!("priority {priority}")),
+    if let Some(per_key) = per_key {
+        let key = per_key.key.pointer().map_or_else(|| "its event's key".to_string(), |pointer| format!("payload {pointer}"));
+        said.push(format!("at most {} of one key at once, unordered (by {key})", per_key.limit));
+    }
+    if priority != 0 {
+        said.push(format!("priority {priority}"));
     }
     if said.is_empty() { String::new() } else { format!(" [{}]", said.join(", ")) }
 }

@@ -66,6 +66,15 @@ impl LaneState {
     }
 }
 
+/// What a read of candidates leaves out: deliveries the claim knows run (the oldest rows of
+/// a held lane are often its running ones), and the keys whose handler's limit of one key at
+/// once is reached (see [`crate::store::PerKey`]): their rows would only be passed over.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Skip<'a> {
+    pub running: &'a HashSet<DeliveryId>,
+    pub full_keys: &'a [HandlerKey],
+}
+
 /// A due, ready delivery found in a leased lane.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Candidate {
@@ -73,6 +82,10 @@ pub(crate) struct Candidate {
     pub event_id: String,
     pub handler: String,
     pub key: Option<String>,
+    /// The key it is counted by when its handler runs several of one key at once (see
+    /// [`crate::store::PerKey`]): a claim takes no more of it than the handler's limit, less
+    /// what of the key runs in its lane.
+    pub group: Option<String>,
     pub lane: LaneId,
     pub due_at: DateTime,
     pub claims: i64,
@@ -285,14 +298,14 @@ pub(crate) trait ClaimBackend: Sync {
     /// The entries whose delivery is still pending at the listed claim generation.
     fn current(&self, entries: &[InFlight]) -> impl Future<Output = Result<HashSet<DeliveryId>, StoreError>> + Send;
     /// Due, ready deliveries of `handlers` in `lanes`, in `(dueAt, _id)` order after `after`,
-    /// leaving out `running` (the oldest rows of a held lane are often its running ones).
+    /// leaving out what `skip` names.
     fn candidates(
         &self,
         lanes: &[LaneId],
         handlers: &[String],
         now: DateTime,
         after: Option<(DateTime, DeliveryId)>,
-        running: &HashSet<DeliveryId>,
+        skip: Skip<'_>,
         limit: usize,
     ) -> impl Future<Output = Result<Vec<Candidate>, StoreError>> + Send;
     /// The lowest-sequence pending delivery of each (handler, key).

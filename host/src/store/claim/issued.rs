@@ -12,6 +12,8 @@ pub(super) struct Issued {
     /// The `now` of the claim that issued it.
     pub(super) at: DateTime,
     pub(super) key: Option<HandlerKey>,
+    /// Its handler and [`Candidate::group`], if it has one.
+    pub(super) group: Option<HandlerKey>,
     pub(super) unstored: Option<Unstored>,
 }
 
@@ -43,8 +45,9 @@ impl Claimer {
             .map(|(pick, epoch, event)| {
                 let lease = Lease { delivery: pick.id, lane: pick.lane, epoch, claims: pick.claims };
                 let key = pick.handler_key();
+                let group = pick.group.clone().map(|group| (pick.handler.clone(), group));
                 let unstored = pick.unstored.map(|event| Unstored { event, handler: pick.handler.clone(), key: pick.key.clone() });
-                issued.insert(pick.id, Issued { lease, at: now, key, unstored });
+                issued.insert(pick.id, Issued { lease, at: now, key, group, unstored });
                 ClaimedDelivery {
                     lease,
                     handler: pick.handler,
@@ -56,6 +59,13 @@ impl Claimer {
                 }
             })
             .collect()
+    }
+
+    /// The keys ([`Candidate::group`]) of those of `running` that have one, as issued here:
+    /// what of each key runs in the lanes this instance holds, which are the keys' only lanes.
+    pub(super) fn groups_of<'a>(&self, running: impl Iterator<Item = &'a DeliveryId>) -> Vec<HandlerKey> {
+        let issued = self.issued.lock().expect("issued leases");
+        running.filter_map(|id| issued.get(id)?.group.clone()).collect()
     }
 
     /// Whether this instance issued exactly this lease and has not seen it settled. A lease

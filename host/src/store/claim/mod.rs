@@ -30,7 +30,7 @@ use bson::{Bson, DateTime, Document};
 
 use super::answered;
 use super::assignment::Assignment;
-use super::{Capacity, ClaimedDelivery, DeliveryId, EarlyHandOuts, FanOutCommit, FanOutReport, Lease, Priorities, Rooms, StoreError};
+use super::{Capacity, ClaimedDelivery, DeliveryId, EarlyHandOuts, FanOutCommit, FanOutReport, KeyLimits, Lease, Priorities, Rooms, StoreError};
 
 mod backend;
 mod hand_out;
@@ -347,7 +347,7 @@ impl Claimer {
     /// settled it had been lost.
     #[cfg(test)]
     pub fn lose_settlement_reply(&self, lease: Lease, key: Option<HandlerKey>, at: DateTime) {
-        self.issued.lock().expect("issued leases").insert(lease.delivery, Issued { lease, at, key, unstored: None });
+        self.issued.lock().expect("issued leases").insert(lease.delivery, Issued { lease, at, key, group: None, unstored: None });
     }
 
     /// Forgets every held lane and returns them (graceful stop), each with whether its list

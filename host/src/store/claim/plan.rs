@@ -20,6 +20,11 @@ pub(super) struct Plan {
     rooms: HashMap<String, usize>,
     /// The claim's handlers' priorities: making room drops the lowest first.
     pub(super) priorities: Priorities,
+    /// The most of one key at once, of handlers that run several of a key unordered.
+    per_key: KeyLimits,
+    /// Of those handlers' keys, how many run in the held lanes or are picked (a key's
+    /// deliveries are all in its lane, so its holder counts them all).
+    groups: HashMap<HandlerKey, usize>,
 }
 
 impl Plan {
@@ -42,7 +47,36 @@ impl Plan {
             blocked: Vec::new(),
             rooms: rooms.iter().map(|(handler, room)| (handler.clone(), room.most)).collect(),
             priorities: Priorities::default(),
+            per_key: KeyLimits::default(),
+            groups: HashMap::new(),
         }
+    }
+
+    /// Keeps to `per_key`, `running` being the keys of the deliveries running in the held
+    /// lanes (one entry per delivery).
+    pub(super) fn limit_keys(&mut self, per_key: KeyLimits, running: Vec<HandlerKey>) {
+        for key in running {
+            *self.groups.entry(key).or_default() += 1;
+        }
+        self.per_key = per_key;
+    }
+
+    /// The keys whose handler's limit is reached: their rows are not read.
+    pub(super) fn full_keys(&self) -> Vec<HandlerKey> {
+        let full = |(key, running): (&HandlerKey, &usize)| self.per_key.of(&key.0).is_some_and(|limit| *running >= limit);
+        self.groups.iter().filter(|entry| full(*entry)).map(|(key, _)| key.clone()).collect()
+    }
+
+    /// Counts `row` against its key's limit, if its handler has one: whether it may be
+    /// picked. One that may not is left as it is, like one of a handler without room.
+    fn within_key_limit(&mut self, row: &Candidate) -> bool {
+        let (Some(group), Some(limit)) = (&row.group, self.per_key.of(&row.handler)) else { return true };
+        let running = self.groups.entry((row.handler.clone(), group.clone())).or_default();
+        if *running >= limit {
+            return false;
+        }
+        *running += 1;
+        true
     }
 
     /// Of `handlers`, those it may still pick (all but those whose room is used up).
@@ -87,6 +121,11 @@ impl Plan {
         for pick in self.picks.drain(keep..) {
             if let Some(room) = self.rooms.get_mut(&pick.handler) {
                 *room += 1;
+            }
+            if let Some(group) = pick.group.filter(|_| self.per_key.of(&pick.handler).is_some()) {
+                if let Some(running) = self.groups.get_mut(&(pick.handler.clone(), group)) {
+                    *running = running.saturating_sub(1);
+                }
             }
             if let Some(key) = pick.key {
                 self.busy_keys.remove(&(pick.handler, key));
@@ -142,7 +181,7 @@ impl Plan {
 
     fn consider(&mut self, row: Candidate) {
         // One of a handler without room is left as it is: not blocked, only not taken now.
-        if self.full() || self.running_ids.contains(&row.id) || !self.has_room_for(&row.handler) {
+        if self.full() || self.running_ids.contains(&row.id) || !self.has_room_for(&row.handler) || !self.within_key_limit(&row) {
             return;
         }
         let Some(key) = &row.key else {
@@ -200,7 +239,9 @@ pub(super) async fn scan<'l, B: ClaimBackend>(
                 return Ok(&[]);
             }
             let page = ((plan.limit - plan.picks.len()) * 2).clamp(64, 1_000);
-            let rows = backend.candidates(chunk, &open, now, after, &plan.running_ids, page).await?;
+            let full_keys = plan.full_keys();
+            let skip = Skip { running: &plan.running_ids, full_keys: &full_keys };
+            let rows = backend.candidates(chunk, &open, now, after, skip, page).await?;
             plan.recall_heads(&rows);
             let unknown = plan.unknown_keys(&rows);
             if !unknown.is_empty() {
@@ -244,7 +285,9 @@ pub(super) async fn older_work_of_unread_lanes<B: ClaimBackend>(
         if older >= half || open.is_empty() {
             break;
         }
-        older += backend.candidates(chunk, &open, before, None, &plan.running_ids, half - older).await?.len();
+        let full_keys = plan.full_keys();
+        let skip = Skip { running: &plan.running_ids, full_keys: &full_keys };
+        older += backend.candidates(chunk, &open, before, None, skip, half - older).await?.len();
     }
     if older > 0 {
         plan.make_room(older);
@@ -284,6 +327,7 @@ mod tests {
             event_id: format!("{handler}-{due}"),
             handler: handler.into(),
             key: None,
+            group: None,
             lane: 0,
             due_at: DateTime::from_millis(due),
             claims: 0,

@@ -32,8 +32,13 @@ pub(crate) struct NewDelivery {
     pub event_id: Bson,
     pub event_type: String,
     pub handler: String,
+    /// Its event's key, by which it runs one at a time in order; `None` for a handler that runs
+    /// several of one key at once (see [`NewDelivery::group`]).
     pub key: Option<String>,
     pub sequence: Option<i64>,
+    /// The key of a handler that runs up to a limit of one key at once, unordered
+    /// ([`crate::store::PerKey`]), computed here once; its lane is that key's.
+    pub group: Option<String>,
     pub lane: LaneId,
     /// Set for a malformed event: the delivery is dead at once with this reason.
     pub dead_reason: Option<String>,
@@ -326,17 +331,36 @@ pub(crate) fn plan(batch: &[Document], subscriptions: &Subscriptions) -> FanOutP
             plan.malformed_events.push((event_id.clone(), reason.clone()));
         }
         for handler in &new_handlers {
-            let delivery = NewDelivery {
-                id: ObjectId::new(),
-                event_id: raw_id.clone(),
-                event_type: event_type.clone(),
-                handler: handler.clone(),
-                key: key.clone(),
-                sequence: record.as_ref().and_then(|r| r.sequence),
-                lane: lane_for_event(&event_id, key.as_deref()),
-                dead_reason: dead_reason.clone(),
-                behind: None,
-                suspect: suspects.contains(handler.as_str()),
+            let delivery = match subscriptions.per_key(handler) {
+                None => NewDelivery {
+                    id: ObjectId::new(),
+                    event_id: raw_id.clone(),
+                    event_type: event_type.clone(),
+                    handler: handler.clone(),
+                    key: key.clone(),
+                    sequence: record.as_ref().and_then(|r| r.sequence),
+                    group: None,
+                    lane: lane_for_event(&event_id, key.as_deref()),
+                    dead_reason: dead_reason.clone(),
+                    behind: None,
+                    suspect: suspects.contains(handler.as_str()),
+                },
+                Some(per_key) => {
+                    let group = record.as_ref().and_then(|record| per_key.key_of(record));
+                    NewDelivery {
+                        id: ObjectId::new(),
+                        event_id: raw_id.clone(),
+                        event_type: event_type.clone(),
+                        handler: handler.clone(),
+                        key: None,
+                        sequence: None,
+                        lane: lane_for_event(&event_id, group.as_deref()),
+                        group,
+                        dead_reason: dead_reason.clone(),
+                        behind: None,
+                        suspect: suspects.contains(handler.as_str()),
+                    }
+                }
             };
             let delivery = match (&delivery.key, &delivery.dead_reason) {
                 (Some(key), None) => {
@@ -476,6 +500,7 @@ pub(crate) fn fresh(plan: &FanOutPlan, batch: &[Document], budget: Capacity, idl
                 event_id,
                 handler: d.handler.clone(),
                 key: d.key.clone(),
+                group: d.group.clone(),
                 lane: d.lane,
                 due_at: now,
                 claims: 0,

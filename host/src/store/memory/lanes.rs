@@ -13,7 +13,7 @@ use super::unstored::{Charge, Entry};
 use super::{LaneKind, State};
 use crate::death::Death;
 use crate::lane::LaneId;
-use crate::store::claim::{Candidate, ClaimBackend, DueWork, EventOf, HandlerKey, Holder, InFlight, LaneRecord, LaneState, LaneWrite, Unpark};
+use crate::store::claim::{Candidate, ClaimBackend, DueWork, EventOf, HandlerKey, Holder, InFlight, LaneRecord, LaneState, LaneWrite, Skip, Unpark};
 use crate::store::fan_out::id_text;
 use crate::store::{DeliveryId, DeliveryStatus, LOST_WHILE_RUNNING, Lease, StoreError};
 
@@ -167,7 +167,7 @@ impl ClaimBackend for Backend<'_> {
         handlers: &[String],
         now: DateTime,
         after: Option<(DateTime, DeliveryId)>,
-        running: &HashSet<DeliveryId>,
+        Skip { running, full_keys }: Skip<'_>,
         limit: usize,
     ) -> Result<Vec<Candidate>, StoreError> {
         let state = self.0.lock().await;
@@ -180,6 +180,7 @@ impl ClaimBackend for Backend<'_> {
                     && d.due_at <= now
                     && lanes.contains(&d.lane_id)
                     && handlers.contains(&d.handler)
+                    && !d.group.as_ref().is_some_and(|group| full_keys.iter().any(|(h, g)| *h == d.handler && g == group))
                     && after.is_none_or(|cursor| (d.due_at, **id) > cursor)
             })
             .map(|(id, d)| Candidate {
@@ -187,6 +188,7 @@ impl ClaimBackend for Backend<'_> {
                 event_id: id_text(&d.event_id),
                 handler: d.handler.clone(),
                 key: d.key.clone(),
+                group: d.group.clone(),
                 lane: d.lane_id,
                 due_at: d.due_at,
                 claims: d.claims,

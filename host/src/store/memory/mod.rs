@@ -73,6 +73,8 @@ struct Delivery {
     handler: String,
     key: Option<String>,
     sequence: Option<i64>,
+    /// See `NewDelivery::group`.
+    group: Option<String>,
     lane_id: LaneId,
     lane: LaneKind,
     status: DeliveryStatus,

@@ -18,6 +18,7 @@ impl MemoryStore {
                 handler: handler.clone(),
                 event_types: Default::default(),
                 in_transaction: false,
+                per_key: None,
                 plugin: String::new(),
                 version: String::new(),
                 first_seen: now,
@@ -30,6 +31,7 @@ impl MemoryStore {
             }
             record.event_types = declaration.subscription.event_types.clone();
             record.in_transaction = declaration.subscription.in_transaction;
+            record.per_key = declaration.subscription.per_key.clone();
             record.plugin = declaration.plugin.clone();
             record.version = declaration.version.clone();
             record.last_seen = now;

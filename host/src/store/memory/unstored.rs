@@ -99,6 +99,7 @@ impl State {
                     handler: entry.handler.clone(),
                     key: entry.key.clone(),
                     sequence,
+                    group: None,
                     lane_id: entry.lane(),
                     lane: LaneKind::Ready,
                     status: DeliveryStatus::Pending,

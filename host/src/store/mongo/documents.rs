@@ -16,6 +16,8 @@ pub(super) mod delivery {
     pub const HANDLER: &str = "handler";
     pub const KEY: &str = "key";
     pub const SEQUENCE: &str = "sequence";
+    /// The key of a handler that runs several of one key at once (see `NewDelivery::group`).
+    pub const GROUP: &str = "group";
     pub const LANE_ID: &str = "laneId";
     /// The claim lane: `ready` (in the claim index), `parked` or `dead`.
     pub const LANE: &str = "lane";
@@ -116,6 +118,9 @@ pub(super) fn new_delivery_document(new: &NewDelivery, now: DateTime) -> Documen
     if let Some(sequence) = new.sequence {
         document.insert(delivery::SEQUENCE, sequence);
     }
+    if let Some(group) = &new.group {
+        document.insert(delivery::GROUP, group);
+    }
     if let Some(behind) = new.behind {
         document.insert(delivery::BEHIND, behind);
     }
@@ -147,6 +152,7 @@ pub(super) fn candidate(document: &Document) -> Result<Candidate, StoreError> {
         event_id: id_text(document.get(delivery::EVENT_ID).unwrap_or(&Bson::Null)),
         handler: optional_string(document, delivery::HANDLER).ok_or_else(|| corrupt("delivery without handler", document))?,
         key: optional_string(document, delivery::KEY),
+        group: optional_string(document, delivery::GROUP),
         lane: lane_id(document, delivery::LANE_ID)?,
         due_at: *document.get_datetime(delivery::DUE_AT).map_err(|_| corrupt("delivery without dueAt", document))?,
         claims: integer(document, delivery::CLAIMS).unwrap_or(0),

@@ -18,7 +18,7 @@ use super::lane_statements::{free_lane, held_statement, take_lane, take_statemen
 use crate::death::Death;
 use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
 use crate::store::claim::MIN_ROWS_PER_LANE_QUERY;
-use crate::store::claim::{Candidate, ClaimBackend, DueWork, HandlerKey, Holder, InFlight, LaneRecord, LaneState, LaneWrite, Unpark};
+use crate::store::claim::{Candidate, ClaimBackend, DueWork, HandlerKey, Holder, InFlight, LaneRecord, LaneState, LaneWrite, Skip, Unpark};
 use crate::store::{DeliveryId, LOST_WHILE_RUNNING, Lease, StoreError, answered};
 
 
@@ -369,7 +369,7 @@ impl ClaimBackend for Backend<'_> {
         handlers: &[String],
         now: DateTime,
         after: Option<(DateTime, DeliveryId)>,
-        running: &HashSet<DeliveryId>,
+        Skip { running, full_keys }: Skip<'_>,
         limit: usize,
     ) -> Result<Vec<Candidate>, StoreError> {
         let mut filter = doc! {
@@ -381,6 +381,12 @@ impl ClaimBackend for Backend<'_> {
         if !running.is_empty() {
             // `_id` is in the claim index, so these are skipped without reading a document.
             filter.insert(delivery::ID, doc! { "$nin": running.iter().copied().collect::<Vec<_>>() });
+        }
+        if !full_keys.is_empty() {
+            // Not in the index: the rows of a full key are read by the server, not sent.
+            let full: Vec<Document> =
+                full_keys.iter().map(|(handler, key)| doc! { delivery::HANDLER: handler, delivery::GROUP: key }).collect();
+            filter.insert("$nor", full);
         }
         if let Some((due_at, id)) = after {
             filter.insert(
@@ -401,7 +407,7 @@ impl ClaimBackend for Backend<'_> {
             .batch_size(super::documents::one_batch(limit))
             .hint(mongodb::options::Hint::Name("claim".to_string()))
             .projection(doc! {
-                delivery::ID: 1, delivery::EVENT_ID: 1, delivery::HANDLER: 1, delivery::KEY: 1, delivery::LANE_ID: 1,
+                delivery::ID: 1, delivery::EVENT_ID: 1, delivery::HANDLER: 1, delivery::KEY: 1, delivery::GROUP: 1, delivery::LANE_ID: 1,
                 delivery::DUE_AT: 1, delivery::CLAIMS: 1, delivery::ATTEMPTS: 1, delivery::SUSPECT: 1,
             })
             .await?

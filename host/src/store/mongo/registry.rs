@@ -17,6 +17,10 @@ use crate::store::registry::{self, Declaration, Disposal, RegisteredHandler, Ret
 const ID: &str = "_id";
 const EVENT_TYPES: &str = "eventTypes";
 const TRANSACTIONAL: &str = "transactional";
+/// How its deliveries of one key run several at once, if they do: `{ pointer }`, `null`
+/// for the event's key (see [`crate::store::PerKey`]); absent for one at a time in order.
+const PER_KEY: &str = "perKey";
+const POINTER: &str = "pointer";
 const PLUGIN: &str = "plugin";
 const VERSION: &str = "version";
 const FIRST_SEEN: &str = "firstSeen";
@@ -43,16 +47,24 @@ pub(super) async fn register(store: &MongoStore, declarations: &[Declaration], n
         handlers
             .update_one(
                 doc! { ID: &d.subscription.handler },
-                doc! {
-                    "$set": {
+                {
+                    let mut set = doc! {
                         EVENT_TYPES: d.subscription.event_types.iter().cloned().collect::<Vec<_>>(),
                         TRANSACTIONAL: d.subscription.in_transaction,
                         PLUGIN: &d.plugin,
                         VERSION: &d.version,
                         LAST_SEEN: now,
-                    },
-                    "$unset": { RETIRED_AT: "" },
-                    "$setOnInsert": { FIRST_SEEN: now },
+                    };
+                    let mut unset = doc! { RETIRED_AT: "" };
+                    match &d.subscription.per_key {
+                        Some(per_key) => {
+                            set.insert(PER_KEY, doc! { POINTER: per_key.pointer() });
+                        }
+                        None => {
+                            unset.insert(PER_KEY, "");
+                        }
+                    }
+                    doc! { "$set": set, "$unset": unset, "$setOnInsert": { FIRST_SEEN: now } }
                 },
             )
             .upsert(true)
@@ -97,6 +109,7 @@ fn record_of(document: &Document) -> Option<RegisteredHandler> {
         handler: document.get_str(ID).ok()?.to_string(),
         event_types: strings(document.get_array(EVENT_TYPES).ok()?),
         in_transaction: document.get_bool(TRANSACTIONAL).unwrap_or(false),
+        per_key: document.get_document(PER_KEY).ok().map(|per_key| crate::store::PerKey::from_pointer(per_key.get_str(POINTER).ok())),
         plugin: document.get_str(PLUGIN).unwrap_or("").to_string(),
         version: document.get_str(VERSION).unwrap_or("").to_string(),
         first_seen: document.get_datetime(FIRST_SEEN).copied().ok()?,

@@ -131,6 +131,7 @@ pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], charge: C
                 handler: entry.handler.clone(),
                 key: entry.key.clone(),
                 sequence: Entry::sequence_of(event),
+                group: None,
                 lane: entry.lane(),
                 dead_reason: None,
                 behind: None,

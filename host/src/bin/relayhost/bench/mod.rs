@@ -31,7 +31,9 @@ use anyhow::{Context, Result, bail};
 use bson::{Document, doc};
 use clap::Args;
 use futures::{StreamExt, TryStreamExt};
-use relayhost::dispatch::{AttemptResult, Dispatcher, DispatcherCounters, DispatcherOptions, HandlerSpec, RetryPolicy, RunResult, Runner, Throttle};
+use relayhost::dispatch::{
+    AttemptResult, Controls, Dispatcher, DispatcherCounters, DispatcherOptions, HandlerSpec, RetryPolicy, RunResult, Runner, Throttle,
+};
 use relayhost::event::NewEvent;
 use relayhost::mongod::{Mongod, MongodOptions, find_binary};
 use relayhost::plugin::{PluginPolicy, PluginRegistry, PluginRuntime};
@@ -391,7 +393,7 @@ async fn drain(args: &BenchArgs, workload: &Workload, server: &Server, registry:
                 Some(endpoint) => runner.traced_by(tracing_cost::telemetry(endpoint, &store.options().owner)?),
                 None => runner,
             };
-            let runner = if workload.limited { runner.throttled_by(Arc::new(|_: &str, _: &str| LIMITED)) } else { runner };
+            let runner = if workload.limited { runner.controlled_by(Arc::new(|_: &str, _: &str| Controls { throttle: LIMITED, ..Controls::default() })) } else { runner };
             let runner = DrainRunner {
                 plugin: runner,
                 store_only: workload.store_only,
