@@ -35,6 +35,7 @@ fn event(event_type: &str, payload: bson::Document) -> EventRecord {
         headers: BTreeMap::new(),
         correlation_id: None,
         causation_id: None,
+        priority: None,
         chain_depth: 0,
         chain_budget: None,
         created_at: DateTime::now(),

@@ -19,6 +19,9 @@ pub mod field {
     pub const HEADERS: &str = "headers";
     pub const CORRELATION_ID: &str = "correlationId";
     pub const CAUSATION_ID: &str = "causationId";
+    /// How urgent it is, an integer from -1000 to 1000 (absent: no priority of its own). A
+    /// handler set to take priorities per event gets its deliveries of higher priorities first.
+    pub const PRIORITY: &str = "priority";
     /// How many handlers' follow-ups lie between it and an application's event (0, the
     /// default, is left out): a handler's follow-up of an event of depth `n` has `n + 1`.
     pub const CHAIN_DEPTH: &str = "chainDepth";
@@ -58,6 +61,8 @@ pub const MAX_KEY_CHARS: usize = 512;
 /// Default ceiling of an encoded payload, in bytes (the whole document must stay under
 /// MongoDB's 16 MiB, and every byte also goes to the oplog).
 pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 1024 * 1024;
+/// The range of an event's priority (see [`field::PRIORITY`]).
+pub const PRIORITY_RANGE: std::ops::RangeInclusive<i64> = -1000..=1000;
 /// Most headers an event may carry.
 pub const MAX_HEADERS: usize = 64;
 /// Longest header name, in characters.
@@ -101,6 +106,8 @@ pub enum EventError {
     /// The payload does not match its type's JSON Schema (see `crate::event_schema`).
     #[error("{0}")]
     Schema(String),
+    #[error("`priority` must be an integer from -1000 to 1000, found {0}")]
+    BadPriority(String),
     #[error("`chainDepth` must be a non-negative integer, found {0}")]
     BadChainDepth(String),
     #[error("`chainBudget` must be a non-negative integer, found {0}")]
@@ -119,6 +126,8 @@ pub struct NewEvent {
     pub headers: BTreeMap<String, String>,
     pub correlation_id: Option<String>,
     pub causation_id: Option<String>,
+    /// See [`field::PRIORITY`].
+    pub priority: Option<i32>,
     /// See [`field::CHAIN_DEPTH`]; set by the host for handlers' follow-ups.
     pub chain_depth: u32,
     /// See [`field::CHAIN_BUDGET`]; set by the host for handlers' follow-ups.
@@ -137,10 +146,17 @@ impl NewEvent {
             headers: BTreeMap::new(),
             correlation_id: None,
             causation_id: None,
+            priority: None,
             chain_depth: 0,
             chain_budget: None,
             created_at: None,
         }
+    }
+
+    /// The same, of priority `priority` (see [`field::PRIORITY`]).
+    pub fn with_priority(mut self, priority: i32) -> Self {
+        self.priority = Some(priority);
+        self
     }
 
     pub fn with_key(mut self, key: impl Into<String>) -> Self {
@@ -170,6 +186,9 @@ impl NewEvent {
         }
         if let Some(id) = &self.causation_id {
             check_text(field::CAUSATION_ID, id, MAX_ID_CHARS)?;
+        }
+        if let Some(priority) = self.priority {
+            priority_in_range(i64::from(priority))?;
         }
         check_headers(self.headers.iter().map(|(name, value)| (name.as_str(), value.as_str())), self.headers.len())?;
         let bytes = bson::to_vec(&self.payload).map(|v| v.len()).unwrap_or(usize::MAX);
@@ -201,6 +220,9 @@ impl NewEvent {
         }
         if let Some(id) = &self.causation_id {
             document.insert(field::CAUSATION_ID, id);
+        }
+        if let Some(priority) = self.priority {
+            document.insert(field::PRIORITY, priority);
         }
         if self.chain_depth > 0 {
             document.insert(field::CHAIN_DEPTH, i64::from(self.chain_depth));
@@ -281,9 +303,15 @@ pub struct EventRecord {
     pub headers: BTreeMap<String, String>,
     pub correlation_id: Option<String>,
     pub causation_id: Option<String>,
+    pub priority: Option<i32>,
     pub chain_depth: u32,
     pub chain_budget: Option<u32>,
     pub created_at: DateTime,
+}
+
+/// `priority` if it is in [`PRIORITY_RANGE`].
+fn priority_in_range(priority: i64) -> Result<i32, EventError> {
+    if PRIORITY_RANGE.contains(&priority) { Ok(priority as i32) } else { Err(EventError::BadPriority(priority.to_string())) }
 }
 
 /// Describes a BSON value's type for error messages.
@@ -375,6 +403,12 @@ impl EventRecord {
         check_headers(headers.iter().map(|(name, value)| (name.as_str(), value.as_str())), headers.len())?;
         let correlation_id = optional_text(doc, field::CORRELATION_ID, MAX_ID_CHARS)?;
         let causation_id = optional_text(doc, field::CAUSATION_ID, MAX_ID_CHARS)?;
+        let priority = match doc.get(field::PRIORITY) {
+            None | Some(Bson::Null) => None,
+            Some(Bson::Int32(n)) => Some(priority_in_range(i64::from(*n))?),
+            Some(Bson::Int64(n)) => Some(priority_in_range(*n)?),
+            Some(other) => return Err(EventError::BadPriority(bson_type_name(other))),
+        };
         let chain_depth = match doc.get(field::CHAIN_DEPTH) {
             None | Some(Bson::Null) => 0,
             Some(Bson::Int32(n)) => u32::try_from(*n).map_err(|_| EventError::BadChainDepth(n.to_string()))?,
@@ -392,7 +426,20 @@ impl EventRecord {
             Some(other) => return Err(wrong(field::CREATED_AT, "a date", other)),
             None => return Err(EventError::Missing { field: field::CREATED_AT }),
         };
-        Ok(Self { id, event_type, payload, key, sequence, headers, correlation_id, causation_id, chain_depth, chain_budget, created_at })
+        Ok(Self {
+            id,
+            event_type,
+            payload,
+            key,
+            sequence,
+            headers,
+            correlation_id,
+            causation_id,
+            priority,
+            chain_depth,
+            chain_budget,
+            created_at,
+        })
     }
 }
 
@@ -491,6 +538,26 @@ mod tests {
         event.chain_depth = 3;
         let record = EventRecord::from_document(&event.to_document(None, DateTime::now())).unwrap();
         assert_eq!(record.chain_depth, 3);
+    }
+
+    #[test]
+    fn a_priority_is_an_integer_from_minus_1000_to_1000_stored_only_when_given() {
+        assert!(!NewEvent::new("e", "t", doc! {}).to_document(None, DateTime::now()).contains_key("priority"));
+        let urgent = NewEvent::new("e", "t", doc! {}).with_priority(-1000);
+        assert_eq!(urgent.validate(1024), Ok(()));
+        assert_eq!(EventRecord::from_document(&urgent.to_document(None, DateTime::now())).unwrap().priority, Some(-1000));
+        let error = NewEvent::new("e", "t", doc! {}).with_priority(1001).validate(1024).unwrap_err().to_string();
+        assert!(error.contains("`priority` must be an integer from -1000 to 1000, found 1001"), "{error}");
+        // Other drivers' documents: an int64 in range is read, the rest named.
+        for (value, expected) in [(Bson::Int64(7), Ok(Some(7))), (Bson::Int64(5000), Err("found 5000")), (Bson::String("high".into()), Err("found a string"))] {
+            let mut document = urgent.to_document(None, DateTime::now());
+            document.insert("priority", value);
+            match (EventRecord::from_document(&document), expected) {
+                (Ok(record), Ok(priority)) => assert_eq!(record.priority, priority),
+                (Err(error), Err(named)) => assert!(error.to_string().contains(named), "{error}"),
+                (got, wanted) => panic!("{got:?} where {wanted:?} was expected"),
+            }
+        }
     }
 
     #[test]

@@ -199,11 +199,12 @@ impl<S: Store> Runner for PluginRunner<S> {
         let mut specs = Vec::new();
         for subscription in self.registry.subscriptions() {
             let Some(plugin) = self.registry.plugin_for(&subscription.handler) else { continue };
-            let Controls { throttle, priority, per_key } = (self.controls_for)(&plugin.name, &subscription.handler);
+            let Controls { throttle, priority, priority_from, per_key } = (self.controls_for)(&plugin.name, &subscription.handler);
             specs.push(HandlerSpec {
                 retry: (self.retry_for)(&plugin.name, &subscription.handler),
                 throttle,
                 priority,
+                priority_from,
                 per_key,
                 handler: subscription.handler,
                 event_types: subscription.event_types,
@@ -219,11 +220,12 @@ impl<S: Store> Runner for PluginRunner<S> {
             .into_iter()
             .filter_map(|subscription| {
                 let plugin = self.registry.plugin_for(&subscription.handler)?;
-                let per_key = (self.controls_for)(&plugin.name, &subscription.handler).per_key;
+                let Controls { per_key, priority_from, .. } = (self.controls_for)(&plugin.name, &subscription.handler);
                 Some(Declaration {
                     subscription: store::Subscription::new(subscription.handler, subscription.event_types)
                         .completing_in_transaction(subscription.transactional)
-                        .keyed_by(per_key.map(|limit| limit.key)),
+                        .keyed_by(per_key.map(|limit| limit.key))
+                        .prioritized_by(priority_from),
                     plugin: plugin.name.to_string(),
                     version: plugin.content_hash.clone(),
                 })

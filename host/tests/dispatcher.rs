@@ -86,6 +86,7 @@ fn spec(handler: &str, types: &[&str], retry: RetryPolicy) -> HandlerSpec {
         retry,
         throttle: Throttle::default(),
         priority: 0,
+        priority_from: None,
         per_key: None,
         transactional: false,
     }

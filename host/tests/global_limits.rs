@@ -1,7 +1,7 @@
 //! Limits across hosts: the limiter's contract on both stores (shares that never add up past
 //! the limit, even asked at once; a waiting host's even part; a lapsed share back; one bucket
 //! of tokens for all), and host processes on a real replica set held to a global concurrency
-//! and rate while hosts are killed.
+//! and rate, and to a limit per key, while hosts are killed, and taking priorities per event.
 
 #![allow(async_fn_in_trait)]
 
@@ -238,6 +238,52 @@ async fn three_hosts_keep_to_a_limit_per_key_while_one_is_killed() {
     assert_eq!(most.values().copied().collect::<Vec<_>>(), [2, 2, 2], "two calls of each customer at once, never more: {most:?}");
     assert!(receiver.most_at_once() > 2, "customers ran beside each other: {}", receiver.most_at_once());
     for host in hosts.into_iter().skip(1).chain([replacement]) {
+        host.stop();
+    }
+}
+
+/// Three hosts, two calls at once each, take priorities per event: a backlog of orders of
+/// priority 0 is being called when urgent ones (priority 10) are published; those are called
+/// before nearly all the rest of the backlog (only what was running or about to start when
+/// they were fanned out goes between). A key's events are called in their order whatever
+/// their priorities say.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_hosts_call_the_higher_priorities_first_and_keep_each_keys_order() {
+    let _alone = ONE_DEPLOYMENT_AT_A_TIME.lock().await;
+    let receiver = Receiver::start();
+    receiver.hold.store(false, Ordering::SeqCst);
+    receiver.delay_ms.store(100, Ordering::SeqCst);
+    let config = webhook_config(&receiver, "priority_from = \"event\"").replace("concurrency = 8", "concurrency = 2\nclaim_ahead = 0");
+    let deployment = Deployment::new(&["webhook"], &config).await;
+    let url = format!("http://{}/hooks", receiver.address);
+    let env = [("WEBHOOK_URL", url.as_str())];
+    let hosts: Vec<_> = (0..3).map(|n| deployment.start_with(&format!("host-{n}"), &env)).collect();
+    publish_in_batches(&deployment, orders(150)).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while receiver.bodies().len() < 20 {
+        assert!(Instant::now() < deadline, "the hosts did not call:\n{}", hosts[0].log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut urgent: Vec<NewEvent> =
+        (0..20).map(|n| NewEvent::new(format!("urgent-{n}"), "order.placed", doc! { "n": n }).with_priority(10)).collect();
+    let key_priorities = [0, 10, -5, 10, 0, 10];
+    urgent.extend(key_priorities.iter().enumerate().map(|(n, priority)| {
+        NewEvent::new(format!("keyed-{n}"), "order.placed", doc! { "n": n as i32 }).with_key("k").with_priority(*priority)
+    }));
+    publish_all(deployment.fixture.store(), urgent).await;
+    deployment.wait_until("every order was delivered", Duration::from_secs(120), async |d| d.drained().await).await;
+    let called: Vec<String> = receiver.bodies().iter().map(|b| b["id"].as_str().unwrap_or("?").to_string()).collect();
+    let last_urgent = called.iter().rposition(|id| id.starts_with("urgent-")).expect("the urgent ones were called");
+    let first_urgent = called.iter().position(|id| id.starts_with("urgent-")).unwrap();
+    let orders_between = called[first_urgent..last_urgent].iter().filter(|id| id.starts_with("order-")).count();
+    let orders_after = called[last_urgent..].iter().filter(|id| id.starts_with("order-")).count();
+    eprintln!("{orders_between} orders between the first and last urgent call, {orders_after} after");
+    assert!(orders_between <= 12, "{orders_between} orders of priority 0 went between the urgent ones: {called:?}");
+    assert!(orders_after >= 80, "only {orders_after} orders of the backlog were left after the urgent ones: {called:?}");
+    let keyed: Vec<&String> = called.iter().filter(|id| id.starts_with("keyed-")).collect();
+    let in_order: Vec<String> = (0..key_priorities.len()).map(|n| format!("keyed-{n}")).collect();
+    assert_eq!(keyed, in_order.iter().collect::<Vec<_>>(), "a key's events in their order, whatever their priorities");
+    for host in hosts {
         host.stop();
     }
 }

@@ -69,6 +69,7 @@ fn event() -> EventRecord {
         headers: Default::default(),
         correlation_id: None,
         causation_id: None,
+        priority: None,
         chain_depth: 0,
         chain_budget: None,
         created_at: DateTime::now(),

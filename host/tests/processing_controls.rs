@@ -84,6 +84,7 @@ fn spec(handler: &str, throttle: Throttle) -> HandlerSpec {
         retry: RetryPolicy::default(),
         throttle,
         priority: 0,
+        priority_from: None,
         per_key: None,
         transactional: false,
     }

@@ -16,7 +16,7 @@ use bson::doc;
 use common::*;
 use relayhost::event::{EventError, NewEvent};
 use relayhost::store::{
-    Capacity, ClaimedDelivery, DeliveryFilter, KeyLimits, PerKey, Priorities, Room, Rooms, DeliveryStatus, PurgeOptions, Published, Settlement, Store, StoreError, StoreOptions,
+    Capacity, ClaimedDelivery, DeliveryFilter, KeyLimits, PerKey, PriorityFrom, Priorities, Room, Rooms, DeliveryStatus, PurgeOptions, Published, Settlement, Store, StoreError, StoreOptions,
     StoreTransaction, Subscription, Subscriptions, MALFORMED_EVENT_HANDLER, run_in_transaction, Declaration, Disposal,
     RegisteredHandler,
 };
@@ -42,6 +42,7 @@ both_stores!(
     a_claim_keeps_to_each_handlers_room_and_leaves_the_rest_as_it_was,
     a_handler_limited_per_key_runs_that_many_of_a_payload_key_at_once_unordered,
     a_hand_out_and_a_claim_take_higher_priorities_first_wherever_their_lanes,
+    a_claim_takes_a_handlers_higher_event_priorities_first_and_keeps_each_keys_order,
     keyed_deliveries_run_one_at_a_time_in_sequence_order,
     a_fan_out_creates_the_followers_of_a_key_parked,
     a_backlog_of_many_keys_is_fanned_out_in_publishing_order_not_a_whole_key_at_a_time,
@@ -500,6 +501,62 @@ async fn a_hand_out_and_a_claim_take_higher_priorities_first_wherever_their_lane
     assert_eq!(high.len(), 2, "{:?}", ids(&claimed));
     assert_eq!(claimed.len(), 3);
     assert!(claimed.iter().filter(|c| c.started).all(|c| c.handler == "z-high"), "{claimed:?}");
+}
+
+/// `h` takes priorities per event: a claim takes its deliveries of higher priorities first,
+/// whatever their age, before `g`'s (of `h`'s handler priority, 0, but in order of age); a
+/// key's deliveries keep their order whatever their priorities say. Once in lanes the claimer
+/// holds (a fan-out handed `g`'s out there), once in free lanes it searches.
+async fn a_claim_takes_a_handlers_higher_event_priorities_first_and_keeps_each_keys_order<F: Fixture>() {
+    for lanes_held in [true, false] {
+        let fixture = F::new().await;
+        higher_event_priorities_first(fixture.store(), lanes_held).await;
+    }
+}
+
+async fn higher_event_priorities_first<S: Store>(store: &S, lanes_held: bool) {
+    use relayhost::lane::lane_for_event;
+    let subscriptions =
+        Subscriptions::new([Subscription::new("h", ["t"]).prioritized_by(Some(PriorityFrom::Event)), Subscription::new("g", ["t"])])
+            .unwrap();
+    // Ten of priority 0, all in one lane; three of priority 5; a key whose later event is
+    // the most urgent of all.
+    let backlog_lane = lane_for_event("low-0", None);
+    let lows: Vec<String> = (0..).map(|n| format!("low-{n}")).filter(|id| lane_for_event(id, None) == backlog_lane).take(10).collect();
+    let mut events: Vec<NewEvent> = lows.iter().map(|id| event(id, "t")).collect();
+    // Six more of priority 0 across other lanes, older than the urgent ones.
+    events.extend((0..6).map(|n| event(&format!("spread-{n}"), "t")));
+    events.extend((0..3).map(|n| event(&format!("high-{n}"), "t").with_priority(5)));
+    events.push(keyed("k-0", "t", "k").with_priority(-1));
+    events.push(keyed("k-1", "t", "k").with_priority(9));
+    publish_all(store, events).await;
+    let hand_out = if lanes_held { Capacity::new(50, 50) } else { Capacity::from(0) };
+    let report = store.fan_out(&subscriptions, 100, hand_out, at(T0)).await.unwrap();
+    assert!(report.claimed.iter().all(|c| c.handler == "g"), "`h`'s are left to claims: {:?}", ids(&report.claimed));
+    let priorities = Priorities::new([("h".to_string(), 0), ("g".to_string(), 0)]).per_event(["h".to_string()]);
+    let with = |total: usize| Capacity::new(total, total).ordered_by(priorities.clone());
+
+    let first = store.claim(&handlers(&["h", "g"]), with(3), at(T0 + 1)).await.unwrap();
+    assert_eq!(ids(&first), ["high-0/h", "high-1/h", "high-2/h"], "the highest first; k-1 waits behind k-0 (lanes held: {lanes_held})");
+    let second = store.claim(&handlers(&["h", "g"]), with(2), at(T0 + 2)).await.unwrap();
+    let priority_0 = |c: &ClaimedDelivery| c.event.id.starts_with("low-") || c.event.id.starts_with("spread-");
+    assert!(second.iter().all(|c| c.handler == "h" && priority_0(c)), "then priority 0, before `g`'s: {:?}", ids(&second));
+    // Urgent events in lanes nobody holds go before the rest of the backlog of a held lane.
+    let held: BTreeSet<u8> = first.iter().chain(&second).map(|c| c.lease.lane).chain([lane_for_event("k-0", Some("k"))]).collect();
+    let urgent: Vec<String> = (0..).map(|n| format!("urgent-{n}")).filter(|id| !held.contains(&lane_for_event(id, None))).take(2).collect();
+    publish_all(store, urgent.iter().map(|id| event(id, "t").with_priority(8)).collect()).await;
+    fan_out_all(store, &subscriptions, at(T0 + 3)).await;
+    let third = store.claim(&handlers(&["h", "g"]), with(2), at(T0 + 4)).await.unwrap();
+    assert_eq!(ids(&third), urgent.iter().map(|id| format!("{id}/h")).collect::<Vec<_>>(), "lanes held: {lanes_held}");
+
+    let rest = store.claim(&handlers(&["h", "g"]), with(50), at(T0 + 5)).await.unwrap();
+    let of_h: Vec<String> = ids(&rest).into_iter().filter(|id| id.ends_with("/h")).collect();
+    assert!(of_h.contains(&"k-0/h".to_string()) && !of_h.contains(&"k-1/h".to_string()), "{of_h:?}");
+    assert_eq!(of_h.len(), 16 - 2 + 1, "the rest of `h`'s but k-1: {of_h:?}");
+    let k0 = rest.iter().find(|c| c.event.id == "k-0" && c.handler == "h").unwrap().lease;
+    store.complete_many(&[k0], at(T0 + 6)).await.unwrap();
+    let after = store.claim(&handlers(&["h"]), with(50), at(T0 + 7)).await.unwrap();
+    assert_eq!(ids(&after), ["k-1/h"], "k-1 once k-0 is done");
 }
 
 async fn keyed_deliveries_run_one_at_a_time_in_sequence_order<F: Fixture>() {

@@ -579,6 +579,8 @@ mod tests {
             ("[plugin.x]\nrate = { max = 5, per = \"1s\", burst = 0 }", "plugin.x.rate.burst"),
             ("[plugin.x]\nrate = { max = 5, per = \"3days\" }", "plugin.x.rate.per"),
             ("[plugin.x]\nper_key = { limit = 0 }", "plugin.x.per_key.limit"),
+            ("[plugin.x]\npriority_from = \"payload\"", "plugin.x.priority_from"),
+            ("[defaults]\npriority_from = 5", "priority_from"),
             ("[plugin.x.handler.h]\nper_key = { limit = 2, key = \"customer\" }", "plugin.x.handler.h.per_key.key"),
             ("[plugin.x]\nper_key = { limit = 2, by = \"/customer\" }", "by"),
         ];

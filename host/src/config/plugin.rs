@@ -109,6 +109,7 @@ pub struct Processing {
     pub concurrency: Option<usize>,
     pub rate: Option<GlobalRateConfig>,
     pub priority: Option<i32>,
+    pub priority_from: Option<String>,
     pub per_key: Option<PerKeyConfig>,
 }
 
@@ -150,6 +151,9 @@ pub struct PluginConfig {
     pub rate: Option<GlobalRateConfig>,
     /// Of due deliveries, those of its handlers go before those of lower priorities.
     pub priority: Option<i32>,
+    /// Where each delivery's priority among its handler's comes from: `event` (its event's
+    /// `priority`) or a JSON pointer into the payload; absent, its handler's priority alone.
+    pub priority_from: Option<String>,
     /// Several deliveries of one key at once, unordered (one at a time in order when absent).
     pub per_key: Option<PerKeyConfig>,
     pub grants: GrantsConfig,
@@ -167,6 +171,7 @@ impl PluginConfig {
             concurrency: self.concurrency,
             rate: self.rate,
             priority: self.priority,
+            priority_from: self.priority_from.clone(),
             per_key: self.per_key.clone(),
         }
     }
@@ -185,9 +190,19 @@ pub(super) fn validate_plugin(section: &str, plugin: &PluginConfig) -> Result<()
             return Err(invalid(format!("{section}.handler"), format!("{handler:?} is not a handler id")));
         }
         // A handler's settings are checked as its plugin's same fields are.
-        let Processing { retry, concurrency_per_host, rate_per_host, concurrency, rate, priority, per_key } = processing.clone();
-        let alone =
-            PluginConfig { retry, concurrency_per_host, rate_per_host, concurrency, rate, priority, per_key, ..PluginConfig::default() };
+        let Processing { retry, concurrency_per_host, rate_per_host, concurrency, rate, priority, priority_from, per_key } =
+            processing.clone();
+        let alone = PluginConfig {
+            retry,
+            concurrency_per_host,
+            rate_per_host,
+            concurrency,
+            rate,
+            priority,
+            priority_from,
+            per_key,
+            ..PluginConfig::default()
+        };
         validate_plugin(&format!("{section}.handler.{handler}"), &alone)?;
     }
     if plugin.fuel == Some(0) {
@@ -223,6 +238,14 @@ pub(super) fn validate_plugin(section: &str, plugin: &PluginConfig) -> Result<()
         return Err(invalid(format!("{section}.priority"), "must be between -1000 and 1000"));
     }
     range("concurrency", plugin.concurrency.map(|n| n as u64), 1, 100_000, "between 1 and 100000")?;
+    if let Some(from) = &plugin.priority_from {
+        if crate::store::PriorityFrom::parse(from).is_none() || from.len() > 256 || from.chars().any(char::is_control) {
+            return Err(invalid(
+                format!("{section}.priority_from"),
+                "must be \"event\" or a JSON pointer into the payload, such as \"/urgency\" (at most 256 bytes)",
+            ));
+        }
+    }
     if let Some(per_key) = &plugin.per_key {
         range("per_key.limit", Some(per_key.limit as u64), 1, 10_000, "between 1 and 10000")?;
         let pointer = per_key.key.as_deref().unwrap_or("/");

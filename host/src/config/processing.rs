@@ -42,6 +42,7 @@ impl Config {
         crate::dispatch::Controls {
             throttle: self.throttle_for(plugin, handler),
             priority: self.priority_for(plugin, handler),
+            priority_from: self.processing(plugin, handler, |p| p.priority_from.as_deref().and_then(crate::store::PriorityFrom::parse)),
             per_key: self.per_key_for(plugin, handler),
         }
     }
@@ -107,5 +108,14 @@ mod tests {
         assert_eq!(config.controls_for("mail", "receipts").per_key, Some(receipts));
         assert_eq!(config.per_key_for("mail", "digest"), Some(KeyLimit { limit: 3, key: PerKey::EventKey }));
         assert_eq!(config.per_key_for("other", "h"), None, "one at a time, in order, unless set");
+    }
+
+    #[test]
+    fn priority_from_is_the_events_or_a_payload_field_inherited_like_the_rest() {
+        use crate::store::PriorityFrom;
+        let config = load("[defaults]\npriority_from = \"event\"\n[plugin.mail.handler.receipts]\npriority_from = \"/urgency\"", &[]).unwrap();
+        assert_eq!(config.controls_for("mail", "receipts").priority_from, Some(PriorityFrom::Payload("/urgency".to_string())));
+        assert_eq!(config.controls_for("mail", "digest").priority_from, Some(PriorityFrom::Event));
+        assert_eq!(load("", &[]).unwrap().controls_for("mail", "digest").priority_from, None);
     }
 }

@@ -572,6 +572,7 @@ fn key_limits(specs: &[HandlerSpec]) -> KeyLimits {
 /// The handlers' priorities, as claims and hand-outs take them.
 fn priorities(specs: &[HandlerSpec]) -> Priorities {
     Priorities::new(specs.iter().map(|spec| (spec.handler.clone(), spec.priority)))
+        .per_event(specs.iter().filter(|spec| spec.priority_from.is_some()).map(|spec| spec.handler.clone()))
 }
 
 async fn sleep_until_some(at: Option<Instant>) {

@@ -71,6 +71,7 @@ impl KnownHandlers {
             Subscription::new(s.handler.clone(), s.event_types.iter().cloned())
                 .completing_in_transaction(s.transactional)
                 .keyed_by(s.per_key.as_ref().map(|limit| limit.key.clone()))
+                .prioritized_by(s.priority_from.clone())
         });
         Some(fan_out_subscriptions(local, &known))
     }

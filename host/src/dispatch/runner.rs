@@ -6,7 +6,7 @@ use std::future::Future;
 use std::pin::Pin;
 
 use super::{AttemptResult, RetryPolicy, Throttle};
-use crate::store::PerKey;
+use crate::store::{PerKey, PriorityFrom};
 
 /// How the operator has one handler's deliveries processed: its throttle, its priority, and
 /// how many of one key run at once (see [`HandlerSpec`]). The default limits nothing, puts
@@ -15,6 +15,7 @@ use crate::store::PerKey;
 pub struct Controls {
     pub throttle: Throttle,
     pub priority: i32,
+    pub priority_from: Option<PriorityFrom>,
     pub per_key: Option<KeyLimit>,
 }
 
@@ -38,6 +39,9 @@ pub struct HandlerSpec {
     /// Of due deliveries, those of handlers of a higher priority are claimed, handed out and
     /// started first (0 by default).
     pub priority: i32,
+    /// Of its due deliveries, those of higher priorities (as its events say) go first
+    /// (`None`: in the order they are due).
+    pub priority_from: Option<PriorityFrom>,
     /// Completes inside its own transaction: its lease is not renewed (a renewal would
     /// conflict with that completion), so the lease must outlast it.
     pub transactional: bool,
@@ -67,7 +71,8 @@ pub trait Runner: Send + Sync + 'static {
             .map(|spec| Declaration {
                 subscription: Subscription::new(spec.handler, spec.event_types)
                     .completing_in_transaction(spec.transactional)
-                    .keyed_by(spec.per_key.map(|limit| limit.key)),
+                    .keyed_by(spec.per_key.map(|limit| limit.key))
+                    .prioritized_by(spec.priority_from),
                 plugin: String::new(),
                 version: String::new(),
             })

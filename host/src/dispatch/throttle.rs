@@ -160,6 +160,7 @@ mod tests {
             retry: Default::default(),
             throttle,
             priority: 0,
+            priority_from: None,
             per_key: None,
             transactional: false,
         };

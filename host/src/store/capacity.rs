@@ -4,7 +4,7 @@
 //! what callers pass in; the claim keeps to it (`claim/plan.rs`), so does a hand-out
 //! (`fan_out::fresh`), and nothing here decides a limit or a priority.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 /// How many deliveries a claim or a hand-out may take (`total`), and how many of them start
@@ -117,10 +117,17 @@ impl KeyLimits {
     }
 }
 
-/// The priority of each handler (0 unless named): of due deliveries, those of a higher
-/// priority are taken first.
+/// The priority of each handler (0 unless named), and the handlers that take priorities per
+/// event (see [`crate::store::PriorityFrom`]): of due deliveries, those of a higher handler
+/// priority are taken first, and of one such handler, those of a higher delivery priority.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Priorities(Option<Arc<BTreeMap<String, i32>>>);
+pub struct Priorities(Option<Arc<Ranks>>);
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Ranks {
+    by_handler: BTreeMap<String, i32>,
+    per_event: BTreeSet<String>,
+}
 
 impl Priorities {
     /// The priorities of every handler (`priorities`); none when they are all equal: one tier
@@ -130,28 +137,45 @@ impl Priorities {
         if all.iter().all(|(_, priority)| Some(priority) == all.first().map(|(_, first)| first)) {
             return Self::default();
         }
-        let priorities: BTreeMap<String, i32> = all.into_iter().filter(|(_, priority)| *priority != 0).collect();
-        Self(Some(Arc::new(priorities)))
+        let by_handler: BTreeMap<String, i32> = all.into_iter().filter(|(_, priority)| *priority != 0).collect();
+        Self(Some(Arc::new(Ranks { by_handler, per_event: BTreeSet::new() })))
     }
 
-    /// Whether no handler goes before another (all share one priority).
+    /// The same, `handlers` taking priorities per event: each is a tier of its own (with the
+    /// others of its priority that do), just above the handlers of its priority that do not,
+    /// and its deliveries are read in their priorities' order.
+    pub fn per_event(self, handlers: impl IntoIterator<Item = String>) -> Self {
+        let per_event: BTreeSet<String> = handlers.into_iter().collect();
+        if per_event.is_empty() {
+            return self;
+        }
+        let by_handler = self.0.map(|ranks| ranks.by_handler.clone()).unwrap_or_default();
+        Self(Some(Arc::new(Ranks { by_handler, per_event })))
+    }
+
+    /// Whether no handler goes before another, and none takes priorities per event.
     pub fn is_empty(&self) -> bool {
         self.0.is_none()
     }
 
     pub fn of(&self, handler: &str) -> i32 {
-        self.0.as_ref().and_then(|priorities| priorities.get(handler).copied()).unwrap_or(0)
+        self.0.as_ref().and_then(|ranks| ranks.by_handler.get(handler).copied()).unwrap_or(0)
+    }
+
+    /// Whether `handler` takes priorities per event.
+    pub fn per_event_of(&self, handler: &str) -> bool {
+        self.0.as_ref().is_some_and(|ranks| ranks.per_event.contains(handler))
     }
 
     /// `handlers` in groups of one priority each, the highest first (one group when none has a
-    /// priority of its own).
+    /// priority of its own); of one priority, those that take priorities per event first.
     pub fn tiers(&self, handlers: &[String]) -> Vec<Vec<String>> {
         if self.0.is_none() {
             return vec![handlers.to_vec()];
         }
-        let mut by_priority: BTreeMap<std::cmp::Reverse<i32>, Vec<String>> = BTreeMap::new();
+        let mut by_priority: BTreeMap<(std::cmp::Reverse<i32>, bool), Vec<String>> = BTreeMap::new();
         for handler in handlers {
-            by_priority.entry(std::cmp::Reverse(self.of(handler))).or_default().push(handler.clone());
+            by_priority.entry((std::cmp::Reverse(self.of(handler)), !self.per_event_of(handler))).or_default().push(handler.clone());
         }
         by_priority.into_values().collect()
     }
@@ -172,5 +196,9 @@ mod tests {
         let equal = Priorities::new([("x".to_string(), 3), ("y".to_string(), 3)]);
         assert!(equal.is_empty(), "one tier is no priority at all");
         assert_eq!(equal.tiers(&handlers), [handlers.clone()]);
+        // Taking priorities per event: a tier of its own above its priority's others.
+        let by_event = equal.per_event(["b".to_string()]);
+        assert!(!by_event.is_empty() && by_event.per_event_of("b"));
+        assert_eq!(by_event.tiers(&handlers), [named(&["b"]), named(&["a", "c", "d"])]);
     }
 }

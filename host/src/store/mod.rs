@@ -42,7 +42,7 @@ pub use capacity::{Capacity, KeyLimits, Priorities, Room, Rooms};
 pub use error::StoreError;
 pub use handler_documents::HandlerDocuments;
 pub use lease::Lease;
-pub use subscriptions::{PerKey, Subscription, Subscriptions};
+pub use subscriptions::{PerKey, PriorityFrom, Subscription, Subscriptions};
 pub use registry::{Declaration, Disposal, RegisteredHandler, RetireReport};
 pub use listing::{DeliveryFilter, DeliveryPage, DeliveryView, EventHistory, HandlerStatistics, LaneView, Listed, Membership, PurgeReport};
 pub use transaction::{Retrying, TRANSACTION_RETRY_LIMIT, run_in_transaction};

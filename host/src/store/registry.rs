@@ -40,6 +40,8 @@ pub struct RegisteredHandler {
     pub in_transaction: bool,
     /// How its deliveries of one key run, as declared last (see [`Subscription::per_key`]).
     pub per_key: Option<super::PerKey>,
+    /// Where it takes priorities per event from, as declared last.
+    pub priority_from: Option<super::PriorityFrom>,
     /// The plugin and version that declared it last.
     pub plugin: String,
     pub version: String,
@@ -154,6 +156,7 @@ pub fn fan_out_subscriptions(
             Subscription::new(record.handler.clone(), record.event_types.iter().cloned())
                 .completing_in_transaction(record.in_transaction)
                 .keyed_by(record.per_key.clone())
+                .prioritized_by(record.priority_from.clone())
                 .claimed_only(true),
         );
     }
@@ -170,6 +173,7 @@ mod tests {
             event_types: types.iter().map(|t| t.to_string()).collect(),
             in_transaction: false,
             per_key: None,
+            priority_from: None,
             plugin: "p".to_string(),
             version: "v".to_string(),
             first_seen: DateTime::from_millis(0),

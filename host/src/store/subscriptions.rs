@@ -21,6 +21,55 @@ pub struct Subscription {
     /// How its deliveries of one key run: `None`, one at a time in their key's order (the
     /// event's key); else several at once, unordered, by the key [`PerKey`] names.
     pub per_key: Option<PerKey>,
+    /// Where each delivery's priority comes from, for a handler that takes one per event
+    /// (`None`: its deliveries are of its handler's priority alone).
+    pub priority_from: Option<PriorityFrom>,
+}
+
+/// Where a handler that takes priorities per event finds each one: the event's `priority`
+/// (see [`crate::event::field::PRIORITY`]) or an integer at a JSON pointer in its payload. A
+/// fan-out computes it once, as the delivery's `priority` (0 when the event has none, clamped
+/// to -1000..=1000), and claims take the higher first among its handler's deliveries (see
+/// [`crate::store::Priorities`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PriorityFrom {
+    Event,
+    Payload(String),
+}
+
+impl PriorityFrom {
+    /// `event` for the event's priority, else a JSON pointer into the payload (starting with
+    /// `/`); `None` for anything else.
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "event" => Some(Self::Event),
+            pointer if pointer.starts_with('/') => Some(Self::Payload(pointer.to_string())),
+            _ => None,
+        }
+    }
+
+    /// As [`PriorityFrom::parse`] reads it.
+    pub fn text(&self) -> &str {
+        match self {
+            Self::Event => "event",
+            Self::Payload(pointer) => pointer,
+        }
+    }
+
+    /// `event`'s priority under it: 0 when it has none (or the payload's value is no integer).
+    pub fn priority_of(&self, event: &EventRecord) -> i32 {
+        let found = match self {
+            Self::Event => event.priority.map(i64::from),
+            Self::Payload(pointer) => match pointer_into(&event.payload, pointer) {
+                Some(bson::Bson::Int32(n)) => Some(i64::from(*n)),
+                Some(bson::Bson::Int64(n)) => Some(*n),
+                Some(bson::Bson::Double(n)) if n.fract() == 0.0 && n.is_finite() => Some(*n as i64),
+                _ => None,
+            },
+        };
+        let range = crate::event::PRIORITY_RANGE;
+        found.map_or(0, |n| n.clamp(*range.start(), *range.end()) as i32)
+    }
 }
 
 /// The key a handler's deliveries are counted by when it runs up to a limit of one key at
@@ -92,7 +141,13 @@ impl Subscription {
             in_transaction: false,
             claims_only: false,
             per_key: None,
+            priority_from: None,
         }
+    }
+
+    /// The same, each delivery of the priority `priority_from` finds in its event.
+    pub fn prioritized_by(self, priority_from: Option<PriorityFrom>) -> Self {
+        Self { priority_from, ..self }
     }
 
     /// The same, its deliveries of one key running several at once, by `per_key`'s key.
@@ -121,6 +176,7 @@ pub struct Subscriptions {
     in_transaction: BTreeSet<String>,
     claims_only: BTreeSet<String>,
     per_key: BTreeMap<String, PerKey>,
+    priority_from: BTreeMap<String, PriorityFrom>,
 }
 
 impl Subscriptions {
@@ -155,13 +211,16 @@ impl Subscriptions {
             if subscription.in_transaction {
                 result.in_transaction.insert(handler.clone());
             }
-            // Counted by the holder of their key's lane, they are never handed out by a
-            // fan-out, which may run in another host's lane.
-            if subscription.claims_only || subscription.per_key.is_some() {
+            // Counted by the holder of their key's lane, or to be taken in their priorities'
+            // order, they are never handed out by a fan-out, which takes neither into account.
+            if subscription.claims_only || subscription.per_key.is_some() || subscription.priority_from.is_some() {
                 result.claims_only.insert(handler.clone());
             }
             if let Some(per_key) = subscription.per_key {
                 result.per_key.insert(handler.clone(), per_key);
+            }
+            if let Some(from) = subscription.priority_from {
+                result.priority_from.insert(handler.clone(), from);
             }
             for event_type in subscription.event_types {
                 result.by_type.entry(event_type).or_default().insert(handler.clone());
@@ -189,6 +248,11 @@ impl Subscriptions {
     /// for one at a time in order.
     pub fn per_key(&self, handler: &str) -> Option<&PerKey> {
         self.per_key.get(handler)
+    }
+
+    /// Where `handler` takes each delivery's priority from, if it takes one per event.
+    pub fn priority_from(&self, handler: &str) -> Option<&PriorityFrom> {
+        self.priority_from.get(handler)
     }
 
     /// Whether `handler`'s deliveries are only ever claimed, never handed out.
@@ -222,5 +286,20 @@ mod tests {
         assert_eq!(with("/customer/id/deeper"), None);
         assert_eq!(PerKey::EventKey.key_of(&event(payload.clone(), Some("k"))).as_deref(), Some("k"));
         assert_eq!(PerKey::EventKey.key_of(&event(payload, None)), None);
+    }
+
+    #[test]
+    fn a_priority_per_event_is_the_events_or_an_integer_in_its_payload_else_0() {
+        let payload = bson::doc! { "urgency": 7, "big": 1_000_000_i64, "whole": 3.0, "half": 2.5, "text": "9" };
+        let of = |from: &str, priority: Option<i32>| {
+            let mut event = event(payload.clone(), None);
+            event.priority = priority;
+            PriorityFrom::parse(from).unwrap().priority_of(&event)
+        };
+        assert_eq!((of("event", Some(-3)), of("event", None)), (-3, 0));
+        assert_eq!((of("/urgency", Some(-3)), of("/big", None), of("/whole", None)), (7, 1000, 3), "clamped to 1000");
+        assert_eq!((of("/half", None), of("/text", None), of("/missing", None)), (0, 0, 0), "no integer: 0");
+        assert_eq!(PriorityFrom::parse("urgency"), None);
+        assert_eq!(PriorityFrom::parse("/a").map(|p| p.text().to_string()).as_deref(), Some("/a"));
     }
 }

@@ -88,6 +88,9 @@ pub struct PublishArgs {
     event_type: String,
     #[arg(long)]
     key: Option<String>,
+    /// Its priority (-1000 to 1000), for handlers that take priorities per event.
+    #[arg(long, allow_hyphen_values = true)]
+    priority: Option<i32>,
     /// The payload: a JSON object (extended JSON accepted).
     #[arg(long)]
     payload: String,
@@ -151,7 +154,7 @@ pub async fn check(config: &Config) -> Result<ExitCode> {
 /// How the operator set a handler of a plugin to be processed, as `check` shows it: its
 /// throttle, per-key limit and priority, when they are not the defaults.
 fn processing(config: &Config, plugin: &str, handler: &str) -> String {
-    let relayhost::dispatch::Controls { throttle, priority, per_key } = config.controls_for(plugin, handler);
+    let relayhost::dispatch::Controls { throttle, priority, priority_from, per_key } = config.controls_for(plugin, handler);
     let mut said = Vec::new();
     if let Some(concurrency) = throttle.concurrency {
         said.push(format!("at most {concurrency} at once per host"));
@@ -172,6 +175,11 @@ fn processing(config: &Config, plugin: &str, handler: &str) -> String {
     }
     if priority != 0 {
         said.push(format!("priority {priority}"));
+    }
+    match priority_from {
+        Some(relayhost::store::PriorityFrom::Event) => said.push("each event's priority first".to_string()),
+        Some(relayhost::store::PriorityFrom::Payload(pointer)) => said.push(format!("priority per event from payload {pointer}")),
+        None => {}
     }
     if said.is_empty() { String::new() } else { format!(" [{}]", said.join(", ")) }
 }
@@ -415,6 +423,9 @@ pub async fn publish(config: &Config, args: PublishArgs) -> Result<ExitCode> {
     let payload = parse_payload(&args.payload)?;
     let id = args.id.unwrap_or_else(|| bson::oid::ObjectId::new().to_hex());
     let mut event = NewEvent::new(&id, &args.event_type, payload);
+    if let Some(priority) = args.priority {
+        event = event.with_priority(priority);
+    }
     if let Some(key) = args.key {
         event = event.with_key(key);
     }

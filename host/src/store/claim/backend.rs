@@ -66,13 +66,47 @@ impl LaneState {
     }
 }
 
-/// What a read of candidates leaves out: deliveries the claim knows run (the oldest rows of
-/// a held lane are often its running ones), and the keys whose handler's limit of one key at
-/// once is reached (see [`crate::store::PerKey`]): their rows would only be passed over.
+/// One read of candidates: in which order, from where, and what it leaves out: deliveries the
+/// claim knows run (the oldest rows of a held lane are often its running ones), and the keys
+/// whose handler's limit of one key at once is reached (see [`crate::store::PerKey`]): their
+/// rows would only be passed over.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Skip<'a> {
+pub(crate) struct CandidateRead<'a> {
+    pub order: ReadOrder,
+    /// The last row of the page before, in `order`.
+    pub after: Option<After>,
     pub running: &'a HashSet<DeliveryId>,
     pub full_keys: &'a [HandlerKey],
+}
+
+/// The order a claim reads candidates in: the oldest due first, or, for handlers that take
+/// priorities per event (see [`crate::store::PriorityFrom`]), the highest delivery priority
+/// first and then the oldest due (only deliveries that have a priority).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ReadOrder {
+    Due,
+    Priority,
+}
+
+/// Where a read of candidates goes on from: after this row, in its order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct After {
+    pub priority: Option<i32>,
+    pub due_at: DateTime,
+    pub id: DeliveryId,
+}
+
+impl<'a> CandidateRead<'a> {
+    /// The first page in due order, leaving out only `running`.
+    pub fn plain(running: &'a HashSet<DeliveryId>) -> Self {
+        Self { order: ReadOrder::Due, after: None, running, full_keys: &[] }
+    }
+}
+
+impl After {
+    pub fn of(row: &Candidate) -> Self {
+        Self { priority: row.priority, due_at: row.due_at, id: row.id }
+    }
 }
 
 /// A due, ready delivery found in a leased lane.
@@ -86,6 +120,8 @@ pub(crate) struct Candidate {
     /// [`crate::store::PerKey`]): a claim takes no more of it than the handler's limit, less
     /// what of the key runs in its lane.
     pub group: Option<String>,
+    /// Its priority among its handler's deliveries (see [`crate::store::PriorityFrom`]).
+    pub priority: Option<i32>,
     pub lane: LaneId,
     pub due_at: DateTime,
     pub claims: i64,
@@ -221,6 +257,10 @@ pub(crate) struct DueWork<'a> {
     pub before: DateTime,
     pub others: &'a BTreeSet<LaneId>,
     pub others_before: DateTime,
+    /// The order of the claim's read: lanes with the first work in it come first.
+    pub order: ReadOrder,
+    /// In [`ReadOrder::Priority`]: only work of a priority above this counts.
+    pub above: Option<i32>,
 }
 
 impl DueWork<'_> {
@@ -297,15 +337,13 @@ pub(crate) trait ClaimBackend: Sync {
     ) -> impl Future<Output = Result<Vec<bool>, StoreError>> + Send;
     /// The entries whose delivery is still pending at the listed claim generation.
     fn current(&self, entries: &[InFlight]) -> impl Future<Output = Result<HashSet<DeliveryId>, StoreError>> + Send;
-    /// Due, ready deliveries of `handlers` in `lanes`, in `(dueAt, _id)` order after `after`,
-    /// leaving out what `skip` names.
+    /// Due, ready deliveries of `handlers` in `lanes`, as `read` says.
     fn candidates(
         &self,
         lanes: &[LaneId],
         handlers: &[String],
         now: DateTime,
-        after: Option<(DateTime, DeliveryId)>,
-        skip: Skip<'_>,
+        read: CandidateRead<'_>,
         limit: usize,
     ) -> impl Future<Output = Result<Vec<Candidate>, StoreError>> + Send;
     /// The lowest-sequence pending delivery of each (handler, key).

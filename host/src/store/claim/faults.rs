@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use bson::{DateTime, Document, doc};
 
 use super::{
-    Candidate, ClaimBackend, DueWork, HandlerKey, Holder, InFlight, LaneRecord, LaneSearch, LaneState, LaneWrite, Skip, Unpark,
+    Candidate, ClaimBackend, DueWork, HandlerKey, Holder, InFlight, LaneRecord, LaneSearch, LaneState, LaneWrite, CandidateRead, Unpark,
 };
 use crate::store::memory::MemoryStore;
 use crate::store::{DeliveryId, Lease, Settlement, Store, StoreError, Subscription, Subscriptions, run_in_transaction};
@@ -132,11 +132,10 @@ impl<B: ClaimBackend + Send, S: Store> ClaimBackend for Faulty<'_, B, S> {
         lanes: &[LaneId],
         handlers: &[String],
         now: DateTime,
-        after: Option<(DateTime, DeliveryId)>,
-        skip: Skip<'_>,
+        read: CandidateRead<'_>,
         limit: usize,
     ) -> Result<Vec<Candidate>, StoreError> {
-        self.inner.candidates(lanes, handlers, now, after, skip, limit).await
+        self.inner.candidates(lanes, handlers, now, read, limit).await
     }
     async fn key_heads(&self, keys: &[HandlerKey]) -> Result<HashMap<HandlerKey, DeliveryId>, StoreError> {
         self.inner.key_heads(keys).await
@@ -438,7 +437,7 @@ async fn death_before_failed_charge_was_made<S: Store + Parts>(a: &S, b: &S, c: 
 async fn fresh<B: ClaimBackend>(backend: &B, now: DateTime) -> super::Fresh {
     let lane = crate::lane::lane_for_event("e-1", None);
     let handlers = vec!["h".to_string()];
-    let candidate = backend.candidates(&[lane], &handlers, now, None, Skip { running: &HashSet::new(), full_keys: &[] }, 10).await.unwrap().remove(0);
+    let candidate = backend.candidates(&[lane], &handlers, now, CandidateRead::plain(&HashSet::new()), 10).await.unwrap().remove(0);
     let event = crate::event::EventRecord::from_document(&backend.events(&["e-1".to_string()]).await.unwrap()["e-1"]).unwrap();
     super::Fresh { candidate, event }
 }
@@ -472,6 +471,7 @@ async fn lists_lost_before_the_mark<S: Store + Parts>(a: &S, _b: &S, c: &S) {
         handler: "h".to_string(),
         key: None,
         group: None,
+        priority: None,
         lane: crate::lane::lane_for_event("e-1", None),
         due_at: now,
         claims: 0,

@@ -379,7 +379,9 @@ impl Claimer {
         let assignment = self.assignment();
         let (lanes, theirs): (Vec<LaneId>, Vec<LaneId>) = mine.keys().copied().partition(|lane| assignment.is_mine(*lane));
         let unread = scan(backend, plan, &lanes, handlers, now).await?;
-        if plan.full() && !unread.is_empty() && self.unread_lanes_check.due(now) {
+        // Older work goes before younger only where age is the order.
+        let by_age = plan.read_order(handlers) == ReadOrder::Due;
+        if by_age && plan.full() && !unread.is_empty() && self.unread_lanes_check.due(now) {
             older_work_of_unread_lanes(backend, plan, unread, handlers).await?;
         }
         if !theirs.is_empty() && !plan.full() {
@@ -395,7 +397,10 @@ impl Claimer {
     /// nobody holds: a lane kept busy by a steady stream would then keep the others waiting
     /// for as long as the stream lasts. At most once a second (it costs a query), free lanes
     /// with work due before the claim's youngest pick are taken and scanned for that work,
-    /// which takes the place of the youngest picks. Then more lanes, in growing rounds (4, 8,
+    /// which takes the place of the youngest picks. Where priorities per event are the order,
+    /// at every claim the held lanes filled, free lanes with work of a higher priority than
+    /// its lowest pick take the place of the lowest picks the same way. Then more lanes, in
+    /// growing rounds (4, 8,
     /// 16, ... or as many as the due work seen in them says the batch still needs, if more).
     #[allow(clippy::too_many_arguments)]
     async fn take_free_lanes<B: ClaimBackend>(
@@ -419,21 +424,27 @@ impl Claimer {
         let assignment = self.assignment();
         let others: BTreeSet<LaneId> = (0..=LaneId::MAX).filter(|lane| !assignment.is_mine(*lane)).collect();
         let others_before = self.stale_before(now);
-        if plan.full() && self.fairness_check.due(now) {
-            if let Some(youngest) = plan.youngest_due() {
-                let before = DateTime::from_millis(youngest.timestamp_millis() - 1);
-                let half = (plan.limit / 2).max(1);
-                let due = DueWork { exclude: &tried, before, others: &others, others_before };
-                let older = backend.free_lanes_with_due_work(&plan.open_handlers(handlers), due, FAIRNESS_LANES, half).await?;
-                if !older.is_empty() {
-                    let lanes: Vec<LaneId> = older.iter().map(|(lane, _)| *lane).collect();
-                    tried.extend(lanes.iter().copied());
-                    let taken = self.take(backend, held, &lanes, now, until).await?;
-                    let new_lanes = adopt(held, mine, taken);
-                    self.forget_heads_in(plan);
-                    plan.make_room(older.iter().map(|(_, due)| due).sum::<usize>().min(half));
-                    scan(backend, plan, &new_lanes, handlers, before).await?;
-                }
+        let order = plan.read_order(handlers);
+        // What goes before the picks the held lanes gave: work due before the youngest pick
+        // (up to half the claim), or of a priority above the lowest pick's (up to all of it).
+        let first_elsewhere = match order {
+            ReadOrder::Due if plan.full() && self.fairness_check.due(now) => plan
+                .youngest_due()
+                .map(|youngest| (DateTime::from_millis(youngest.timestamp_millis() - 1), None, (plan.limit / 2).max(1))),
+            ReadOrder::Priority if plan.full() => plan.lowest_priority(handlers).map(|lowest| (now, Some(lowest), plan.limit)),
+            _ => None,
+        };
+        if let Some((before, above, most)) = first_elsewhere {
+            let due = DueWork { exclude: &tried, before, others: &others, others_before, order, above };
+            let first = backend.free_lanes_with_due_work(&plan.open_handlers(handlers), due, FAIRNESS_LANES, most).await?;
+            if !first.is_empty() {
+                let lanes: Vec<LaneId> = first.iter().map(|(lane, _)| *lane).collect();
+                tried.extend(lanes.iter().copied());
+                let taken = self.take(backend, held, &lanes, now, until).await?;
+                let new_lanes = adopt(held, mine, taken);
+                self.forget_heads_in(plan);
+                plan.make_room(first.iter().map(|(_, due)| due).sum::<usize>().min(most));
+                scan(backend, plan, &new_lanes, handlers, before).await?;
             }
         }
         // More lanes, in growing rounds (4, 8, 16, ... or as many as the due work seen in them
@@ -447,7 +458,7 @@ impl Claimer {
             if missing == 0 {
                 break;
             }
-            let due = DueWork { exclude: &tried, before: now, others: &others, others_before };
+            let due = DueWork { exclude: &tried, before: now, others: &others, others_before, order, above: None };
             let found = backend.free_lanes_with_due_work(&open, due, MAX_LANES_PER_QUERY, missing).await?;
             if found.is_empty() {
                 break;

@@ -92,6 +92,13 @@ impl Plan {
         roomed.map_or(left, |rooms| rooms.min(left))
     }
 
+    /// The order `handlers`' deliveries are read in: a tier of handlers that take priorities
+    /// per event in theirs (see `Priorities::tiers`: such handlers share a tier with no other).
+    pub(super) fn read_order(&self, handlers: &[String]) -> ReadOrder {
+        let by_event = !handlers.is_empty() && handlers.iter().all(|handler| self.priorities.per_event_of(handler));
+        if by_event { ReadOrder::Priority } else { ReadOrder::Due }
+    }
+
     /// Whether it may pick more of `handler`'s deliveries.
     fn has_room_for(&self, handler: &str) -> bool {
         self.rooms.get(handler) != Some(&0)
@@ -108,6 +115,11 @@ impl Plan {
         self.picks.len() >= self.limit
     }
 
+    /// The lowest delivery priority among its picks of `handlers`.
+    pub(super) fn lowest_priority(&self, handlers: &[String]) -> Option<i32> {
+        self.picks.iter().filter(|pick| handlers.contains(&pick.handler)).map(|pick| pick.priority.unwrap_or(i32::MIN)).min()
+    }
+
     pub(super) fn youngest_due(&self) -> Option<DateTime> {
         self.picks.iter().map(|pick| pick.due_at).max()
     }
@@ -116,7 +128,7 @@ impl Plan {
     /// in priority and due order.
     pub(super) fn make_room(&mut self, n: usize) {
         let priorities = &self.priorities;
-        self.picks.sort_by_key(|pick| (std::cmp::Reverse(priorities.of(&pick.handler)), pick.due_at, pick.id));
+        self.picks.sort_by_key(|pick| (std::cmp::Reverse((priorities.of(&pick.handler), pick.priority)), pick.due_at, pick.id));
         let keep = self.picks.len().saturating_sub(n);
         for pick in self.picks.drain(keep..) {
             if let Some(room) = self.rooms.get_mut(&pick.handler) {
@@ -228,6 +240,7 @@ pub(super) async fn scan<'l, B: ClaimBackend>(
     handlers: &[String],
     now: DateTime,
 ) -> Result<&'l [LaneId], StoreError> {
+    let order = plan.read_order(handlers);
     for (group, chunk) in lanes.chunks(MAX_LANES_PER_QUERY).enumerate() {
         if plan.full() {
             return Ok(&lanes[group * MAX_LANES_PER_QUERY..]);
@@ -240,8 +253,8 @@ pub(super) async fn scan<'l, B: ClaimBackend>(
             }
             let page = ((plan.limit - plan.picks.len()) * 2).clamp(64, 1_000);
             let full_keys = plan.full_keys();
-            let skip = Skip { running: &plan.running_ids, full_keys: &full_keys };
-            let rows = backend.candidates(chunk, &open, now, after, skip, page).await?;
+            let read = CandidateRead { order, after, running: &plan.running_ids, full_keys: &full_keys };
+            let rows = backend.candidates(chunk, &open, now, read, page).await?;
             plan.recall_heads(&rows);
             let unknown = plan.unknown_keys(&rows);
             if !unknown.is_empty() {
@@ -252,7 +265,7 @@ pub(super) async fn scan<'l, B: ClaimBackend>(
                 }
             }
             let exhausted = rows.len() < page;
-            after = rows.last().map(|row| (row.due_at, row.id));
+            after = rows.last().map(After::of);
             for row in rows {
                 plan.consider(row);
             }
@@ -286,8 +299,8 @@ pub(super) async fn older_work_of_unread_lanes<B: ClaimBackend>(
             break;
         }
         let full_keys = plan.full_keys();
-        let skip = Skip { running: &plan.running_ids, full_keys: &full_keys };
-        older += backend.candidates(chunk, &open, before, None, skip, half - older).await?.len();
+        let read = CandidateRead { full_keys: &full_keys, ..CandidateRead::plain(&plan.running_ids) };
+        older += backend.candidates(chunk, &open, before, read, half - older).await?.len();
     }
     if older > 0 {
         plan.make_room(older);
@@ -328,6 +341,7 @@ mod tests {
             handler: handler.into(),
             key: None,
             group: None,
+            priority: None,
             lane: 0,
             due_at: DateTime::from_millis(due),
             claims: 0,

@@ -39,6 +39,9 @@ pub(crate) struct NewDelivery {
     /// The key of a handler that runs up to a limit of one key at once, unordered
     /// ([`crate::store::PerKey`]), computed here once; its lane is that key's.
     pub group: Option<String>,
+    /// Its priority among its handler's deliveries, for a handler that takes priorities per
+    /// event ([`crate::store::PriorityFrom`]), computed here once.
+    pub priority: Option<i32>,
     pub lane: LaneId,
     /// Set for a malformed event: the delivery is dead at once with this reason.
     pub dead_reason: Option<String>,
@@ -331,6 +334,7 @@ pub(crate) fn plan(batch: &[Document], subscriptions: &Subscriptions) -> FanOutP
             plan.malformed_events.push((event_id.clone(), reason.clone()));
         }
         for handler in &new_handlers {
+            let priority = subscriptions.priority_from(handler).map(|from| record.as_ref().map_or(0, |r| from.priority_of(r)));
             let delivery = match subscriptions.per_key(handler) {
                 None => NewDelivery {
                     id: ObjectId::new(),
@@ -340,6 +344,7 @@ pub(crate) fn plan(batch: &[Document], subscriptions: &Subscriptions) -> FanOutP
                     key: key.clone(),
                     sequence: record.as_ref().and_then(|r| r.sequence),
                     group: None,
+                    priority,
                     lane: lane_for_event(&event_id, key.as_deref()),
                     dead_reason: dead_reason.clone(),
                     behind: None,
@@ -356,6 +361,7 @@ pub(crate) fn plan(batch: &[Document], subscriptions: &Subscriptions) -> FanOutP
                         sequence: None,
                         lane: lane_for_event(&event_id, group.as_deref()),
                         group,
+                        priority,
                         dead_reason: dead_reason.clone(),
                         behind: None,
                         suspect: suspects.contains(handler.as_str()),
@@ -501,6 +507,7 @@ pub(crate) fn fresh(plan: &FanOutPlan, batch: &[Document], budget: Capacity, idl
                 handler: d.handler.clone(),
                 key: d.key.clone(),
                 group: d.group.clone(),
+                priority: d.priority,
                 lane: d.lane,
                 due_at: now,
                 claims: 0,

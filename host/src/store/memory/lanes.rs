@@ -13,7 +13,8 @@ use super::unstored::{Charge, Entry};
 use super::{LaneKind, State};
 use crate::death::Death;
 use crate::lane::LaneId;
-use crate::store::claim::{Candidate, ClaimBackend, DueWork, EventOf, HandlerKey, Holder, InFlight, LaneRecord, LaneState, LaneWrite, Skip, Unpark};
+use crate::store::claim::{Candidate, ClaimBackend, DueWork, EventOf, HandlerKey, Holder, InFlight, LaneRecord, LaneState, LaneWrite, Unpark};
+use crate::store::claim::{After, CandidateRead, ReadOrder};
 use crate::store::fan_out::id_text;
 use crate::store::{DeliveryId, DeliveryStatus, LOST_WHILE_RUNNING, Lease, StoreError};
 
@@ -66,15 +67,30 @@ impl ClaimBackend for Backend<'_> {
                 free.insert(lane.id);
             }
         }
-        let mut oldest: BTreeMap<LaneId, (DateTime, usize)> = BTreeMap::new();
+        // Each lane's first work in the claim's order (as MongoDB's store reads it).
+        let first = |d: &super::Delivery| match due.order {
+            ReadOrder::Due => (std::cmp::Reverse(0), d.due_at),
+            ReadOrder::Priority => (std::cmp::Reverse(d.priority.unwrap_or(i32::MIN)), d.due_at),
+        };
+        let mut oldest: BTreeMap<LaneId, ((std::cmp::Reverse<i32>, DateTime), usize)> = BTreeMap::new();
         for d in state.deliveries.values() {
-            if d.lane == LaneKind::Ready && free.contains(&d.lane_id) && d.due_at <= due.due_before(d.lane_id) && handlers.contains(&d.handler) {
-                let (at, due) = oldest.entry(d.lane_id).or_insert((d.due_at, 0));
-                *at = (*at).min(d.due_at);
+            let ordered = match (due.order, due.above) {
+                (ReadOrder::Due, _) => true,
+                (ReadOrder::Priority, above) => d.priority.is_some_and(|priority| above.is_none_or(|above| priority > above)),
+            };
+            if d.lane == LaneKind::Ready
+                && ordered
+                && free.contains(&d.lane_id)
+                && d.due_at <= due.due_before(d.lane_id)
+                && handlers.contains(&d.handler)
+            {
+                let (at, due) = oldest.entry(d.lane_id).or_insert((first(d), 0));
+                *at = (*at).min(first(d));
                 *due += 1;
             }
         }
-        let mut lanes: Vec<(DateTime, LaneId, usize)> = oldest.into_iter().map(|(lane, (at, due))| (at, lane, due)).collect();
+        let mut lanes: Vec<((std::cmp::Reverse<i32>, DateTime), LaneId, usize)> =
+            oldest.into_iter().map(|(lane, (at, due))| (at, lane, due)).collect();
         lanes.sort();
         let rest = count - stranded.len();
         stranded.extend(lanes.into_iter().take(rest).map(|(_, lane, due)| (lane, due)));
@@ -166,10 +182,14 @@ impl ClaimBackend for Backend<'_> {
         lanes: &[LaneId],
         handlers: &[String],
         now: DateTime,
-        after: Option<(DateTime, DeliveryId)>,
-        Skip { running, full_keys }: Skip<'_>,
+        CandidateRead { order, after, running, full_keys }: CandidateRead<'_>,
         limit: usize,
     ) -> Result<Vec<Candidate>, StoreError> {
+        // The order MongoDB's indexes read them in: a higher priority first, then oldest due.
+        let place = |row: &After| match order {
+            ReadOrder::Due => (std::cmp::Reverse(0), row.due_at, row.id),
+            ReadOrder::Priority => (std::cmp::Reverse(row.priority.unwrap_or(i32::MIN)), row.due_at, row.id),
+        };
         let state = self.0.lock().await;
         let mut rows: Vec<Candidate> = state
             .deliveries
@@ -181,7 +201,7 @@ impl ClaimBackend for Backend<'_> {
                     && lanes.contains(&d.lane_id)
                     && handlers.contains(&d.handler)
                     && !d.group.as_ref().is_some_and(|group| full_keys.iter().any(|(h, g)| *h == d.handler && g == group))
-                    && after.is_none_or(|cursor| (d.due_at, **id) > cursor)
+                    && (order == ReadOrder::Due || d.priority.is_some())
             })
             .map(|(id, d)| Candidate {
                 id: *id,
@@ -189,6 +209,7 @@ impl ClaimBackend for Backend<'_> {
                 handler: d.handler.clone(),
                 key: d.key.clone(),
                 group: d.group.clone(),
+                priority: d.priority,
                 lane: d.lane_id,
                 due_at: d.due_at,
                 claims: d.claims,
@@ -199,7 +220,8 @@ impl ClaimBackend for Backend<'_> {
                 before_commit: None,
             })
             .collect();
-        rows.sort_by_key(|row| (row.due_at, row.id));
+        rows.retain(|row| after.is_none_or(|after| place(&After::of(row)) > place(&after)));
+        rows.sort_by_key(|row| place(&After::of(row)));
         rows.truncate(limit);
         Ok(rows)
     }

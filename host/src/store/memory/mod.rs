@@ -75,6 +75,8 @@ struct Delivery {
     sequence: Option<i64>,
     /// See `NewDelivery::group`.
     group: Option<String>,
+    /// See `NewDelivery::priority`.
+    priority: Option<i32>,
     lane_id: LaneId,
     lane: LaneKind,
     status: DeliveryStatus,

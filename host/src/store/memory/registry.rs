@@ -19,6 +19,7 @@ impl MemoryStore {
                 event_types: Default::default(),
                 in_transaction: false,
                 per_key: None,
+                priority_from: None,
                 plugin: String::new(),
                 version: String::new(),
                 first_seen: now,
@@ -32,6 +33,7 @@ impl MemoryStore {
             record.event_types = declaration.subscription.event_types.clone();
             record.in_transaction = declaration.subscription.in_transaction;
             record.per_key = declaration.subscription.per_key.clone();
+            record.priority_from = declaration.subscription.priority_from.clone();
             record.plugin = declaration.plugin.clone();
             record.version = declaration.version.clone();
             record.last_seen = now;

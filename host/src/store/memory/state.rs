@@ -144,7 +144,7 @@ impl State {
 
     /// Inserts the records of the plan's deliveries that `wanted`.
     pub(super) fn insert_deliveries(&mut self, plan: &FanOutPlan, wanted: impl Fn(&DeliveryId) -> bool, now: DateTime) {
-        for NewDelivery { id, event_id, event_type, handler, key, sequence, group, lane, dead_reason, behind, suspect } in
+        for NewDelivery { id, event_id, event_type, handler, key, sequence, group, priority, lane, dead_reason, behind, suspect } in
             plan.deliveries.iter().filter(|d| wanted(&d.id))
         {
             let dead = dead_reason.is_some();
@@ -157,6 +157,7 @@ impl State {
                     key: key.clone(),
                     sequence: *sequence,
                     group: group.clone(),
+                    priority: *priority,
                     lane_id: *lane,
                     lane: if dead {
                         LaneKind::Dead

@@ -100,6 +100,7 @@ impl State {
                     key: entry.key.clone(),
                     sequence,
                     group: None,
+                    priority: None,
                     lane_id: entry.lane(),
                     lane: LaneKind::Ready,
                     status: DeliveryStatus::Pending,

@@ -18,6 +18,8 @@ pub(super) mod delivery {
     pub const SEQUENCE: &str = "sequence";
     /// The key of a handler that runs several of one key at once (see `NewDelivery::group`).
     pub const GROUP: &str = "group";
+    /// Its priority, of a handler that takes priorities per event (see `NewDelivery::priority`).
+    pub const PRIORITY: &str = "priority";
     pub const LANE_ID: &str = "laneId";
     /// The claim lane: `ready` (in the claim index), `parked` or `dead`.
     pub const LANE: &str = "lane";
@@ -78,7 +80,7 @@ fn corrupt(what: &str, document: &Document) -> StoreError {
     StoreError::Corrupt(format!("{what}: {document}"))
 }
 
-fn integer(document: &Document, field: &str) -> Option<i64> {
+pub(super) fn integer(document: &Document, field: &str) -> Option<i64> {
     match document.get(field)? {
         Bson::Int32(n) => Some(i64::from(*n)),
         Bson::Int64(n) => Some(*n),
@@ -121,6 +123,9 @@ pub(super) fn new_delivery_document(new: &NewDelivery, now: DateTime) -> Documen
     if let Some(group) = &new.group {
         document.insert(delivery::GROUP, group);
     }
+    if let Some(priority) = new.priority {
+        document.insert(delivery::PRIORITY, priority);
+    }
     if let Some(behind) = new.behind {
         document.insert(delivery::BEHIND, behind);
     }
@@ -153,6 +158,7 @@ pub(super) fn candidate(document: &Document) -> Result<Candidate, StoreError> {
         handler: optional_string(document, delivery::HANDLER).ok_or_else(|| corrupt("delivery without handler", document))?,
         key: optional_string(document, delivery::KEY),
         group: optional_string(document, delivery::GROUP),
+        priority: integer(document, delivery::PRIORITY).map(|n| n as i32),
         lane: lane_id(document, delivery::LANE_ID)?,
         due_at: *document.get_datetime(delivery::DUE_AT).map_err(|_| corrupt("delivery without dueAt", document))?,
         claims: integer(document, delivery::CLAIMS).unwrap_or(0),

@@ -18,7 +18,8 @@ use super::lane_statements::{free_lane, held_statement, take_lane, take_statemen
 use crate::death::Death;
 use crate::lane::{LaneId, MAX_LANES_PER_QUERY};
 use crate::store::claim::MIN_ROWS_PER_LANE_QUERY;
-use crate::store::claim::{Candidate, ClaimBackend, DueWork, HandlerKey, Holder, InFlight, LaneRecord, LaneState, LaneWrite, Skip, Unpark};
+use crate::store::claim::{Candidate, ClaimBackend, DueWork, HandlerKey, Holder, InFlight, LaneRecord, LaneState, LaneWrite, Unpark};
+use crate::store::claim::{After, CandidateRead, ReadOrder};
 use crate::store::{DeliveryId, LOST_WHILE_RUNNING, Lease, StoreError, answered};
 
 
@@ -194,27 +195,42 @@ impl ClaimBackend for Backend<'_> {
             .into_iter()
             .filter(|(lanes, _)| !lanes.is_empty())
             .collect();
+        let by_priority = due.order == ReadOrder::Priority;
         let due_in = |lanes: &[i32], before: DateTime| {
-            doc! {
+            let mut filter = doc! {
                 delivery::LANE: delivery::READY,
                 delivery::LANE_ID: { "$in": lanes },
                 delivery::DUE_AT: { "$lte": before },
                 delivery::HANDLER: { "$in": handlers },
-            }
+            };
+            match (by_priority, due.above) {
+                (true, Some(above)) => filter.insert(delivery::PRIORITY, doc! { "$gt": above }),
+                (true, None) => filter.insert(delivery::PRIORITY, doc! { "$exists": true }),
+                (false, _) => None,
+            };
+            filter
+        };
+        let (order, index) = if by_priority {
+            (doc! { delivery::PRIORITY: -1, delivery::DUE_AT: 1, delivery::ID: 1 }, super::setup::CLAIM_BY_PRIORITY)
+        } else {
+            (doc! { delivery::DUE_AT: 1, delivery::ID: 1 }, "claim")
         };
         let deliveries = &self.store.collections.deliveries;
-        let read = |filter: Document, sorted: bool, limit: usize| async move {
-            let rows: Vec<Document> = deliveries
-                .find(filter)
-                .sort(if sorted { doc! { delivery::DUE_AT: 1, delivery::ID: 1 } } else { doc! {} })
-                .projection(doc! { delivery::LANE_ID: 1, delivery::DUE_AT: 1, delivery::ID: 0 })
-                .limit(limit as i64)
-                .batch_size(super::documents::one_batch(limit))
-                .hint(mongodb::options::Hint::Name("claim".to_string()))
-                .await?
-                .try_collect()
-                .await?;
-            Ok::<_, StoreError>(rows)
+        let read = |filter: Document, sorted: bool, limit: usize| {
+            let order = order.clone();
+            async move {
+                let rows: Vec<Document> = deliveries
+                    .find(filter)
+                    .sort(if sorted { order } else { doc! {} })
+                    .projection(doc! { delivery::LANE_ID: 1, delivery::DUE_AT: 1, delivery::PRIORITY: 1, delivery::ID: 0 })
+                    .limit(limit as i64)
+                    .batch_size(super::documents::one_batch(limit))
+                    .hint(mongodb::options::Hint::Name(index.to_string()))
+                    .await?
+                    .try_collect()
+                    .await?;
+                Ok::<_, StoreError>(rows)
+            }
         };
         let few = try_join_all(groups.iter().map(|(lanes, before)| read(due_in(lanes, *before), false, MIN_ROWS_PER_LANE_QUERY))).await?;
         // Otherwise the oldest due entries of the group's lanes, read as a merge of one
@@ -230,13 +246,15 @@ impl ClaimBackend for Backend<'_> {
             Ok(chunks.await?.concat())
         });
         let chunks = try_join_all(merged).await?;
-        let mut oldest: Vec<(DateTime, LaneId)> = Vec::new();
+        // In the claim's order: the highest priority first (by priority), then the oldest.
+        let mut oldest: Vec<(std::cmp::Reverse<i64>, DateTime, LaneId)> = Vec::new();
         for row in chunks.iter().flatten() {
             let due = *row.get_datetime(delivery::DUE_AT).map_err(|_| StoreError::Corrupt(format!("delivery {row}")))?;
-            oldest.push((due, documents::lane_id(row, delivery::LANE_ID)?));
+            let priority = if by_priority { documents::integer(row, delivery::PRIORITY).unwrap_or(i64::MIN) } else { 0 };
+            oldest.push((std::cmp::Reverse(priority), due, documents::lane_id(row, delivery::LANE_ID)?));
         }
         oldest.sort();
-        for (_, lane) in oldest {
+        for (_, _, lane) in oldest {
             match lanes.iter().position(|(id, _)| *id == lane) {
                 Some(index) => lanes[index].1 += 1,
                 None if lanes.len() < count => lanes.push((lane, 1)),
@@ -368,8 +386,7 @@ impl ClaimBackend for Backend<'_> {
         lanes: &[LaneId],
         handlers: &[String],
         now: DateTime,
-        after: Option<(DateTime, DeliveryId)>,
-        Skip { running, full_keys }: Skip<'_>,
+        CandidateRead { order, after, running, full_keys }: CandidateRead<'_>,
         limit: usize,
     ) -> Result<Vec<Candidate>, StoreError> {
         let mut filter = doc! {
@@ -388,26 +405,47 @@ impl ClaimBackend for Backend<'_> {
                 full_keys.iter().map(|(handler, key)| doc! { delivery::HANDLER: handler, delivery::GROUP: key }).collect();
             filter.insert("$nor", full);
         }
-        if let Some((due_at, id)) = after {
-            filter.insert(
-                "$or",
-                vec![
-                    doc! { delivery::DUE_AT: { "$gt": due_at } },
-                    doc! { delivery::DUE_AT: due_at, delivery::ID: { "$gt": id } },
-                ],
-            );
+        let (sort, index) = match order {
+            ReadOrder::Due => (doc! { delivery::DUE_AT: 1, delivery::ID: 1 }, "claim"),
+            ReadOrder::Priority => {
+                filter.insert(delivery::PRIORITY, doc! { "$exists": true });
+                (doc! { delivery::PRIORITY: -1, delivery::DUE_AT: 1, delivery::ID: 1 }, super::setup::CLAIM_BY_PRIORITY)
+            }
+        };
+        match (order, after) {
+            (_, None) => {}
+            (ReadOrder::Due, Some(After { due_at, id, .. })) => {
+                filter.insert(
+                    "$or",
+                    vec![
+                        doc! { delivery::DUE_AT: { "$gt": due_at } },
+                        doc! { delivery::DUE_AT: due_at, delivery::ID: { "$gt": id } },
+                    ],
+                );
+            }
+            (ReadOrder::Priority, Some(After { priority, due_at, id })) => {
+                let priority = priority.unwrap_or(i32::MIN);
+                filter.insert(
+                    "$or",
+                    vec![
+                        doc! { delivery::PRIORITY: { "$lt": priority } },
+                        doc! { delivery::PRIORITY: priority, delivery::DUE_AT: { "$gt": due_at } },
+                        doc! { delivery::PRIORITY: priority, delivery::DUE_AT: due_at, delivery::ID: { "$gt": id } },
+                    ],
+                );
+            }
         }
         let documents: Vec<Document> = self
             .store
             .collections
             .deliveries
             .find(filter)
-            .sort(doc! { delivery::DUE_AT: 1, delivery::ID: 1 })
+            .sort(sort)
             .limit(limit as i64)
             .batch_size(super::documents::one_batch(limit))
-            .hint(mongodb::options::Hint::Name("claim".to_string()))
+            .hint(mongodb::options::Hint::Name(index.to_string()))
             .projection(doc! {
-                delivery::ID: 1, delivery::EVENT_ID: 1, delivery::HANDLER: 1, delivery::KEY: 1, delivery::GROUP: 1, delivery::LANE_ID: 1,
+                delivery::ID: 1, delivery::EVENT_ID: 1, delivery::HANDLER: 1, delivery::KEY: 1, delivery::GROUP: 1, delivery::PRIORITY: 1, delivery::LANE_ID: 1,
                 delivery::DUE_AT: 1, delivery::CLAIMS: 1, delivery::ATTEMPTS: 1, delivery::SUSPECT: 1,
             })
             .await?

@@ -21,6 +21,8 @@ const TRANSACTIONAL: &str = "transactional";
 /// for the event's key (see [`crate::store::PerKey`]); absent for one at a time in order.
 const PER_KEY: &str = "perKey";
 const POINTER: &str = "pointer";
+/// Where it takes priorities per event from, if it does: `event` or a JSON pointer.
+const PRIORITY_FROM: &str = "priorityFrom";
 const PLUGIN: &str = "plugin";
 const VERSION: &str = "version";
 const FIRST_SEEN: &str = "firstSeen";
@@ -56,6 +58,14 @@ pub(super) async fn register(store: &MongoStore, declarations: &[Declaration], n
                         LAST_SEEN: now,
                     };
                     let mut unset = doc! { RETIRED_AT: "" };
+                    match &d.subscription.priority_from {
+                        Some(from) => {
+                            set.insert(PRIORITY_FROM, from.text());
+                        }
+                        None => {
+                            unset.insert(PRIORITY_FROM, "");
+                        }
+                    }
                     match &d.subscription.per_key {
                         Some(per_key) => {
                             set.insert(PER_KEY, doc! { POINTER: per_key.pointer() });
@@ -109,6 +119,7 @@ fn record_of(document: &Document) -> Option<RegisteredHandler> {
         handler: document.get_str(ID).ok()?.to_string(),
         event_types: strings(document.get_array(EVENT_TYPES).ok()?),
         in_transaction: document.get_bool(TRANSACTIONAL).unwrap_or(false),
+        priority_from: document.get_str(PRIORITY_FROM).ok().and_then(crate::store::PriorityFrom::parse),
         per_key: document.get_document(PER_KEY).ok().map(|per_key| crate::store::PerKey::from_pointer(per_key.get_str(POINTER).ok())),
         plugin: document.get_str(PLUGIN).unwrap_or("").to_string(),
         version: document.get_str(VERSION).unwrap_or("").to_string(),

@@ -26,6 +26,9 @@ const SUPERSEDED_DELIVERY_INDEXES: &[&str] = &["due", "status_updated", "by_stat
 pub(super) const UNFANNED: &str = "unfanned_by_depth";
 /// The index of each key's pending deliveries in sequence order (see `delivery_indexes`).
 pub(super) const ORDERING: &str = "ordering";
+/// Claims of handlers that take priorities per event: their deliveries by lane, the highest
+/// priority first, then as `claim` (see [`crate::store::claim::ReadOrder`]).
+pub(super) const CLAIM_BY_PRIORITY: &str = "claim_by_priority";
 pub(super) const PARKED_BEHIND: &str = "parked_behind";
 pub(super) const KEY_UNFANNED: &str = "key_unfanned";
 /// Every event in creation order: the purge's walk (by name, for the same reason).
@@ -117,6 +120,13 @@ fn delivery_indexes() -> Vec<IndexModel> {
             doc! { delivery::LANE_ID: 1, delivery::DUE_AT: 1, delivery::ID: 1, delivery::HANDLER: 1 },
             "claim",
             Some(doc! { delivery::LANE: delivery::READY }),
+            false,
+        ),
+        // The same for the deliveries that have a priority of their own, in its order.
+        index(
+            doc! { delivery::LANE_ID: 1, delivery::PRIORITY: -1, delivery::DUE_AT: 1, delivery::ID: 1, delivery::HANDLER: 1 },
+            CLAIM_BY_PRIORITY,
+            Some(doc! { delivery::LANE: delivery::READY, delivery::PRIORITY: { "$exists": true } }),
             false,
         ),
         // The head of each key: its lowest unfinished sequence.

@@ -132,6 +132,7 @@ pub(super) async fn materialize(store: &MongoStore, entries: &[Entry], charge: C
                 key: entry.key.clone(),
                 sequence: Entry::sequence_of(event),
                 group: None,
+                priority: None,
                 lane: entry.lane(),
                 dead_reason: None,
                 behind: None,
