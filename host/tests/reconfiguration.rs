@@ -1,8 +1,9 @@
 //! Live reconfiguration of a running host process on a real replica set: a limit changed in
 //! the file mid-drain takes effect within a second, a broken file is refused with its reason
 //! while the host keeps delivering under the settings in force, a grant given by a reload
-//! reaches the plugin's next runs, and schemas changed by SIGHUP or by the file apply to the
-//! next fan-out. Nothing is lost and nothing runs twice meanwhile.
+//! reaches the plugin's next runs (and a plugin dropped in after the reload), schemas changed
+//! by SIGHUP or by the file apply to the next fan-out, and a limit across hosts changed in the
+//! file holds on every host. Nothing is lost and nothing runs twice meanwhile.
 
 #[macro_use]
 mod common;
@@ -190,4 +191,84 @@ async fn schemas_changed_by_sighup_or_by_the_file_apply_to_the_next_fan_out() {
     assert!(dead.values().all(|reason| reason.contains("/n")), "each reason names the failing path: {dead:?}");
     host.stop();
     std::fs::remove_dir_all(&folder).unwrap();
+}
+
+/// Two hosts share a limit across hosts of two calls at once; the file is saved with five, and
+/// within a second or two the receiver sees five at once, never more; saved again with one, it
+/// sees one at a time once the runs under the old limit ended. Every order is called.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limit_across_hosts_changed_in_the_file_holds_on_every_host() {
+    let receiver = Receiver::start();
+    receiver.hold.store(false, Ordering::SeqCst);
+    receiver.delay_ms.store(150, Ordering::SeqCst);
+    let host_name = receiver.address.to_string();
+    let deployment = Deployment::new(&["webhook"], &webhook("concurrency = 2", &host_name)).await;
+    let url = format!("http://{}/hooks", receiver.address);
+    let env = [("WEBHOOK_URL", url.as_str())];
+    let hosts = [deployment.start_with("host-a", &env), deployment.start_with("host-b", &env)];
+    publish_all(deployment.fixture.store(), orders(0..300)).await;
+    wait_for("the hosts call", Duration::from_secs(60), || receiver.bodies().len() >= 10);
+    assert_eq!(receiver.most_at_once(), 2, "two calls at once across both hosts");
+
+    rewrite(&deployment, "concurrency = 2", "concurrency = 5");
+    let saved = Instant::now();
+    wait_for("five calls at once", Duration::from_secs(10), || receiver.most_at_once() >= 5);
+    eprintln!("five at once {:?} after the file was saved", saved.elapsed());
+    assert!(saved.elapsed() < Duration::from_secs(2), "the new limit took {:?}", saved.elapsed());
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(receiver.most_at_once(), 5, "never more than the new limit");
+
+    rewrite(&deployment, "concurrency = 5", "concurrency = 1");
+    // The runs under the old limit end (150 ms each); then one at a time.
+    std::thread::sleep(Duration::from_millis(1_000));
+    receiver.reset_most();
+    let before = receiver.bodies().len();
+    wait_for("ten more calls", Duration::from_secs(30), || receiver.bodies().len() >= before + 10);
+    assert_eq!(receiver.most_at_once(), 1, "one call at once under the lowered limit");
+    for host in &hosts {
+        assert_eq!(logged(host, "configuration reloaded"), 2, "{}", host.log());
+    }
+    deployment.wait_until("every order was delivered", Duration::from_secs(120), async |d| d.drained().await).await;
+    let mut called: Vec<String> = receiver.bodies().iter().map(|b| b["id"].as_str().unwrap_or("?").to_string()).collect();
+    called.sort();
+    called.dedup();
+    assert_eq!(called.len(), 300, "every order called");
+    for host in hosts {
+        host.stop();
+    }
+}
+
+/// The operator grants a plugin that is not there yet in the file, then drops its file in:
+/// it is loaded under the grants the file gives it now, and its calls get through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_dropped_in_after_a_reload_runs_under_the_grants_the_file_gives_it_now() {
+    let receiver = Receiver::start();
+    receiver.hold.store(false, Ordering::SeqCst);
+    let deployment = Deployment::new(&["noop"], "poll_interval = \"100ms\"\n").await;
+    let url = format!("http://{}/hooks", receiver.address);
+    let host = deployment.start_with("host", &[("WEBHOOK_URL", url.as_str())]);
+    let text = std::fs::read_to_string(&deployment.config).unwrap();
+    let granted = format!(
+        "\n[plugin.webhook]\nretry = {{ max_attempts = 3, initial_backoff = \"100ms\" }}\n\
+         grants = {{ environment = [\"WEBHOOK_URL\"], http_hosts = [\"{}\"], private_networks = true }}\n",
+        receiver.address
+    );
+    let next = deployment.config.with_extension("toml.new");
+    std::fs::write(&next, text + &granted).unwrap();
+    std::fs::rename(&next, &deployment.config).unwrap();
+    wait_for("the file is reloaded", Duration::from_secs(10), || logged(&host, "configuration reloaded") == 1);
+
+    std::fs::copy(plugins_dir().join("webhook.wasm"), deployment.dir.join("plugins").join("webhook.wasm")).unwrap();
+    let loaded = || host.log().lines().any(|line| line.contains("plugin loaded") && line.contains("webhook"));
+    wait_for("the plugin is loaded", Duration::from_secs(60), loaded);
+    // Published once a host declared the new handler (the registry then subscribes it).
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    publish_all(deployment.fixture.store(), orders(0..5)).await;
+    deployment.wait_until("every order was delivered", Duration::from_secs(60), async |d| d.drained().await).await;
+    let mut called: Vec<String> = receiver.bodies().iter().map(|b| b["id"].as_str().unwrap_or("?").to_string()).collect();
+    called.sort();
+    called.dedup();
+    assert_eq!(called.len(), 5, "every order called under the new grant:\n{}", host.log());
+    let counters = host.stop();
+    assert_eq!(counters["dead"], 0, "{counters:?}");
 }
