@@ -734,13 +734,14 @@ async fn the_embedded_server_keeps_its_data_and_admin_commands_join_a_running_ho
 async fn check_names_every_problem_and_exits_non_zero() {
     let throttled = "\n[plugin.noop]\nconcurrency_per_host = 3\nrate_per_host = { max = 20, per = \"1s\" }\npriority = 7\n\
                      concurrency = 16\nrate = { max = 50, per = \"1s\", burst = 5 }\n\
-                     [plugin.noop.handler.noop]\npriority = 9";
+                     [plugin.noop.handler.noop]\npriority = 9\nper_key = { limit = 2, key = \"/customer\" }\npriority_from = \"event\"";
     let deployment = Deployment::new(&["noop"], throttled).await;
     let ok = deployment.relayhost(&["check"]);
     assert!(ok.status.success(), "{}", stdout(&ok));
     assert!(stdout(&ok).contains("noop"), "{}", stdout(&ok));
     let said = "[at most 3 at once per host, at most 20 starts per 1s per host, at most 16 at once across hosts, \
-                at most 50 starts per 1s across hosts (burst 5), priority 9]";
+                at most 50 starts per 1s across hosts (burst 5), at most 2 of one key at once, unordered (by payload /customer), \
+                priority 9, priority per event from the event's `priority`]";
     assert!(stdout(&ok).contains(said), "{}", stdout(&ok));
 
     std::fs::write(deployment.dir.join("plugins/broken.wasm"), b"\0asm not really").unwrap();
@@ -758,6 +759,8 @@ async fn check_names_every_problem_and_exits_non_zero() {
     assert!(stdout(&output).contains("concurrency"), "{}", stdout(&output));
     let output = deployment.relayhost(&["publish", "--type", "t", "--payload", "[1, 2]"]);
     assert!(!output.status.success() && stdout(&output).contains("must be a JSON object"), "{}", stdout(&output));
+    let output = deployment.relayhost(&["publish", "--type", "t", "--payload", "{}", "--priority", "-1001"]);
+    assert!(!output.status.success() && stdout(&output).contains("`priority` must be an integer from -1000 to 1000"), "{}", stdout(&output));
 }
 
 // ---- bench ----

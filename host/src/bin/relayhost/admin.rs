@@ -177,7 +177,7 @@ fn processing(config: &Config, plugin: &str, handler: &str) -> String {
         said.push(format!("priority {priority}"));
     }
     match priority_from {
-        Some(relayhost::store::PriorityFrom::Event) => said.push("each event's priority first".to_string()),
+        Some(relayhost::store::PriorityFrom::Event) => said.push("priority per event from the event's `priority`".to_string()),
         Some(relayhost::store::PriorityFrom::Payload(pointer)) => said.push(format!("priority per event from payload {pointer}")),
         None => {}
     }
