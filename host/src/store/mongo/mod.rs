@@ -31,6 +31,7 @@ macro_rules! transaction {
 
 mod documents;
 mod fan_out;
+mod free_lanes;
 mod generations;
 mod handler_documents;
 mod heads;
