@@ -443,7 +443,11 @@ impl Claimer {
                 let taken = self.take(backend, held, &lanes, now, until).await?;
                 let new_lanes = adopt(held, mine, taken);
                 self.forget_heads_in(plan);
-                plan.make_room(first.iter().map(|(_, due)| due).sum::<usize>().min(most));
+                // By age, the youngest picks make room for the older work; by priority, the
+                // scan puts each row that ranks higher in the place of the lowest pick.
+                if order == ReadOrder::Due {
+                    plan.make_room(first.iter().map(|(_, due)| due).sum::<usize>().min(most));
+                }
                 scan(backend, plan, &new_lanes, handlers, before).await?;
             }
         }

@@ -191,22 +191,52 @@ impl Plan {
         keys
     }
 
-    fn consider(&mut self, row: Candidate) {
+    /// How a pick ranks: its handler's priority, then its own (see `Priorities`).
+    fn rank(&self, pick: &Candidate) -> (i32, Option<i32>) {
+        (self.priorities.of(&pick.handler), pick.priority)
+    }
+
+    /// Whether `row`, of a handler that takes priorities per event, ranks above the lowest
+    /// pick and would be picked in its place: read in priority order, it takes that place in a
+    /// full claim. (A keyed row is not: whether it heads its key is known only as it is
+    /// considered; it waits for the next claim.)
+    fn outranks_lowest(&self, row: &Candidate) -> bool {
+        let Some(lowest) = self.picks.iter().min_by_key(|pick| (self.rank(pick), std::cmp::Reverse((pick.due_at, pick.id)))) else {
+            return false;
+        };
+        let key_full = |group: &String| {
+            let running = self.groups.get(&(row.handler.clone(), group.clone())).copied().unwrap_or(0);
+            self.per_key.of(&row.handler).is_some_and(|limit| running >= limit)
+        };
+        row.priority.is_some()
+            && row.key.is_none()
+            && !self.running_ids.contains(&row.id)
+            && self.rank(row) > self.rank(lowest)
+            && (self.has_room_for(&row.handler) || lowest.handler == row.handler)
+            && !row.group.as_ref().is_some_and(key_full)
+    }
+
+    fn consider(&mut self, row: Candidate) -> bool {
+        if self.full() && self.outranks_lowest(&row) {
+            self.make_room(1);
+        }
         // One of a handler without room is left as it is: not blocked, only not taken now.
         if self.full() || self.running_ids.contains(&row.id) || !self.has_room_for(&row.handler) || !self.within_key_limit(&row) {
-            return;
+            return false;
         }
         let Some(key) = &row.key else {
             self.pick(row);
-            return;
+            return true;
         };
         let handler_key = (row.handler.clone(), key.clone());
         let is_head = self.heads.get(&handler_key).copied().flatten() == Some(row.id);
         if is_head && !self.busy_keys.contains(&handler_key) {
             self.busy_keys.insert(handler_key);
             self.pick(row);
+            true
         } else {
             self.blocked.push((row.lane, row.id, handler_key));
+            false
         }
     }
 
@@ -240,13 +270,17 @@ pub(super) async fn scan<'l, B: ClaimBackend>(
     handlers: &[String],
     now: DateTime,
 ) -> Result<&'l [LaneId], StoreError> {
+    // Read in priority order, a full claim still reads a page: what ranks above its lowest
+    // picks takes their places (rows come highest first, so a page that took none ends it).
     let order = plan.read_order(handlers);
+    let replacing = order == ReadOrder::Priority;
     for (group, chunk) in lanes.chunks(MAX_LANES_PER_QUERY).enumerate() {
-        if plan.full() {
+        if plan.full() && !replacing {
             return Ok(&lanes[group * MAX_LANES_PER_QUERY..]);
         }
         let mut after = None;
-        while !plan.full() {
+        loop {
+            let was_full = plan.full();
             let open = plan.open_handlers(handlers);
             if open.is_empty() {
                 return Ok(&[]);
@@ -266,10 +300,11 @@ pub(super) async fn scan<'l, B: ClaimBackend>(
             }
             let exhausted = rows.len() < page;
             after = rows.last().map(After::of);
+            let mut took = false;
             for row in rows {
-                plan.consider(row);
+                took |= plan.consider(row);
             }
-            if exhausted {
+            if exhausted || (plan.full() && !replacing) || (was_full && !took) {
                 break;
             }
         }
@@ -331,6 +366,37 @@ mod tests {
         plan.known_heads = (0..KNOWN_HEADS_MAX).map(|n| (key(&format!("k{n}")), old)).collect();
         plan.heads = HashMap::from([(key("fresh"), Some(new))]);
         assert_eq!(plan.into_known_heads(), HashMap::from([(key("fresh"), new)]));
+    }
+
+    #[test]
+    fn read_by_priority_a_row_takes_the_place_of_a_lower_pick_only() {
+        let row = |name: &str, priority: i32, key: Option<&str>| Candidate {
+            id: ObjectId::new(),
+            event_id: name.to_string(),
+            handler: "h".into(),
+            key: key.map(str::to_string),
+            group: None,
+            priority: Some(priority),
+            lane: 0,
+            due_at: DateTime::from_millis(1),
+            claims: 0,
+            attempts: 0,
+            unstored: None,
+            started: false,
+            suspect: false,
+            before_commit: None,
+        };
+        let mut plan = Plan::new(3, &Rooms::default(), std::iter::empty());
+        plan.priorities = Priorities::default().per_event(["h".to_string()]);
+        for candidate in [row("a", 9, None), row("b", 9, None), row("c", 1, None)] {
+            assert!(plan.consider(candidate));
+        }
+        assert!(plan.consider(row("d", 5, None)), "5 goes before 1");
+        assert!(!plan.consider(row("e", 5, None)), "but not before 9");
+        assert!(!plan.consider(row("f", 10, Some("k"))), "a keyed row waits for the next claim");
+        let mut kept: Vec<&str> = plan.picks.iter().map(|pick| pick.event_id.as_str()).collect();
+        kept.sort();
+        assert_eq!(kept, ["a", "b", "d"]);
     }
 
     #[test]
