@@ -147,9 +147,10 @@ fn orders(count: usize) -> Vec<NewEvent> {
     (0..count).map(|n| NewEvent::new(format!("order-{n}"), "order.placed", doc! { "n": n as i32 })).collect()
 }
 
-/// Every order's id the receiver was called with, once each at least.
+/// Every order's id the receiver was called with, once each at least. (A request a SIGKILL cut
+/// off on its way has no body: it names no order.)
 fn assert_every_order_called(receiver: &Receiver, count: usize) {
-    let mut called: Vec<String> = receiver.bodies().iter().map(|b| b["id"].as_str().unwrap_or("?").to_string()).collect();
+    let mut called: Vec<String> = receiver.bodies().iter().filter_map(|b| Some(b["id"].as_str()?.to_string())).collect();
     called.sort();
     called.dedup();
     assert_eq!(called.len(), count, "every order called");
