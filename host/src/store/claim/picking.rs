@@ -397,11 +397,10 @@ impl Claimer {
     /// nobody holds: a lane kept busy by a steady stream would then keep the others waiting
     /// for as long as the stream lasts. At most once a second (it costs a query), free lanes
     /// with work due before the claim's youngest pick are taken and scanned for that work,
-    /// which takes the place of the youngest picks. Where priorities per event are the order,
-    /// at every claim the held lanes filled, free lanes with work of a higher priority than
-    /// its lowest pick take the place of the lowest picks the same way. Then more lanes, in
-    /// growing rounds (4, 8,
-    /// 16, ... or as many as the due work seen in them says the batch still needs, if more).
+    /// which takes the place of the youngest picks. Read by priority, at every claim the held
+    /// lanes filled, free lanes with work above its lowest pick are taken and scanned the same
+    /// way. Then more lanes, in growing rounds (4, 8, 16, ... or as many as the due work seen
+    /// in them says the batch still needs, if more).
     #[allow(clippy::too_many_arguments)]
     async fn take_free_lanes<B: ClaimBackend>(
         &self,
@@ -443,8 +442,7 @@ impl Claimer {
                 let taken = self.take(backend, held, &lanes, now, until).await?;
                 let new_lanes = adopt(held, mine, taken);
                 self.forget_heads_in(plan);
-                // By age, the youngest picks make room for the older work; by priority, the
-                // scan puts each row that ranks higher in the place of the lowest pick.
+                // By priority, the scan puts each row that ranks higher in the lowest pick's place.
                 if order == ReadOrder::Due {
                     plan.make_room(first.iter().map(|(_, due)| due).sum::<usize>().min(most));
                 }

@@ -348,6 +348,26 @@ pub(super) async fn older_work_of_unread_lanes<B: ClaimBackend>(
 mod tests {
     use super::*;
 
+    /// An unkeyed candidate of `handler` for event `event_id`, due at `due` ms.
+    fn candidate(event_id: &str, handler: &str, due: i64) -> Candidate {
+        Candidate {
+            id: ObjectId::new(),
+            event_id: event_id.to_string(),
+            handler: handler.into(),
+            key: None,
+            group: None,
+            priority: None,
+            lane: 0,
+            due_at: DateTime::from_millis(due),
+            claims: 0,
+            attempts: 0,
+            unstored: None,
+            started: false,
+            suspect: false,
+            before_commit: None,
+        }
+    }
+
     fn key(name: &str) -> HandlerKey {
         ("h".to_string(), name.to_string())
     }
@@ -371,20 +391,9 @@ mod tests {
     #[test]
     fn read_by_priority_a_row_takes_the_place_of_a_lower_pick_only() {
         let row = |name: &str, priority: i32, key: Option<&str>| Candidate {
-            id: ObjectId::new(),
-            event_id: name.to_string(),
-            handler: "h".into(),
             key: key.map(str::to_string),
-            group: None,
             priority: Some(priority),
-            lane: 0,
-            due_at: DateTime::from_millis(1),
-            claims: 0,
-            attempts: 0,
-            unstored: None,
-            started: false,
-            suspect: false,
-            before_commit: None,
+            ..candidate(name, "h", 1)
         };
         let mut plan = Plan::new(3, &Rooms::default(), std::iter::empty());
         plan.priorities = Priorities::default().per_event(["h".to_string()]);
@@ -401,22 +410,7 @@ mod tests {
 
     #[test]
     fn making_room_drops_the_lowest_priority_first_and_gives_its_room_back() {
-        let row = |handler: &str, due: i64| Candidate {
-            id: ObjectId::new(),
-            event_id: format!("{handler}-{due}"),
-            handler: handler.into(),
-            key: None,
-            group: None,
-            priority: None,
-            lane: 0,
-            due_at: DateTime::from_millis(due),
-            claims: 0,
-            attempts: 0,
-            unstored: None,
-            started: false,
-            suspect: false,
-            before_commit: None,
-        };
+        let row = |handler: &str, due: i64| candidate(&format!("{handler}-{due}"), handler, due);
         let rooms = Rooms::new([("low".to_string(), crate::store::Room { most: 2, start_now: false })]);
         let mut plan = Plan::new(4, &rooms, std::iter::empty());
         plan.priorities = Priorities::new([("low".to_string(), 0), ("high".to_string(), 5)]);
