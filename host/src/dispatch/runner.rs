@@ -6,7 +6,7 @@ use std::future::Future;
 use std::pin::Pin;
 
 use super::{AttemptResult, RetryPolicy, Throttle};
-use crate::store::{PerKey, PriorityFrom};
+use crate::store::{ClaimedDelivery, Declaration, PerKey, PriorityFrom, Subscription};
 
 /// How the operator has one handler's deliveries processed: its throttle, its priority, and
 /// how many of one key run at once (see [`HandlerSpec`]). The default limits nothing, puts
@@ -25,7 +25,6 @@ pub struct KeyLimit {
     pub limit: usize,
     pub key: PerKey,
 }
-use crate::store::{ClaimedDelivery, Declaration, Subscription};
 
 /// A handler the runner offers, with its retry policy, throttle and priority.
 #[derive(Debug, Clone, PartialEq, Eq)]

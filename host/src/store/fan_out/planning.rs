@@ -335,38 +335,24 @@ pub(crate) fn plan(batch: &[Document], subscriptions: &Subscriptions) -> FanOutP
         }
         for handler in &new_handlers {
             let priority = subscriptions.priority_from(handler).map(|from| record.as_ref().map_or(0, |r| from.priority_of(r)));
-            let delivery = match subscriptions.per_key(handler) {
-                None => NewDelivery {
-                    id: ObjectId::new(),
-                    event_id: raw_id.clone(),
-                    event_type: event_type.clone(),
-                    handler: handler.clone(),
-                    key: key.clone(),
-                    sequence: record.as_ref().and_then(|r| r.sequence),
-                    group: None,
-                    priority,
-                    lane: lane_for_event(&event_id, key.as_deref()),
-                    dead_reason: dead_reason.clone(),
-                    behind: None,
-                    suspect: suspects.contains(handler.as_str()),
-                },
-                Some(per_key) => {
-                    let group = record.as_ref().and_then(|record| per_key.key_of(record));
-                    NewDelivery {
-                        id: ObjectId::new(),
-                        event_id: raw_id.clone(),
-                        event_type: event_type.clone(),
-                        handler: handler.clone(),
-                        key: None,
-                        sequence: None,
-                        lane: lane_for_event(&event_id, group.as_deref()),
-                        group,
-                        priority,
-                        dead_reason: dead_reason.clone(),
-                        behind: None,
-                        suspect: suspects.contains(handler.as_str()),
-                    }
-                }
+            // A handler limited per key runs its key's deliveries unordered, in that key's lane.
+            let (ordering_key, sequence, group) = match subscriptions.per_key(handler) {
+                None => (key.clone(), record.as_ref().and_then(|r| r.sequence), None),
+                Some(per_key) => (None, None, record.as_ref().and_then(|record| per_key.key_of(record))),
+            };
+            let delivery = NewDelivery {
+                id: ObjectId::new(),
+                event_id: raw_id.clone(),
+                event_type: event_type.clone(),
+                handler: handler.clone(),
+                lane: lane_for_event(&event_id, group.as_deref().or(ordering_key.as_deref())),
+                key: ordering_key,
+                sequence,
+                group,
+                priority,
+                dead_reason: dead_reason.clone(),
+                behind: None,
+                suspect: suspects.contains(handler.as_str()),
             };
             let delivery = match (&delivery.key, &delivery.dead_reason) {
                 (Some(key), None) => {
