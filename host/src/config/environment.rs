@@ -26,10 +26,11 @@ const PLUGIN_SCALARS: &[&str] = &[
     "concurrency_per_host",
     "concurrency",
     "priority",
+    "priority_from",
 ];
 
 /// The scalars of `[plugin.<name>.handler.<id>]` a variable may override.
-const HANDLER_SCALARS: &[&str] = &["concurrency_per_host", "concurrency", "priority"];
+const HANDLER_SCALARS: &[&str] = &["concurrency_per_host", "concurrency", "priority", "priority_from"];
 
 /// Whether `key` (lower case, without the prefix) names a processing setting's override.
 fn is_processing(key: &str) -> bool {
@@ -241,6 +242,8 @@ mod tests {
             ("RELAYHOST_PLUGIN_AUDIT_LOG_HANDLER_AUDIT_LOG_PRIORITY", "5"),
             ("RELAYHOST_PLUGIN_MAILER_CONCURRENCY", "3"),
             ("RELAYHOST_PLUGIN_MAILER_MEMORY", "\"64MiB\""),
+            ("RELAYHOST_PLUGIN_MAILER_PRIORITY_FROM", "event"),
+            ("RELAYHOST_PLUGIN_AUDIT_LOG_HANDLER_AUDIT_LOG_PRIORITY_FROM", "/urgency"),
             ("RELAYHOST_HOST_CONCURRENCY", "16"),
         ];
         let config = load(FILE, &overrides).unwrap();
@@ -252,6 +255,9 @@ mod tests {
         assert_eq!(config.plugin["mailer"].memory.unwrap().0, 64 << 20);
         assert_eq!(config.host.concurrency, 16, "the sections' own overrides still apply");
         assert_eq!(config.priority_for("audit-log", "audit-log"), 5);
+        let from = |plugin: &str, handler: &str| config.controls_for(plugin, handler).priority_from;
+        assert_eq!(from("mailer", "m"), Some(crate::store::PriorityFrom::Event), "priority_from, not a plugin `mailer_priority`");
+        assert_eq!(from("audit-log", "audit-log"), Some(crate::store::PriorityFrom::Payload("/urgency".to_string())));
     }
 
     #[test]
@@ -270,5 +276,7 @@ mod tests {
         // A value that reads well but breaks a range is named by its field, as in the file.
         let error = load(FILE, &[("RELAYHOST_PLUGIN_MAILER_CONCURRENCY_PER_HOST", "0")]).unwrap_err().to_string();
         assert!(error.contains("plugin.mailer.concurrency_per_host"), "{error}");
+        let error = load(FILE, &[("RELAYHOST_DEFAULTS_PRIORITY_FROM", "urgency")]).unwrap_err().to_string();
+        assert!(error.contains("defaults.priority_from"), "{error}");
     }
 }
