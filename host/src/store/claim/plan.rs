@@ -201,6 +201,10 @@ impl Plan {
     /// full claim. (A keyed row is not: whether it heads its key is known only as it is
     /// considered; it waits for the next claim.)
     fn outranks_lowest(&self, row: &Candidate) -> bool {
+        // Rows read by age have no priority: they never look at the picks.
+        if row.priority.is_none() || row.key.is_some() || self.running_ids.contains(&row.id) {
+            return false;
+        }
         let Some(lowest) = self.picks.iter().min_by_key(|pick| (self.rank(pick), std::cmp::Reverse((pick.due_at, pick.id)))) else {
             return false;
         };
@@ -208,10 +212,7 @@ impl Plan {
             let running = self.groups.get(&(row.handler.clone(), group.clone())).copied().unwrap_or(0);
             self.per_key.of(&row.handler).is_some_and(|limit| running >= limit)
         };
-        row.priority.is_some()
-            && row.key.is_none()
-            && !self.running_ids.contains(&row.id)
-            && self.rank(row) > self.rank(lowest)
+        self.rank(row) > self.rank(lowest)
             && (self.has_room_for(&row.handler) || lowest.handler == row.handler)
             && !row.group.as_ref().is_some_and(key_full)
     }
