@@ -115,6 +115,11 @@ impl KeyLimits {
     pub fn of(&self, handler: &str) -> Option<usize> {
         self.0.as_ref()?.get(handler).copied()
     }
+
+    /// Whether it names no handler.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_none()
+    }
 }
 
 /// The priority of each handler (0 unless named), and the handlers that take priorities per

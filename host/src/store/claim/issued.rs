@@ -61,11 +61,16 @@ impl Claimer {
             .collect()
     }
 
-    /// The keys ([`Candidate::group`]) of those of `running` that have one, as issued here:
-    /// what of each key runs in the lanes this instance holds, which are the keys' only lanes.
-    pub(super) fn groups_of<'a>(&self, running: impl Iterator<Item = &'a DeliveryId>) -> Vec<HandlerKey> {
+    /// Has `plan` keep to `per_key`, counting the keys ([`Candidate::group`]) of what runs in
+    /// the held lanes `mine` as issued here: those lanes are the keys' only lanes. Nothing is
+    /// counted when no handler has such a limit.
+    pub(super) fn limit_keys(&self, plan: &mut Plan, per_key: &KeyLimits, mine: &BTreeMap<LaneId, HeldLane>) {
+        if per_key.is_empty() {
+            return;
+        }
         let issued = self.issued.lock().expect("issued leases");
-        running.filter_map(|id| issued.get(id)?.group.clone()).collect()
+        let running = mine.values().flat_map(|lane| lane.running.iter()).filter_map(|entry| issued.get(&entry.delivery)?.group.clone());
+        plan.limit_keys(per_key.clone(), running.collect());
     }
 
     /// Whether this instance issued exactly this lease and has not seen it settled. A lease

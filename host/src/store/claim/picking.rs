@@ -33,7 +33,7 @@ impl Claimer {
 
         // Pick: due work of the held lanes under the per-key rules, then of free lanes.
         let mut plan = Plan::new(capacity.total, &capacity.rooms, mine.values().flat_map(|lane| lane.running.iter()));
-        plan.limit_keys(capacity.per_key.clone(), self.groups_of(mine.values().flat_map(|lane| lane.running.iter().map(|entry| &entry.delivery))));
+        self.limit_keys(&mut plan, &capacity.per_key, &mine);
         plan.heads.extend(heads.into_iter().map(|(key, head)| (key, Some(head))));
         // Taken for the claim (claims of an instance never overlap) and put back, with what it
         // learned, when it succeeds; a failed claim only costs the next one some lookups.

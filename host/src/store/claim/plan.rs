@@ -61,21 +61,32 @@ impl Plan {
         self.per_key = per_key;
     }
 
+    /// Whether `key` (a handler and one of its keys) runs or is picked as many times as its
+    /// handler's limit per key allows (never, for a handler without one).
+    fn at_key_limit(&self, key: &HandlerKey) -> bool {
+        let running = self.groups.get(key).copied().unwrap_or(0);
+        self.per_key.of(&key.0).is_some_and(|limit| running >= limit)
+    }
+
     /// The keys whose handler's limit is reached: their rows are not read.
     pub(super) fn full_keys(&self) -> Vec<HandlerKey> {
-        let full = |(key, running): (&HandlerKey, &usize)| self.per_key.of(&key.0).is_some_and(|limit| *running >= limit);
-        self.groups.iter().filter(|entry| full(*entry)).map(|(key, _)| key.clone()).collect()
+        self.groups.keys().filter(|key| self.at_key_limit(key)).cloned().collect()
+    }
+
+    /// `row`'s key, if its handler has a limit per key.
+    fn limited_key(&self, row: &Candidate) -> Option<HandlerKey> {
+        let group = row.group.as_ref().filter(|_| self.per_key.of(&row.handler).is_some())?;
+        Some((row.handler.clone(), group.clone()))
     }
 
     /// Counts `row` against its key's limit, if its handler has one: whether it may be
     /// picked. One that may not is left as it is, like one of a handler without room.
     fn within_key_limit(&mut self, row: &Candidate) -> bool {
-        let (Some(group), Some(limit)) = (&row.group, self.per_key.of(&row.handler)) else { return true };
-        let running = self.groups.entry((row.handler.clone(), group.clone())).or_default();
-        if *running >= limit {
+        let Some(key) = self.limited_key(row) else { return true };
+        if self.at_key_limit(&key) {
             return false;
         }
-        *running += 1;
+        *self.groups.entry(key).or_default() += 1;
         true
     }
 
@@ -208,13 +219,9 @@ impl Plan {
         let Some(lowest) = self.picks.iter().min_by_key(|pick| (self.rank(pick), std::cmp::Reverse((pick.due_at, pick.id)))) else {
             return false;
         };
-        let key_full = |group: &String| {
-            let running = self.groups.get(&(row.handler.clone(), group.clone())).copied().unwrap_or(0);
-            self.per_key.of(&row.handler).is_some_and(|limit| running >= limit)
-        };
         self.rank(row) > self.rank(lowest)
             && (self.has_room_for(&row.handler) || lowest.handler == row.handler)
-            && !row.group.as_ref().is_some_and(key_full)
+            && !self.limited_key(row).is_some_and(|key| self.at_key_limit(&key))
     }
 
     fn consider(&mut self, row: Candidate) -> bool {
