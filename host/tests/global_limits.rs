@@ -9,7 +9,6 @@
 mod common;
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use bson::{DateTime, doc};
@@ -162,9 +161,7 @@ fn assert_every_order_called(receiver: &Receiver, count: usize) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_hosts_keep_to_a_global_concurrency_while_one_is_killed() {
     let _alone = ONE_DEPLOYMENT_AT_A_TIME.lock().await;
-    let receiver = Receiver::start();
-    receiver.hold.store(false, Ordering::SeqCst);
-    receiver.delay_ms.store(200, Ordering::SeqCst);
+    let receiver = Receiver::answering(200);
     let deployment = Deployment::new(&["webhook"], &webhook_config(&receiver, "concurrency = 3")).await;
     let hosts = start_hosts(&deployment, &receiver, 0..3);
     publish_in_batches(&deployment, orders(60)).await;
@@ -195,8 +192,7 @@ async fn three_hosts_keep_to_a_global_concurrency_while_one_is_killed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_hosts_keep_to_a_global_rate() {
     let _alone = ONE_DEPLOYMENT_AT_A_TIME.lock().await;
-    let receiver = Receiver::start();
-    receiver.hold.store(false, Ordering::SeqCst);
+    let receiver = Receiver::answering(0);
     let config = webhook_config(&receiver, "rate = { max = 10, per = \"1s\" }");
     let deployment = Deployment::new(&["webhook"], &config).await;
     let hosts = start_hosts(&deployment, &receiver, 0..3);
@@ -223,9 +219,7 @@ async fn three_hosts_keep_to_a_global_rate() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_hosts_keep_to_a_limit_per_key_while_one_is_killed() {
     let _alone = ONE_DEPLOYMENT_AT_A_TIME.lock().await;
-    let receiver = Receiver::start();
-    receiver.hold.store(false, Ordering::SeqCst);
-    receiver.delay_ms.store(150, Ordering::SeqCst);
+    let receiver = Receiver::answering(150);
     let config = webhook_config(&receiver, "per_key = { limit = 2, key = \"/customer\" }");
     let deployment = Deployment::new(&["webhook"], &config).await;
     let hosts = start_hosts(&deployment, &receiver, 0..3);
@@ -254,9 +248,7 @@ async fn three_hosts_keep_to_a_limit_per_key_while_one_is_killed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_hosts_call_the_higher_priorities_first_and_keep_each_keys_order() {
     let _alone = ONE_DEPLOYMENT_AT_A_TIME.lock().await;
-    let receiver = Receiver::start();
-    receiver.hold.store(false, Ordering::SeqCst);
-    receiver.delay_ms.store(100, Ordering::SeqCst);
+    let receiver = Receiver::answering(100);
     let config = webhook_config(&receiver, "priority_from = \"event\"").replace("concurrency = 8", "concurrency = 2\nclaim_ahead = 0");
     let deployment = Deployment::new(&["webhook"], &config).await;
     let hosts = start_hosts(&deployment, &receiver, 0..3);

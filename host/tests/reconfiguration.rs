@@ -8,7 +8,6 @@
 #[macro_use]
 mod common;
 
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use bson::doc;
@@ -58,9 +57,7 @@ fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
 /// goes on under four; every order is called exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_limit_changed_mid_drain_takes_effect_within_a_second_and_a_broken_file_is_refused() {
-    let receiver = Receiver::start();
-    receiver.hold.store(false, Ordering::SeqCst);
-    receiver.delay_ms.store(250, Ordering::SeqCst);
+    let receiver = Receiver::answering(250);
     let host_name = receiver.address.to_string();
     let deployment = Deployment::new(&["webhook"], &webhook("concurrency_per_host = 1", &host_name)).await;
     let url = format!("http://{}/hooks", receiver.address);
@@ -106,8 +103,7 @@ async fn a_limit_changed_mid_drain_takes_effect_within_a_second_and_a_broken_fil
 /// retrying get through: none is lost, none is dead.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_given_by_a_reload_reaches_the_plugins_next_runs() {
-    let receiver = Receiver::start();
-    receiver.hold.store(false, Ordering::SeqCst);
+    let receiver = Receiver::answering(0);
     let retry = "retry = { max_attempts = 1000, initial_backoff = \"100ms\", max_backoff = \"200ms\" }";
     let deployment = Deployment::new(&["webhook"], &webhook(retry, "elsewhere.invalid")).await;
     let url = format!("http://{}/hooks", receiver.address);
@@ -151,8 +147,7 @@ async fn dead_reasons(deployment: &Deployment) -> std::collections::BTreeMap<Str
 /// their failing path.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn schemas_changed_by_sighup_or_by_the_file_apply_to_the_next_fan_out() {
-    let receiver = Receiver::start();
-    receiver.hold.store(false, Ordering::SeqCst);
+    let receiver = Receiver::answering(0);
     let folder = std::env::temp_dir().join(format!("relayhost-reconfiguration-{}", bson::oid::ObjectId::new()));
     std::fs::create_dir_all(&folder).unwrap();
     let schema = folder.join("order.json");
@@ -198,9 +193,7 @@ async fn schemas_changed_by_sighup_or_by_the_file_apply_to_the_next_fan_out() {
 /// sees one at a time once the runs under the old limit ended. Every order is called.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_limit_across_hosts_changed_in_the_file_holds_on_every_host() {
-    let receiver = Receiver::start();
-    receiver.hold.store(false, Ordering::SeqCst);
-    receiver.delay_ms.store(150, Ordering::SeqCst);
+    let receiver = Receiver::answering(150);
     let host_name = receiver.address.to_string();
     let deployment = Deployment::new(&["webhook"], &webhook("concurrency = 2", &host_name)).await;
     let url = format!("http://{}/hooks", receiver.address);
@@ -242,8 +235,7 @@ async fn a_limit_across_hosts_changed_in_the_file_holds_on_every_host() {
 /// it is loaded under the grants the file gives it now, and its calls get through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_plugin_dropped_in_after_a_reload_runs_under_the_grants_the_file_gives_it_now() {
-    let receiver = Receiver::start();
-    receiver.hold.store(false, Ordering::SeqCst);
+    let receiver = Receiver::answering(0);
     let deployment = Deployment::new(&["noop"], "poll_interval = \"100ms\"\n").await;
     let url = format!("http://{}/hooks", receiver.address);
     let host = deployment.start_with("host", &[("WEBHOOK_URL", url.as_str())]);

@@ -27,6 +27,14 @@ impl Receiver {
         Self::start_on(std::net::Ipv4Addr::LOCALHOST)
     }
 
+    /// On 127.0.0.1, answering every request after `delay_ms` instead of holding it.
+    pub fn answering(delay_ms: u64) -> Self {
+        let receiver = Self::start();
+        receiver.hold.store(false, Ordering::SeqCst);
+        receiver.delay_ms.store(delay_ms, Ordering::SeqCst);
+        receiver
+    }
+
     /// On `ip` (all interfaces for callers in a container).
     pub fn start_on(ip: std::net::Ipv4Addr) -> Self {
         let listener = std::net::TcpListener::bind((ip, 0)).unwrap();
