@@ -248,3 +248,43 @@ async fn a_stopped_host_hands_its_share_of_a_limit_across_hosts_back_at_once() {
     let grant = other.lease_share("limited", &ask, bson::DateTime::now()).await.unwrap();
     assert_eq!(grant.share, 4, "the stopped host's share came back with its stop");
 }
+
+/// A handler limited across hosts runs its share at once on a host with more run slots; its
+/// backlog is held only as far as its gate could start it soon, so another handler's work
+/// published while the backlog runs takes the other places and is done long before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_limited_across_hosts_runs_its_share_and_its_backlog_takes_no_other_handlers_places() {
+    let store = store();
+    publish_all(&*store, (0..60).map(|n| event(&format!("o-{n}"), "order.placed")).collect()).await;
+    let two_across_hosts = Throttle { global_concurrency: Some(2), ..Default::default() };
+    let quick = HandlerSpec { event_types: vec!["mail.sent".into()], ..spec("quick", Throttle::default()) };
+    let probe = Probe::new(
+        vec![spec("limited", two_across_hosts), quick],
+        &[("limited", Duration::from_millis(40)), ("quick", Duration::from_millis(5))],
+    );
+    // Places for 8 running and 16 claimed ahead: fewer than the backlog.
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let dispatcher = Dispatcher::new(store.clone(), probe.clone(), DispatcherOptions { claim_ahead: 16, ..options() });
+    let wakeup = dispatcher.waker();
+    let running = tokio::spawn(async move { dispatcher.run(async { let _ = stopped.await; }).await.unwrap() });
+    // The backlog runs: the host holds what it may of it. Then the other handler's events.
+    while probe.most_at_once("limited") == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    publish_all(&*store, (0..20).map(|n| event(&format!("m-{n}"), "mail.sent")).collect()).await;
+    wakeup.notify_one();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while probe.runs.lock().unwrap().len() < 80 {
+        assert!(Instant::now() < deadline, "ran {} of 80", probe.runs.lock().unwrap().len());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    stop.send(()).unwrap();
+    running.await.unwrap();
+
+    assert_eq!(probe.most_at_once("limited"), 2, "its share at once, never more");
+    let mut limited_ends: Vec<Instant> = probe.runs_of("limited").iter().map(|r| r.ended).collect();
+    limited_ends.sort();
+    assert_eq!(limited_ends.len(), 60);
+    let quick_done = probe.runs_of("quick").iter().map(|r| r.ended).max().unwrap();
+    assert!(quick_done < limited_ends[10], "the other handler waited behind the limited one's backlog");
+}

@@ -7,10 +7,11 @@
 //!   so a drain's deliveries are handed out rather than claimed; once a batch could not be
 //!   (another host's lanes, keyed events) the rest goes to claims at once. A claim never
 //!   overlaps a hand-out (both write the lanes' lists). Both keep to each throttled
-//!   handler's room (`throttle`; across hosts, `global_limits`: a claim asks the limiter, a
-//!   hand-out keeps to what is in hand); higher priorities go first.
+//!   handler's room (`throttle`); higher priorities go first. Then the gates of handlers
+//!   limited across hosts ask their limiters for what they lack (`global_limits`).
 //! - **Start** (`start`): each delivery, claimed or handed out, in its own task under a run slot,
-//!   counted against its handler's rate limits. A run handed out before its fan-out committed
+//!   counted against its handler's rate limits on this host; across hosts, let in by its
+//!   handler's gate before it takes the slot. A run handed out before its fan-out committed
 //!   reports its outcome only after the word that it did (as not run otherwise); a
 //!   transactional one starts only then.
 //! - **Settle** (`settle`): completions are batched (`completion`); failures are rescheduled
@@ -144,6 +145,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                     self.settle(again, &mut flight).await
                 }
                 () = fanned.notified() => { flight.claim = true; Ok(()) }
+                () = sleep_until_some(flight.ask_limiters_at) => { flight.ask_limiters_at = None; Ok(()) }
                 () = sleep_until_some(next_claim) => {
                     let now = Instant::now();
                     while flight.claim_timers.peek().is_some_and(|Reverse(at)| *at <= now) {
@@ -241,6 +243,10 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         if claim_first {
             self.fan_out(&specs, fanned, early, flight)?;
         }
+        // What waits at the gates of handlers limited across hosts asks their limiters.
+        if !flight.global_shares.is_empty() {
+            flight.ask_limiters_at = flight.global_shares.ask(&self.store, &specs);
+        }
         Ok(())
     }
 
@@ -287,12 +293,9 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             flight.fanning_hands_out.store(free > 0, Ordering::SeqCst);
             let hands_out = flight.fanning_hands_out.clone();
             // A throttled handler's deliveries are handed out within the room a claim would
-            // have: its throttles', and across hosts what this host has in hand (wanting
-            // more, it asks at the next claim).
+            // have.
             let capacity = self.capacity(flight);
             let (rooms, _) = flight.start_windows.rooms(specs, capacity.run_now, |h| held(&flight.running, h));
-            let (rooms, short) = flight.global_shares.within_hand(specs, rooms, capacity.total, |h| held(&flight.running, h));
-            flight.claim |= short;
             let capacity = capacity.within(rooms).ordered_by(priorities(specs));
             let task = FanOutTask {
                 store: self.store.clone(),
@@ -333,8 +336,6 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         let capacity = self.capacity(flight);
         let (rooms, wait_for_slots) = flight.start_windows.rooms(specs, capacity.run_now, |h| held(&flight.running, h));
         flight.throttled_wait_for_slots = wait_for_slots;
-        // Of a handler limited across hosts, no more than its share and tokens leave.
-        let rooms = flight.global_shares.before_claim(&*self.store, specs, rooms, capacity.total, |h| held(&flight.running, h)).await;
         let started = Instant::now();
         let capacity = capacity.within(rooms.clone()).ordered_by(priorities(specs)).keyed_within(key_limits(specs));
         let claimed = if search_all {
@@ -345,30 +346,23 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         tracing::trace!(elapsed_us = started.elapsed().as_micros() as u64, count = claimed.len(), "claimed");
         flight.backlog = claimed.len() >= free;
         let taken = GlobalShares::taken(specs, &claimed);
+        // Throttled handlers whose room the claim filled: more may wait, to claim once one of
+        // their runs ends, or (rate-limited) once the window lets one start.
         let filled: Vec<&HandlerSpec> = specs
             .iter()
-            .filter(|s| s.throttle.rate.is_some())
             .filter(|s| rooms.of(&s.handler).is_some_and(|room| claimed.iter().filter(|c| c.handler == s.handler).count() >= room.most))
             .collect();
+        flight.rooms_filled = filled.iter().map(|s| s.handler.clone()).collect();
         self.start(claimed, specs, permits, finished_tx, flight).await?;
-        // A rate-limited handler's room was filled: more may wait, to claim once the window
-        // lets one start (a run that ends asks for a claim anyway).
         let now = Instant::now();
-        for spec in filled {
+        for spec in filled.into_iter().filter(|s| s.throttle.rate.is_some()) {
             let opens = flight.start_windows.opening(&spec.handler, &spec.throttle, now);
             if let Some(opens) = opens.filter(|opens| !flight.claim_timers.iter().any(|Reverse(at)| at == opens)) {
                 flight.claim_timers.push(Reverse(opens));
             }
         }
         let fanning_out = flight.fan_out || flight.fan_out_waits || flight.fanning.is_some();
-        flight.global_shares.after_claim(&*self.store, specs, &taken, fanning_out, |h| held(&flight.running, h)).await;
-        // Short of tokens across hosts: look again once the bucket may hold one more.
-        if let Some(wait) = flight.global_shares.next_token_in(specs) {
-            let at = Instant::now() + wait;
-            if !flight.claim_timers.iter().any(|Reverse(timer)| *timer <= at) {
-                flight.claim_timers.push(Reverse(at));
-            }
-        }
+        flight.global_shares.after_claim(&self.store, specs, &taken, &rooms, fanning_out);
         Ok(())
     }
 
@@ -398,11 +392,12 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 flight.claim = true;
                 continue;
             }
-            // Every start counts in its handler's rate windows, here and across hosts.
+            // Every start counts in its handler's rate windows on this host; across hosts, it
+            // waits at its handler's gate first.
             if spec.throttle.limits() {
                 flight.start_windows.started(&spec.handler, &spec.throttle, 1, Instant::now());
-                flight.global_shares.started(&spec.handler);
             }
+            let mut place = spec.throttle.global().then(|| flight.global_shares.enter(&spec.handler));
             let (runner, finished_tx, permits) = (self.runner.clone(), finished_tx.clone(), permits.clone());
             let (lease, delivery_handler) = (delivery.lease, delivery.handler.clone());
             let (commit, transactional) = (delivery.before_commit.clone(), spec.transactional);
@@ -413,7 +408,15 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             // start is recorded once it has a run slot, before it runs.
             let starts = (!delivery.started && delivery.suspect).then(|| flight.starts.clone());
             let task = tokio::spawn(async move {
-                // A closed semaphore means the host is stopping: hand it back unstarted.
+                // Let in by its gate (counted as running across hosts until it ends), then a run
+                // slot. A closed gate or semaphore means the host is stopping: hand it back
+                // unstarted.
+                if let Some(place) = place.as_mut()
+                    && !place.let_in().await
+                {
+                    let _ = finished_tx.send((delivery, RunResult::NotRun));
+                    return;
+                }
                 let Ok(_permit) = permits.acquire_owned().await else {
                     let _ = finished_tx.send((delivery, RunResult::NotRun));
                     return;
@@ -433,6 +436,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                         if commit.committed().await { result } else { RunResult::NotRun }
                     }
                 };
+                drop(place);
                 let _ = finished_tx.send((delivery, result));
             });
             let running = Running { lease, handler: delivery_handler, renew: !spec.transactional, task: task.abort_handle() };
@@ -453,10 +457,12 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         let mut not_run = Vec::new();
         let mut first_error = None;
         for (delivery, result) in batch {
-            // A throttled handler's run that ended leaves room for its next delivery (of its key,
-            // for one limited per key), and a run slot for one that waited for a slot.
+            // A run that ended leaves room for the next delivery of a handler throttled on this
+            // host, or of its key for one limited per key, or of one whose room the last claim
+            // filled; and a run slot for one that waited for a slot.
             flight.claim |= flight.throttled_wait_for_slots
-                || specs.iter().any(|s| s.handler == delivery.handler && (s.throttle.limits() || s.per_key.is_some()));
+                || flight.rooms_filled.contains(&delivery.handler)
+                || specs.iter().any(|s| s.handler == delivery.handler && (s.throttle.per_host() || s.per_key.is_some()));
             // A keyed delivery that ended may let its key's next one go: at once, or (for a
             // completion written in the background) once that is written.
             let keyed = delivery.event.key.is_some();
@@ -535,7 +541,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         let leases: Vec<Lease> = flight.running.values().filter(|r| r.renew).map(|r| r.lease).collect();
         if !flight.global_shares.is_empty() {
             let specs = self.runner.handlers();
-            flight.global_shares.renew(&*self.store, &specs, |h| held(&flight.running, h), false).await;
+            flight.global_shares.renew(&self.store, &specs);
         }
         if !leases.is_empty() {
             self.store.extend_lease(&leases, DateTime::now()).await?;

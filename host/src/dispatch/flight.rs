@@ -2,7 +2,7 @@
 //! the background fan-out and completions. It only holds the state; the loop's steps change it.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeSet, BinaryHeap, HashMap};
+use std::collections::{BTreeSet, BinaryHeap, HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
@@ -37,11 +37,17 @@ pub(super) struct Flight<S: Store> {
     pub(super) claim_timers: BinaryHeap<Reverse<Instant>>,
     /// The starts of each rate-limited handler in its window.
     pub(super) start_windows: StartWindows,
-    /// This host's shares of the limits across hosts.
+    /// The gates of handlers limited across hosts, and this host's shares of their limits.
     pub(super) global_shares: GlobalShares,
+    /// When the gates of handlers limited across hosts ask their limiters again, if they lack
+    /// something.
+    pub(super) ask_limiters_at: Option<Instant>,
     /// A rate-limited handler found fewer free run slots than its window left it at the last
     /// claim: a run that ends asks for the next.
     pub(super) throttled_wait_for_slots: bool,
+    /// The throttled handlers whose room the last claim filled: a run of theirs that ends asks
+    /// for a claim.
+    pub(super) rooms_filled: HashSet<String>,
     /// What the next step should look for. A claim costs several round trips, so the loop
     /// claims only when something may have become claimable.
     pub(super) fan_out: bool,
@@ -84,7 +90,9 @@ impl<S: Store> Flight<S> {
             claim_timers: BinaryHeap::new(),
             start_windows: StartWindows::default(),
             throttled_wait_for_slots: false,
+            rooms_filled: HashSet::new(),
             global_shares: GlobalShares::default(),
+            ask_limiters_at: None,
             fan_out: true,
             claim: true,
             backlog: false,

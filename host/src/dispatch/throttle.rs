@@ -2,12 +2,13 @@
 //! host holds at once (running or claimed ahead of a run slot), and how many of them it
 //! starts in any window of a given length, on each host; and the same across every host (the
 //! global `concurrency` and `rate`, held through the store's limiter documents, see
-//! [`crate::store::limiter`]; the claim asks for them in `dispatcher.rs`).
+//! [`crate::store::limiter`]; each run passes its handler's gate, see [`super::global_limits`]).
 //!
-//! A throttled handler's deliveries are only ever claimed, never handed out by their fan-out,
-//! and a claim takes at most the room its limits leave (the claim is told each handler's
-//! room, [`Rooms`]), so its backlog never takes the places of other handlers' work. The loop
-//! claims for it again when one of its runs ends and when its rate window lets another start.
+//! Claims and hand-outs take at most the room a throttled handler's limits leave (they are
+//! told each handler's room, [`Rooms`]), so its backlog never takes the places of other
+//! handlers' work: on each host, what its limits let it hold; across hosts, what its gate
+//! could let start soon. The loop claims for it again when one of its runs ends and when its
+//! rate window lets another start.
 //!
 //! This module owns the counting: the limits, the starts each throttled handler made in its
 //! window, and the rooms they leave. It never claims, and never knows how a handler runs.
@@ -18,6 +19,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::HandlerSpec;
+use super::options::CLAIM_AHEAD_PER_RUN_SLOT;
 use crate::store::limiter::GlobalRate;
 use crate::store::{Room, Rooms};
 
@@ -49,14 +51,36 @@ impl Throttle {
         self.concurrency.is_some() || self.rate.is_some() || self.global()
     }
 
+    /// Whether it limits anything on each host.
+    pub fn per_host(&self) -> bool {
+        self.concurrency.is_some() || self.rate.is_some()
+    }
+
     /// Whether it limits anything across hosts (its claims ask the store's limiter first).
     pub fn global(&self) -> bool {
         self.global_concurrency.is_some() || self.global_rate.is_some()
     }
 
-    /// Whether each start is counted as it is claimed, so it must start at once.
+    /// Whether each start is counted as it is claimed, so it must start at once (the limits
+    /// across hosts count starts at their gate instead, see [`super::global_limits`]).
     fn counts_starts(&self) -> bool {
-        self.rate.is_some() || self.global_rate.is_some()
+        self.rate.is_some()
+    }
+
+    /// The most of its deliveries a host holds for its limits across hosts, running or
+    /// waiting at their gate: what the global concurrency runs, with each run slot's claims
+    /// ahead, and about a second of starts at the global rate. A limited backlog keeps its
+    /// gate fed without taking the places of other handlers' work.
+    fn global_hold(&self) -> Option<usize> {
+        let by_concurrency = self.global_concurrency.map(|limit| limit.saturating_mul(1 + CLAIM_AHEAD_PER_RUN_SLOT));
+        let by_rate = self.global_rate.map(|rate| {
+            let per_second = rate.max as u128 * 1_000 / rate.per_ms.max(1) as u128;
+            per_second.clamp(1, usize::MAX as u128) as usize
+        });
+        match (by_concurrency, by_rate) {
+            (Some(concurrency), Some(rate)) => Some(concurrency.min(rate)),
+            (concurrency, rate) => concurrency.or(rate),
+        }
     }
 }
 
@@ -78,7 +102,8 @@ impl StartWindows {
             Some(rate) => rate.max.saturating_sub(self.started_within(handler, rate, now)),
             None => usize::MAX,
         };
-        Some(by_concurrency.min(by_rate))
+        let by_global = throttle.global_hold().map_or(usize::MAX, |hold| hold.saturating_sub(held));
+        Some(by_concurrency.min(by_rate).min(by_global))
     }
 
     /// What a claim may take of each throttled handler of `specs`, `held(handler)` of its

@@ -1,22 +1,24 @@
 //! Limits that hold across every host: a handler's global `concurrency` and `rate`, kept in
 //! one limiter document per limited handler, which each host leases a share of.
 //!
-//! - **Concurrency.** Each host's share is the most deliveries of the handler it may hold at
-//!   once (running or claimed ahead). A host claims within its share; it asks for a bigger one
-//!   when its claims could take more, and shrinks it to what it holds when they could not. The
-//!   shares of all live hosts never add up to more than the limit: a share grows only into
-//!   what the others' leave free, in one conditional write of the document. A share lasts a
-//!   lease and is renewed with the host's leases, so a dead host's share comes back when its
-//!   lane leases (and so its deliveries) do. A host that waits (its ask was cut short by the
-//!   others' shares) says so in its share; the others then shrink to an even part of the
-//!   limit as their runs end, so no host starves.
+//! - **Concurrency.** Each host's share is the most deliveries of the handler it may run at
+//!   once. A host starts runs within its share; it asks for a bigger one while more of its
+//!   deliveries wait to start than its share lets run, and shrinks it to what runs when nothing
+//!   waits. The shares of all live hosts never add up to more than the limit: a share grows
+//!   only into what the others' leave free, in one conditional write of the document. A share
+//!   lasts a lease and is renewed with the host's leases, so a dead host's share comes back
+//!   when its lane leases (and so its deliveries) do. A host that waits (its ask was cut short
+//!   by the others' shares) says so in its share; the others then keep to an even part of the
+//!   limit ([`ShareGrant::keep_to`]) and their shares shrink to it as their runs end, so no
+//!   host starves.
 //! - **Rate.** A token bucket in the same document: `max` tokens a `per`, up to `burst` kept.
-//!   A claim takes the tokens its room may use and gives back, with its next ask, those its
-//!   picks did not use; each start costs one token, whichever host makes it.
+//!   A host takes tokens for the deliveries waiting to start and gives back, when it has
+//!   nothing left to start, those it did not use; each start costs one token, whichever host
+//!   makes it.
 //!
 //! This module owns the arithmetic ([`LimiterState::lease`]) and the one way both stores
 //! apply it ([`lease_share`]: read, compute, write if unchanged, again on a race). It never
-//! claims and never counts what runs: the dispatcher tells it what its host holds.
+//! claims and never counts what runs: the dispatcher tells it what its host runs.
 
 use std::future::Future;
 
@@ -29,15 +31,15 @@ use super::StoreError;
 pub struct ShareRequest {
     /// The global concurrency limit, if there is one.
     pub concurrency: Option<usize>,
-    /// Deliveries of the handler this host holds now (its share is never cut below).
+    /// Deliveries of the handler this host runs now (its share is never cut below).
     pub held: usize,
-    /// The most it would hold after its next claim.
+    /// The most it would run: what runs and what waits to start.
     pub wanted: usize,
     /// The global rate, if there is one.
     pub rate: Option<GlobalRate>,
-    /// Tokens it would take for its next claim.
+    /// Tokens it would take for the deliveries waiting to start.
     pub tokens_wanted: usize,
-    /// Tokens its last claim took and did not use.
+    /// Tokens it took and did not use.
     pub tokens_returned: usize,
 }
 
@@ -52,8 +54,12 @@ pub struct GlobalRate {
 /// What a host may do after its ask.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ShareGrant {
-    /// Its share: the most deliveries it may hold (`usize::MAX` without a concurrency limit).
+    /// Its share: the most deliveries it may run (`usize::MAX` without a concurrency limit).
+    /// Never below what it runs ([`ShareRequest::held`]).
     pub share: usize,
+    /// What it should keep to: its share once its runs above it ended (less than `share` only
+    /// while it runs more than the others' waits leave it). It starts no run beyond it.
+    pub keep_to: usize,
     /// Tokens it took: the most deliveries it may start now (`usize::MAX` without a rate).
     pub tokens: usize,
 }
@@ -62,7 +68,7 @@ pub struct ShareGrant {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Share {
     pub host: String,
-    /// The most deliveries it may hold.
+    /// The most deliveries it may run.
     pub share: usize,
     /// What it asked for; more than `share` while it waits for the others.
     pub wanted: usize,
@@ -84,22 +90,23 @@ impl LimiterState {
     /// Applies `host`'s ask at `now_ms`, its share lasting until `until_ms`; returns the grant.
     /// Lapsed shares are dropped first. The sum of the live shares never exceeds the limit
     /// unless it did before (a limit lowered under running work), and a share never drops
-    /// below what its host holds.
+    /// below what its host runs.
     pub fn lease(&mut self, host: &str, request: &ShareRequest, now_ms: i64, until_ms: i64) -> ShareGrant {
         self.shares.retain(|share| share.until_ms > now_ms && share.host != host);
-        let share = match request.concurrency {
-            None => usize::MAX,
+        let (share, keep_to) = match request.concurrency {
+            None => (usize::MAX, usize::MAX),
             Some(limit) => {
                 let others: usize = self.shares.iter().map(|share| share.share).sum();
                 let free = limit.saturating_sub(others);
                 // While others wait, each host keeps to an even part of the limit.
                 let waiting = self.shares.iter().filter(|share| share.wanted > share.share).count();
                 let even = if waiting == 0 { usize::MAX } else { limit.div_ceil(waiting + 1) };
-                let share = request.wanted.min(free).min(even).max(request.held);
+                let keep_to = request.wanted.min(free).min(even);
+                let share = keep_to.max(request.held);
                 if share > 0 || request.wanted > 0 {
                     self.shares.push(Share { host: host.to_string(), share, wanted: request.wanted, until_ms });
                 }
-                share
+                (share, keep_to)
             }
         };
         let tokens = match request.rate {
@@ -116,7 +123,7 @@ impl LimiterState {
                 taken as usize
             }
         };
-        ShareGrant { share, tokens }
+        ShareGrant { share, keep_to, tokens }
     }
 }
 
@@ -169,7 +176,8 @@ mod tests {
         // b finds nothing free and waits.
         assert_eq!(state.lease("b", &ask(4, 0, 10), 1, 1_000).share, 0);
         // a still holds 4; as its runs end it keeps to half.
-        assert_eq!(state.lease("a", &ask(4, 4, 10), 2, 1_000).share, 4);
+        let grant = state.lease("a", &ask(4, 4, 10), 2, 1_000);
+        assert_eq!((grant.share, grant.keep_to), (4, 2), "it runs 4 and starts no more until it runs fewer than 2");
         assert_eq!(state.lease("a", &ask(4, 1, 10), 3, 1_000).share, 2);
         assert_eq!(state.lease("b", &ask(4, 0, 10), 4, 1_000).share, 2);
         let total: usize = state.shares.iter().map(|s| s.share).sum();

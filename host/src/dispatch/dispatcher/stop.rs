@@ -26,7 +26,9 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         flight: &mut Flight<S>,
         finished: &mut mpsc::UnboundedReceiver<(ClaimedDelivery, RunResult)>,
     ) -> Result<(), StoreError> {
-        // Deliveries still waiting for a run slot come back as not run, and are released.
+        // Deliveries still waiting at a gate or for a run slot come back as not run, and are
+        // released.
+        flight.global_shares.close();
         permits.close();
         let deadline = Instant::now() + self.options.shutdown_timeout;
         // The fan-out ends after its batch, and what that handed out is released unstarted.
@@ -81,7 +83,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             DispatcherCounters::add(&self.counters.released, released);
         }
         if !flight.global_shares.is_empty() {
-            flight.global_shares.renew(&*self.store, &self.runner.handlers(), |_| 0, true).await;
+            flight.global_shares.hand_back(&*self.store, &self.runner.handlers()).await;
         }
         self.store.relinquish().await
     }
