@@ -87,6 +87,38 @@ impl Member {
         self.child = Some(child);
     }
 
+    /// Starts it and waits until its port takes connections. Its first start may find the
+    /// port taken since it was chosen (by a connection's local port, say): its `mongod` then
+    /// exits, and it starts again on another. Restarts later keep the port the set knows.
+    async fn start_listening(&mut self) {
+        for _ in 0..3 {
+            self.start();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while Instant::now() < deadline && self.alive() {
+                if self.direct().await.database("admin").run_command(doc! { "ping": 1 }).await.is_ok() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            eprintln!("the member on port {} did not start; another port. Its log ends:\n{}", self.port, self.log_tail());
+            kill(&mut self.child);
+            self.port = relayhost::mongod::free_port().unwrap();
+        }
+        panic!("a member's mongod did not start on three ports; its log ends:\n{}", self.log_tail());
+    }
+
+    /// Whether its `mongod` runs.
+    fn alive(&mut self) -> bool {
+        self.child.as_mut().is_some_and(|child| matches!(child.try_wait(), Ok(None)))
+    }
+
+    /// The last lines of its log, for a failure's message.
+    fn log_tail(&self) -> String {
+        let log = std::fs::read_to_string(self.dir.join("mongod.log")).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(3)..].iter().map(|line| line.chars().take(400).collect::<String>()).collect::<Vec<_>>().join("\n")
+    }
+
     async fn direct(&self) -> Client {
         let uri = format!("mongodb://127.0.0.1:{}/?directConnection=true&serverSelectionTimeoutMS=2000", self.port);
         Client::with_uri_str(uri).await.unwrap()
@@ -114,7 +146,7 @@ impl ReplicaSet {
             })
             .collect();
         for member in &mut members {
-            member.start();
+            member.start_listening().await;
         }
         let hosts: Vec<Document> = members
             .iter()
@@ -130,12 +162,27 @@ impl ReplicaSet {
         let deadline = Instant::now() + Duration::from_secs(60);
         let first = members[0].direct().await;
         while let Err(error) = first.database("admin").run_command(doc! { "replSetInitiate": config.clone() }).await {
-            assert!(Instant::now() < deadline, "replSetInitiate: {error}");
+            if Instant::now() >= deadline {
+                let mut set = Self { members };
+                panic!("replSetInitiate: {error}\n{}", set.members_state());
+            }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        let set = Self { members };
+        let mut set = Self { members };
         set.wait_for_primary().await;
         set
+    }
+
+    /// Whether each member runs, and how its log ends.
+    fn members_state(&mut self) -> String {
+        self.members
+            .iter_mut()
+            .map(|member| {
+                let running = member.alive();
+                format!("member on port {}, running: {running}; its log ends:\n{}", member.port, member.log_tail())
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 
     fn uri(&self) -> String {
@@ -152,13 +199,15 @@ impl ReplicaSet {
         None
     }
 
-    async fn wait_for_primary(&self) -> usize {
+    async fn wait_for_primary(&mut self) -> usize {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             if let Some(primary) = self.primary().await {
                 return primary;
             }
-            assert!(Instant::now() < deadline, "no primary was elected");
+            if Instant::now() >= deadline {
+                panic!("no primary was elected\n{}", self.members_state());
+            }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
