@@ -114,15 +114,35 @@ pub fn free_port() -> std::io::Result<u16> {
 
 impl Mongod {
     /// Starts `mongod` and waits until it is the writable primary of its replica set,
-    /// initiating the set on first start. Data in `data_dir` survives restarts.
+    /// initiating the set on first start. Data in `data_dir` survives restarts. A port chosen
+    /// here (`port` 0) may be taken before `mongod` binds it (a connection's local port, say):
+    /// a `mongod` that exits is then started on another, twice at most.
     pub async fn start(options: MongodOptions) -> Result<Self, MongodError> {
+        if options.port != 0 {
+            return Self::start_on(&options, options.port).await;
+        }
+        Self::start_on_a_free_port(&options, free_port).await
+    }
+
+    /// Starts `mongod` on a port from `choose`, and on the next while it exits (see
+    /// [`Mongod::start`]).
+    async fn start_on_a_free_port(options: &MongodOptions, mut choose: impl FnMut() -> std::io::Result<u16>) -> Result<Self, MongodError> {
+        let mut tries = 1;
+        loop {
+            let port = choose().map_err(|source| MongodError::DataDir { path: options.data_dir.clone(), source })?;
+            match Self::start_on(options, port).await {
+                Err(MongodError::Exited { status, .. }) if tries < 3 => {
+                    tracing::warn!(port, %status, "mongod exited on a port chosen for it; trying another");
+                    tries += 1;
+                }
+                started => return started,
+            }
+        }
+    }
+
+    async fn start_on(options: &MongodOptions, port: u16) -> Result<Self, MongodError> {
         std::fs::create_dir_all(&options.data_dir)
             .map_err(|source| MongodError::DataDir { path: options.data_dir.clone(), source })?;
-        let port = if options.port == 0 {
-            free_port().map_err(|source| MongodError::DataDir { path: options.data_dir.clone(), source })?
-        } else {
-            options.port
-        };
         let log = options.data_dir.join("mongod.log");
         let mut command = Command::new(&options.binary);
         command
@@ -350,5 +370,27 @@ fn remove_stale_data_dirs(root: &Path) {
         if !alive {
             let _ = std::fs::remove_dir_all(entry.path());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A port taken between its choice and `mongod`'s bind (here by a listener) leaves that
+    /// `mongod` dead; the start goes on with the next port.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_mongod_whose_chosen_port_was_taken_starts_on_another() {
+        let squatter = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let taken = squatter.local_addr().unwrap().port();
+        let dir = std::env::temp_dir().join(format!("relayhost-port-taken-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut ports = std::iter::once(Ok(taken)).chain(std::iter::repeat_with(free_port));
+        let options = MongodOptions::new(find_binary().unwrap(), dir.clone());
+        let mongod = Mongod::start_on_a_free_port(&options, || ports.next().unwrap()).await.unwrap();
+        assert_ne!(mongod.port(), taken);
+        mongod.stop();
+        drop(squatter);
+        std::fs::remove_dir_all(dir).unwrap();
     }
 }
