@@ -199,13 +199,9 @@ impl<S: Store> Runner for PluginRunner<S> {
         let mut specs = Vec::new();
         for subscription in self.registry.subscriptions() {
             let Some(plugin) = self.registry.plugin_for(&subscription.handler) else { continue };
-            let Controls { throttle, priority, priority_from, per_key } = (self.controls_for)(&plugin.name, &subscription.handler);
             specs.push(HandlerSpec {
                 retry: (self.retry_for)(&plugin.name, &subscription.handler),
-                throttle,
-                priority,
-                priority_from,
-                per_key,
+                controls: (self.controls_for)(&plugin.name, &subscription.handler),
                 handler: subscription.handler,
                 event_types: subscription.event_types,
                 transactional: subscription.transactional,

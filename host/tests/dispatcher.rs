@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use relayhost::dispatch::{Jitter, 
     AttemptResult, DEAD_LETTER_EVENT_TYPE, Dispatcher, DispatcherOptions, HandlerSpec, RetryPolicy, RunResult, Runner,
-    Throttle,
+    Controls,
 };
 use relayhost::store::memory::MemoryStore;
 use bson::DateTime;
@@ -84,10 +84,7 @@ fn spec(handler: &str, types: &[&str], retry: RetryPolicy) -> HandlerSpec {
         handler: handler.into(),
         event_types: types.iter().map(|t| t.to_string()).collect(),
         retry,
-        throttle: Throttle::default(),
-        priority: 0,
-        priority_from: None,
-        per_key: None,
+        controls: Controls::default(),
         transactional: false,
     }
 }

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::*;
-use relayhost::dispatch::{AttemptResult, Dispatcher, DispatcherOptions, HandlerSpec, RateLimit, RetryPolicy, RunResult, Runner, Throttle};
+use relayhost::dispatch::{AttemptResult, Controls, Dispatcher, DispatcherOptions, HandlerSpec, RateLimit, RetryPolicy, RunResult, Runner, Throttle};
 use relayhost::store::memory::MemoryStore;
 use relayhost::store::{ClaimedDelivery, StoreOptions};
 
@@ -82,10 +82,7 @@ fn spec(handler: &str, throttle: Throttle) -> HandlerSpec {
         handler: handler.into(),
         event_types: vec!["order.placed".into()],
         retry: RetryPolicy::default(),
-        throttle,
-        priority: 0,
-        priority_from: None,
-        per_key: None,
+        controls: Controls { throttle, ..Controls::default() },
         transactional: false,
     }
 }
@@ -187,7 +184,7 @@ async fn a_busy_host_starts_every_delivery_of_a_higher_priority_first() {
     // Unkeyed: each is ready at once (a key's next would wait for its predecessor, and
     // the free slot meanwhile go to what is ready).
     publish_all(&*store, (0..12).map(|n| event(&format!("u-{n}"), "order.placed")).collect()).await;
-    let urgent = HandlerSpec { priority: 10, ..spec("urgent", Throttle::default()) };
+    let urgent = HandlerSpec { controls: Controls { priority: 10, ..Controls::default() }, ..spec("urgent", Throttle::default()) };
     // Named so that without priorities, name and creation order would put `bulk` first.
     let probe = Probe::new(
         vec![spec("bulk", Throttle::default()), urgent],
@@ -225,7 +222,7 @@ async fn a_runner_gives_each_handler_the_settings_of_its_own_section() {
         .controlled_by(Arc::new(move |p: &str, h: &str| config.controls_for(p, h)));
     let specs = runner.handlers();
     let noop = specs.iter().find(|s| s.handler == "noop").expect("the noop plugin's handler");
-    assert_eq!((noop.priority, noop.retry.max_attempts, noop.throttle.concurrency), (8, 2, Some(2)));
+    assert_eq!((noop.controls.priority, noop.retry.max_attempts, noop.controls.throttle.concurrency), (8, 2, Some(2)));
     let _ = std::fs::remove_dir_all(&plugins);
 }
 

@@ -355,8 +355,8 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         flight.rooms_filled = filled.iter().map(|s| s.handler.clone()).collect();
         self.start(claimed, specs, permits, finished_tx, flight).await?;
         let now = Instant::now();
-        for spec in filled.into_iter().filter(|s| s.throttle.rate.is_some()) {
-            let opens = flight.start_windows.opening(&spec.handler, &spec.throttle, now);
+        for spec in filled.into_iter().filter(|s| s.controls.throttle.rate.is_some()) {
+            let opens = flight.start_windows.opening(&spec.handler, &spec.controls.throttle, now);
             if let Some(opens) = opens.filter(|opens| !flight.claim_timers.iter().any(|Reverse(at)| at == opens)) {
                 flight.claim_timers.push(Reverse(opens));
             }
@@ -394,10 +394,10 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             }
             // Every start counts in its handler's rate windows on this host; across hosts, it
             // waits at its handler's gate first.
-            if spec.throttle.limits() {
-                flight.start_windows.started(&spec.handler, &spec.throttle, 1, Instant::now());
+            if spec.controls.throttle.limits() {
+                flight.start_windows.started(&spec.handler, &spec.controls.throttle, 1, Instant::now());
             }
-            let mut place = spec.throttle.global().then(|| flight.global_shares.enter(&spec.handler));
+            let mut place = spec.controls.throttle.global().then(|| flight.global_shares.enter(&spec.handler));
             let (runner, finished_tx, permits) = (self.runner.clone(), finished_tx.clone(), permits.clone());
             let (lease, delivery_handler) = (delivery.lease, delivery.handler.clone());
             let (commit, transactional) = (delivery.before_commit.clone(), spec.transactional);
@@ -462,7 +462,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             // filled; and a run slot for one that waited for a slot.
             flight.claim |= flight.throttled_wait_for_slots
                 || flight.rooms_filled.contains(&delivery.handler)
-                || specs.iter().any(|s| s.handler == delivery.handler && (s.throttle.per_host() || s.per_key.is_some()));
+                || specs.iter().any(|s| s.handler == delivery.handler && (s.controls.throttle.per_host() || s.controls.per_key.is_some()));
             // A keyed delivery that ended may let its key's next one go: at once, or (for a
             // completion written in the background) once that is written.
             let keyed = delivery.event.key.is_some();
@@ -572,13 +572,13 @@ fn held(running: &HashMap<DeliveryId, Running>, handler: &str) -> usize {
 
 /// The most of one key at once of the handlers that run several of a key, as claims take it.
 fn key_limits(specs: &[HandlerSpec]) -> KeyLimits {
-    KeyLimits::new(specs.iter().filter_map(|spec| Some((spec.handler.clone(), spec.per_key.as_ref()?.limit))))
+    KeyLimits::new(specs.iter().filter_map(|spec| Some((spec.handler.clone(), spec.controls.per_key.as_ref()?.limit))))
 }
 
 /// The handlers' priorities, as claims and hand-outs take them.
 fn priorities(specs: &[HandlerSpec]) -> Priorities {
-    Priorities::new(specs.iter().map(|spec| (spec.handler.clone(), spec.priority)))
-        .per_event(specs.iter().filter(|spec| spec.priority_from.is_some()).map(|spec| spec.handler.clone()))
+    Priorities::new(specs.iter().map(|spec| (spec.handler.clone(), spec.controls.priority)))
+        .per_event(specs.iter().filter(|spec| spec.controls.priority_from.is_some()).map(|spec| spec.handler.clone()))
 }
 
 async fn sleep_until_some(at: Option<Instant>) {

@@ -98,7 +98,7 @@ impl Gate {
 
     /// The tokens in hand it may give back (none without a rate).
     fn spare_tokens(&self, spec: &HandlerSpec) -> usize {
-        if spec.throttle.global_rate.is_some() && self.tokens != usize::MAX { self.tokens } else { 0 }
+        if spec.controls.throttle.global_rate.is_some() && self.tokens != usize::MAX { self.tokens } else { 0 }
     }
 
     /// Whether one more run may start.
@@ -243,7 +243,7 @@ impl GlobalShares {
         }
         let mut asks = Vec::new();
         for (handler, gate) in gates.by_handler.iter_mut() {
-            let throttle = specs.iter().find(|spec| spec.handler == *handler).map(|spec| spec.throttle).unwrap_or_default();
+            let throttle = specs.iter().find(|spec| spec.handler == *handler).map(|spec| spec.controls.throttle).unwrap_or_default();
             gate.limited_by((throttle.global_concurrency, throttle.global_rate));
             let wants_share = gate.running + gate.waiting > gate.keep_to;
             let wants_tokens = gate.waiting > gate.tokens;
@@ -279,7 +279,7 @@ impl GlobalShares {
     /// without such a handler).
     pub(super) fn taken(specs: &[HandlerSpec], claimed: &[ClaimedDelivery]) -> HashMap<String, usize> {
         let mut taken = HashMap::new();
-        for spec in specs.iter().filter(|spec| spec.throttle.global()) {
+        for spec in specs.iter().filter(|spec| spec.controls.throttle.global()) {
             taken.insert(spec.handler.clone(), claimed.iter().filter(|c| c.handler == spec.handler).count());
         }
         taken
@@ -302,20 +302,20 @@ impl GlobalShares {
             return;
         }
         let mut gates = lock(&self.gates);
-        for spec in specs.iter().filter(|spec| spec.throttle.global()) {
+        for spec in specs.iter().filter(|spec| spec.controls.throttle.global()) {
             let filled = rooms.of(&spec.handler).is_some_and(|room| taken.get(&spec.handler).copied().unwrap_or(0) >= room.most);
             let Some(gate) = gates.by_handler.get_mut(&spec.handler) else { continue };
             let spare_tokens = gate.spare_tokens(spec);
-            let spare_share = spec.throttle.global_concurrency.is_some() && gate.share > gate.running;
+            let spare_share = spec.controls.throttle.global_concurrency.is_some() && gate.share > gate.running;
             if filled || gate.asking || gate.waiting > 0 || !(spare_share || spare_tokens > 0) {
                 continue;
             }
             gate.tokens -= spare_tokens;
             let request = ShareRequest {
-                concurrency: spec.throttle.global_concurrency,
+                concurrency: spec.controls.throttle.global_concurrency,
                 held: gate.may_run(),
                 wanted: gate.running,
-                rate: spec.throttle.global_rate,
+                rate: spec.controls.throttle.global_rate,
                 tokens_wanted: 0,
                 tokens_returned: spare_tokens,
             };
@@ -327,13 +327,13 @@ impl GlobalShares {
     /// a gate whose ask is under way is renewed by it.
     pub(super) fn renew<S: Store>(&self, store: &Arc<S>, specs: &[HandlerSpec]) {
         let mut gates = lock(&self.gates);
-        for spec in specs.iter().filter(|spec| spec.throttle.global_concurrency.is_some()) {
+        for spec in specs.iter().filter(|spec| spec.controls.throttle.global_concurrency.is_some()) {
             let Some(gate) = gates.by_handler.get_mut(&spec.handler) else { continue };
             if gate.asking || (gate.share == 0 && gate.wanted == 0) {
                 continue;
             }
             let request = ShareRequest {
-                concurrency: spec.throttle.global_concurrency,
+                concurrency: spec.controls.throttle.global_concurrency,
                 held: gate.may_run(),
                 wanted: gate.running + gate.waiting,
                 ..Default::default()
@@ -347,19 +347,19 @@ impl GlobalShares {
     pub(super) async fn hand_back<S: Store>(&self, store: &S, specs: &[HandlerSpec]) {
         let asking = std::mem::take(&mut lock(&self.gates).asking);
         futures::future::join_all(asking).await;
-        for spec in specs.iter().filter(|spec| spec.throttle.global()) {
+        for spec in specs.iter().filter(|spec| spec.controls.throttle.global()) {
             let request = {
                 let mut gates = lock(&self.gates);
                 let Some(gate) = gates.by_handler.get_mut(&spec.handler) else { continue };
                 let spare_tokens = gate.spare_tokens(spec);
-                let holds = spec.throttle.global_concurrency.is_some() && (gate.share > 0 || gate.wanted > 0);
+                let holds = spec.controls.throttle.global_concurrency.is_some() && (gate.share > 0 || gate.wanted > 0);
                 if !holds && spare_tokens == 0 {
                     continue;
                 }
                 gate.tokens -= spare_tokens;
                 ShareRequest {
-                    concurrency: spec.throttle.global_concurrency,
-                    rate: spec.throttle.global_rate.filter(|_| spare_tokens > 0),
+                    concurrency: spec.controls.throttle.global_concurrency,
+                    rate: spec.controls.throttle.global_rate.filter(|_| spare_tokens > 0),
                     tokens_returned: spare_tokens,
                     ..Default::default()
                 }

@@ -70,8 +70,8 @@ impl KnownHandlers {
         let local = specs.iter().map(|s| {
             Subscription::new(s.handler.clone(), s.event_types.iter().cloned())
                 .completing_in_transaction(s.transactional)
-                .keyed_by(s.per_key.as_ref().map(|limit| limit.key.clone()))
-                .prioritized_by(s.priority_from.clone())
+                .keyed_by(s.controls.per_key.as_ref().map(|limit| limit.key.clone()))
+                .prioritized_by(s.controls.priority_from.clone())
         });
         Some(fan_out_subscriptions(local, &known))
     }

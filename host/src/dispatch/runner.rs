@@ -14,8 +14,13 @@ use crate::store::{ClaimedDelivery, Declaration, PerKey, PriorityFrom, Subscript
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Controls {
     pub throttle: Throttle,
+    /// Of due deliveries, those of handlers of a higher priority are claimed, handed out and
+    /// started first (0 by default).
     pub priority: i32,
+    /// Of its due deliveries, those of higher priorities (as its events say) go first
+    /// (`None`: in the order they are due).
     pub priority_from: Option<PriorityFrom>,
+    /// Runs up to a limit of one key at once, unordered (`None`: one at a time, in order).
     pub per_key: Option<KeyLimit>,
 }
 
@@ -32,15 +37,8 @@ pub struct HandlerSpec {
     pub handler: String,
     pub event_types: Vec<String>,
     pub retry: RetryPolicy,
-    pub throttle: Throttle,
-    /// Runs up to a limit of one key at once, unordered (`None`: one at a time, in order).
-    pub per_key: Option<KeyLimit>,
-    /// Of due deliveries, those of handlers of a higher priority are claimed, handed out and
-    /// started first (0 by default).
-    pub priority: i32,
-    /// Of its due deliveries, those of higher priorities (as its events say) go first
-    /// (`None`: in the order they are due).
-    pub priority_from: Option<PriorityFrom>,
+    /// Its throttle, priority and per-key limit.
+    pub controls: Controls,
     /// Completes inside its own transaction: its lease is not renewed (a renewal would
     /// conflict with that completion), so the lease must outlast it.
     pub transactional: bool,
@@ -70,8 +68,8 @@ pub trait Runner: Send + Sync + 'static {
             .map(|spec| Declaration {
                 subscription: Subscription::new(spec.handler, spec.event_types)
                     .completing_in_transaction(spec.transactional)
-                    .keyed_by(spec.per_key.map(|limit| limit.key))
-                    .prioritized_by(spec.priority_from),
+                    .keyed_by(spec.controls.per_key.map(|limit| limit.key))
+                    .prioritized_by(spec.controls.priority_from),
                 plugin: String::new(),
                 version: String::new(),
             })

@@ -116,9 +116,9 @@ impl StartWindows {
         let mut run_slots = run_now;
         let mut wait_for_slots = false;
         let mut rooms = Vec::new();
-        for spec in specs.iter().filter(|spec| spec.throttle.limits()) {
-            let mut most = self.room(&spec.handler, &spec.throttle, held(&spec.handler), now).unwrap_or(0);
-            let start_now = spec.throttle.counts_starts();
+        for spec in specs.iter().filter(|spec| spec.controls.throttle.limits()) {
+            let mut most = self.room(&spec.handler, &spec.controls.throttle, held(&spec.handler), now).unwrap_or(0);
+            let start_now = spec.controls.throttle.counts_starts();
             if start_now {
                 wait_for_slots |= most > run_slots;
                 most = most.min(run_slots);
@@ -160,6 +160,7 @@ impl StartWindows {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dispatch::Controls;
 
     const SECOND: Duration = Duration::from_secs(1);
 
@@ -183,10 +184,7 @@ mod tests {
             handler: handler.into(),
             event_types: vec!["t".into()],
             retry: Default::default(),
-            throttle,
-            priority: 0,
-            priority_from: None,
-            per_key: None,
+            controls: Controls { throttle, ..Controls::default() },
             transactional: false,
         };
         let paced = Throttle { rate: Some(RateLimit { max: 4, per: SECOND }), ..Default::default() };
