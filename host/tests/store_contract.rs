@@ -41,6 +41,8 @@ both_stores!(
     per_key_rules_hold_within_one_claim,
     a_claim_keeps_to_each_handlers_room_and_leaves_the_rest_as_it_was,
     a_handler_limited_per_key_runs_that_many_of_a_payload_key_at_once_unordered,
+    a_handler_limited_per_event_key_runs_that_many_of_a_key_at_once,
+    a_claim_reads_a_handlers_priority_from_its_payload_field,
     a_hand_out_and_a_claim_take_higher_priorities_first_wherever_their_lanes,
     a_claim_takes_a_handlers_higher_event_priorities_first_and_keeps_each_keys_order,
     keyed_deliveries_run_one_at_a_time_in_sequence_order,
@@ -507,6 +509,72 @@ async fn a_hand_out_and_a_claim_take_higher_priorities_first_wherever_their_lane
 /// whatever their age, before `g`'s (of `h`'s handler priority, 0, but in order of age); a
 /// key's deliveries keep their order whatever their priorities say. Once in lanes the claimer
 /// holds (a fan-out handed `g`'s out there), once in free lanes it searches.
+/// Limited per key without a pointer, a handler counts its deliveries by the event's key:
+/// that many of a key at once, unordered; an unkeyed event is limited by nothing per key.
+async fn a_handler_limited_per_event_key_runs_that_many_of_a_key_at_once<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    let subscriptions = Subscriptions::new([Subscription::new("h", ["t"]).keyed_by(Some(PerKey::EventKey))]).unwrap();
+    let mut events: Vec<NewEvent> = (0..4).map(|n| keyed(&format!("a-{n}"), "t", "alice")).collect();
+    events.extend((0..2).map(|n| keyed(&format!("b-{n}"), "t", "bob")));
+    events.push(event("u-0", "t"));
+    publish_all(store, events).await;
+    fan_out_all(store, &subscriptions, at(T0)).await;
+    let two = || Capacity::new(50, 50).keyed_within(KeyLimits::new([("h".to_string(), 2)]));
+    let key_of = |c: &ClaimedDelivery| c.event.key.clone().unwrap_or_else(|| "-".to_string());
+    let keys = |claimed: &[ClaimedDelivery]| {
+        let mut keys: Vec<String> = claimed.iter().map(key_of).collect();
+        keys.sort();
+        keys
+    };
+    let first = store.claim(&handlers(&["h"]), two(), at(T0 + 1)).await.unwrap();
+    assert_eq!(keys(&first), ["-", "alice", "alice", "bob", "bob"], "two of each key at once, and the unkeyed one");
+    assert!(store.claim(&handlers(&["h"]), two(), at(T0 + 2)).await.unwrap().is_empty(), "both keys at their limit");
+    let alice = first.iter().find(|c| key_of(c) == "alice").unwrap().lease;
+    store.complete_many(&[alice], at(T0 + 3)).await.unwrap();
+    let next = store.claim(&handlers(&["h"]), two(), at(T0 + 4)).await.unwrap();
+    assert_eq!(keys(&next), ["alice"], "one more of alice's as one of hers ends");
+}
+
+/// A handler whose priorities come from a payload field: of its due deliveries, a claim takes
+/// the higher values first; a value past the range counts as its end, one that is no whole
+/// number or is missing as 0.
+async fn a_claim_reads_a_handlers_priority_from_its_payload_field<F: Fixture>() {
+    let fixture = F::new().await;
+    let store = fixture.store();
+    let from_payload = Some(PriorityFrom::Payload("/order/urgency".to_string()));
+    let subscriptions = Subscriptions::new([Subscription::new("h", ["t"]).prioritized_by(from_payload)]).unwrap();
+    let urgency = |id: &str, value: Option<bson::Bson>| {
+        let payload = match value {
+            Some(value) => doc! { "order": { "urgency": value } },
+            None => doc! { "order": {} },
+        };
+        NewEvent::new(id, "t", payload)
+    };
+    publish_all(
+        store,
+        vec![
+            urgency("low", Some(1.into())),
+            urgency("missing", None),
+            urgency("negative", Some((-3).into())),
+            urgency("high", Some(900.into())),
+            urgency("text", Some("950".into())),
+            urgency("past-the-range", Some(5_000_i64.into())),
+        ],
+    )
+    .await;
+    fan_out_all(store, &subscriptions, at(T0)).await;
+    let priorities = Priorities::default().per_event(["h".to_string()]);
+    let mut order = Vec::new();
+    for step in 1..=6 {
+        let claimed = store.claim(&handlers(&["h"]), Capacity::from(1).ordered_by(priorities.clone()), at(T0 + step)).await.unwrap();
+        order.extend(claimed.iter().map(|c| c.event.id.clone()));
+    }
+    assert_eq!(order[..3], ["past-the-range", "high", "low"], "{order:?}");
+    assert_eq!(order[3..5].iter().map(String::as_str).collect::<BTreeSet<_>>(), BTreeSet::from(["missing", "text"]), "{order:?}");
+    assert_eq!(order[5], "negative", "{order:?}");
+}
+
 async fn a_claim_takes_a_handlers_higher_event_priorities_first_and_keeps_each_keys_order<F: Fixture>() {
     for lanes_held in [true, false] {
         let fixture = F::new().await;
