@@ -440,6 +440,13 @@ async fn a_handler_limited_per_key_runs_that_many_of_a_payload_key_at_once_unord
     publish_all(store, events).await;
     let report = store.fan_out(&subscriptions, 100, Capacity::new(50, 50), at(T0)).await.unwrap();
     assert_eq!(ids(&report.claimed), ["a-0/g"], "`h`'s never handed out; `g`'s key head is");
+    // Listed with the key their limit counts them by.
+    let listed = store.list_deliveries(&DeliveryFilter { handler: Some("h".into()), ..Default::default() }).await.unwrap().deliveries;
+    let by_limit_key = listed.iter().fold(BTreeMap::<Option<String>, usize>::new(), |mut counts, d| {
+        *counts.entry(d.limit_key.clone()).or_default() += 1;
+        counts
+    });
+    assert_eq!(by_limit_key, BTreeMap::from([(None, 1), (Some("alice".into()), 6), (Some("bob".into()), 3)]));
     let two = || Capacity::new(50, 50).keyed_within(KeyLimits::new([("h".to_string(), 2)]));
     let customer = |c: &ClaimedDelivery| c.event.payload.get_str("customer").unwrap_or("-").to_string();
     let of_h = |claimed: &[ClaimedDelivery]| {
@@ -564,6 +571,10 @@ async fn a_claim_reads_a_handlers_priority_from_its_payload_field<F: Fixture>() 
     )
     .await;
     fan_out_all(store, &subscriptions, at(T0)).await;
+    let listed = store.list_deliveries(&DeliveryFilter::default()).await.unwrap().deliveries;
+    let listed: BTreeMap<&str, Option<i32>> = listed.iter().map(|d| (d.event_id.as_str(), d.priority)).collect();
+    let expected = [("high", 900), ("low", 1), ("missing", 0), ("negative", -3), ("past-the-range", 1_000), ("text", 0)];
+    assert_eq!(listed, expected.into_iter().map(|(id, p)| (id, Some(p))).collect(), "listed with their priorities");
     let priorities = Priorities::default().per_event(["h".to_string()]);
     let mut order = Vec::new();
     for step in 1..=6 {

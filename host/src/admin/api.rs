@@ -106,7 +106,8 @@ fn filter_of(filters: &Filters) -> Result<DeliveryFilter, Response> {
 pub(crate) fn delivery_json(d: &DeliveryView) -> Value {
     json!({
         "id": d.id, "state": Listed::of(d).as_str(), "eventId": d.event_id, "eventType": d.event_type,
-        "handler": d.handler, "key": d.key, "sequence": d.sequence, "lane": d.lane_id, "attempts": d.attempts,
+        "handler": d.handler, "key": d.key, "sequence": d.sequence, "limitKey": d.limit_key, "priority": d.priority,
+        "lane": d.lane_id, "attempts": d.attempts,
         "dueAt": shown(d.due_at), "createdAt": shown(d.created_at), "updatedAt": d.updated_at.map(shown),
         "lastError": d.last_error,
     })

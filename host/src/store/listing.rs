@@ -117,6 +117,11 @@ pub struct DeliveryView {
     pub handler: String,
     pub key: Option<String>,
     pub sequence: Option<i64>,
+    /// The key a handler limited per key counts it by (`per_key`), if it has one.
+    pub limit_key: Option<String>,
+    /// Its priority among its handler's deliveries, for a handler that takes priorities per
+    /// event (`priority_from`).
+    pub priority: Option<i32>,
     pub status: DeliveryStatus,
     /// `ready`, `parked` or `dead`.
     pub lane: String,

@@ -90,7 +90,12 @@ pub async fn deliveries(config: &Config, command: DeliveriesCommand) -> Result<E
             }
             println!("{:<24} {:<8} {:<24} {:<20} {:<24} {:>4}  {:<20}  LAST ERROR", "ID", "STATE", "HANDLER", "TYPE", "KEY", "TRY", "CREATED");
             for d in &page.deliveries {
-                let key = d.key.as_deref().map(|k| format!("{k}#{}", d.sequence.unwrap_or(0))).unwrap_or_default();
+                // A key in order shows its sequence; a key counted by a limit per key, `~`.
+                let key = match (&d.key, &d.limit_key) {
+                    (Some(key), _) => format!("{key}#{}", d.sequence.unwrap_or(0)),
+                    (None, Some(limit_key)) => format!("~{limit_key}"),
+                    (None, None) => String::new(),
+                };
                 let error: String = d.last_error.as_deref().unwrap_or("").chars().take(80).collect();
                 println!(
                     "{:<24} {:<8} {:<24} {:<20} {:<24} {:>4}  {:<20}  {error}",
@@ -137,7 +142,8 @@ pub async fn deliveries(config: &Config, command: DeliveriesCommand) -> Result<E
 fn view_json(d: &DeliveryView) -> serde_json::Value {
     serde_json::json!({
         "id": d.id, "state": state(d), "eventId": d.event_id, "eventType": d.event_type, "handler": d.handler,
-        "key": d.key, "sequence": d.sequence, "lane": d.lane_id, "attempts": d.attempts,
+        "key": d.key, "sequence": d.sequence, "limitKey": d.limit_key, "priority": d.priority,
+        "lane": d.lane_id, "attempts": d.attempts,
         "dueAt": shown(d.due_at), "createdAt": shown(d.created_at), "updatedAt": d.updated_at.map(shown),
         "lastError": d.last_error,
     })

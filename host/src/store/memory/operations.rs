@@ -176,6 +176,8 @@ pub(super) fn to_view(id: &DeliveryId, d: &Delivery) -> DeliveryView {
         handler: d.handler.clone(),
         key: d.key.clone(),
         sequence: d.sequence,
+        limit_key: d.group.clone(),
+        priority: d.priority,
         status: d.status,
         lane: d.lane.as_str().to_string(),
         lane_id: d.lane_id,

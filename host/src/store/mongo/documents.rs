@@ -235,6 +235,8 @@ pub(super) fn view(document: &Document) -> Result<DeliveryView, StoreError> {
         handler: optional_string(document, delivery::HANDLER).unwrap_or_default(),
         key: optional_string(document, delivery::KEY),
         sequence: integer(document, delivery::SEQUENCE),
+        limit_key: optional_string(document, delivery::GROUP),
+        priority: integer(document, delivery::PRIORITY).map(|n| n as i32),
         status,
         lane: optional_string(document, delivery::LANE).unwrap_or_default(),
         lane_id: lane_id(document, delivery::LANE_ID)?,
