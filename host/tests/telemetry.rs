@@ -194,6 +194,36 @@ async fn each_attempt_is_a_span_in_the_publishers_trace_and_follow_ups_carry_it_
     assert_eq!(received.lock().unwrap().spans.len(), spans_before, "nothing is exported with telemetry off");
 }
 
+/// A handler's HTTP requests carry its attempt's trace context (W3C `traceparent`, and the
+/// publisher's `tracestate`), so the service it calls continues the delivery's trace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handlers_http_requests_carry_its_attempts_trace_context() {
+    let (address, received) = receiver().await;
+    let webhook = common::receiver::Receiver::answering(0);
+    let extra = format!(
+        "poll_interval = \"200ms\"\n\n[telemetry]\notlp_endpoint = \"http://{address}\"\n\n[plugin.webhook]\n\
+         grants = {{ environment = [\"WEBHOOK_URL\"], http_hosts = [\"{}\"], private_networks = true }}",
+        webhook.address
+    );
+    let deployment = Deployment::new(&["webhook"], &extra).await;
+    let url = format!("http://{}/hooks", webhook.address);
+    let host = deployment.start_with("host", &[("OTEL_BSP_SCHEDULE_DELAY", "100"), ("WEBHOOK_URL", url.as_str())]);
+    let traced = NewEvent::new("called", "order.placed", doc! { "n": 1 })
+        .with_header("traceparent", &format!("00-{TRACE}-{PUBLISHER_SPAN}-01"))
+        .with_header("tracestate", "vendor=1");
+    publish_all(deployment.fixture.store(), vec![traced]).await;
+    deployment
+        .wait_until("the call and its span", Duration::from_secs(60), async |_| {
+            !webhook.headers().is_empty() && !spans_of(&received, "called").is_empty()
+        })
+        .await;
+    host.stop();
+    let [attempt] = spans_of(&received, "called").try_into().unwrap();
+    let [call] = webhook.headers().try_into().unwrap();
+    assert_eq!(traceparent_parts(&call["traceparent"]), (TRACE.to_string(), hex(&attempt.span_id)), "the attempt's span is the call's parent");
+    assert_eq!(call["tracestate"], "vendor=1");
+}
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }

@@ -342,7 +342,12 @@ impl PluginRuntime {
             wasi: wasi.build(),
             table: ResourceTable::new(),
             http: WasiHttpCtx::new(),
-            http_hosts: GrantedHosts::prepare(plugin.name.clone(), &grants.http, self.recording.clone()),
+            http_hosts: GrantedHosts::prepare(
+                plugin.name.clone(),
+                &grants.http,
+                self.recording.clone(),
+                event.map_or(&[], |(_, trace_context)| trace_context),
+            ),
             limiter: MemoryLimiter { max_bytes: limits.memory_bytes.min(MAX_MEMORY_BYTES), refused: false, peak: 0 },
             output: output.clone(),
             transaction: TransactionState::prepare(plugin.name.clone(), &grants.transaction, &limits.transaction, event, backend),

@@ -13,6 +13,8 @@ pub struct Receiver {
     pub hold: Arc<AtomicBool>,
     pub delay_ms: Arc<std::sync::atomic::AtomicU64>,
     bodies: Arc<Mutex<Vec<serde_json::Value>>>,
+    /// Each request's header fields, names in lower case.
+    headers: Arc<Mutex<Vec<std::collections::HashMap<String, String>>>>,
     /// When each request arrived.
     arrivals: Arc<Mutex<Vec<std::time::Instant>>>,
     /// Requests being answered now, and the most ever at once.
@@ -44,14 +46,17 @@ impl Receiver {
         let answering: Arc<Mutex<(usize, usize)>> = Arc::default();
         let arrivals: Arc<Mutex<Vec<std::time::Instant>>> = Arc::default();
         let by_customer: Arc<Mutex<std::collections::HashMap<String, (usize, usize)>>> = Arc::default();
+        let headers: Arc<Mutex<Vec<std::collections::HashMap<String, String>>>> = Arc::default();
+        let heads = headers.clone();
         let (holding, delay, log, counts, arrived) = (hold.clone(), delay_ms.clone(), bodies.clone(), answering.clone(), arrivals.clone());
         let customers = by_customer.clone();
         std::thread::spawn(move || {
             let mut held = Vec::new();
             for stream in listener.incoming() {
                 let Ok(mut stream) = stream else { continue };
-                let body = read_request_body(&mut stream);
+                let (head, body) = read_request(&mut stream);
                 arrived.lock().unwrap().push(std::time::Instant::now());
+                heads.lock().unwrap().push(head);
                 let body: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
                 let customer = body.pointer("/payload/customer").and_then(|c| c.as_str()).map(str::to_string);
                 log.lock().unwrap().push(body);
@@ -82,7 +87,7 @@ impl Receiver {
                 }
             }
         });
-        Self { address, hold, delay_ms, bodies, arrivals, answering, by_customer }
+        Self { address, hold, delay_ms, bodies, headers, arrivals, answering, by_customer }
     }
 
     /// When each request arrived, in order.
@@ -92,6 +97,11 @@ impl Receiver {
 
     pub fn bodies(&self) -> Vec<serde_json::Value> {
         self.bodies.lock().unwrap().clone()
+    }
+
+    /// Each request's header fields, in order of arrival (names in lower case).
+    pub fn headers(&self) -> Vec<std::collections::HashMap<String, String>> {
+        self.headers.lock().unwrap().clone()
     }
 
     /// The most requests it was answering at once (held ones are not counted).
@@ -112,27 +122,35 @@ impl Receiver {
 }
 
 /// The body of one HTTP/1.1 request, sized by `content-length` or chunked.
-fn read_request_body(stream: &mut std::net::TcpStream) -> Vec<u8> {
+/// A request's header fields (names in lower case) and its body.
+fn read_request(stream: &mut std::net::TcpStream) -> (std::collections::HashMap<String, String>, Vec<u8>) {
     let mut request = Vec::new();
     let mut buf = [0u8; 4096];
     loop {
         let n = stream.read(&mut buf).unwrap_or(0);
         if n == 0 {
-            return Vec::new();
+            return Default::default();
         }
         request.extend_from_slice(&buf[..n]);
         let Some(head_end) = request.windows(4).position(|w| w == b"\r\n\r\n") else { continue };
-        let head = String::from_utf8_lossy(&request[..head_end]).to_ascii_lowercase();
+        let head = String::from_utf8_lossy(&request[..head_end]).to_string();
+        let fields = head
+            .lines()
+            .skip(1)
+            .filter_map(|line| line.split_once(':'))
+            .map(|(name, value)| (name.trim().to_ascii_lowercase(), value.trim().to_string()))
+            .collect();
+        let head = head.to_ascii_lowercase();
         let body = &request[head_end + 4..];
         if head.contains("transfer-encoding: chunked") {
             if body.ends_with(b"0\r\n\r\n") {
-                return dechunk(body);
+                return (fields, dechunk(body));
             }
             continue;
         }
         let length = head.lines().find_map(|l| l.strip_prefix("content-length:").and_then(|v| v.trim().parse().ok())).unwrap_or(0);
         if body.len() >= length {
-            return body[..length].to_vec();
+            return (fields, body[..length].to_vec());
         }
     }
 }

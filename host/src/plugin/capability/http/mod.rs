@@ -9,7 +9,9 @@
 //! differently). An `https` request connects by name, for its certificate; a rebinding there
 //! would also need a certificate for the name. It must never send a request it did not check.
 //! A plugin being tried rather than deployed has its granted requests recorded and answered
-//! from fixtures instead ([`recording`]).
+//! from fixtures instead ([`recording`]). A request carries its delivery attempt's W3C trace
+//! context (`traceparent`, `tracestate`) unless the plugin set a `traceparent` of its own, so
+//! that the service called continues the delivery's trace.
 
 pub mod recording;
 
@@ -61,20 +63,26 @@ pub struct GrantedHosts {
     plugin: Arc<str>,
     grant: Grant,
     recording: Option<recording::Recording>,
+    /// The attempt's trace context headers, which its requests carry.
+    trace_context: Vec<(http::HeaderName, http::HeaderValue)>,
 }
 
 impl GrantedHosts {
     /// `recording`, when given, records the granted requests and answers them (see
-    /// [`recording`]).
-    pub fn prepare(plugin: Arc<str>, grant: &Grant, recording: Option<recording::Recording>) -> Self {
-        Self { plugin, grant: grant.clone(), recording }
+    /// [`recording`]); `trace_context` is the attempt's (none outside a delivery).
+    pub fn prepare(plugin: Arc<str>, grant: &Grant, recording: Option<recording::Recording>, trace_context: &[(String, String)]) -> Self {
+        let trace_context = trace_context
+            .iter()
+            .filter_map(|(name, value)| Some((http::HeaderName::from_bytes(name.as_bytes()).ok()?, http::HeaderValue::from_str(value).ok()?)))
+            .collect();
+        Self { plugin, grant: grant.clone(), recording, trace_context }
     }
 }
 
 impl WasiHttpHooks for GrantedHosts {
     fn send_request(
         &mut self,
-        request: http::Request<WasiBody>,
+        mut request: http::Request<WasiBody>,
         options: Option<RequestOptions>,
         _fut: Box<dyn Future<Output = Result<(), Error>> + Send>,
     ) -> ResponseFuture {
@@ -92,6 +100,11 @@ impl WasiHttpHooks for GrantedHosts {
                 return Box::new(async move { Err(denied(reason)) });
             }
         };
+        if !request.headers().contains_key("traceparent") {
+            for (name, value) in &self.trace_context {
+                request.headers_mut().insert(name.clone(), value.clone());
+            }
+        }
         let private_networks = self.grant.private_networks;
         let recording = self.recording.clone();
         Box::new(async move {
