@@ -31,7 +31,8 @@ use super::StoreError;
 pub struct ShareRequest {
     /// The global concurrency limit, if there is one.
     pub concurrency: Option<usize>,
-    /// Deliveries of the handler this host runs now (its share is never cut below).
+    /// Deliveries of the handler this host runs, or may start before this ask's answer comes
+    /// back (its share is never cut below).
     pub held: usize,
     /// The most it would run: what runs and what waits to start.
     pub wanted: usize,
