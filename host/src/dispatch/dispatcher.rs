@@ -51,7 +51,6 @@ use tokio::time::Instant;
 use super::completion::Completions;
 use super::fan_out_task::{FanOutTask, join_fan_out};
 use super::flight::{Flight, Running};
-use super::global_limits::GlobalShares;
 use super::options::{DispatcherCounters, DispatcherOptions};
 use super::runner::{HandlerSpec, RunResult, Runner};
 use super::announcements;
@@ -345,7 +344,6 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         };
         tracing::trace!(elapsed_us = started.elapsed().as_micros() as u64, count = claimed.len(), "claimed");
         flight.backlog = claimed.len() >= free;
-        let taken = GlobalShares::taken(specs, &claimed);
         // Throttled handlers whose room the claim filled: more may wait, to claim once one of
         // their runs ends, or (rate-limited) once the window lets one start.
         let filled: Vec<&HandlerSpec> = specs
@@ -362,7 +360,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             }
         }
         let fanning_out = flight.fan_out || flight.fan_out_waits || flight.fanning.is_some();
-        flight.global_shares.after_claim(&self.store, specs, &taken, &rooms, fanning_out);
+        flight.global_shares.after_claim(&self.store, specs, &flight.rooms_filled, fanning_out);
         Ok(())
     }
 

@@ -14,7 +14,7 @@
 //! limiter that cannot be asked leaves its gate as it was (what waits there waits for the
 //! next ask), and nothing else waits for it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -25,7 +25,7 @@ use tokio::time::Instant;
 
 use super::HandlerSpec;
 use crate::store::limiter::{GlobalRate, ShareGrant, ShareRequest};
-use crate::store::{ClaimedDelivery, Rooms, Store};
+use crate::store::Store;
 
 /// How often a gate whose deliveries want to run beyond what it keeps to asks again: it may
 /// grow into what other hosts left, and (when they wait) learns to keep to an even part.
@@ -275,18 +275,8 @@ impl GlobalShares {
         again
     }
 
-    /// How many of `claimed` each handler limited across hosts took (nothing is counted
-    /// without such a handler).
-    pub(super) fn taken(specs: &[HandlerSpec], claimed: &[ClaimedDelivery]) -> HashMap<String, usize> {
-        let mut taken = HashMap::new();
-        for spec in specs.iter().filter(|spec| spec.controls.throttle.global()) {
-            taken.insert(spec.handler.clone(), claimed.iter().filter(|c| c.handler == spec.handler).count());
-        }
-        taken
-    }
-
-    /// After a claim that took `taken` of each (see [`GlobalShares::taken`]) within `rooms`: a
-    /// handler whose room the claim did not fill (no more of its work was due) and with nothing
+    /// After a claim that filled the rooms of `filled`: a handler whose room the claim did not
+    /// fill (no more of its work was due) and with nothing
     /// waiting at its gate shrinks its share to what runs and gives its tokens back, in the
     /// background, so that other hosts may take them; unless its fan-outs still have events to
     /// hand out (`fanning_out`).
@@ -294,8 +284,7 @@ impl GlobalShares {
         &self,
         store: &Arc<S>,
         specs: &[HandlerSpec],
-        taken: &HashMap<String, usize>,
-        rooms: &Rooms,
+        filled: &HashSet<String>,
         fanning_out: bool,
     ) {
         if fanning_out {
@@ -303,11 +292,10 @@ impl GlobalShares {
         }
         let mut gates = lock(&self.gates);
         for spec in specs.iter().filter(|spec| spec.controls.throttle.global()) {
-            let filled = rooms.of(&spec.handler).is_some_and(|room| taken.get(&spec.handler).copied().unwrap_or(0) >= room.most);
             let Some(gate) = gates.by_handler.get_mut(&spec.handler) else { continue };
             let spare_tokens = gate.spare_tokens(spec);
             let spare_share = spec.controls.throttle.global_concurrency.is_some() && gate.share > gate.running;
-            if filled || gate.asking || gate.waiting > 0 || !(spare_share || spare_tokens > 0) {
+            if filled.contains(&spec.handler) || gate.asking || gate.waiting > 0 || !(spare_share || spare_tokens > 0) {
                 continue;
             }
             gate.tokens -= spare_tokens;
