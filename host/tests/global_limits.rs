@@ -118,10 +118,16 @@ async fn publish_in_batches(deployment: &Deployment, events: Vec<NewEvent>) {
     }
 }
 
-/// Host processes `host-<n>` for `numbers`, calling `receiver` through the webhook plugin.
+/// Host processes `host-<n>` for `numbers`, calling `receiver` through the webhook plugin,
+/// once each runs (its plugin loaded): a host still compiling its plugin when the others
+/// already call would join, and split the lanes anew, in the middle of what a test measures.
 fn start_hosts(deployment: &Deployment, receiver: &Receiver, numbers: std::ops::Range<usize>) -> Vec<Host> {
     let url = format!("http://{}/hooks", receiver.address);
-    numbers.map(|n| deployment.start_with(&format!("host-{n}"), &[("WEBHOOK_URL", url.as_str())])).collect()
+    let hosts: Vec<Host> = numbers.map(|n| deployment.start_with(&format!("host-{n}"), &[("WEBHOOK_URL", url.as_str())])).collect();
+    for host in &hosts {
+        host.wait_for_log("relayhost is running", Duration::from_secs(120));
+    }
+    hosts
 }
 
 /// Waits until `receiver` was called `count` times.
