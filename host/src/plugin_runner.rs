@@ -24,7 +24,7 @@ use crate::event::{EventRecord, NewEvent};
 use crate::handler_transaction::{FollowUps, HandlerTransaction, Journal, SharedTrouble, Trouble, Write, publish_follow_ups};
 use crate::metrics::DeliveryMetrics;
 use crate::plugin::{DeliveryInfo, LoadedPlugin, Outcome, PluginRegistry, Ran};
-use crate::store::{self, ClaimedDelivery, Declaration, Retrying, Store, StoreError};
+use crate::store::{ClaimedDelivery, Declaration, Retrying, Store, StoreError};
 use crate::telemetry::Telemetry;
 
 /// The retry policy of a handler, by its plugin's name and its id.
@@ -211,17 +211,12 @@ impl<S: Store> Runner for PluginRunner<S> {
     }
 
     fn declarations(&self) -> Vec<Declaration> {
-        self.registry
-            .subscriptions()
+        self.handlers()
             .into_iter()
-            .filter_map(|subscription| {
-                let plugin = self.registry.plugin_for(&subscription.handler)?;
-                let Controls { per_key, priority_from, .. } = (self.controls_for)(&plugin.name, &subscription.handler);
+            .filter_map(|spec| {
+                let plugin = self.registry.plugin_for(&spec.handler)?;
                 Some(Declaration {
-                    subscription: store::Subscription::new(subscription.handler, subscription.event_types)
-                        .completing_in_transaction(subscription.transactional)
-                        .keyed_by(per_key.map(|limit| limit.key))
-                        .prioritized_by(priority_from),
+                    subscription: spec.subscription(),
                     plugin: plugin.name.to_string(),
                     version: plugin.content_hash.clone(),
                 })

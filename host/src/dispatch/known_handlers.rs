@@ -16,7 +16,7 @@ use tokio::time::Instant;
 
 use super::runner::HandlerSpec;
 use crate::store::registry::fan_out_subscriptions;
-use crate::store::{Declaration, RegisteredHandler, Store, StoreError, Subscription, Subscriptions};
+use crate::store::{Declaration, RegisteredHandler, Store, StoreError, Subscriptions};
 
 /// How often a host declares again what it serves when nothing changed (its records' last
 /// sighting).
@@ -67,12 +67,7 @@ impl KnownHandlers {
     /// read once.
     pub fn subscriptions(&self, specs: &[HandlerSpec]) -> Option<Result<Subscriptions, StoreError>> {
         let known = self.known()?;
-        let local = specs.iter().map(|s| {
-            Subscription::new(s.handler.clone(), s.event_types.iter().cloned())
-                .completing_in_transaction(s.transactional)
-                .keyed_by(s.controls.per_key.as_ref().map(|limit| limit.key.clone()))
-                .prioritized_by(s.controls.priority_from.clone())
-        });
+        let local = specs.iter().map(HandlerSpec::subscription);
         Some(fan_out_subscriptions(local, &known))
     }
 

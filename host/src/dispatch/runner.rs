@@ -44,6 +44,17 @@ pub struct HandlerSpec {
     pub transactional: bool,
 }
 
+impl HandlerSpec {
+    /// What a fan-out and the registry need of it: its event types, and how its deliveries are
+    /// keyed, prioritized and completed.
+    pub fn subscription(&self) -> Subscription {
+        Subscription::new(self.handler.clone(), self.event_types.iter().cloned())
+            .completing_in_transaction(self.transactional)
+            .keyed_by(self.controls.per_key.as_ref().map(|limit| limit.key.clone()))
+            .prioritized_by(self.controls.priority_from.clone())
+    }
+}
+
 /// How a run ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RunResult {
@@ -66,10 +77,7 @@ pub trait Runner: Send + Sync + 'static {
         self.handlers()
             .into_iter()
             .map(|spec| Declaration {
-                subscription: Subscription::new(spec.handler, spec.event_types)
-                    .completing_in_transaction(spec.transactional)
-                    .keyed_by(spec.controls.per_key.map(|limit| limit.key))
-                    .prioritized_by(spec.controls.priority_from),
+                subscription: spec.subscription(),
                 plugin: String::new(),
                 version: String::new(),
             })
