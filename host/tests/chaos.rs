@@ -53,6 +53,13 @@ impl Dice {
     }
 }
 
+/// Writes a line to stderr as it happens, past libtest's capture (which takes only the
+/// `print!` macros): CI shows the lines before a failure's report and may cut the report.
+fn say(line: impl std::fmt::Display) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "chaos: {line}");
+}
+
 fn kill(child: &mut Option<Child>) {
     if let Some(mut child) = child.take() {
         let _ = child.kill();
@@ -77,6 +84,7 @@ impl Member {
             .arg("--logpath")
             .arg(self.dir.join("mongod.log"))
             .args(["--logappend", "--wiredTigerCacheSizeGB", "0.25", "--oplogSize", "128"])
+            .args(["--wiredTigerEngineConfigString", relayhost::mongod::JOURNAL])
             .args(["--setParameter", "diagnosticDataCollectionEnabled=false"])
             .args(["--setParameter", &format!("transactionLifetimeLimitSeconds={}", TRANSACTION_LIFETIME.as_secs())])
             .stdin(Stdio::null())
@@ -89,22 +97,27 @@ impl Member {
 
     /// Starts it and waits until its port takes connections. Its first start may find the
     /// port taken since it was chosen (by a connection's local port, say): its `mongod` then
-    /// exits, and it starts again on another. Restarts later keep the port the set knows.
+    /// exits saying so, and it starts again on another. Any other failure (a full disk, say)
+    /// fails the test with the `mongod`'s errors. Restarts later keep the port the set knows.
     async fn start_listening(&mut self) {
         for _ in 0..3 {
+            let log_from = std::fs::metadata(self.log()).map_or(0, |log| log.len() as usize);
             self.start();
             let deadline = Instant::now() + Duration::from_secs(30);
-            while Instant::now() < deadline && self.alive() {
-                if self.direct().await.database("admin").run_command(doc! { "ping": 1 }).await.is_ok() {
+            let admin = self.direct().await.database("admin");
+            while self.alive() {
+                if admin.run_command(doc! { "ping": 1 }).await.is_ok() {
                     return;
                 }
+                assert!(Instant::now() < deadline, "the member on port {} did not answer in 30 s:\n{}", self.port, self.errors(0));
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
-            eprintln!("the member on port {} did not start; another port. Its log ends:\n{}", self.port, self.log_tail());
-            kill(&mut self.child);
+            let errors = self.errors(log_from);
+            assert!(errors.contains("Address already in use"), "the member on port {} exited:\n{errors}", self.port);
+            say(format!("the member's port {} was taken since it was chosen; another", self.port));
             self.port = relayhost::mongod::free_port().unwrap();
         }
-        panic!("a member's mongod did not start on three ports; its log ends:\n{}", self.log_tail());
+        panic!("a member's port was taken three times over");
     }
 
     /// Whether its `mongod` runs.
@@ -112,11 +125,21 @@ impl Member {
         self.child.as_mut().is_some_and(|child| matches!(child.try_wait(), Ok(None)))
     }
 
-    /// The last lines of its log, for a failure's message.
-    fn log_tail(&self) -> String {
-        let log = std::fs::read_to_string(self.dir.join("mongod.log")).unwrap_or_default();
-        let lines: Vec<&str> = log.lines().collect();
-        lines[lines.len().saturating_sub(3)..].iter().map(|line| line.chars().take(400).collect::<String>()).collect::<Vec<_>>().join("\n")
+    fn log(&self) -> PathBuf {
+        self.dir.join("mongod.log")
+    }
+
+    /// For a failure's message: the last errors its log has from byte `from` on (a `mongod`
+    /// logs its shutdown after the error that caused it), each from its context on.
+    fn errors(&self, from: usize) -> String {
+        let log = std::fs::read(self.log()).unwrap_or_default();
+        let log = String::from_utf8_lossy(log.get(from..).unwrap_or_default());
+        let errors: Vec<&str> = log.lines().filter(|line| line.contains(r#""s":"E""#) || line.contains(r#""s":"F""#)).collect();
+        let errors: Vec<String> = errors[errors.len().saturating_sub(3)..]
+            .iter()
+            .map(|line| line[line.find(r#""ctx""#).unwrap_or(0)..].chars().take(300).collect())
+            .collect();
+        if errors.is_empty() { "(no errors in its log)".to_string() } else { errors.join("\n") }
     }
 
     async fn direct(&self) -> Client {
@@ -179,7 +202,7 @@ impl ReplicaSet {
             .iter_mut()
             .map(|member| {
                 let running = member.alive();
-                format!("member on port {}, running: {running}; its log ends:\n{}", member.port, member.log_tail())
+                format!("member on port {}, running: {running}; its last errors:\n{}", member.port, member.errors(0))
             })
             .collect::<Vec<_>>()
             .join("\n")
@@ -255,7 +278,7 @@ impl Drop for Hosts {
             kill(child);
         }
         if std::thread::panicking() {
-            eprintln!("the hosts' and members' logs are kept in {}", self.dir.display());
+            say(format!("the hosts' and members' logs are kept in {}", self.dir.display()));
         }
     }
 }
@@ -327,7 +350,13 @@ async fn hosts_and_the_primary_killed_over_and_over_lose_nothing_duplicate_nothi
     let seed: u64 = std::env::var(SEED).ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1
     });
-    eprintln!("chaos seed {seed} ({SEED}={seed} runs this schedule again)");
+    say(format!("chaos seed {seed} ({SEED}={seed} runs this schedule again)"));
+    // A failure's message, where CI shows it: before the test's report.
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        say(info);
+        report(info);
+    }));
     let mut dice = Dice(seed);
     let dir = std::env::temp_dir().join(format!("relayhost-chaos-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -335,6 +364,7 @@ async fn hosts_and_the_primary_killed_over_and_over_lose_nothing_duplicate_nothi
     std::fs::copy(common::plugins_dir().join("audit_log.wasm"), dir.join("plugins/audit_log.wasm")).unwrap();
     let mut set = ReplicaSet::start(&dir).await;
     let uri = set.uri();
+    say(format!("{uri} elected a primary"));
 
     // Without completion history: what fan-outs hand out runs without a delivery document,
     // the riskiest way a delivery can take.
@@ -380,14 +410,14 @@ async fn hosts_and_the_primary_killed_over_and_over_lose_nothing_duplicate_nothi
         match round {
             4 => {
                 let primary = set.wait_for_primary().await;
-                eprintln!("{:?}: killing the primary, member {primary}", started.elapsed());
+                say(format!("{:?}: killing the primary, member {primary}", started.elapsed()));
                 kill(&mut set.members[primary].child);
                 tokio::time::sleep(dice.millis(2_000, 4_000)).await;
                 set.members[primary].start();
             }
             9 => {
                 let primary = set.wait_for_primary().await;
-                eprintln!("{:?}: stepping the primary, member {primary}, down", started.elapsed());
+                say(format!("{:?}: stepping the primary, member {primary}, down", started.elapsed()));
                 let admin = set.members[primary].direct().await;
                 let _ = admin.database("admin").run_command(doc! { "replSetStepDown": 10, "secondaryCatchUpPeriodSecs": 5 }).await;
             }
@@ -395,7 +425,7 @@ async fn hosts_and_the_primary_killed_over_and_over_lose_nothing_duplicate_nothi
                 let two = round % 3 == 0;
                 let first = dice.below(3) as usize;
                 let victims = if two { vec![first, (first + 1 + dice.below(2) as usize) % 3] } else { vec![first] };
-                eprintln!("{:?}: SIGKILL host(s) {victims:?}", started.elapsed());
+                say(format!("{:?}: SIGKILL host(s) {victims:?}", started.elapsed()));
                 for &n in &victims {
                     hosts.kill(n);
                 }
@@ -422,7 +452,7 @@ async fn hosts_and_the_primary_killed_over_and_over_lose_nothing_duplicate_nothi
         assert!(Instant::now() < deadline, "not drained within lease + transaction lifetime + {MARGIN:?} of the last kill: {left:?}");
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
-    eprintln!("drained {:?} after the last kill", last_kill.elapsed());
+    say(format!("drained {:?} after the last kill", last_kill.elapsed()));
 
     // Exactly the committed events, each once: the orders committed are those whose event
     // exists (their transaction wrote both), and aborted ones left neither.
@@ -450,13 +480,13 @@ async fn hosts_and_the_primary_killed_over_and_over_lose_nothing_duplicate_nothi
         sequence.sort();
         let expected: Vec<String> = sequence.into_iter().map(|(_, id)| id).collect();
         if handled.get(&key) != Some(&expected) {
-            eprintln!("key {key}, each event as stored and audited:\n{}", key_history(&db, &expected).await);
+            say(format!("key {key}, each event as stored and audited:\n{}", key_history(&db, &expected).await));
         }
         assert_eq!(handled.get(&key), Some(&expected), "key {key} was handled in sequence");
     }
     let dead = db.collection::<Document>("relayhost_deliveries").count_documents(doc! { "status": "dead" }).await.unwrap();
     assert_eq!(dead, 0);
-    eprintln!("{} events, {} rounds of kills", committed.len(), round);
+    say(format!("{} events, {} rounds of kills", committed.len(), round));
     // Passed: the members' data (about 900 MB) goes; a failure keeps it (see `Hosts`).
     drop(hosts);
     drop(set);
