@@ -15,6 +15,8 @@ pub struct Receiver {
     bodies: Arc<Mutex<Vec<serde_json::Value>>>,
     /// Each request's header fields, names in lower case.
     headers: Arc<Mutex<Vec<std::collections::HashMap<String, String>>>>,
+    /// Each request's target (its path and query).
+    targets: Arc<Mutex<Vec<String>>>,
     /// When each request arrived.
     arrivals: Arc<Mutex<Vec<std::time::Instant>>>,
     /// Requests being answered now, and the most ever at once.
@@ -48,14 +50,17 @@ impl Receiver {
         let by_customer: Arc<Mutex<std::collections::HashMap<String, (usize, usize)>>> = Arc::default();
         let headers: Arc<Mutex<Vec<std::collections::HashMap<String, String>>>> = Arc::default();
         let heads = headers.clone();
+        let targets: Arc<Mutex<Vec<String>>> = Arc::default();
+        let called = targets.clone();
         let (holding, delay, log, counts, arrived) = (hold.clone(), delay_ms.clone(), bodies.clone(), answering.clone(), arrivals.clone());
         let customers = by_customer.clone();
         std::thread::spawn(move || {
             let mut held = Vec::new();
             for stream in listener.incoming() {
                 let Ok(mut stream) = stream else { continue };
-                let (head, body) = read_request(&mut stream);
+                let (target, head, body) = read_request(&mut stream);
                 arrived.lock().unwrap().push(std::time::Instant::now());
+                called.lock().unwrap().push(target);
                 heads.lock().unwrap().push(head);
                 let body: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
                 let customer = body.pointer("/payload/customer").and_then(|c| c.as_str()).map(str::to_string);
@@ -87,7 +92,7 @@ impl Receiver {
                 }
             }
         });
-        Self { address, hold, delay_ms, bodies, headers, arrivals, answering, by_customer }
+        Self { address, hold, delay_ms, bodies, headers, targets, arrivals, answering, by_customer }
     }
 
     /// When each request arrived, in order.
@@ -102,6 +107,11 @@ impl Receiver {
     /// Each request's header fields, in order of arrival (names in lower case).
     pub fn headers(&self) -> Vec<std::collections::HashMap<String, String>> {
         self.headers.lock().unwrap().clone()
+    }
+
+    /// Each request's target (path and query), in order of arrival.
+    pub fn targets(&self) -> Vec<String> {
+        self.targets.lock().unwrap().clone()
     }
 
     /// The most requests it was answering at once (held ones are not counted).
@@ -121,9 +131,9 @@ impl Receiver {
     }
 }
 
-/// The body of one HTTP/1.1 request, sized by `content-length` or chunked.
-/// A request's header fields (names in lower case) and its body.
-fn read_request(stream: &mut std::net::TcpStream) -> (std::collections::HashMap<String, String>, Vec<u8>) {
+/// One HTTP/1.1 request's target, header fields (names in lower case) and body (sized by
+/// `content-length` or chunked).
+fn read_request(stream: &mut std::net::TcpStream) -> (String, std::collections::HashMap<String, String>, Vec<u8>) {
     let mut request = Vec::new();
     let mut buf = [0u8; 4096];
     loop {
@@ -134,6 +144,7 @@ fn read_request(stream: &mut std::net::TcpStream) -> (std::collections::HashMap<
         request.extend_from_slice(&buf[..n]);
         let Some(head_end) = request.windows(4).position(|w| w == b"\r\n\r\n") else { continue };
         let head = String::from_utf8_lossy(&request[..head_end]).to_string();
+        let target = head.lines().next().and_then(|line| line.split(' ').nth(1)).unwrap_or_default().to_string();
         let fields = head
             .lines()
             .skip(1)
@@ -144,13 +155,13 @@ fn read_request(stream: &mut std::net::TcpStream) -> (std::collections::HashMap<
         let body = &request[head_end + 4..];
         if head.contains("transfer-encoding: chunked") {
             if body.ends_with(b"0\r\n\r\n") {
-                return (fields, dechunk(body));
+                return (target, fields, dechunk(body));
             }
             continue;
         }
         let length = head.lines().find_map(|l| l.strip_prefix("content-length:").and_then(|v| v.trim().parse().ok())).unwrap_or(0);
         if body.len() >= length {
-            return (fields, body[..length].to_vec());
+            return (target, fields, body[..length].to_vec());
         }
     }
 }
