@@ -56,6 +56,7 @@ use super::runner::{HandlerSpec, RunResult, Runner};
 use super::announcements;
 use super::known_handlers::KnownHandlers;
 use super::starts::StartRecorder;
+use super::throttle;
 use super::{Settle, bury_with_dead_letter, decide};
 use crate::lane::LaneId;
 use crate::store::{
@@ -294,7 +295,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             // A throttled handler's deliveries are handed out within the room a claim would
             // have.
             let capacity = self.capacity(flight);
-            let (rooms, _) = flight.start_windows.rooms(specs, capacity.run_now, |h| held(&flight.running, h));
+            let rooms = throttle::rooms(specs, |h| held(&flight.running, h));
             let capacity = capacity.within(rooms).ordered_by(priorities(specs));
             let task = FanOutTask {
                 store: self.store.clone(),
@@ -333,8 +334,7 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         let lanes: Vec<LaneId> = std::mem::take(&mut flight.claim_lanes).into_iter().collect();
         let handlers: Vec<String> = specs.iter().map(|s| s.handler.clone()).collect();
         let capacity = self.capacity(flight);
-        let (rooms, wait_for_slots) = flight.start_windows.rooms(specs, capacity.run_now, |h| held(&flight.running, h));
-        flight.throttled_wait_for_slots = wait_for_slots;
+        let rooms = throttle::rooms(specs, |h| held(&flight.running, h));
         let started = Instant::now();
         let capacity = capacity.within(rooms.clone()).ordered_by(priorities(specs)).keyed_within(key_limits(specs));
         let claimed = if search_all {
@@ -345,20 +345,13 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         tracing::trace!(elapsed_us = started.elapsed().as_micros() as u64, count = claimed.len(), "claimed");
         flight.backlog = claimed.len() >= free;
         // Throttled handlers whose room the claim filled: more may wait, to claim once one of
-        // their runs ends, or (rate-limited) once the window lets one start.
-        let filled: Vec<&HandlerSpec> = specs
+        // their runs ends.
+        flight.rooms_filled = specs
             .iter()
             .filter(|s| rooms.of(&s.handler).is_some_and(|room| claimed.iter().filter(|c| c.handler == s.handler).count() >= room.most))
+            .map(|s| s.handler.clone())
             .collect();
-        flight.rooms_filled = filled.iter().map(|s| s.handler.clone()).collect();
         self.start(claimed, specs, permits, finished_tx, flight).await?;
-        let now = Instant::now();
-        for spec in filled.into_iter().filter(|s| s.controls.throttle.rate.is_some()) {
-            let opens = flight.start_windows.opening(&spec.handler, &spec.controls.throttle, now);
-            if let Some(opens) = opens.filter(|opens| !flight.claim_timers.iter().any(|Reverse(at)| at == opens)) {
-                flight.claim_timers.push(Reverse(opens));
-            }
-        }
         let fanning_out = flight.fan_out || flight.fan_out_waits || flight.fanning.is_some();
         flight.global_shares.after_claim(&self.store, specs, &flight.rooms_filled, fanning_out);
         Ok(())
@@ -390,12 +383,10 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
                 flight.claim = true;
                 continue;
             }
-            // Every start counts in its handler's rate windows on this host; across hosts, it
-            // waits at its handler's gate first.
-            if spec.controls.throttle.limits() {
-                flight.start_windows.started(&spec.handler, &spec.controls.throttle, 1, Instant::now());
-            }
+            // Across hosts, it waits at its handler's gate; on this host, for a start in its
+            // handler's window, taken with its run slot.
             let mut place = spec.controls.throttle.global().then(|| flight.global_shares.enter(&spec.handler));
+            let (windows, rate) = (flight.start_windows.clone(), spec.controls.throttle.rate);
             let (runner, finished_tx, permits) = (self.runner.clone(), finished_tx.clone(), permits.clone());
             let (lease, delivery_handler) = (delivery.lease, delivery.handler.clone());
             let (commit, transactional) = (delivery.before_commit.clone(), spec.transactional);
@@ -406,16 +397,24 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             // start is recorded once it has a run slot, before it runs.
             let starts = (!delivery.started && delivery.suspect).then(|| flight.starts.clone());
             let task = tokio::spawn(async move {
-                // Let in by its gate (counted as running across hosts until it ends), then a run
-                // slot. A closed gate or semaphore means the host is stopping: hand it back
-                // unstarted.
-                if let Some(place) = place.as_mut()
-                    && !place.let_in().await
-                {
-                    let _ = finished_tx.send((delivery, RunResult::NotRun));
-                    return;
-                }
-                let Ok(_permit) = permits.acquire_owned().await else {
+                // Room in its window first (so that it holds no place at its gate meanwhile),
+                // then let in by its gate (counted as running across hosts until it ends), then
+                // a run slot with a start in its window. A closed gate, window or semaphore
+                // means the host is stopping: hand it back unstarted.
+                let slot = async {
+                    if let Some(rate) = rate
+                        && !windows.wait_for_room(&delivery.handler, rate).await
+                    {
+                        return None;
+                    }
+                    if let Some(place) = place.as_mut()
+                        && !place.let_in().await
+                    {
+                        return None;
+                    }
+                    windows.run_slot(&delivery.handler, rate, &permits).await
+                };
+                let Some(_permit) = slot.await else {
                     let _ = finished_tx.send((delivery, RunResult::NotRun));
                     return;
                 };
@@ -457,9 +456,8 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         for (delivery, result) in batch {
             // A run that ended leaves room for the next delivery of a handler throttled on this
             // host, or of its key for one limited per key, or of one whose room the last claim
-            // filled; and a run slot for one that waited for a slot.
-            flight.claim |= flight.throttled_wait_for_slots
-                || flight.rooms_filled.contains(&delivery.handler)
+            // filled.
+            flight.claim |= flight.rooms_filled.contains(&delivery.handler)
                 || specs.iter().any(|s| s.handler == delivery.handler && (s.controls.throttle.per_host() || s.controls.per_key.is_some()));
             // A keyed delivery that ended may let its key's next one go: at once, or (for a
             // completion written in the background) once that is written.

@@ -33,18 +33,16 @@ pub(super) struct Flight<S: Store> {
     /// Claimed deliveries, running or waiting for a run slot.
     pub(super) running: HashMap<DeliveryId, Running>,
     /// When a claim may find work it could not take before, earliest first: the due times of
-    /// retries this dispatcher scheduled, and when a throttled handler's rate window opens.
+    /// retries this dispatcher scheduled.
     pub(super) claim_timers: BinaryHeap<Reverse<Instant>>,
-    /// The starts of each rate-limited handler in its window.
+    /// The starts of each rate-limited handler in its window, shared with the runs waiting
+    /// for theirs.
     pub(super) start_windows: StartWindows,
     /// The gates of handlers limited across hosts, and this host's shares of their limits.
     pub(super) global_shares: GlobalShares,
     /// When the gates of handlers limited across hosts ask their limiters again, if they lack
     /// something.
     pub(super) ask_limiters_at: Option<Instant>,
-    /// A rate-limited handler found fewer free run slots than its window left it at the last
-    /// claim: a run that ends asks for the next.
-    pub(super) throttled_wait_for_slots: bool,
     /// The throttled handlers whose room the last claim filled: a run of theirs that ends asks
     /// for a claim.
     pub(super) rooms_filled: HashSet<String>,
@@ -89,7 +87,6 @@ impl<S: Store> Flight<S> {
             running: HashMap::new(),
             claim_timers: BinaryHeap::new(),
             start_windows: StartWindows::default(),
-            throttled_wait_for_slots: false,
             rooms_filled: HashSet::new(),
             global_shares: GlobalShares::default(),
             ask_limiters_at: None,

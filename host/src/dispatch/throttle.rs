@@ -6,16 +6,22 @@
 //!
 //! Claims and hand-outs take at most the room a throttled handler's limits leave (they are
 //! told each handler's room, [`Rooms`]), so its backlog never takes the places of other
-//! handlers' work: on each host, what its limits let it hold; across hosts, what its gate
-//! could let start soon. The loop claims for it again when one of its runs ends and when its
-//! rate window lets another start.
+//! handlers' work: what its concurrency on this host lets it hold, and what its rates and its
+//! gate could let start within about a second. Rates are held where a run starts: a run of a
+//! rate-limited handler takes a run slot only together with a start in its window
+//! ([`StartWindows::run_slot`]), so a window never counts more starts than its `max`, and a run
+//! waiting for its window never holds a run slot. The loop claims for a throttled handler
+//! again when one of its runs ends.
 //!
-//! This module owns the counting: the limits, the starts each throttled handler made in its
-//! window, and the rooms they leave. It never claims, and never knows how a handler runs.
+//! This module owns the counting: the limits, the starts each rate-limited handler made in
+//! its window, and the rooms they leave. It never claims, and never knows how a handler runs.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 use super::HandlerSpec;
@@ -61,100 +67,115 @@ impl Throttle {
         self.global_concurrency.is_some() || self.global_rate.is_some()
     }
 
-    /// Whether each start is counted as it is claimed, so it must start at once (the limits
-    /// across hosts count starts at their gate instead, see [`super::global_limits`]).
-    fn counts_starts(&self) -> bool {
-        self.rate.is_some()
-    }
-
-    /// The most of its deliveries a host holds for its limits across hosts, running or
-    /// waiting at their gate: what the global concurrency runs, with each run slot's claims
-    /// ahead, and about a second of starts at the global rate. A limited backlog keeps its
-    /// gate fed without taking the places of other handlers' work.
-    fn global_hold(&self) -> Option<usize> {
-        let by_concurrency = self.global_concurrency.map(|limit| limit.saturating_mul(1 + CLAIM_AHEAD_PER_RUN_SLOT));
-        let by_rate = self.global_rate.map(|rate| {
-            let per_second = rate.max as u128 * 1_000 / rate.per_ms.max(1) as u128;
-            per_second.clamp(1, usize::MAX as u128) as usize
-        });
-        match (by_concurrency, by_rate) {
-            (Some(concurrency), Some(rate)) => Some(concurrency.min(rate)),
-            (concurrency, rate) => concurrency.or(rate),
-        }
+    /// How many more of its deliveries a host may take, `held` of them held (running, or
+    /// waiting for their gate, window or run slot): `None` when it limits nothing. At most its
+    /// concurrency on this host; about a second of starts at each of its rates (at least
+    /// one); and for its concurrency across hosts, what that runs with each run slot's claims
+    /// ahead. A limited backlog keeps its runs fed without taking the places of other
+    /// handlers' work.
+    pub(super) fn room(&self, held: usize) -> Option<usize> {
+        let per_second = |max: u128, per_ms: u128| (max * 1_000 / per_ms.max(1)).clamp(1, usize::MAX as u128) as usize;
+        let hold = [
+            self.concurrency,
+            self.rate.map(|rate| per_second(rate.max as u128, rate.per.as_millis())),
+            self.global_concurrency.map(|limit| limit.saturating_mul(1 + CLAIM_AHEAD_PER_RUN_SLOT)),
+            self.global_rate.map(|rate| per_second(rate.max as u128, rate.per_ms.max(1) as u128)),
+        ];
+        hold.into_iter().flatten().min().map(|hold| hold.saturating_sub(held))
     }
 }
 
-/// The starts each rate-limited handler made on this host within its window.
-#[derive(Debug, Default)]
+/// What a claim or hand-out may take of each throttled handler of `specs`, `held(handler)` of
+/// its deliveries held.
+pub(super) fn rooms(specs: &[HandlerSpec], held: impl Fn(&str) -> usize) -> Rooms {
+    Rooms::new(
+        specs
+            .iter()
+            .filter_map(|spec| Some((spec.handler.clone(), Room { most: spec.controls.throttle.room(held(&spec.handler))? }))),
+    )
+}
+
+/// The starts each rate-limited handler made on this host within its window, shared with the
+/// runs that wait for their window.
+#[derive(Debug, Default, Clone)]
 pub(super) struct StartWindows {
-    by_handler: HashMap<String, VecDeque<Instant>>,
+    by_handler: Arc<Mutex<HashMap<String, VecDeque<Instant>>>>,
+    /// The host stops: no run waits for its window any more.
+    closed: Arc<AtomicBool>,
+    closing: Arc<Notify>,
 }
 
 impl StartWindows {
-    /// How many more deliveries of `handler` may be taken at `now`, with `held` of them held:
-    /// `None` when `throttle` limits nothing.
-    pub(super) fn room(&mut self, handler: &str, throttle: &Throttle, held: usize, now: Instant) -> Option<usize> {
-        if !throttle.limits() {
-            return None;
-        }
-        let by_concurrency = throttle.concurrency.map_or(usize::MAX, |limit| limit.saturating_sub(held));
-        let by_rate = match throttle.rate {
-            Some(rate) => rate.max.saturating_sub(self.started_within(handler, rate, now)),
-            None => usize::MAX,
-        };
-        let by_global = throttle.global_hold().map_or(usize::MAX, |hold| hold.saturating_sub(held));
-        Some(by_concurrency.min(by_rate).min(by_global))
-    }
-
-    /// What a claim may take of each throttled handler of `specs`, `held(handler)` of its
-    /// deliveries held: what its throttle leaves, and of a rate-limited one no more than the
-    /// free run slots (`run_now`) the others left (each is counted as it is claimed, so it
-    /// must start at once). Also whether one of those found fewer free run slots than its
-    /// window left it (the next run that ends should ask for a claim).
-    pub(super) fn rooms(&mut self, specs: &[HandlerSpec], run_now: usize, held: impl Fn(&str) -> usize) -> (Rooms, bool) {
-        let now = Instant::now();
-        let mut run_slots = run_now;
-        let mut wait_for_slots = false;
-        let mut rooms = Vec::new();
-        for spec in specs.iter().filter(|spec| spec.controls.throttle.limits()) {
-            let mut most = self.room(&spec.handler, &spec.controls.throttle, held(&spec.handler), now).unwrap_or(0);
-            let start_now = spec.controls.throttle.counts_starts();
-            if start_now {
-                wait_for_slots |= most > run_slots;
-                most = most.min(run_slots);
-                run_slots -= most;
+    /// A run slot for a run of `handler`, and with a `rate`, a start in its window taken at
+    /// the same moment: no window ever counts a start that has not begun, and a run never
+    /// holds a run slot while it waits for its window. `None` when the host stops first.
+    pub(super) async fn run_slot(&self, handler: &str, rate: Option<RateLimit>, permits: &Arc<Semaphore>) -> Option<OwnedSemaphorePermit> {
+        loop {
+            if let Some(rate) = rate
+                && !self.wait_for_room(handler, rate).await
+            {
+                return None;
             }
-            rooms.push((spec.handler.clone(), Room { most, start_now }));
-        }
-        (Rooms::new(rooms), wait_for_slots)
-    }
-
-    /// Counts `count` starts of `handler` at `now`, if its throttle limits its rate.
-    pub(super) fn started(&mut self, handler: &str, throttle: &Throttle, count: usize, now: Instant) {
-        if throttle.rate.is_some() && count > 0 {
-            self.by_handler.entry(handler.to_string()).or_default().extend(std::iter::repeat_n(now, count));
+            let permit = permits.clone().acquire_owned().await.ok()?;
+            match rate {
+                Some(rate) if self.take(handler, rate, Instant::now()).is_err() => drop(permit),
+                _ => return Some(permit),
+            }
         }
     }
 
-    /// When the window of `handler` lets its next start in, if it is full at `now`.
-    pub(super) fn opening(&mut self, handler: &str, throttle: &Throttle, now: Instant) -> Option<Instant> {
-        let rate = throttle.rate?;
-        if self.started_within(handler, rate, now) < rate.max {
-            return None;
+    /// Waits until `handler`'s window has room for a start: `false` when the host stops first.
+    pub(super) async fn wait_for_room(&self, handler: &str, rate: RateLimit) -> bool {
+        loop {
+            let closing = self.closing.notified();
+            tokio::pin!(closing);
+            closing.as_mut().enable();
+            if self.closed.load(Ordering::SeqCst) {
+                return false;
+            }
+            let Some(opens) = self.opening(handler, rate, Instant::now()) else { return true };
+            tokio::select! {
+                () = tokio::time::sleep_until(opens) => {}
+                () = closing => return false,
+            }
         }
-        let starts = self.by_handler.get(handler)?;
-        // The start that leaves the window first makes room for one more.
-        starts.get(starts.len() - rate.max).map(|start| *start + rate.per)
     }
 
-    /// The starts of `handler` within the window ending at `now`; older ones are forgotten.
-    fn started_within(&mut self, handler: &str, rate: RateLimit, now: Instant) -> usize {
-        let Some(starts) = self.by_handler.get_mut(handler) else { return 0 };
-        while starts.front().is_some_and(|start| *start + rate.per <= now) {
-            starts.pop_front();
-        }
-        starts.len()
+    /// Wakes every run waiting for its window, to be handed back unstarted.
+    pub(super) fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        self.closing.notify_waiters();
     }
+
+    /// Counts a start of `handler` at `now` if its window has room; else when it will.
+    fn take(&self, handler: &str, rate: RateLimit, now: Instant) -> Result<(), Instant> {
+        let mut windows = self.by_handler.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let starts = windows.entry(handler.to_string()).or_default();
+        match opening(starts, rate, now) {
+            None => {
+                starts.push_back(now);
+                Ok(())
+            }
+            Some(opens) => Err(opens),
+        }
+    }
+
+    /// When `handler`'s window lets its next start in, if it is full at `now`.
+    fn opening(&self, handler: &str, rate: RateLimit, now: Instant) -> Option<Instant> {
+        let mut windows = self.by_handler.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        opening(windows.get_mut(handler)?, rate, now)
+    }
+}
+
+/// When a window of `starts` lets the next one in, if it is full at `now`; starts that left it
+/// are forgotten.
+fn opening(starts: &mut VecDeque<Instant>, rate: RateLimit, now: Instant) -> Option<Instant> {
+    while starts.front().is_some_and(|start| *start + rate.per <= now) {
+        starts.pop_front();
+    }
+    // The start that leaves the window first makes room for one more.
+    let max = rate.max.max(1);
+    (starts.len() >= max).then(|| starts[starts.len() - max] + rate.per)
 }
 
 #[cfg(test)]
@@ -165,21 +186,22 @@ mod tests {
     const SECOND: Duration = Duration::from_secs(1);
 
     #[test]
-    fn the_room_is_the_least_that_either_limit_leaves() {
-        let mut windows = StartWindows::default();
-        let now = Instant::now();
-        assert_eq!(windows.room("h", &Throttle::default(), 100, now), None, "unthrottled");
+    fn the_room_is_the_least_that_any_limit_leaves() {
+        assert_eq!(Throttle::default().room(100), None, "unthrottled");
         let both = Throttle { concurrency: Some(3), rate: Some(RateLimit { max: 5, per: SECOND }), ..Default::default() };
-        assert_eq!(windows.room("h", &both, 0, now), Some(3));
-        assert_eq!(windows.room("h", &both, 2, now), Some(1));
-        assert_eq!(windows.room("h", &both, 7, now), Some(0), "held beyond a lowered limit");
-        windows.started("h", &both, 4, now);
-        assert_eq!(windows.room("h", &both, 0, now), Some(1), "one start left in the window");
-        assert_eq!(windows.room("other", &both, 0, now), Some(3), "each handler counts its own");
+        assert_eq!(both.room(0), Some(3));
+        assert_eq!(both.room(2), Some(1));
+        assert_eq!(both.room(7), Some(0), "held beyond a lowered limit");
+        // A second of starts at each rate, at least one.
+        let paced = |max: usize, per: Duration| Throttle { rate: Some(RateLimit { max, per }), ..Default::default() };
+        assert_eq!(paced(3, Duration::from_millis(300)).room(2), Some(8));
+        assert_eq!(paced(100, Duration::from_secs(60)).room(0), Some(1));
+        let global = Throttle { global_concurrency: Some(4), ..Default::default() };
+        assert_eq!(global.room(0), Some(4 * (1 + CLAIM_AHEAD_PER_RUN_SLOT)));
     }
 
     #[test]
-    fn rate_limited_handlers_share_the_free_run_slots_and_the_others_may_claim_ahead() {
+    fn rooms_name_the_throttled_handlers_only() {
         let spec = |handler: &str, throttle: Throttle| HandlerSpec {
             handler: handler.into(),
             event_types: vec!["t".into()],
@@ -188,43 +210,75 @@ mod tests {
             transactional: false,
         };
         let paced = Throttle { rate: Some(RateLimit { max: 4, per: SECOND }), ..Default::default() };
-        let specs = [
-            spec("free", Throttle::default()),
-            spec("a", paced),
-            spec("b", paced),
-            spec("held", Throttle { concurrency: Some(10), ..Default::default() }),
-        ];
-        let mut windows = StartWindows::default();
-        let (rooms, wait_for_slots) = windows.rooms(&specs, 6, |handler| if handler == "held" { 3 } else { 0 });
+        let specs = [spec("free", Throttle::default()), spec("paced", paced), spec("held", Throttle { concurrency: Some(10), ..Default::default() })];
+        let rooms = rooms(&specs, |handler| if handler == "held" { 3 } else { 1 });
         assert_eq!(rooms.of("free"), None);
-        assert_eq!(rooms.of("a"), Some(Room { most: 4, start_now: true }));
-        assert_eq!(rooms.of("b"), Some(Room { most: 2, start_now: true }), "what `a` left of six slots");
-        assert_eq!(rooms.of("held"), Some(Room { most: 7, start_now: false }), "claimed ahead too");
-        assert!(wait_for_slots, "`b` could have started four");
-        let (_, wait_for_slots) = windows.rooms(&specs, 8, |_| 0);
-        assert!(!wait_for_slots);
+        assert_eq!(rooms.of("paced"), Some(Room { most: 3 }));
+        assert_eq!(rooms.of("held"), Some(Room { most: 7 }));
     }
 
     #[test]
     fn a_full_window_opens_when_its_oldest_start_leaves_it() {
-        let mut windows = StartWindows::default();
-        let rate = Throttle { rate: Some(RateLimit { max: 2, per: SECOND }), ..Default::default() };
+        let windows = StartWindows::default();
+        let rate = RateLimit { max: 2, per: SECOND };
         let t0 = Instant::now();
-        windows.started("h", &rate, 1, t0);
-        assert_eq!(windows.opening("h", &rate, t0), None, "room left");
-        windows.started("h", &rate, 1, t0 + Duration::from_millis(300));
-        windows.started("h", &rate, 1, t0 + Duration::from_millis(600));
-        assert_eq!(windows.room("h", &rate, 0, t0 + Duration::from_millis(600)), Some(0));
-        // Three starts, two allowed: the window has room again once the first two left it.
-        let opens = windows.opening("h", &rate, t0 + Duration::from_millis(600)).unwrap();
-        assert_eq!(opens, t0 + Duration::from_millis(1_300));
-        assert_eq!(windows.room("h", &rate, 0, opens - Duration::from_millis(1)), Some(0));
-        assert_eq!(windows.room("h", &rate, 0, opens), Some(1));
-        assert_eq!(windows.room("h", &rate, 0, t0 + 3 * SECOND), Some(2));
-        // Concurrency alone counts no starts.
-        let held = Throttle { concurrency: Some(1), ..Default::default() };
-        windows.started("c", &held, 5, t0);
-        assert_eq!(windows.opening("c", &held, t0), None);
-        assert_eq!(windows.room("c", &held, 0, t0), Some(1));
+        assert_eq!(windows.take("h", rate, t0), Ok(()));
+        assert_eq!(windows.opening("h", rate, t0), None, "room left");
+        assert_eq!(windows.take("h", rate, t0 + Duration::from_millis(300)), Ok(()));
+        let opens = t0 + SECOND;
+        assert_eq!(windows.take("h", rate, t0 + Duration::from_millis(600)), Err(opens), "full: no start counted");
+        assert_eq!(windows.opening("h", rate, opens - Duration::from_millis(1)), Some(opens));
+        assert_eq!(windows.take("h", rate, opens), Ok(()), "the first start left the window");
+        assert_eq!(windows.opening("h", rate, opens), Some(t0 + Duration::from_millis(1_300)));
+        assert_eq!(windows.opening("other", rate, t0), None, "each handler counts its own");
+    }
+
+    /// Six runs of a handler allowed two starts in any 200 ms, four run slots: no window ever
+    /// holds three starts, and the runs waiting for their window hold no run slot (another
+    /// handler's run takes one at once).
+    #[tokio::test(start_paused = true)]
+    async fn runs_start_within_their_window_and_wait_for_it_without_a_run_slot() {
+        let windows = StartWindows::default();
+        let permits = Arc::new(Semaphore::new(4));
+        let rate = Some(RateLimit { max: 2, per: Duration::from_millis(200) });
+        let started = Arc::new(Mutex::new(Vec::new()));
+        let runs: Vec<_> = (0..6)
+            .map(|_| {
+                let (windows, permits, started) = (windows.clone(), permits.clone(), started.clone());
+                tokio::spawn(async move {
+                    let _slot = windows.run_slot("paced", rate, &permits).await.unwrap();
+                    started.lock().unwrap().push(Instant::now());
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(started.lock().unwrap().len(), 2);
+        let other = tokio::time::timeout(Duration::from_millis(1), windows.run_slot("other", None, &permits)).await;
+        assert!(other.is_ok_and(|slot| slot.is_some()), "the waiting runs hold no run slot");
+        for run in runs {
+            run.await.unwrap();
+        }
+        let started = started.lock().unwrap().clone();
+        assert_eq!(started.len(), 6);
+        for (first, third) in started.iter().zip(&started[2..]) {
+            assert!(*third - *first >= Duration::from_millis(200), "three starts within {:?}", *third - *first);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_run_waiting_for_its_window_comes_back_when_the_host_stops() {
+        let windows = StartWindows::default();
+        let permits = Arc::new(Semaphore::new(4));
+        let rate = Some(RateLimit { max: 1, per: Duration::from_secs(3600) });
+        let _first = windows.run_slot("paced", rate, &permits).await.unwrap();
+        let waiting = tokio::spawn({
+            let (windows, permits) = (windows.clone(), permits.clone());
+            async move { windows.run_slot("paced", rate, &permits).await.is_none() }
+        });
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        windows.close();
+        let came_back = tokio::time::timeout(Duration::from_secs(1), waiting).await.expect("not woken by the stop").unwrap();
+        assert!(came_back);
     }
 }

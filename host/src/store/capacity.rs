@@ -73,9 +73,6 @@ pub struct Rooms(Option<Arc<BTreeMap<String, Room>>>);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Room {
     pub most: usize,
-    /// They must start at once: they take the claim's first run slots (the room is at most
-    /// those), never a place claimed ahead.
-    pub start_now: bool,
 }
 
 impl Rooms {

@@ -26,9 +26,10 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
         flight: &mut Flight<S>,
         finished: &mut mpsc::UnboundedReceiver<(ClaimedDelivery, RunResult)>,
     ) -> Result<(), StoreError> {
-        // Deliveries still waiting at a gate or for a run slot come back as not run, and are
-        // released.
+        // Deliveries still waiting at a gate, for their window or for a run slot come back as
+        // not run, and are released.
         flight.global_shares.close();
+        flight.start_windows.close();
         permits.close();
         let deadline = Instant::now() + self.options.shutdown_timeout;
         // The fan-out ends after its batch, and what that handed out is released unstarted.

@@ -232,13 +232,9 @@ impl Claimer {
         let mut records = Vec::new();
         let mut idle = Vec::new();
         // The first picks (the plan holds them from the highest priority down) take the free
-        // run slots, those that must start now before them; the others are listed as claimed
-        // ahead.
-        let start_now = |pick: &Candidate| capacity.rooms.of(&pick.handler).is_some_and(|room| room.start_now);
-        let mut order: Vec<usize> = (0..plan.picks.len()).collect();
-        order.sort_by_key(|at| !start_now(&plan.picks[*at]));
-        for (slot, at) in order.into_iter().enumerate() {
-            plan.picks[at].started = slot < capacity.run_now;
+        // run slots; the others are listed as claimed ahead.
+        for (slot, pick) in plan.picks.iter_mut().enumerate() {
+            pick.started = slot < capacity.run_now;
         }
         // A lane that runs something and picked nothing new keeps its list and lease as
         // written (entries settled since are harmless there: a takeover charges only those

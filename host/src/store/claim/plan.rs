@@ -419,7 +419,7 @@ mod tests {
     #[test]
     fn making_room_drops_the_lowest_priority_first_and_gives_its_room_back() {
         let row = |handler: &str, due: i64| candidate(&format!("{handler}-{due}"), handler, due);
-        let rooms = Rooms::new([("low".to_string(), crate::store::Room { most: 2, start_now: false })]);
+        let rooms = Rooms::new([("low".to_string(), crate::store::Room { most: 2 })]);
         let mut plan = Plan::new(4, &rooms, std::iter::empty());
         plan.priorities = Priorities::new([("low".to_string(), 0), ("high".to_string(), 5)]);
         // The low priority's are the older: making room still drops them first.

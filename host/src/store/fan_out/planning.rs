@@ -470,9 +470,8 @@ pub(crate) fn heads_of_idle_keys(
 /// `idle` (keys of [`keyed_heads`] of which nothing is pending in the store: nothing runs
 /// there and nothing precedes them; their followers in the batch are created parked behind
 /// them); never a claims-only handler's, and of a handler with a room in `budget.rooms` no
-/// more than it (as a claim keeps to it). Those whose room says they must start at once go
-/// first, then those of handlers of a higher priority; the first `budget.run_now` of them
-/// start at once, the others are claimed ahead.
+/// more than it (as a claim keeps to it). Those of handlers of a higher priority go first;
+/// the first `budget.run_now` of them start at once, the others are claimed ahead.
 pub(crate) fn fresh(plan: &FanOutPlan, batch: &[Document], budget: Capacity, idle: &HashSet<HandlerKey>, now: DateTime) -> Vec<Fresh> {
     if budget.total == 0 {
         return Vec::new();
@@ -519,10 +518,7 @@ pub(crate) fn fresh(plan: &FanOutPlan, batch: &[Document], budget: Capacity, idl
                 }
             })
             .collect();
-        let starts_now = |handler: &str| budget.rooms.of(handler).is_some_and(|room| room.start_now);
-        // Those that must start at once take the places that do first (their rooms are at
-        // most those places), as a claim's picks do.
-        all.sort_by_key(|fresh| (!starts_now(&fresh.candidate.handler), std::cmp::Reverse(budget.priorities.of(&fresh.candidate.handler))));
+        all.sort_by_key(|fresh| std::cmp::Reverse(budget.priorities.of(&fresh.candidate.handler)));
         all.truncate(budget.total);
         all
     };
