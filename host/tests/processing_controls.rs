@@ -168,8 +168,9 @@ async fn a_handler_starts_no_more_than_its_rate_in_any_window_and_the_others_nev
     starts.sort();
     assert_eq!(starts.len(), 12);
     // The host counts a start as it takes the run slot; the run (where the probe reads the
-    // clock) begins a little later, by at most the spread allowed here.
-    let spread = Duration::from_millis(15);
+    // clock) begins a moment later, on a thread a loaded machine may not schedule at once:
+    // the spread allowed here. (Starts not counted at all come microseconds apart.)
+    let spread = Duration::from_millis(30);
     for (first, fourth) in starts.iter().zip(&starts[3..]) {
         assert!(*fourth - *first >= window - spread, "four starts within {:?}", *fourth - *first);
     }
