@@ -109,7 +109,10 @@ impl Member {
                 if admin.run_command(doc! { "ping": 1 }).await.is_ok() {
                     return;
                 }
-                assert!(Instant::now() < deadline, "the member on port {} did not answer in 30 s:\n{}", self.port, self.errors(0));
+                if Instant::now() >= deadline {
+                    kill(&mut self.child);
+                    panic!("the member on port {} did not answer in 30 s:\n{}", self.port, self.errors(0));
+                }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
             let errors = self.errors(log_from);
