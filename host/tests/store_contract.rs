@@ -511,10 +511,6 @@ async fn a_hand_out_and_a_claim_take_higher_priorities_first_wherever_their_lane
     assert!(claimed.iter().filter(|c| c.started).all(|c| c.handler == "z-high"), "{claimed:?}");
 }
 
-/// `h` takes priorities per event: a claim takes its deliveries of higher priorities first,
-/// whatever their age, before `g`'s (of `h`'s handler priority, 0, but in order of age); a
-/// key's deliveries keep their order whatever their priorities say. Once in lanes the claimer
-/// holds (a fan-out handed `g`'s out there), once in free lanes it searches.
 /// Limited per key without a pointer, a handler counts its deliveries by the event's key:
 /// that many of a key at once, unordered; an unkeyed event is limited by nothing per key.
 async fn a_handler_limited_per_event_key_runs_that_many_of_a_key_at_once<F: Fixture>() {
@@ -585,6 +581,10 @@ async fn a_claim_reads_a_handlers_priority_from_its_payload_field<F: Fixture>() 
     assert_eq!(order[5], "negative", "{order:?}");
 }
 
+/// `h` takes priorities per event: a claim takes its deliveries of higher priorities first,
+/// whatever their age, before `g`'s (of `h`'s handler priority, 0, but in order of age); a
+/// key's deliveries keep their order whatever their priorities say. Once in lanes the claimer
+/// holds (a fan-out handed `g`'s out there), once in free lanes it searches.
 async fn a_claim_takes_a_handlers_higher_event_priorities_first_and_keeps_each_keys_order<F: Fixture>() {
     for lanes_held in [true, false] {
         let fixture = F::new().await;
