@@ -103,7 +103,8 @@ fn filter_of(filters: &Filters) -> Result<DeliveryFilter, Response> {
     filters.filter(None).map_err(|message| failure(StatusCode::BAD_REQUEST, &message))
 }
 
-pub(crate) fn delivery_json(d: &DeliveryView) -> Value {
+/// A delivery as the admin API and `relayhost deliveries --json` show it.
+pub fn delivery_json(d: &DeliveryView) -> Value {
     json!({
         "id": d.id, "state": Listed::of(d).as_str(), "eventId": d.event_id, "eventType": d.event_type,
         "handler": d.handler, "key": d.key, "sequence": d.sequence, "limitKey": d.limit_key, "priority": d.priority,

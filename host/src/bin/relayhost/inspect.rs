@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use anyhow::{Result, bail};
 use bson::DateTime;
 use clap::Subcommand;
+use relayhost::admin::api::delivery_json;
 use relayhost::admin::bulk::{self, BulkReport};
 use relayhost::admin::filters::Filters;
 use relayhost::config::Config;
@@ -84,7 +85,7 @@ pub async fn deliveries(config: &Config, command: DeliveriesCommand) -> Result<E
             filter.limit = limit;
             let page = store.list_deliveries(&filter).await?;
             if json {
-                let rows: Vec<serde_json::Value> = page.deliveries.iter().map(view_json).collect();
+                let rows: Vec<serde_json::Value> = page.deliveries.iter().map(delivery_json).collect();
                 println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "deliveries": rows, "next": page.next }))?);
                 return Ok(ExitCode::SUCCESS);
             }
@@ -139,16 +140,6 @@ pub async fn deliveries(config: &Config, command: DeliveriesCommand) -> Result<E
     .await
 }
 
-fn view_json(d: &DeliveryView) -> serde_json::Value {
-    serde_json::json!({
-        "id": d.id, "state": state(d), "eventId": d.event_id, "eventType": d.event_type, "handler": d.handler,
-        "key": d.key, "sequence": d.sequence, "limitKey": d.limit_key, "priority": d.priority,
-        "lane": d.lane_id, "attempts": d.attempts,
-        "dueAt": shown(d.due_at), "createdAt": shown(d.created_at), "updatedAt": d.updated_at.map(shown),
-        "lastError": d.last_error,
-    })
-}
-
 pub async fn events(config: &Config, command: EventsCommand) -> Result<ExitCode> {
     let EventsCommand::Show { id, json } = command;
     with_store(config, async |store| {
@@ -163,7 +154,7 @@ pub async fn events(config: &Config, command: EventsCommand) -> Result<ExitCode>
         let completions: Vec<serde_json::Value> =
             history.completions.iter().map(|(handler, at)| serde_json::json!({ "handler": handler, "completedAt": shown(*at) })).collect();
         if json {
-            let rows: Vec<serde_json::Value> = deliveries.iter().map(view_json).collect();
+            let rows: Vec<serde_json::Value> = deliveries.iter().map(delivery_json).collect();
             let report = serde_json::json!({ "event": event_json, "deliveries": rows, "completions": completions });
             println!("{}", serde_json::to_string_pretty(&report)?);
         } else {
