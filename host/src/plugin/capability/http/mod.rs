@@ -100,11 +100,7 @@ impl WasiHttpHooks for GrantedHosts {
                 return Box::new(async move { Err(denied(reason)) });
             }
         };
-        if !request.headers().contains_key("traceparent") {
-            for (name, value) in &self.trace_context {
-                request.headers_mut().insert(name.clone(), value.clone());
-            }
-        }
+        carry_trace_context(request.headers_mut(), &self.trace_context);
         let private_networks = self.grant.private_networks;
         let recording = self.recording.clone();
         Box::new(async move {
@@ -220,9 +216,38 @@ fn is_private(ip: IpAddr) -> bool {
     }
 }
 
+/// Gives a request's `headers` the attempt's `trace_context`, unless the plugin set a
+/// `traceparent` of its own (its `tracestate` then goes with it, untouched).
+fn carry_trace_context(headers: &mut http::HeaderMap, trace_context: &[(http::HeaderName, http::HeaderValue)]) {
+    if headers.contains_key("traceparent") {
+        return;
+    }
+    for (name, value) in trace_context {
+        headers.insert(name.clone(), value.clone());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A request gets the attempt's trace context; one whose plugin set a `traceparent` keeps
+    /// its own, and gets no `tracestate` of the attempt's beside it.
+    #[test]
+    fn a_request_carries_the_attempts_trace_context_unless_its_plugin_set_one() {
+        let context = [
+            (http::HeaderName::from_static("traceparent"), http::HeaderValue::from_static("00-attempt-01")),
+            (http::HeaderName::from_static("tracestate"), http::HeaderValue::from_static("vendor=1")),
+        ];
+        let mut plain = http::HeaderMap::new();
+        carry_trace_context(&mut plain, &context);
+        assert_eq!((plain["traceparent"].to_str().unwrap(), plain["tracestate"].to_str().unwrap()), ("00-attempt-01", "vendor=1"));
+        let mut own = http::HeaderMap::new();
+        own.insert("traceparent", http::HeaderValue::from_static("00-plugin-01"));
+        carry_trace_context(&mut own, &context);
+        assert_eq!(own["traceparent"], "00-plugin-01");
+        assert!(!own.contains_key("tracestate"));
+    }
 
     #[test]
     fn hosts_and_ports_are_those_granted_and_a_grant_without_port_means_the_default_one() {
