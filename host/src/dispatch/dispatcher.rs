@@ -397,20 +397,19 @@ impl<S: Store, R: Runner> Dispatcher<S, R> {
             // start is recorded once it has a run slot, before it runs.
             let starts = (!delivery.started && delivery.suspect).then(|| flight.starts.clone());
             let task = tokio::spawn(async move {
-                // Room in its window first (so that it holds no place at its gate meanwhile),
-                // then let in by its gate (counted as running across hosts until it ends), then
-                // a run slot with a start in its window. A closed gate, window or semaphore
-                // means the host is stopping: hand it back unstarted.
+                // Let in by its gate (counted as running across hosts until it ends; room in
+                // its window first, so that it holds no place there meanwhile), then a run slot
+                // with a start in its window. A closed gate, window or semaphore means the host
+                // is stopping: hand it back unstarted.
                 let slot = async {
-                    if let Some(rate) = rate
-                        && !windows.wait_for_room(&delivery.handler, rate).await
-                    {
-                        return None;
-                    }
-                    if let Some(place) = place.as_mut()
-                        && !place.let_in().await
-                    {
-                        return None;
+                    if let Some(place) = place.as_mut() {
+                        let window_open = match rate {
+                            Some(rate) => windows.wait_for_room(&delivery.handler, rate).await,
+                            None => true,
+                        };
+                        if !window_open || !place.let_in().await {
+                            return None;
+                        }
                     }
                     windows.run_slot(&delivery.handler, rate, &permits).await
                 };
