@@ -278,10 +278,11 @@ async fn three_hosts_call_the_higher_priorities_first_and_keep_each_keys_order()
     let last_urgent = called.iter().rposition(|id| id.starts_with("urgent-")).expect("the urgent ones were called");
     let orders_after = called[last_urgent..].iter().filter(|id| id.starts_with("order-")).count();
     assert!(orders_after >= 80, "only {orders_after} orders of the backlog were left after the urgent ones: {called:?}");
-    let targets = receiver.targets();
+    let requests = receiver.requests();
     for host in 0..3 {
         let path = format!("/hooks/host-{host}");
-        let its: Vec<&String> = called.iter().zip(&targets).filter(|(_, target)| **target == path).map(|(id, _)| id).collect();
+        let its: Vec<&str> =
+            requests.iter().filter(|request| request.target == path).map(|request| request.body["id"].as_str().unwrap_or("?")).collect();
         let Some(first_urgent) = its.iter().position(|id| id.starts_with("urgent-")) else { continue };
         let last_urgent = its.iter().rposition(|id| id.starts_with("urgent-")).unwrap();
         let orders_between = its[first_urgent..last_urgent].iter().filter(|id| id.starts_with("order-")).count();

@@ -6,19 +6,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// A webhook receiver that holds every request open while `hold` is set and answers 200
-/// otherwise (after `delay_ms`); it records each request body, and the most requests it was
+/// otherwise (after `delay_ms`); it records each request, and the most requests it was
 /// answering at once, in all and of one customer (a webhook body's `/payload/customer`).
 pub struct Receiver {
     pub address: std::net::SocketAddr,
     pub hold: Arc<AtomicBool>,
     pub delay_ms: Arc<std::sync::atomic::AtomicU64>,
-    bodies: Arc<Mutex<Vec<serde_json::Value>>>,
-    /// Each request's header fields, names in lower case.
-    headers: Arc<Mutex<Vec<std::collections::HashMap<String, String>>>>,
-    /// Each request's target (its path and query).
-    targets: Arc<Mutex<Vec<String>>>,
-    /// When each request arrived.
-    arrivals: Arc<Mutex<Vec<std::time::Instant>>>,
+    /// Each request, in order of arrival.
+    requests: Arc<Mutex<Vec<Request>>>,
     /// Requests being answered now, and the most ever at once.
     answering: Arc<Mutex<(usize, usize)>>,
     /// The same, by customer.
@@ -43,28 +38,22 @@ impl Receiver {
     pub fn start_on(ip: std::net::Ipv4Addr) -> Self {
         let listener = std::net::TcpListener::bind((ip, 0)).unwrap();
         let address = listener.local_addr().unwrap();
-        let (hold, bodies) = (Arc::new(AtomicBool::new(true)), Arc::<Mutex<Vec<serde_json::Value>>>::default());
+        let hold = Arc::new(AtomicBool::new(true));
         let delay_ms = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let answering: Arc<Mutex<(usize, usize)>> = Arc::default();
-        let arrivals: Arc<Mutex<Vec<std::time::Instant>>> = Arc::default();
         let by_customer: Arc<Mutex<std::collections::HashMap<String, (usize, usize)>>> = Arc::default();
-        let headers: Arc<Mutex<Vec<std::collections::HashMap<String, String>>>> = Arc::default();
-        let heads = headers.clone();
-        let targets: Arc<Mutex<Vec<String>>> = Arc::default();
-        let called = targets.clone();
-        let (holding, delay, log, counts, arrived) = (hold.clone(), delay_ms.clone(), bodies.clone(), answering.clone(), arrivals.clone());
+        let requests: Arc<Mutex<Vec<Request>>> = Arc::default();
+        let (holding, delay, log, counts) = (hold.clone(), delay_ms.clone(), requests.clone(), answering.clone());
         let customers = by_customer.clone();
         std::thread::spawn(move || {
             let mut held = Vec::new();
             for stream in listener.incoming() {
                 let Ok(mut stream) = stream else { continue };
-                let (target, head, body) = read_request(&mut stream);
-                arrived.lock().unwrap().push(std::time::Instant::now());
-                called.lock().unwrap().push(target);
-                heads.lock().unwrap().push(head);
+                let arrived = std::time::Instant::now();
+                let (target, headers, body) = read_request(&mut stream);
                 let body: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
                 let customer = body.pointer("/payload/customer").and_then(|c| c.as_str()).map(str::to_string);
-                log.lock().unwrap().push(body);
+                log.lock().unwrap().push(Request { arrived, target, headers, body });
                 if holding.load(Ordering::SeqCst) {
                     held.push(stream);
                 } else {
@@ -92,26 +81,26 @@ impl Receiver {
                 }
             }
         });
-        Self { address, hold, delay_ms, bodies, headers, targets, arrivals, answering, by_customer }
+        Self { address, hold, delay_ms, requests, answering, by_customer }
+    }
+
+    /// Each request so far, in order of arrival.
+    pub fn requests(&self) -> Vec<Request> {
+        self.requests.lock().unwrap().clone()
     }
 
     /// When each request arrived, in order.
     pub fn arrivals(&self) -> Vec<std::time::Instant> {
-        self.arrivals.lock().unwrap().clone()
+        self.requests().into_iter().map(|request| request.arrived).collect()
     }
 
     pub fn bodies(&self) -> Vec<serde_json::Value> {
-        self.bodies.lock().unwrap().clone()
+        self.requests().into_iter().map(|request| request.body).collect()
     }
 
     /// Each request's header fields, in order of arrival (names in lower case).
     pub fn headers(&self) -> Vec<std::collections::HashMap<String, String>> {
-        self.headers.lock().unwrap().clone()
-    }
-
-    /// Each request's target (path and query), in order of arrival.
-    pub fn targets(&self) -> Vec<String> {
-        self.targets.lock().unwrap().clone()
+        self.requests().into_iter().map(|request| request.headers).collect()
     }
 
     /// The most requests it was answering at once (held ones are not counted).
@@ -129,6 +118,17 @@ impl Receiver {
         let (now, most) = &mut *self.answering.lock().unwrap();
         *most = *now;
     }
+}
+
+/// One request a [`Receiver`] took.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub arrived: std::time::Instant,
+    /// Its path and query.
+    pub target: String,
+    /// Its header fields, names in lower case.
+    pub headers: std::collections::HashMap<String, String>,
+    pub body: serde_json::Value,
 }
 
 /// One HTTP/1.1 request's target, header fields (names in lower case) and body (sized by
