@@ -194,32 +194,37 @@ fn attempt_of(outcome: Outcome) -> AttemptResult {
     }
 }
 
-impl<S: Store> Runner for PluginRunner<S> {
-    fn handlers(&self) -> Vec<HandlerSpec> {
+impl<S: Store> PluginRunner<S> {
+    /// Each handler the loaded plugins export, with the plugin that serves it.
+    fn served_handlers(&self) -> Vec<(Arc<LoadedPlugin>, HandlerSpec)> {
         let mut specs = Vec::new();
         for subscription in self.registry.subscriptions() {
             let Some(plugin) = self.registry.plugin_for(&subscription.handler) else { continue };
-            specs.push(HandlerSpec {
+            let spec = HandlerSpec {
                 retry: (self.retry_for)(&plugin.name, &subscription.handler),
                 controls: (self.controls_for)(&plugin.name, &subscription.handler),
                 handler: subscription.handler,
                 event_types: subscription.event_types,
                 transactional: subscription.transactional,
-            });
+            };
+            specs.push((plugin, spec));
         }
         specs
     }
+}
+
+impl<S: Store> Runner for PluginRunner<S> {
+    fn handlers(&self) -> Vec<HandlerSpec> {
+        self.served_handlers().into_iter().map(|(_, spec)| spec).collect()
+    }
 
     fn declarations(&self) -> Vec<Declaration> {
-        self.handlers()
+        self.served_handlers()
             .into_iter()
-            .filter_map(|spec| {
-                let plugin = self.registry.plugin_for(&spec.handler)?;
-                Some(Declaration {
-                    subscription: spec.subscription(),
-                    plugin: plugin.name.to_string(),
-                    version: plugin.content_hash.clone(),
-                })
+            .map(|(plugin, spec)| Declaration {
+                subscription: spec.subscription(),
+                plugin: plugin.name.to_string(),
+                version: plugin.content_hash.clone(),
             })
             .collect()
     }
